@@ -1,0 +1,74 @@
+"""Provenance recorded in every result file: what code, config and machine made it."""
+
+from __future__ import annotations
+
+import datetime as _dt
+import hashlib
+import json
+import platform
+import subprocess
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+_PACKAGES = ("torch", "triton", "numpy", "snakemake", "lm_eval", "tiktoken", "datasets")
+_REPO = Path(__file__).resolve().parent.parent
+
+
+def now() -> str:
+    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+
+
+def config_sha256(config: Any) -> str:
+    """Hash of a JSON-serialisable config, independent of key order."""
+    blob = json.dumps(config, sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def _git(*args: str) -> str | None:
+    try:
+        out = subprocess.run(
+            ["git", *args], cwd=_REPO, capture_output=True, text=True, timeout=10, check=True
+        )
+        return out.stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def git_state() -> dict[str, Any]:
+    commit = _git("rev-parse", "HEAD")
+    status = _git("status", "--porcelain", "--untracked-files=no")
+    return {"commit": commit, "dirty": bool(status) if status is not None else None}
+
+
+def versions() -> dict[str, str]:
+    out = {"python": platform.python_version()}
+    for name in _PACKAGES:
+        try:
+            out[name] = metadata.version(name.replace("_", "-"))
+        except metadata.PackageNotFoundError:
+            continue
+    return out
+
+
+def device() -> str:
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            return f"cuda: {torch.cuda.get_device_name(0)} x{torch.cuda.device_count()}"
+    except ImportError:  # pragma: no cover
+        pass
+    return f"cpu: {platform.processor() or platform.machine()}"
+
+
+def provenance(config: Any = None, started: str | None = None) -> dict[str, Any]:
+    """The provenance block of DESIGN.md: commit, dirty, config hash, versions, device, times."""
+    rec = git_state()
+    rec["config_sha256"] = config_sha256(config) if config is not None else None
+    rec["versions"] = versions()
+    rec["device"] = device()
+    rec["host"] = platform.node()
+    rec["started"] = started or now()
+    rec["finished"] = now()
+    return rec

@@ -1,0 +1,97 @@
+"""Depth routing: the reference math of (LR-)AttnRes.
+
+This module is the specification every faster implementation is held to
+(``kernels.attnres`` among them).  It follows the paper's equations:
+
+* a read mixes full-width sources ``o_i`` with softmax weights over
+  ``q . RMSNorm(key_i)``;
+* ``key_i`` is the last ``r`` coordinates of ``o_i`` (``r = len(query)``);
+* ``norm="slice"`` takes the RMS over those ``r`` coordinates (LR-AttnRes),
+  ``norm="full"`` takes it over all ``d`` coordinates and then slices (the
+  full-width-RMS control, and the form the conversion theorem covers);
+* block routing sums writes first, then slices and normalises
+  (``block_ends`` gives the block boundaries).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+
+NORMS = ("slice", "full")
+
+
+def block_ends(num_writes: int, num_blocks: int | str | None) -> list[int]:
+    """Write indices (1-based) that close a routing block.
+
+    Boundaries are ``ceil(num_writes * j / N)`` for ``j = 1..N``.  ``None`` or
+    ``"full"`` means full routing: every write is its own source.
+    """
+    if num_writes < 1:
+        raise ValueError(f"num_writes must be >= 1, got {num_writes}")
+    if num_blocks is None or num_blocks == "full":
+        return list(range(1, num_writes + 1))
+    if not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks < 1:
+        raise ValueError(f"num_blocks must be 'full' or a positive int, got {num_blocks!r}")
+    if num_blocks > num_writes:
+        raise ValueError(
+            f"num_blocks={num_blocks} exceeds the number of writes {num_writes} (2L); "
+            "expected 1 <= N <= 2L"
+        )
+    return sorted({math.ceil(num_writes * j / num_blocks) for j in range(1, num_blocks + 1)})
+
+
+def rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """Parameter-free RMSNorm over the last dimension."""
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+
+
+def routing_scores(
+    sources: Sequence[torch.Tensor], query: torch.Tensor, *, norm: str = "slice", eps: float = 1e-6
+) -> torch.Tensor:
+    """Scores ``q . RMSNorm(key_i)`` stacked on a leading source axis, in fp32: [S, ...]."""
+    if norm not in NORMS:
+        raise ValueError(f"norm must be one of {NORMS}, got {norm!r}")
+    if len(sources) == 0:
+        raise ValueError("route needs at least one source")
+    r = query.shape[-1]
+    d = sources[0].shape[-1]
+    if query.dim() != 1:
+        raise ValueError(f"query must be 1-D [r], got shape {tuple(query.shape)}")
+    if not 1 <= r <= d:
+        raise ValueError(f"query width r={r} must satisfy 1 <= r <= d={d}")
+    q = query.float()
+    scores = []
+    for o in sources:
+        if o.shape != sources[0].shape:
+            raise ValueError(f"all sources must share one shape; got {tuple(o.shape)} and {tuple(sources[0].shape)}")
+        o32 = o.float()
+        if norm == "slice":
+            k = rms_norm(o32[..., d - r :], eps)
+        else:
+            k = rms_norm(o32, eps)[..., d - r :]
+        scores.append(k @ q)
+    return torch.stack(scores)
+
+
+def route(
+    sources: Sequence[torch.Tensor],
+    query: torch.Tensor,
+    *,
+    norm: str = "slice",
+    eps: float = 1e-6,
+    return_weights: bool = False,
+):
+    """Mix ``sources`` (each [..., d]) with routing weights from ``query`` ([r]).
+
+    Computes in fp32 and returns the mixed value in the sources' dtype; with
+    ``return_weights`` also returns the fp32 weights [S, ...].
+    """
+    weights = routing_scores(sources, query, norm=norm, eps=eps).softmax(dim=0)
+    mixed = weights[0].unsqueeze(-1) * sources[0].float()
+    for w, o in zip(weights[1:], sources[1:]):
+        mixed = mixed + w.unsqueeze(-1) * o.float()
+    mixed = mixed.to(sources[0].dtype)
+    return (mixed, weights) if return_weights else mixed
