@@ -1,0 +1,21 @@
+# LR-AttnRes replication: `snakemake --cores all reports/paper.html` runs every experiment of the
+# paper at the scale chosen in config.yaml and renders the report. Rules are thin: each calls one
+# `python -m lrattnres <stage>` subcommand; the logic lives in the lrattnres package.
+from snakemake.utils import min_version
+
+min_version("9.19")
+
+
+configfile: "config.yaml"
+
+
+include: "workflow/rules/common.smk"
+include: "workflow/rules/accounting.smk"
+include: "workflow/rules/report.smk"
+
+
+rule all:
+    default_target: True
+    input:
+        "reports/paper.html",
+        "reports/paper.json",

@@ -1,0 +1,3 @@
+from lrattnres.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,43 @@
+"""``python -m lrattnres <stage> ...``: one subcommand per pipeline stage.
+
+Each stage lives in its own module with a ``main(argv) -> int``; it is imported only when it runs,
+so a cheap stage (accounting, report) does not pay for torch's import.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+STAGES: dict[str, tuple[str, str]] = {
+    "config": ("lrattnres.config", "print the resolved, validated configuration of a scale"),
+    "accounting": ("lrattnres.accounting", "Appendix F: FLOPs, parameters and memory"),
+    "prepare-data": ("lrattnres.data.cli", "tokenise a corpus into token shards and a manifest"),
+    "train": ("lrattnres.train.cli", "train one model (resumable)"),
+    "summarize-grid": ("lrattnres.grid", "collect the training runs of a scale into the grid result"),
+    "convert": ("lrattnres.convert", "convert a standard AttnRes checkpoint to LR-AttnRes"),
+    "evaluate": ("lrattnres.evaluate.cli", "zero-shot downstream evaluation with lm-eval"),
+    "throughput": ("lrattnres.throughput", "training-step throughput with the paper's protocol"),
+    "diagnostics": ("lrattnres.diagnostics", "routing diagnostics: N_eff, heatmaps, grad norms"),
+    "report": ("lrattnres.report", "render reports/paper.html and reports/paper.json"),
+}
+
+
+def _usage() -> str:
+    width = max(map(len, STAGES))
+    lines = ["usage: python -m lrattnres <stage> [args]", "", "stages:"]
+    lines += [f"  {name:<{width}}  {desc}" for name, (_, desc) in STAGES.items()]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(_usage())
+        return 0
+    stage, rest = argv[0], argv[1:]
+    if stage not in STAGES:
+        print(f"unknown stage {stage!r}\n\n{_usage()}", file=sys.stderr)
+        return 2
+    module = importlib.import_module(STAGES[stage][0])
+    return int(module.main(rest) or 0)

@@ -1,0 +1,23 @@
+"""What a report section sees: the loaded results, the published records and the verdicts."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class ReportContext:
+    scale: str
+    published: dict[str, dict]
+    claims: dict[str, dict]
+    settings: dict[str, Any] = field(default_factory=dict)
+    by_stage: dict[str, list[dict]] = field(default_factory=dict)
+    recorded: dict[str, dict] = field(default_factory=dict)
+
+    def results(self, stage: str) -> list[dict]:
+        """Result JSONs of ``stage`` produced by this run (empty if the stage has not run)."""
+        return self.by_stage.get(stage, [])
+
+    def claims_with_prefix(self, prefix: str) -> list[dict]:
+        return [c for cid, c in self.claims.items() if cid.startswith(prefix)]

@@ -1,0 +1,104 @@
+"""Small HTML builders for report sections: tables, embedded figures, verdict badges."""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+import math
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+VERDICT_CLASS = {
+    "match": "ok",
+    "reproduced": "ok",
+    "mismatch": "bad",
+    "not reproduced": "bad",
+    "different scale": "info",
+    "not run": "muted",
+}
+
+
+def esc(text: Any) -> str:
+    return html.escape("" if text is None else str(text))
+
+
+def fmt(value: Any, digits: int = 4) -> str:
+    """Numbers to a readable precision; everything else as text."""
+    if value is None:
+        return "–"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, int):
+        return f"{value:,}"
+    if isinstance(value, float):
+        if math.isnan(value):
+            return "nan"
+        if value == 0:
+            return "0"
+        if abs(value) >= 1e5 or abs(value) < 1e-3:
+            return f"{value:.{digits - 1}e}"
+        return f"{value:.{digits}g}" if abs(value) < 1 else f"{value:,.{digits}g}"
+    return str(value)
+
+
+def badge(verdict: str | None) -> str:
+    verdict = verdict or "not run"
+    return f'<span class="badge {VERDICT_CLASS.get(verdict, "muted")}">{esc(verdict)}</span>'
+
+
+def table(headers: Sequence[str], rows: Iterable[Sequence[Any]], caption: str | None = None, *, raw: bool = False) -> str:
+    """An HTML table. Cells are escaped and formatted unless ``raw`` (for cells holding badges)."""
+    cell = (lambda v: v if isinstance(v, str) else fmt(v)) if raw else (lambda v: esc(fmt(v)))
+    out = ['<table class="data">']
+    if caption:
+        out.append(f"<caption>{esc(caption)}</caption>")
+    out.append("<thead><tr>" + "".join(f"<th>{esc(h)}</th>" for h in headers) + "</tr></thead><tbody>")
+    for row in rows:
+        out.append("<tr>" + "".join(f"<td>{cell(v)}</td>" for v in row) + "</tr>")
+    out.append("</tbody></table>")
+    return "\n".join(out)
+
+
+def figure(fig, caption: str, *, fig_id: str | None = None) -> str:
+    """Embed a matplotlib figure as a base64 PNG (the page stays self-contained) and close it."""
+    import matplotlib.pyplot as plt
+
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    data = base64.b64encode(buf.getvalue()).decode()
+    ident = f' id="{esc(fig_id)}"' if fig_id else ""
+    return (
+        f'<figure{ident}><img alt="{esc(caption)}" src="data:image/png;base64,{data}">'
+        f"<figcaption>{esc(caption)}</figcaption></figure>"
+    )
+
+
+def claims_table(claims: Iterable[dict], caption: str | None = None) -> str:
+    """Published vs reproduced for a list of claim dicts (paper.json shape), with verdict badges."""
+    rows = []
+    for c in claims:
+        rows.append(
+            [
+                esc(c["id"]),
+                esc(c.get("source", "")),
+                esc(c.get("kind", "")),
+                esc(fmt(c.get("published"))),
+                esc(fmt(c.get("reproduced"))),
+                badge(c.get("verdict")),
+                esc(c.get("note", "")),
+            ]
+        )
+    headers = ["claim", "source", "kind", "published", "reproduced", "verdict", "note"]
+    return table(headers, rows, caption, raw=True)
+
+
+def matplotlib_setup() -> None:
+    """Headless backend with a consistent look."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    plt.rcParams.update({"figure.figsize": (6.4, 4.0), "axes.grid": True, "grid.alpha": 0.3, "font.size": 10})

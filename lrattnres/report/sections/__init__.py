@@ -1,0 +1,1 @@
+"""Report sections: one module per part of the paper, each with TITLE, ORDER and build(ctx)."""

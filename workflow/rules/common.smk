@@ -1,0 +1,30 @@
+# Shared helpers: the resolved settings of the selected scale, source-file inputs, spec quoting.
+import json
+import sys
+
+sys.path.insert(0, workflow.basedir)
+
+from lrattnres.config import ConfigError, resolve, resolve_rank
+from lrattnres.deps import closure, package_files, package_modules
+
+try:
+    S = resolve(config, source="config.yaml (with --config/--configfile overrides)")
+except ConfigError as err:
+    raise WorkflowError(f"invalid configuration: {err}")
+
+SCALE = S["scale"]
+R = S["results"]
+LOGS = f"{R}/logs"
+
+# Rules run `python -m lrattnres ...` from the repository whether or not the package is installed.
+shell.prefix(f"export PYTHONPATH={workflow.basedir}:${{PYTHONPATH:-}}; ")
+
+
+def stage_sources(*modules):
+    """The first-party files a stage imports (see lrattnres/deps.py): inputs of its rule."""
+    return list(closure("lrattnres.__main__", "lrattnres.cli", *modules))
+
+
+def spec(obj):
+    """A stage's settings as one JSON argument (quote with {params.spec:q})."""
+    return json.dumps(obj, sort_keys=True)
