@@ -10,7 +10,10 @@ This module is the specification every faster implementation is held to
   ``norm="full"`` takes it over all ``d`` coordinates and then slices (the
   full-width-RMS control, and the form the conversion theorem covers);
 * block routing sums writes first, then slices and normalises
-  (``block_ends`` gives the block boundaries).
+  (``block_ends`` gives the block boundaries, ``SourceBank`` keeps the
+  embedding, the completed block sums and the current partial sum);
+* projected keys (Appendix C) are separate r-wide vectors, summed over a
+  block like the values and RMS-normalised over r (``route_keys``).
 """
 
 from __future__ import annotations
@@ -95,3 +98,57 @@ def route(
         mixed = mixed + w.unsqueeze(-1) * o.float()
     mixed = mixed.to(sources[0].dtype)
     return (mixed, weights) if return_weights else mixed
+
+
+def route_keys(
+    values: Sequence[torch.Tensor],
+    keys: Sequence[torch.Tensor],
+    query: torch.Tensor,
+    *,
+    eps: float = 1e-6,
+    return_weights: bool = False,
+):
+    """Mix ``values`` ([..., d]) with weights from separate keys ([..., r]): Projected LR-AttnRes.
+
+    Score i is ``q . RMSNorm(keys[i])`` (RMS over r); ``keys[i]`` belongs to ``values[i]``.
+    Same precision rules as ``route``.
+    """
+    if len(values) != len(keys):
+        raise ValueError(f"route_keys needs one key per value; got {len(values)} values and {len(keys)} keys")
+    if query.dim() != 1 or any(k.shape[-1] != query.shape[-1] for k in keys):
+        raise ValueError(f"keys must be [..., r] with r = len(query) = {query.shape[-1]}")
+    q = query.float()
+    weights = torch.stack([rms_norm(k.float(), eps) @ q for k in keys]).softmax(dim=0)
+    mixed = weights[0].unsqueeze(-1) * values[0].float()
+    for w, o in zip(weights[1:], values[1:]):
+        mixed = mixed + w.unsqueeze(-1) * o.float()
+    mixed = mixed.to(values[0].dtype)
+    return (mixed, weights) if return_weights else mixed
+
+
+class SourceBank:
+    """The sources a read sees: embedding, completed block sums, current partial sum if nonempty.
+
+    ``write(o)`` adds write t (1-based, in order) to the partial sum and closes the block when t is a
+    block end; ``sources()`` lists what the read after the latest write mixes.  With full routing
+    every write closes its own block, so every write is a source.
+    """
+
+    def __init__(self, first: torch.Tensor, num_writes: int, num_blocks: int | str | None):
+        self._ends = set(block_ends(num_writes, num_blocks))
+        self._num_writes = num_writes
+        self._done = [first]
+        self._partial: torch.Tensor | None = None
+        self._t = 0
+
+    def write(self, o: torch.Tensor) -> None:
+        if self._t == self._num_writes:
+            raise ValueError(f"SourceBank got more than num_writes={self._num_writes} writes")
+        self._t += 1
+        self._partial = o if self._partial is None else self._partial + o
+        if self._t in self._ends:
+            self._done.append(self._partial)
+            self._partial = None
+
+    def sources(self) -> list[torch.Tensor]:
+        return self._done + ([] if self._partial is None else [self._partial])

@@ -1,0 +1,121 @@
+"""Causal token attention with document masking.
+
+Training packs several documents into one row; a token may attend only to earlier tokens of its own
+document (``doc_ids`` [B, T] labels them; documents are contiguous runs of equal ids).  Three
+backends compute the same function:
+
+* ``flash``: flash-attn's varlen kernel over the documents cut out of the rows (the author's
+  choice); used by ``auto`` when flash-attn imports and the inputs are CUDA fp16/bf16;
+* ``flex``: PyTorch's flex_attention with a document block mask (compiled on CUDA); ``auto``'s
+  choice on CUDA otherwise;
+* ``sdpa``: scaled_dot_product_attention with an explicit boolean [B, 1, T, T] mask; ``auto``'s
+  choice on the CPU.
+
+Without ``doc_ids`` every backend is plain causal SDPA (one document per row).  RoPE positions
+count from the start of the row, not of the document: RoPE scores depend only on the distance
+between two tokens, and two tokens of one document are the same distance apart either way.
+
+The model prepares the mask once per forward (``make_attention``) and every layer reuses it.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+BACKENDS = ("auto", "flash", "flex", "sdpa")
+
+Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def _has_flash_attn() -> bool:
+    return importlib.util.find_spec("flash_attn") is not None
+
+
+def resolve_backend(backend: str, device: torch.device, dtype: torch.dtype) -> str:
+    """The concrete backend ``auto`` stands for on this device and dtype (others pass through)."""
+    if backend not in BACKENDS:
+        raise ValueError(f"attention backend must be one of {BACKENDS}, got {backend!r}")
+    if backend != "auto":
+        return backend
+    if device.type == "cuda":
+        if dtype in (torch.float16, torch.bfloat16) and _has_flash_attn():
+            return "flash"
+        return "flex"
+    return "sdpa"
+
+
+def make_attention(
+    doc_ids: torch.Tensor | None, *, seq_len: int, device: torch.device, dtype: torch.dtype, backend: str = "auto"
+) -> Attend:
+    """``attend(q, k, v)`` for q, k, v [B, H, T, hd]: causal, and within documents if ``doc_ids`` is given."""
+    backend = resolve_backend(backend, device, dtype)
+    if doc_ids is None:
+        return functools.partial(F.scaled_dot_product_attention, is_causal=True)
+    if doc_ids.dim() != 2 or doc_ids.shape[1] != seq_len:
+        raise ValueError(f"doc_ids must be [B, T] with T = {seq_len}, got shape {tuple(doc_ids.shape)}")
+    doc_ids = doc_ids.to(device)
+    if backend == "sdpa":
+        return _sdpa_attention(doc_ids)
+    if backend == "flex":
+        return _flex_attention(doc_ids)
+    return _flash_attention(doc_ids)
+
+
+def causal_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_ids: torch.Tensor | None = None, backend: str = "auto"
+) -> torch.Tensor:
+    """One-off causal document-masked attention, [B, H, T, hd] -> [B, H, T, hd]."""
+    attend = make_attention(doc_ids, seq_len=q.shape[2], device=q.device, dtype=q.dtype, backend=backend)
+    return attend(q, k, v)
+
+
+def _sdpa_attention(doc_ids: torch.Tensor) -> Attend:
+    T = doc_ids.shape[1]
+    causal = torch.ones(T, T, dtype=torch.bool, device=doc_ids.device).tril()
+    mask = (causal & (doc_ids[:, :, None] == doc_ids[:, None, :])).unsqueeze(1)  # [B, 1, T, T]
+    return functools.partial(F.scaled_dot_product_attention, attn_mask=mask)
+
+
+@functools.cache
+def _flex_fn(device_type: str):
+    from torch.nn.attention.flex_attention import flex_attention
+
+    # Eager flex_attention materialises the scores: fine on the CPU (tests), too slow on a GPU.
+    return torch.compile(flex_attention, dynamic=False) if device_type == "cuda" else flex_attention
+
+
+def _flex_attention(doc_ids: torch.Tensor) -> Attend:
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    B, T = doc_ids.shape
+
+    def document_causal(b, h, q_idx, kv_idx):
+        return (q_idx >= kv_idx) & (doc_ids[b, q_idx] == doc_ids[b, kv_idx])
+
+    block_mask = create_block_mask(document_causal, B, None, T, T, device=doc_ids.device)
+    flex = _flex_fn(doc_ids.device.type)
+    return lambda q, k, v: flex(q, k, v, block_mask=block_mask)
+
+
+def _flash_attention(doc_ids: torch.Tensor) -> Attend:
+    from flash_attn import flash_attn_varlen_func
+
+    B, T = doc_ids.shape
+    starts = torch.ones_like(doc_ids, dtype=torch.bool)
+    starts[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]  # a row start always opens a document
+    cu = torch.cat([starts.flatten().nonzero().flatten(), torch.tensor([B * T], device=doc_ids.device)])
+    cu = cu.to(torch.int32)
+    max_len = int((cu[1:] - cu[:-1]).max())
+
+    def attend(q, k, v):
+        H, hd = q.shape[1], q.shape[3]
+        flat = [x.transpose(1, 2).reshape(B * T, H, hd) for x in (q, k, v)]
+        out = flash_attn_varlen_func(*flat, cu, cu, max_len, max_len, causal=True)
+        return out.reshape(B, T, H, hd).transpose(1, 2)
+
+    return attend

@@ -1,0 +1,305 @@
+"""The language model: a PreNorm Transformer whose residual stream is routed across depth.
+
+Writes are o_0 = the token embedding and o_1..o_2L = the outputs of the attention and MLP
+sub-layers (no residual add inside a sub-layer).  Before sub-layer t+1 the model *reads* a state
+h_t from the writes so far, and the sub-layer sees RMSNorm(h_t); the head sees RMSNorm(h_2L).
+
+* ``baseline``: h_t = o_0 + o_1 + ... + o_t (the ordinary residual sum).
+* routed methods: h_t = sum_i softmax_i(q_t . RMSNorm(k_i)) v_i over the sources of the read after
+  write t (``routing.SourceBank``: the embedding, completed block sums, the current partial sum;
+  with ``blocks="full"`` every write is a source).  Query t ([2L, r] parameter, zero at init) serves
+  the read after write t; the embedding-only first read needs none (it is the identity).  Keys:
+
+  - ``attnres``: the whole source (r = d), standard AttnRes;
+  - ``lr``: the last r coordinates of the source, RMS over those r (LR-AttnRes);
+  - ``lr-fullrms``: RMS over all d coordinates, then the last r (the control of Eq. 13);
+  - ``plr``: a learned r-wide key k_i = W_i^K a_i, where a_i is the input of write i's output
+    projection (attention output before ``out``, width d; SwiGLU hidden, width m), and
+    k_0 = W_0^K o_0; a block's key is the sum of its writes' keys, RMS over r (Appendix C).
+
+Backbone (the author's repository): weightless RMSNorm everywhere, per-head weightless QK-norm
+before RoPE (interleaved pairs, base 500,000), fused QKV, SwiGLU silu(gate) * up, no biases, untied
+embedding and head, every Linear and embedding weight N(0, init_std), queries zero.
+
+Parameter names (stable; the conversion stage rotates them):
+
+    embed.weight                      [V, d]
+    layers.{i}.attn.qkv.weight        [3d, d]   rows: q (all heads), k, v; head h = rows h*hd:(h+1)*hd
+    layers.{i}.attn.out.weight        [d, d]
+    layers.{i}.mlp.gate_up.weight     [2m, d]   rows: gate, up
+    layers.{i}.mlp.down.weight        [d, m]
+    head.weight                       [V, d]
+    queries                           [2L, r]   routed methods; row t-1 serves the read after write t
+    embed_route_key.weight            [r, d]    plr: W_0^K
+    layers.{i}.attn.route_key.weight  [r, d]    plr: W^K of write 2i+1
+    layers.{i}.mlp.route_key.weight   [r, m]    plr: W^K of write 2i+2
+
+Router: ``reference`` mixes with ``routing.route``; ``fused`` with ``kernels.attnres`` (imported on
+first use); ``auto`` = fused on CUDA when ``kernels`` imports, reference otherwise.  ``plr`` scores
+its projected keys in PyTorch (``routing.route_keys``); so does any forward that returns routing
+weights, which cost nothing unless requested.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from lrattnres.attention import BACKENDS, make_attention
+from lrattnres.presets import get_preset
+from lrattnres.routing import SourceBank, rms_norm, route, route_keys
+
+METHODS = ("baseline", "attnres", "lr", "lr-fullrms", "plr")
+ROUTERS = ("auto", "reference", "fused")
+KEY_NORM = {"attnres": "slice", "lr": "slice", "lr-fullrms": "full"}  # plr normalises its own keys
+
+
+@dataclass
+class ModelConfig:
+    """Shape and routing variant of one model; ``__post_init__`` rejects what the model cannot be."""
+
+    vocab_size: int
+    n_layers: int
+    d_model: int
+    n_heads: int
+    d_ff: int
+    max_seq_len: int
+    method: str = "lr"
+    blocks: int | str = 8  # "full" or the number of routing blocks N (1 <= N <= 2L)
+    rank: int | None = 128  # routing-key width r; None: d for attnres; unused by baseline
+    norm_eps: float = 1e-6
+    rope_base: float = 500000.0
+    init_std: float = 0.02
+    router: str = "auto"
+    attention: str = "auto"
+
+    def __post_init__(self):
+        def bad(field, expected):
+            raise ValueError(f"ModelConfig.{field}={getattr(self, field)!r}: expected {expected}")
+
+        def is_int(x):
+            return isinstance(x, int) and not isinstance(x, bool)
+
+        for field in ("vocab_size", "n_layers", "d_model", "n_heads", "d_ff", "max_seq_len"):
+            if not is_int(getattr(self, field)) or getattr(self, field) < 1:
+                bad(field, "a positive int" + (" (small presets take it from the data manifest)" if field == "vocab_size" else ""))
+        if self.d_model % self.n_heads or (self.d_model // self.n_heads) % 2:
+            bad("n_heads", f"a divisor of d_model={self.d_model} leaving an even head width (RoPE rotates pairs)")
+        if self.method not in METHODS:
+            bad("method", f"one of {METHODS}")
+        if self.router not in ROUTERS:
+            bad("router", f"one of {ROUTERS}")
+        if self.attention not in BACKENDS:
+            bad("attention", f"one of {BACKENDS}")
+        if not self.norm_eps >= 0:
+            bad("norm_eps", "a float >= 0")
+        if self.method == "baseline":
+            return
+        if self.method == "attnres" and self.rank is None:
+            self.rank = self.d_model
+        if not is_int(self.rank) or not 1 <= self.rank <= self.d_model:
+            bad("rank", f"an int r with 1 <= r <= d_model={self.d_model}")
+        if self.method == "attnres" and self.rank != self.d_model:
+            bad("rank", f"r = d_model = {self.d_model} for method 'attnres' (standard AttnRes routes with r = d)")
+        if self.blocks != "full" and not (is_int(self.blocks) and 1 <= self.blocks <= 2 * self.n_layers):
+            bad("blocks", f"'full' or an int N with 1 <= N <= 2L = {2 * self.n_layers}")
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def model_config(spec) -> ModelConfig:
+    """A ModelConfig from a ModelConfig, a preset name, or a dict (``{"preset": name, **overrides}``
+    or every field).  With method ``attnres`` and no rank given, rank = d_model."""
+    if isinstance(spec, ModelConfig):
+        return spec
+    if isinstance(spec, str):
+        spec = {"preset": spec}
+    if not isinstance(spec, dict):
+        raise ValueError(f"model config must be a ModelConfig, a preset name or a dict, got {type(spec).__name__}")
+    spec = dict(spec)
+    fields = {f.name for f in dataclasses.fields(ModelConfig)}
+    unknown = sorted(set(spec) - fields - {"preset"})
+    if unknown:
+        raise ValueError(f"unknown model config field(s) {unknown}; expected 'preset' and/or {sorted(fields)}")
+    preset = spec.pop("preset", None)
+    values = {} if preset is None else get_preset(preset)
+    values.update(spec)
+    if values.get("vocab_size") is None and preset is not None:
+        raise ValueError(f"vocab_size: preset {preset!r} takes it from the data manifest; pass vocab_size with it")
+    if values.get("method") == "attnres" and "rank" not in spec:
+        values["rank"] = values["d_model"]
+    missing = sorted(f.name for f in dataclasses.fields(ModelConfig) if f.default is dataclasses.MISSING and f.name not in values)
+    if missing:
+        raise ValueError(f"model config lacks field(s) {missing} (or name a 'preset')")
+    return ModelConfig(**values)
+
+
+def build_model(spec) -> LRAttnResLM:
+    """The model of a ModelConfig, a preset name, or a dict; weights initialised, on the CPU."""
+    return LRAttnResLM(model_config(spec))
+
+
+def count_parameters(spec) -> int:
+    """Parameter count of a config without allocating any weights (built on the meta device)."""
+    with torch.device("meta"):
+        return LRAttnResLM(model_config(spec)).num_parameters()
+
+
+# ---------------------------------------------------------------------------------------------
+# backbone
+
+
+def rope_tables(head_dim: int, max_seq_len: int, base: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin [max_seq_len, head_dim/2]: pair j rotates at frequency base^(-2j/head_dim)."""
+    freq = base ** (-torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    angle = torch.outer(torch.arange(max_seq_len, dtype=torch.float64), freq)
+    return angle.cos().float(), angle.sin().float()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate interleaved pairs (x[2j], x[2j+1]) of x [B, H, T, hd] by position."""
+    x1, x2 = x.float()[..., 0::2], x.float()[..., 1::2]
+    out = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
+    return out.to(x.dtype)
+
+
+class Attention(nn.Module):
+    """Causal self-attention with QK-norm and RoPE; returns (o, routing key or None)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.n_heads, self.eps = cfg.n_heads, cfg.norm_eps
+        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=False)
+        self.out = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
+        self.route_key = nn.Linear(cfg.d_model, cfg.rank, bias=False) if cfg.method == "plr" else None
+
+    def forward(self, x, cos, sin, attend):
+        B, T, d = x.shape
+        q, k, v = self.qkv(x).view(B, T, 3, self.n_heads, d // self.n_heads).permute(2, 0, 3, 1, 4)
+        q = apply_rope(rms_norm(q, self.eps), cos, sin)
+        k = apply_rope(rms_norm(k, self.eps), cos, sin)
+        a = attend(q, k, v).transpose(1, 2).reshape(B, T, d)
+        return self.out(a), (None if self.route_key is None else self.route_key(a))
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate) * up); returns (o, routing key or None)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate_up = nn.Linear(cfg.d_model, 2 * cfg.d_ff, bias=False)
+        self.down = nn.Linear(cfg.d_ff, cfg.d_model, bias=False)
+        self.route_key = nn.Linear(cfg.d_ff, cfg.rank, bias=False) if cfg.method == "plr" else None
+
+    def forward(self, x, cos, sin, attend):
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        a = F.silu(gate) * up
+        return self.down(a), (None if self.route_key is None else self.route_key(a))
+
+
+class Layer(nn.Module):
+    """One Transformer block: two writers, attention then MLP."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.attn = Attention(cfg)
+        self.mlp = MLP(cfg)
+
+
+@functools.cache
+def _kernels():
+    """The ``kernels`` package, or None where it does not import."""
+    try:
+        import kernels
+    except ImportError:
+        return None
+    return kernels
+
+
+class LRAttnResLM(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        d, r, n_writes = cfg.d_model, cfg.rank, 2 * cfg.n_layers
+        self.embed = nn.Embedding(cfg.vocab_size, d)
+        self.layers = nn.ModuleList(Layer(cfg) for _ in range(cfg.n_layers))
+        self.head = nn.Linear(d, cfg.vocab_size, bias=False)
+        if cfg.method != "baseline":
+            self.queries = nn.Parameter(torch.zeros(n_writes, r))
+        if cfg.method == "plr":
+            self.embed_route_key = nn.Linear(d, r, bias=False)
+        cos, sin = rope_tables(d // cfg.n_heads, cfg.max_seq_len, cfg.rope_base)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+        for m in self.modules():
+            if isinstance(m, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(m.weight, mean=0.0, std=cfg.init_std)
+
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+    def sublayers(self) -> list[nn.Module]:
+        """The 2L writers in order: write t (1-based) is sublayers()[t-1]."""
+        return [m for layer in self.layers for m in (layer.attn, layer.mlp)]
+
+    def forward(self, input_ids: torch.Tensor, doc_ids: torch.Tensor | None = None, return_routing: bool = False):
+        """Logits [B, T, V]; with ``return_routing`` also the fp32 routing weights of the 2L reads,
+        each [B, T, S_t] (read t after write t; an empty list for the baseline)."""
+        cfg = self.cfg
+        B, T = input_ids.shape
+        if T > cfg.max_seq_len:
+            raise ValueError(f"input length {T} exceeds max_seq_len={cfg.max_seq_len}")
+        norm = functools.partial(rms_norm, eps=cfg.norm_eps)
+        x = self.embed(input_ids)
+        dev = x.device.type
+        dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
+        attend = make_attention(doc_ids, seq_len=T, device=x.device, dtype=dtype, backend=cfg.attention)
+        rope = (self.rope_cos[:T], self.rope_sin[:T], attend)
+
+        if cfg.method == "baseline":
+            h = x
+            for sub in self.sublayers():
+                h = h + sub(norm(h), *rope)[0]
+            logits = self.head(norm(h))
+            return (logits, []) if return_routing else logits
+
+        n_writes = 2 * cfg.n_layers
+        values = SourceBank(x, n_writes, cfg.blocks)
+        keys = SourceBank(self.embed_route_key(x), n_writes, cfg.blocks) if cfg.method == "plr" else None
+        fused = None if return_routing or keys is not None else self._fused_router(x.device)
+        h, routing = x, []
+        for t, sub in enumerate(self.sublayers()):
+            o, k = sub(norm(h), *rope)
+            values.write(o)
+            query = self.queries[t]
+            if keys is not None:
+                keys.write(k)
+                out = route_keys(values.sources(), keys.sources(), query, eps=cfg.norm_eps, return_weights=return_routing)
+            elif fused is not None:
+                out = fused(values.sources(), query, norm=KEY_NORM[cfg.method], eps=cfg.norm_eps)
+            else:
+                out = route(values.sources(), query, norm=KEY_NORM[cfg.method], eps=cfg.norm_eps, return_weights=return_routing)
+            if return_routing:
+                h, weights = out
+                routing.append(weights.movedim(0, -1))
+            else:
+                h = out
+        logits = self.head(norm(h))
+        return (logits, routing) if return_routing else logits
+
+    def _fused_router(self, device: torch.device):
+        """``kernels.attnres`` if the config's router asks for it on this device, else None."""
+        router = self.cfg.router
+        if router == "reference" or (router == "auto" and device.type != "cuda"):
+            return None
+        kernels = _kernels()
+        if kernels is None and router == "fused":
+            raise ValueError("ModelConfig.router='fused' needs the 'kernels' package, which does not import")
+        return None if kernels is None else kernels.attnres
