@@ -1,0 +1,319 @@
+"""``attnres``: fused depth routing as a torch.library custom op with autograd.
+
+Semantics are those of :func:`lrattnres.routing.route` (the reference): sources ``o_i`` [..., d]
+(a list, never stacked), query [r] with 1 <= r <= d, key = the last r coordinates of each source,
+RMS over those r ("slice") or over all d then sliced ("full"), softmax over sources of q . key,
+output sum_i w_i o_i computed in fp32 and returned in the sources' dtype.
+
+Dispatch: CUDA tensors run the Triton kernels in ``kernels._triton``.  CPU tensors run the
+reference math in torch, unless the Triton path is forced (``TRITON_INTERPRET=1`` together with
+``set_cpu_triton(True)`` or the environment variable ``KERNELS_CPU_TRITON=1``), which runs the
+same Triton kernels through Triton's interpreter (used by the tests).
+
+Saved for backward: the sources (kept by autograd anyway), the query, the output h (the next
+sub-layer's input, so kept anyway in a model) and one fp32 logsumexp per token.  The backward
+never builds an [S, tokens, d] temporary.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+
+import torch
+
+NORMS = ("slice", "full")
+
+_CPU_TRITON = os.environ.get("KERNELS_CPU_TRITON", "0") == "1"
+# Tests set this to fill every freshly allocated output with NaN before the kernels run, so that an
+# unwritten element shows up.
+POISON = os.environ.get("KERNELS_POISON", "0") == "1"
+# Launch configuration overrides, for tuning: {"fwd": (BLOCK_T, num_warps), "bwd": (BLOCK_T,
+# num_warps, programs_per_sm)}.
+CONFIG_OVERRIDE: dict = {}
+
+
+def set_cpu_triton(flag: bool) -> None:
+    """Run the Triton kernels (through the interpreter) for CPU tensors too."""
+    global _CPU_TRITON
+    _CPU_TRITON = bool(flag)
+
+
+def _use_triton(t: torch.Tensor) -> bool:
+    return t.is_cuda or (_CPU_TRITON and t.device.type == "cpu")
+
+
+def _empty(shape, dtype, device) -> torch.Tensor:
+    out = torch.empty(shape, dtype=dtype, device=device)
+    if POISON:
+        out.fill_(float("nan"))
+    return out
+
+
+def _check(sources: Sequence[torch.Tensor], query: torch.Tensor, norm: str) -> tuple[int, int]:
+    if norm not in NORMS:
+        raise ValueError(f"norm must be one of {NORMS}, got {norm!r}")
+    if len(sources) == 0:
+        raise ValueError("attnres needs at least one source")
+    if query.dim() != 1:
+        raise ValueError(f"query must be 1-D [r], got shape {tuple(query.shape)}")
+    shape = sources[0].shape
+    if len(shape) == 0:
+        raise ValueError("sources must have a last (feature) dimension")
+    for o in sources:
+        if o.shape != shape:
+            raise ValueError(f"all sources must share one shape; got {tuple(o.shape)} and {tuple(shape)}")
+        if o.device != sources[0].device:
+            raise ValueError("all sources must be on one device")
+    d = shape[-1]
+    r = query.shape[0]
+    if not 1 <= r <= d:
+        raise ValueError(f"query width r={r} must satisfy 1 <= r <= d={d}")
+    return d, r
+
+
+def _rows(t: torch.Tensor, d: int, dtype: torch.dtype) -> torch.Tensor:
+    """A [N, d] view with unit column stride (copies only when no such view exists)."""
+    if t.dtype != dtype:
+        t = t.to(dtype)
+    if t.stride(-1) != 1:
+        t = t.contiguous()
+    t2 = t.reshape(-1, d)  # a view when the leading dims can be flattened
+    if t2.shape[0] > 1 and t2.stride(1) != 1:
+        t2 = t2.contiguous()
+    return t2
+
+
+def _table(rows: list[list[int]], device: torch.device) -> torch.Tensor:
+    cpu = torch.tensor(rows, dtype=torch.int64)
+    if device.type == "cpu":
+        return cpu
+    return cpu.pin_memory().to(device, non_blocking=True)
+
+
+_SM_COUNT: dict = {}
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 2
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SM_COUNT:
+        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _SM_COUNT[idx]
+
+
+def _next_pow2(x: int) -> int:
+    return 1 << (max(1, x) - 1).bit_length()
+
+
+def _fwd_config(block_d: int, elem: int) -> dict:
+    """BLOCK_T, num_warps, PREFETCH for the forward kernel."""
+    if "fwd" in CONFIG_OVERRIDE:
+        return dict(CONFIG_OVERRIDE["fwd"])
+    # about 8K fp32 accumulator elements per program, 32 per thread
+    bt = max(1, min(16, 8192 // block_d))
+    nw = max(1, min(16, bt * block_d // 1024))
+    return dict(BLOCK_T=bt, num_warps=nw, PREFETCH=True)
+
+
+def _bwd_config(block_d: int, elem: int) -> dict:
+    """BLOCK_T, num_warps, PREFETCH, DQ2D, per_sm (persistent programs per SM) for the backward."""
+    if "bwd" in CONFIG_OVERRIDE:
+        return dict(CONFIG_OVERRIDE["bwd"])
+    bt = max(1, min(16, 4096 // block_d))
+    nw = max(1, min(16, bt * block_d // 512))
+    return dict(BLOCK_T=bt, num_warps=nw, PREFETCH=True, DQ2D=False, per_sm=4)
+
+
+# ----------------------------------------------------------------------------------------------
+# Triton launchers (also run on CPU tensors under TRITON_INTERPRET=1)
+
+
+def _fwd_triton(sources: Sequence[torch.Tensor], query: torch.Tensor, norm: str, eps: float):
+    from . import _triton as K
+
+    d, r = _check(sources, query, norm)
+    dtype = sources[0].dtype
+    lead = sources[0].shape[:-1]
+    rows = [_rows(o, d, dtype) for o in sources]
+    n_tok = rows[0].shape[0]
+    dev = sources[0].device
+    out = _empty((n_tok, d), dtype, dev)
+    lse = _empty((n_tok,), torch.float32, dev)
+    if n_tok > 0:
+        table = _table([[o.data_ptr() for o in rows], [o.stride(0) for o in rows]], dev)
+        q = query.contiguous()
+        block_d = _next_pow2(d)
+        cfg = _fwd_config(block_d, rows[0].element_size())
+        grid = (triton_cdiv(n_tok, cfg["BLOCK_T"]),)
+        K._attnres_fwd_kernel[grid](
+            table[0], table[1], q, out, lse,
+            n_tok, len(rows), d, r, 1.0 / (r if norm == "slice" else d), float(eps),
+            SLICE=(norm == "slice"), BLOCK_D=block_d, **cfg,
+        )
+    return out.view(*lead, d), lse.view(lead)
+
+
+def _bwd_triton(sources, query, h, lse, g, norm: str, eps: float):
+    from . import _triton as K
+
+    d, r = _check(sources, query, norm)
+    dtype = sources[0].dtype
+    rows = [_rows(o, d, dtype) for o in sources]
+    n_tok = rows[0].shape[0]
+    dev = sources[0].device
+    grads = [_empty(o.shape, dtype, dev) for o in sources]
+    if n_tok == 0:
+        return grads, torch.zeros_like(query)
+    h2 = _rows(h, d, dtype).contiguous()
+    g2 = _rows(g, d, g.dtype)
+    lse2 = lse.reshape(-1).contiguous()
+    block_d = _next_pow2(d)
+    cfg = _bwd_config(block_d, rows[0].element_size())
+    per_sm = cfg.pop("per_sm")
+    nblk = triton_cdiv(n_tok, cfg["BLOCK_T"])
+    nprog = max(1, min(nblk, per_sm * _num_sms(dev)))
+    part = _empty((nprog, r), torch.float32, dev)
+    table = _table(
+        [[o.data_ptr() for o in rows], [o.stride(0) for o in rows], [gr.data_ptr() for gr in grads]], dev
+    )
+    K._attnres_bwd_kernel[(nprog,)](
+        table[0], table[1], table[2], query.contiguous(), h2, g2, lse2, part,
+        n_tok, len(rows), d, r, g2.stride(0), 1.0 / (r if norm == "slice" else d), float(eps),
+        SLICE=(norm == "slice"), BLOCK_D=block_d, **cfg,
+    )
+    dq = part.sum(0).to(query.dtype)
+    return grads, dq
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return (a + b - 1) // b
+
+
+# ----------------------------------------------------------------------------------------------
+# Torch fallback (CPU): the reference forward, and the backward written out in fp32 torch
+
+
+def _fwd_torch(sources, query, norm: str, eps: float):
+    from lrattnres.routing import routing_scores
+
+    _check(sources, query, norm)
+    z = routing_scores(sources, query, norm=norm, eps=eps)  # [S, ...] fp32
+    lse = torch.logsumexp(z, dim=0)
+    w = torch.exp(z - lse)
+    h = w[0].unsqueeze(-1) * sources[0].float()
+    for wi, o in zip(w[1:], sources[1:]):
+        h = h + wi.unsqueeze(-1) * o.float()
+    return h.to(sources[0].dtype), lse
+
+
+def _bwd_torch(sources, query, h, lse, g, norm: str, eps: float):
+    d, r = _check(sources, query, norm)
+    q = query.float()
+    g = g.float()
+    gh = (g * h.float()).sum(-1)
+    n = r if norm == "slice" else d
+    dq = torch.zeros(r, dtype=torch.float32, device=query.device)
+    grads = []
+    for o in sources:
+        x = o.float()
+        k = x[..., d - r :] if norm == "slice" else x
+        rinv = torch.rsqrt(k.pow(2).mean(-1) + eps)
+        z = (x[..., d - r :] @ q) * rinv
+        w = torch.exp(z - lse)
+        c = w * ((g * x).sum(-1) - gh) * rinv
+        grad = w.unsqueeze(-1) * g
+        grad[..., d - r :] += c.unsqueeze(-1) * q
+        if norm == "slice":
+            grad[..., d - r :] -= (c * z * rinv / n).unsqueeze(-1) * k
+        else:
+            grad -= (c * z * rinv / n).unsqueeze(-1) * x
+        grads.append(grad.to(o.dtype))
+        dq += (c.unsqueeze(-1) * x[..., d - r :]).reshape(-1, r).sum(0)
+    return grads, dq.to(query.dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# torch.library ops
+
+
+@torch.library.custom_op("lrattnres_kernels::attnres_fwd", mutates_args=())
+def attnres_fwd(sources: list[torch.Tensor], query: torch.Tensor, norm: str, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns (h [..., d] in the sources' dtype, logsumexp of the scores [...] fp32)."""
+    if _use_triton(sources[0]):
+        return _fwd_triton(sources, query, norm, eps)
+    return _fwd_torch(sources, query, norm, eps)
+
+
+@attnres_fwd.register_fake
+def _(sources, query, norm, eps):
+    _check(sources, query, norm)
+    s0 = sources[0]
+    return s0.new_empty(s0.shape), s0.new_empty(s0.shape[:-1], dtype=torch.float32)
+
+
+@torch.library.custom_op("lrattnres_kernels::attnres_bwd", mutates_args=())
+def attnres_bwd(
+    sources: list[torch.Tensor], query: torch.Tensor, h: torch.Tensor, lse: torch.Tensor, g: torch.Tensor, norm: str, eps: float
+) -> list[torch.Tensor]:
+    """Returns the S source gradients followed by the query gradient."""
+    if _use_triton(sources[0]):
+        grads, dq = _bwd_triton(sources, query, h, lse, g, norm, eps)
+    else:
+        grads, dq = _bwd_torch(sources, query, h, lse, g, norm, eps)
+    return list(grads) + [dq]
+
+
+@attnres_bwd.register_fake
+def _(sources, query, h, lse, g, norm, eps):
+    return [s.new_empty(s.shape) for s in sources] + [query.new_empty(query.shape)]
+
+
+def _setup_context(ctx, inputs, output):
+    sources, query, norm, eps = inputs
+    h, lse = output
+    ctx.save_for_backward(query, h, lse, *sources)
+    ctx.norm = norm
+    ctx.eps = eps
+
+
+def _backward(ctx, grad_h, grad_lse):
+    query, h, lse, *sources = ctx.saved_tensors
+    if grad_h is None:
+        grad_h = torch.zeros_like(h)
+    out = attnres_bwd(list(sources), query, h, lse, grad_h, ctx.norm, ctx.eps)
+    return list(out[:-1]), out[-1], None, None
+
+
+attnres_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+def attnres(sources: Sequence[torch.Tensor], query: torch.Tensor, *, norm: str = "slice", eps: float = 1e-6) -> torch.Tensor:
+    """Fused depth routing: ``sum_i softmax_i(q . RMSNorm(key_i)) o_i`` (see module docstring)."""
+    h, _ = attnres_fwd(list(sources), query, norm, float(eps))
+    return h
+
+
+# ----------------------------------------------------------------------------------------------
+# Direct Triton path with autograd, bypassing dispatch (used by the tests under TRITON_INTERPRET=1)
+
+
+class _AttnResTriton(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, query, norm, eps, *sources):
+        h, lse = _fwd_triton(sources, query, norm, eps)
+        ctx.save_for_backward(query, h, lse, *sources)
+        ctx.norm, ctx.eps = norm, eps
+        return h
+
+    @staticmethod
+    def backward(ctx, grad_h):
+        query, h, lse, *sources = ctx.saved_tensors
+        grads, dq = _bwd_triton(sources, query, h, lse, grad_h, ctx.norm, ctx.eps)
+        return (dq, None, None, *grads)
+
+
+def attnres_triton(sources: Sequence[torch.Tensor], query: torch.Tensor, *, norm: str = "slice", eps: float = 1e-6) -> torch.Tensor:
+    """The Triton kernels with autograd, on any device Triton can run on (CPU via the interpreter)."""
+    return _AttnResTriton.apply(query, norm, float(eps), *sources)
