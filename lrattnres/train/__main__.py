@@ -1,0 +1,3 @@
+from lrattnres.train.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,71 @@
+"""``python -m lrattnres train --spec '<json>' --data <manifest.json> --out <run dir>``
+
+Exit codes: 0 done (``result.json`` written); 2 bad spec, bad input or a refused resume (the
+message names the key); 3 non-finite loss (the last good checkpoint is kept); 75 (EX_TEMPFAIL)
+stopped by SIGTERM/SIGINT or ``--stop-after`` after writing ``checkpoint.pt``: rerun the same
+command to resume (Slurm: ``--requeue``; Snakemake: ``--retries``).
+
+Data-parallel: ``torchrun --nproc-per-node K -m lrattnres train ...`` (NCCL on GPUs, gloo on CPUs);
+the global batch is ``micro_batch x seq_len x grad_accum x K`` tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m lrattnres train", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--spec", required=True, help="the run's settings as a JSON object, or @file.json")
+    p.add_argument("--data", required=True, help="data manifest (manifest.json of prepare-data)")
+    p.add_argument("--out", required=True, help="run folder (spec.json, metrics.jsonl, checkpoint.pt, model.pt, result.json)")
+    p.add_argument("--resume", choices=("auto", "never", "must"), default="auto",
+                   help="auto: continue from <out>/checkpoint.pt when present (default)")
+    p.add_argument("--stop-after", type=int, default=None, help="checkpoint and exit 75 after this many updates")
+    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (CPU)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    text = args.spec
+    if text.startswith("@"):
+        text = Path(text[1:]).read_text(encoding="utf-8")
+    try:
+        spec = json.loads(text)
+    except json.JSONDecodeError as e:
+        print(f"train: --spec is not valid JSON ({e})", file=sys.stderr)
+        return 2
+    import torch
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    from lrattnres.train.loop import EXIT_NONFINITE, EXIT_PREEMPTED, NonFiniteLoss, Preempted, ResumeMismatch, train
+    from lrattnres.train.spec import SpecError
+
+    try:
+        train(spec, args.data, args.out, resume=args.resume, stop_after=args.stop_after, progress=not args.no_progress)
+    except Preempted as e:
+        print(f"train: {e}", file=sys.stderr)
+        return EXIT_PREEMPTED
+    except NonFiniteLoss as e:
+        print(f"train: {e}", file=sys.stderr)
+        return EXIT_NONFINITE
+    except (SpecError, ResumeMismatch, FileNotFoundError) as e:
+        print(f"train: {e}", file=sys.stderr)
+        return 2
+    finally:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

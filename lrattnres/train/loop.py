@@ -1,0 +1,402 @@
+"""The trainer: the paper's recipe, resumable, measured, data-parallel.
+
+One optimiser update ("step") = ``grad_accum`` micro-batches of ``micro_batch`` x ``seq_len`` tokens
+on each of ``world_size`` ranks.  Per step:
+
+1. the learning rate of every group is set from the schedule (``schedule.lr_multiplier``);
+2. the micro-batches are fetched and their valid target tokens counted over the whole global batch;
+3. each micro-batch's loss ``(sum CE + z_loss * sum lse^2) / N_global`` is back-propagated (scaled
+   by ``world_size`` because DDP averages gradients over ranks), so the update is exactly the
+   gradient of the token-averaged loss of the global batch, whatever the split into ranks and
+   micro-batches; the z-loss is counted once and reported separately from the cross-entropy;
+4. gradients are clipped to ``grad_clip`` and the pre-clip norm is logged;
+5. a non-finite CE, z-loss or gradient norm stops the run before the update (no checkpoint is
+   written, so the last good one stays);
+6. Muon and AdamW step.
+
+Exit paths (``cli.py`` maps them to exit codes): normal end; SIGTERM/SIGINT (Slurm preemption):
+checkpoint at the next step boundary, then :class:`Preempted` (exit code 75, EX_TEMPFAIL: rerun
+the same command to resume); non-finite loss: :class:`NonFiniteLoss` (exit code 3).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import math
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lrattnres.io import atomic_write_json
+from lrattnres.provenance import now, provenance
+from lrattnres.train import checkpoint as ckpt
+from lrattnres.train import spec as spec_mod
+from lrattnres.train.metrics import MetricsWriter, grad_norm_summary, memory_stats, progress_bar
+from lrattnres.train.optim import base_lrs, build_optimizers
+from lrattnres.train.schedule import apply_lr, lr_multiplier
+from lrattnres.train.val import IGNORE_INDEX, autocast_ctx, evaluate, loss_sums
+
+EXIT_PREEMPTED = 75
+EXIT_NONFINITE = 3
+
+
+class NonFiniteLoss(RuntimeError):
+    pass
+
+
+class Preempted(Exception):
+    pass
+
+
+class ResumeMismatch(ValueError):
+    pass
+
+
+class LossModule(nn.Module):
+    """model + loss sums in one module, so DDP and torch.compile see the whole forward."""
+
+    def __init__(self, model: nn.Module, precision: str):
+        super().__init__()
+        self.model = model
+        self.precision = precision
+
+    def forward(self, inputs, targets, doc_ids):
+        with torch.autocast(device_type=inputs.device.type, dtype=torch.bfloat16, enabled=self.precision == "bf16"):
+            logits = self.model(inputs, doc_ids)
+        return loss_sums(logits, targets)
+
+
+def _dist_env() -> tuple[int, int, int]:
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local = int(os.environ.get("LOCAL_RANK", str(rank)))
+    return rank, world, local
+
+
+def _device(choice: str, local_rank: int) -> torch.device:
+    if choice == "cpu" or (choice == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise RuntimeError("spec key 'device' is 'cuda' but no CUDA device is available")
+    torch.cuda.set_device(local_rank)
+    return torch.device("cuda", local_rank)
+
+
+def file_sha256(path: str | os.PathLike) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def resolve_model_config(model_spec: dict, vocab_size: int, seq_len: int):
+    """The ModelConfig of a run: the spec's model fields plus the manifest's vocabulary size."""
+    from lrattnres.model import model_config
+
+    m = dict(model_spec)
+    if m.get("vocab_size") is not None and m["vocab_size"] != vocab_size:
+        raise spec_mod.SpecError(
+            f"spec key 'model.vocab_size' is {m['vocab_size']} but the data manifest's vocab_size is {vocab_size}"
+        )
+    m["vocab_size"] = vocab_size
+    try:
+        cfg = model_config(m)
+    except (ValueError, TypeError) as e:
+        raise spec_mod.SpecError(f"spec key 'model': {e}") from None
+    if seq_len > cfg.max_seq_len:
+        raise spec_mod.SpecError(f"spec key 'seq_len' is {seq_len} but the model's max_seq_len is {cfg.max_seq_len}")
+    return cfg
+
+
+def _seed_all(seed: int) -> None:
+    import random
+
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+class _StopFlag:
+    """Set by SIGTERM/SIGINT; the loop checkpoints at the next step boundary."""
+
+    def __init__(self):
+        self.signum = None
+        self._old = {}
+
+    def install(self):
+        import threading
+
+        if threading.current_thread() is not threading.main_thread():
+            return self
+        for s in (signal.SIGTERM, signal.SIGINT):
+            self._old[s] = signal.signal(s, self._handler)
+        return self
+
+    def _handler(self, signum, frame):
+        self.signum = signum
+
+    def restore(self):
+        for s, h in self._old.items():
+            signal.signal(s, h)
+        self._old = {}
+
+
+def train(
+    spec: dict,
+    data: str | os.PathLike,
+    out: str | os.PathLike,
+    *,
+    resume: str = "auto",
+    stop_after: int | None = None,
+    progress: bool = True,
+    log=None,
+) -> dict[str, Any]:
+    """Train one run; returns the result dict (also written to ``<out>/result.json`` by rank 0).
+
+    ``resume``: ``auto`` (continue from ``<out>/checkpoint.pt`` if present), ``never`` (start over,
+    ignoring a checkpoint), ``must`` (fail without one).  ``stop_after``: stop after that many total
+    updates, writing a checkpoint as on preemption (for tests and time-sliced jobs; raises
+    :class:`Preempted`).
+    """
+    started = now()
+    t_process = time.perf_counter()
+    out = Path(out)
+    s = spec_mod.resolve(spec)
+    rank, world, local_rank = _dist_env()
+    if world > 1 and not dist.is_initialized():
+        backend = "nccl" if (s["device"] != "cpu" and torch.cuda.is_available()) else "gloo"
+        dist.init_process_group(backend=backend)
+    master = rank == 0
+    device = _device(s["device"], local_rank)
+    say = log or (lambda msg: print(msg, file=__import__("sys").stderr, flush=True))
+
+    from lrattnres.data import TokenLoader, iter_eval_batches, load_manifest
+
+    manifest = load_manifest(data)
+    manifest_sha = file_sha256(data)
+    mcfg = resolve_model_config(s["model"], int(manifest["vocab_size"]), s["seq_len"])
+    mcfg_dict = ckpt.model_config_dict(mcfg)
+    steps_total = spec_mod.total_steps(s, world)
+    tokens_per_step = s["micro_batch"] * s["seq_len"] * s["grad_accum"] * world
+
+    _seed_all(s["seed"])
+    from lrattnres.model import build_model
+
+    model = build_model(mcfg).to(device)
+    optimizers = build_optimizers(model, s["optim"], device.type)
+    lrs = base_lrs(s["optim"])
+    params = [p for p in model.parameters() if p.requires_grad]
+    loader = TokenLoader(manifest, "train", s["micro_batch"], s["seq_len"], s["seed"], rank=rank, world_size=world)
+
+    # ---- resume -------------------------------------------------------------------------------
+    step, tokens, train_s, grad_norms = 0, 0, 0.0, []
+    ck_path = out / "checkpoint.pt"
+    if resume not in ("auto", "never", "must"):
+        raise ValueError(f"resume must be auto, never or must, got {resume!r}")
+    if resume == "must" and not ck_path.exists():
+        raise FileNotFoundError(f"{ck_path}: --resume must, but there is no checkpoint")
+    resumed = False
+    if resume != "never" and ck_path.exists():
+        st = ckpt.load(ck_path, map_location="cpu")
+        problems = []
+        keys = spec_mod.diff_keys(st["spec"], s)
+        if keys:
+            problems.append("spec differs: " + spec_mod.describe_diff(st["spec"], s, keys))
+        mkeys = spec_mod.diff_keys(st["model_config"], mcfg_dict, ignore=("router", "attention"))
+        if mkeys:
+            problems.append("model architecture differs: " + spec_mod.describe_diff(st["model_config"], mcfg_dict, mkeys))
+        if st["manifest_sha256"] != manifest_sha:
+            problems.append(f"data manifest differs (sha256 {st['manifest_sha256'][:12]} != {manifest_sha[:12]})")
+        if st["world_size"] != world:
+            problems.append(f"world_size differs: checkpoint {st['world_size']} != now {world}")
+        if problems:
+            raise ResumeMismatch(f"{ck_path}: refusing to resume: " + "; ".join(problems)
+                                 + " (use a new --out folder, or --resume never to start over)")
+        model.load_state_dict(st["model"])
+        for name, opt in optimizers.items():
+            opt.load_state_dict(st["optimizers"][name])
+        step, tokens, train_s = st["step"], st["tokens"], st["train_s"]
+        grad_norms = list(st["grad_norms"])
+        loader.load_state_dict(st["loader"][rank])
+        ckpt.set_rng_state(st["rng"][rank])
+        resumed = True
+        del st
+
+    # ---- wrap ---------------------------------------------------------------------------------
+    lm = LossModule(model, s["precision"])
+    if world > 1:
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        lm = DDP(lm, device_ids=[device.index] if device.type == "cuda" else None, gradient_as_bucket_view=True)
+    fwd = torch.compile(lm, dynamic=False) if s["compile"] else lm
+
+    metrics = MetricsWriter(out / "metrics.jsonl", enabled=master)
+    if master:
+        if resumed:
+            metrics.truncate_after(step)
+        else:
+            metrics.truncate_after(-1)
+        atomic_write_json(out / "spec.json", {"spec": s, "model_config": mcfg_dict, "data": str(data),
+                                              "manifest_sha256": manifest_sha, "world_size": world,
+                                              "total_steps": steps_total, "tokens_per_step": tokens_per_step})
+        say(f"[train] {out.name}: {model.num_parameters():,} parameters, {steps_total} steps of "
+            f"{tokens_per_step:,} tokens, device {device}, world {world}"
+            + (f", resumed at step {step}" if resumed else ""))
+
+    val_bs = s["val"]["batch_size"] or s["micro_batch"]
+
+    def val_batches():
+        return iter_eval_batches(manifest, "val", val_bs, s["seq_len"])
+
+    def save_checkpoint():
+        loader_states = [loader.state_dict()]
+        rngs = [ckpt.rng_state()]
+        if world > 1:
+            loader_states = [None] * world
+            rngs = [None] * world
+            dist.all_gather_object(loader_states, loader.state_dict())
+            dist.all_gather_object(rngs, ckpt.rng_state())
+        if master:
+            metrics.flush()
+            ckpt.save({
+                "kind": "checkpoint", "model": model.state_dict(), "model_config": mcfg_dict,
+                "optimizers": {k: o.state_dict() for k, o in optimizers.items()},
+                "step": step, "tokens": tokens, "train_s": train_s, "grad_norms": grad_norms,
+                "rng": rngs, "loader": loader_states, "world_size": world, "spec": s,
+                "manifest_sha256": manifest_sha,
+            }, ck_path)
+
+    stop = _StopFlag().install()
+    bar = progress_bar(steps_total, step, enabled=master and progress, desc=out.name or "train")
+    zc = float(s["z_loss"])
+    clip = s["grad_clip"]
+    ddp = world > 1
+    try:
+        while step < steps_total:
+            # preemption (all ranks agree) or a requested stop: checkpoint, then leave
+            flag = torch.tensor([1.0 if stop.signum is not None else 0.0], device=device)
+            if ddp:
+                dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            if flag.item() > 0 or (stop_after is not None and step >= stop_after):
+                save_checkpoint()
+                why = f"signal {stop.signum}" if stop.signum is not None else f"stop_after={stop_after}"
+                raise Preempted(f"stopped at step {step} ({why}); checkpoint {ck_path} written; rerun to resume")
+
+            t0 = time.perf_counter()
+            mult = lr_multiplier(step, steps_total, s["schedule"]["warmup_steps"], s["schedule"]["warmdown_frac"],
+                                 s["schedule"]["final_lr_frac"])
+            lr_now = apply_lr(optimizers, lrs, mult)
+
+            batches = [next(loader) for _ in range(s["grad_accum"])]
+            n_valid = torch.zeros((), dtype=torch.float64)
+            for b in batches:
+                n_valid += (b.targets != IGNORE_INDEX).sum()
+            if ddp:
+                n_valid = n_valid.to(device)
+                dist.all_reduce(n_valid)
+            scale = world / n_valid.item()
+
+            sums = torch.zeros(2, dtype=torch.float32, device=device)
+            for i, b in enumerate(batches):
+                inputs = b.inputs.to(device, non_blocking=True)
+                targets = b.targets.to(device, non_blocking=True)
+                doc_ids = b.doc_ids.to(device, non_blocking=True)
+                sync = contextlib.nullcontext() if (not ddp or i == len(batches) - 1) else lm.no_sync()
+                with sync:
+                    ce_sum, z_sum = fwd(inputs, targets, doc_ids)
+                    loss = (ce_sum + zc * z_sum) * scale
+                    loss.backward()
+                sums += torch.stack([ce_sum.detach(), z_sum.detach()])
+
+            max_norm = clip if clip is not None else float("inf")
+            gnorm = torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=device.type == "cuda" or None)
+            if ddp:
+                dist.all_reduce(sums)
+            vals = torch.cat([sums.double(), gnorm.detach().double().reshape(1)]).tolist()
+            n_tok = n_valid.item()
+            ce = vals[0] / n_tok
+            zl = zc * vals[1] / n_tok
+            gn = vals[2]
+            for term, v in (("cross-entropy", ce), ("z-loss", zl), ("gradient norm", gn)):
+                if not math.isfinite(v):
+                    raise NonFiniteLoss(
+                        f"non-finite {term} ({v}) at step {step + 1} (update index {step}); stopped before the "
+                        f"update; the last good checkpoint {ck_path} (if any) is kept"
+                    )
+            for opt in optimizers.values():
+                opt.step()
+            for opt in optimizers.values():
+                opt.zero_grad(set_to_none=True)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            dt = time.perf_counter() - t0
+            train_s += dt
+            step += 1
+            tokens += tokens_per_step
+            grad_norms.append(gn)
+            rec = {"kind": "train", "step": step, "tokens": tokens, "loss": ce + zl, "ce": ce, "zloss": zl,
+                   "grad_norm": gn, "lr": lr_now, "lr_mult": mult, "tokens_per_s": tokens_per_step / dt,
+                   "step_s": dt, "memory": memory_stats(device)}
+            metrics.write(rec)
+            bar.update(1)
+            if master and (step % 10 == 0 or step == steps_total):
+                bar.set_postfix(loss=f"{ce + zl:.3f}", tok_s=f"{tokens_per_step / dt:,.0f}", refresh=False)
+
+            ve = s["val"]["every"]
+            if ve and step % ve == 0 and step < steps_total:
+                r = evaluate(model, val_batches(), device, s["precision"], s["val"]["batches"], rank, world)
+                metrics.write({"kind": "val", "step": step, "tokens": tokens, "val_ce": r["ce"], "val_tokens": r["tokens"]})
+                if master:
+                    bar.write(f"[train] step {step}: val ce {r['ce']:.4f} ({r['tokens']} tokens)")
+            ce_every = s["checkpoint"]["every"]
+            if ce_every and step % ce_every == 0 and step < steps_total:
+                save_checkpoint()
+    finally:
+        bar.close()
+        stop.restore()
+        metrics.flush()
+
+    # ---- end: final checkpoint, weights, final validation, result (last) -----------------------
+    save_checkpoint()
+    if master:
+        ckpt.save({"kind": "model", "model": model.state_dict(), "model_config": mcfg_dict, "spec": s,
+                   "manifest_sha256": manifest_sha, "step": step, "tokens": tokens}, out / "model.pt")
+    final = {"ce": None, "tokens": 0}
+    if s["val"]["final"]:
+        final = evaluate(model, val_batches(), device, s["precision"], None, rank, world)
+        metrics.write({"kind": "final_val", "step": step, "tokens": tokens, "val_ce": final["ce"],
+                       "val_tokens": final["tokens"]})
+    metrics.close()
+    result = {
+        "stage": "train",
+        "run_id": out.name,
+        "final_val_ce": final["ce"],
+        "val_tokens": final["tokens"],
+        "steps": step,
+        "tokens": tokens,
+        "wall_s": time.perf_counter() - t_process,
+        "train_s": train_s,
+        "tokens_per_s": tokens / train_s if train_s > 0 else None,
+        "steps_per_s": step / train_s if train_s > 0 else None,
+        "grad_norm": grad_norm_summary(grad_norms, clip),
+        "parameters": model.num_parameters(),
+        "model_config": mcfg_dict,
+        "world_size": world,
+        "memory": memory_stats(device),
+        "provenance": provenance(s, started=started),
+    }
+    if master:
+        atomic_write_json(out / "result.json", result)
+        say(f"[train] {out.name}: done, {step} steps, final val ce {final['ce']}, "
+            f"{result['tokens_per_s'] or 0:,.0f} tokens/s")
+    return result

@@ -1,0 +1,128 @@
+"""Metrics: one JSON line per optimiser step and per validation, and a tqdm progress bar.
+
+``metrics.jsonl`` is appended to as the run goes (flushed every ``flush_every`` records and at
+every checkpoint).  On resume the file is cut back to the records of steps the checkpoint covers,
+so a resumed run's file equals an uninterrupted run's (apart from timings).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import resource
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+def _clean(x: Any) -> Any:
+    if isinstance(x, float) and not math.isfinite(x):
+        return str(x)  # JSON has no NaN/inf; keep the fact visible
+    if isinstance(x, dict):
+        return {k: _clean(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_clean(v) for v in x]
+    return x
+
+
+class MetricsWriter:
+    def __init__(self, path: str | os.PathLike, enabled: bool = True, flush_every: int = 20):
+        self.path = Path(path)
+        self.enabled = enabled
+        self.flush_every = flush_every
+        self._pending = 0
+        self._f = None
+        if enabled:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._f = open(self.path, "a", encoding="utf-8")
+
+    def truncate_after(self, step: int) -> None:
+        """Keep only the records with ``step <= step`` (used on resume)."""
+        if not self.enabled:
+            return
+        self._f.close()
+        kept = []
+        if self.path.exists():
+            for line in self.path.read_text(encoding="utf-8").splitlines():
+                try:
+                    rec = json.loads(line)
+                except json.JSONDecodeError:
+                    continue  # a line cut by a kill
+                if rec.get("step", 0) <= step:
+                    kept.append(line)
+        tmp = self.path.with_suffix(".jsonl.tmp")
+        tmp.write_text("".join(k + "\n" for k in kept), encoding="utf-8")
+        os.replace(tmp, self.path)
+        self._f = open(self.path, "a", encoding="utf-8")
+
+    def write(self, rec: dict) -> None:
+        if not self.enabled:
+            return
+        self._f.write(json.dumps(_clean(rec), separators=(",", ":")) + "\n")
+        self._pending += 1
+        if self._pending >= self.flush_every:
+            self.flush()
+
+    def flush(self) -> None:
+        if self.enabled and self._f is not None:
+            self._f.flush()
+            self._pending = 0
+
+    def close(self) -> None:
+        if self._f is not None:
+            self._f.flush()
+            self._f.close()
+            self._f = None
+
+
+def memory_stats(device: torch.device) -> dict[str, float]:
+    """Peak memory in MiB: CUDA allocator peak on a GPU, process max RSS on the CPU."""
+    if device.type == "cuda":
+        return {
+            "cuda_max_allocated_mib": torch.cuda.max_memory_allocated(device) / 2**20,
+            "cuda_max_reserved_mib": torch.cuda.max_memory_reserved(device) / 2**20,
+        }
+    rss_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return {"max_rss_mib": rss_kib / 1024}
+
+
+def progress_bar(total: int, initial: int, enabled: bool, desc: str = "train"):
+    """A tqdm bar on stderr (a no-op object when disabled or tqdm is missing)."""
+    if enabled:
+        try:
+            from tqdm import tqdm
+
+            return tqdm(total=total, initial=initial, desc=desc, unit="step", file=sys.stderr,
+                        dynamic_ncols=True, mininterval=1.0, smoothing=0.1)
+        except ImportError:  # pragma: no cover
+            pass
+    return _NoBar()
+
+
+class _NoBar:
+    def update(self, n=1):
+        pass
+
+    def set_postfix(self, *a, **k):
+        pass
+
+    def write(self, s):
+        print(s, file=sys.stderr)
+
+    def close(self):
+        pass
+
+
+def grad_norm_summary(norms: list[float], clip: float | None) -> dict[str, float | None]:
+    """Mean, population variance and percentage above the clip threshold of pre-clip norms."""
+    vals = [x for x in norms if math.isfinite(x)]
+    if not vals:
+        return {"mean": None, "var": None, "above_clip_pct": None, "count": 0}
+    n = len(vals)
+    mean = math.fsum(vals) / n
+    var = math.fsum((x - mean) ** 2 for x in vals) / n
+    above = None if clip is None else 100.0 * sum(x > clip for x in vals) / n
+    return {"mean": mean, "var": var, "above_clip_pct": above, "count": n}

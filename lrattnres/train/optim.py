@@ -1,0 +1,97 @@
+"""Optimisers of Section 4.1: Muon for the >=2-D transformer weights, AdamW for the rest.
+
+The split (FACTS.md, the author's repository): Muon takes every >=2-D weight of the transformer
+body; AdamW takes the token embedding (``embed.*``), the output head (``head.*``), the routing
+queries (a parameter named ``queries``, at any depth) and every 1-D parameter.  The rule lives in
+:func:`is_adam_param` and is tested.
+
+Muon is ``torch.optim.Muon`` (PyTorch >= 2.9).  Its semantics, checked against torch 2.13's source:
+momentum buffer ``B <- mu B + (1 - mu) g`` (an EMA, like Keller Jordan's reference), Nesterov update
+``g + mu (B - g)``, 5 quintic Newton-Schulz steps in bf16 (coefficients 3.4445, -4.7750, 2.0315),
+decoupled weight decay ``theta <- theta (1 - lr wd)``, then ``theta <- theta - lr * sqrt(max(1, A/B)) O``
+for a weight of shape [A, B] (``adjust_lr_fn="original"``).  It accepts only 2-D parameters, so a
+>2-D weight is refused here with its name.  The author's repository used a different Muon variant
+(Polar-Express iterations with a second-moment rescale); the paper names plain Muon, which is
+what this uses.
+
+Every hyper-parameter comes from the spec (``optim.muon`` / ``optim.adam``).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+ADAM_PREFIXES = ("embed.", "head.")
+QUERY_NAME = "queries"
+
+
+def _strip(name: str) -> str:
+    # torch.compile and DDP wrap modules; parameter names then carry these prefixes.
+    for prefix in ("_orig_mod.", "module."):
+        while name.startswith(prefix):
+            name = name[len(prefix) :]
+    return name
+
+
+def is_adam_param(name: str, param: torch.Tensor) -> bool:
+    """True for parameters AdamW updates; False for those Muon updates."""
+    name = _strip(name)
+    if param.ndim < 2:
+        return True
+    if name.startswith(ADAM_PREFIXES) or name in ("embed", "head"):
+        return True
+    last = name.rsplit(".", 1)[-1]
+    return last == QUERY_NAME
+
+
+def split_params(model: nn.Module) -> tuple[list[tuple[str, nn.Parameter]], list[tuple[str, nn.Parameter]]]:
+    """(muon, adam) lists of (name, parameter), trainable parameters only, in module order."""
+    muon, adam = [], []
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        if is_adam_param(name, p):
+            adam.append((name, p))
+        else:
+            if p.ndim != 2:
+                raise ValueError(
+                    f"parameter {_strip(name)!r} has shape {tuple(p.shape)}: Muon takes 2-D weights only; "
+                    "reshape it in the model or extend lrattnres.train.optim.is_adam_param"
+                )
+            muon.append((name, p))
+    return muon, adam
+
+
+def build_optimizers(model: nn.Module, optim_spec: dict, device_type: str = "cpu") -> dict[str, torch.optim.Optimizer]:
+    """``{"muon": Muon, "adam": AdamW}`` (a group that would be empty is left out)."""
+    if not hasattr(torch.optim, "Muon"):
+        raise RuntimeError(f"torch.optim.Muon needs PyTorch >= 2.9; this is torch {torch.__version__}")
+    muon_params, adam_params = split_params(model)
+    out: dict[str, torch.optim.Optimizer] = {}
+    m = optim_spec["muon"]
+    if muon_params:
+        out["muon"] = torch.optim.Muon(
+            [p for _, p in muon_params],
+            lr=m["lr"],
+            momentum=m["momentum"],
+            weight_decay=m["weight_decay"],
+            nesterov=m["nesterov"],
+            ns_steps=m["ns_steps"],
+            adjust_lr_fn=m["adjust_lr_fn"],
+        )
+    a = optim_spec["adam"]
+    if adam_params:
+        out["adam"] = torch.optim.AdamW(
+            [p for _, p in adam_params],
+            lr=a["lr"],
+            betas=tuple(a["betas"]),
+            eps=a["eps"],
+            weight_decay=a["weight_decay"],
+            fused=device_type == "cuda",
+        )
+    return out
+
+
+def base_lrs(optim_spec: dict) -> dict[str, float]:
+    return {"muon": float(optim_spec["muon"]["lr"]), "adam": float(optim_spec["adam"]["lr"])}
