@@ -30,6 +30,7 @@ SECTIONS = (
     "train",
     "grid",
     "accounting",
+    "resources",
     "convert",
     "evaluate",
     "throughput",

@@ -17,6 +17,9 @@ rule accounting:
         ),
     log:
         f"{LOGS}/accounting.log",
+    resources:
+        mem_mb=res("accounting", "mem_mb", 2000),
+        runtime=res("accounting", "runtime", 10),
     conda:
         "../../envs/lrattnres.yaml"
     shell:

@@ -33,3 +33,12 @@ def stage_sources(*modules):
 def spec(obj):
     """A stage's settings as one JSON argument (quote with {params.spec:q})."""
     return json.dumps(obj, sort_keys=True)
+
+
+def res(rule_name, key, fallback):
+    """Resource ``key`` of a rule at this scale (config `resources`), else the scale's default."""
+    table = S.get("resources", {})
+    for block in (table.get(rule_name, {}), table.get("default", {})):
+        if key in block:
+            return block[key]
+    return fallback

@@ -38,6 +38,9 @@ rule report:
         json="reports/paper.json",
     log:
         f"{LOGS}/report.log",
+    resources:
+        mem_mb=res("report", "mem_mb", 2000),
+        runtime=res("report", "runtime", 10),
     conda:
         "../../envs/lrattnres.yaml"
     shell:
