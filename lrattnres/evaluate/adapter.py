@@ -1,0 +1,264 @@
+"""lm-eval ``LM`` adapter for our checkpoints, with the protocol of Appendix G.
+
+The adapter takes any torch module with the contract ``model(input_ids, doc_ids=None) -> logits
+[B, T, V]`` and a tokenizer with ``.encode(text) -> list[int]`` (``lrattnres.data.Tokenizer``, which
+maps to the compacted ids of the small scales), so it runs with a tiny random model in the tests.
+
+Protocol (Appendix G):
+
+* no chat template and no beginning-of-sequence token; the end-of-text id is prepended only when
+  the prompt (context) is empty, so the first continuation token has something to condition on;
+* batches of ``batch_size`` (paper: 8) requests, causal right padding (padding sits after every real
+  token, so under a causal mask it cannot change the logits of real positions);
+* bf16 model computation on a GPU (autocast), log-probabilities in fp32 (``log_softmax`` of the
+  logits cast to fp32); on the CPU the model runs in fp32 unless asked otherwise;
+* over-long inputs are truncated on the left to ``max_length`` tokens, always keeping the whole
+  continuation (a continuation longer than ``max_length`` is an error, not a silent cut);
+* boundary whitespace is preserved. Tokenisation follows lm-eval's HFLM convention: trailing
+  whitespace of the context is moved onto the continuation, then ``whole = encode(context +
+  continuation)``, ``ctx = encode(context)`` and the continuation's tokens are ``whole[len(ctx):]``.
+  Moving the whitespace is what "preserved" needs with cl100k-style BPE, whose pre-tokeniser glues
+  a space to the word after it: ``"Answer: yes"`` is ``Answer | : | ␣yes``; encoding the context
+  ``"Answer: "`` alone would end in a lone ``␣`` token, so ``whole[len(ctx):]`` would drop the
+  ``␣yes`` token. After the move the context's tokens are a prefix of the whole string's and the
+  whitespace is scored inside the continuation's first token, exactly as in running text. Where BPE
+  still merges across the boundary (rare; a context ending mid-word), the split is HFLM's, and
+  the adapter counts such requests in ``stats["boundary_mismatch"]``.
+
+``loglikelihood_rolling`` uses lm-eval's own rolling windows (``get_rolling_token_windows`` with the
+end-of-text id as prefix token, windows of ``max_length``, disjoint). ``generate_until`` is not
+supported: the paper's eight tasks only score continuations.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Sequence
+
+import torch
+import torch.nn.functional as F
+
+try:  # lm-eval is needed for evaluation, not for importing the scoring core
+    from lm_eval.api.model import LM as _LMBase
+    from lm_eval.api.registry import register_model
+except ImportError:  # pragma: no cover - lm-eval missing
+    _LMBase = object
+
+    def register_model(*_names):
+        return lambda cls: cls
+
+
+def _find_eot(tokenizer: Any) -> int:
+    for attr in ("eot_id", "eot", "eot_token", "eos_token_id", "eot_token_id"):
+        v = getattr(tokenizer, attr, None)
+        if isinstance(v, int):
+            return v
+    raise ValueError(
+        "the tokenizer exposes no end-of-text id (looked for eot_id, eot, eot_token, eos_token_id); "
+        "pass eot_id= to the adapter"
+    )
+
+
+def split_whitespace(context: str, continuation: str) -> tuple[str, str]:
+    """Move trailing whitespace of ``context`` onto the front of ``continuation`` (HFLM convention)."""
+    n = len(context) - len(context.rstrip())
+    if n:
+        return context[:-n], context[-n:] + continuation
+    return context, continuation
+
+
+def truncate_left(context_enc: list[int], continuation_enc: list[int], max_length: int) -> tuple[list[int], list[int]]:
+    """Drop context tokens from the left so that the model input (context + continuation minus
+    its last token) fits in ``max_length``; the continuation is always kept whole."""
+    if len(continuation_enc) == 0:
+        raise ValueError("empty continuation: nothing to score")
+    if len(continuation_enc) > max_length:
+        raise ValueError(
+            f"continuation of {len(continuation_enc)} tokens does not fit the {max_length}-token context; "
+            "Appendix G keeps the whole answer, so this request cannot be scored"
+        )
+    keep_ctx = max_length + 1 - len(continuation_enc)
+    if len(context_enc) > keep_ctx:
+        context_enc = context_enc[len(context_enc) - keep_ctx :]
+    return context_enc, continuation_enc
+
+
+@register_model("lrattnres")
+class LRAttnResLM(_LMBase):
+    """lm-eval ``LM`` over a ``model(input_ids, doc_ids=None) -> logits`` module."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        tokenizer: Any,
+        *,
+        batch_size: int = 8,
+        max_length: int = 2048,
+        device: str | torch.device | None = None,
+        precision: str = "auto",
+        eot_id: int | None = None,
+        pad_id: int | None = None,
+        progress: bool = False,
+    ) -> None:
+        if _LMBase is not object:
+            super().__init__()
+        else:  # pragma: no cover
+            self._rank, self._world_size = 0, 1
+        if int(batch_size) < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        if int(max_length) < 2:
+            raise ValueError(f"max_length must be >= 2, got {max_length}")
+        self.model = model
+        self.tokenizer = tokenizer
+        self.batch_size = int(batch_size)
+        self.max_length = int(max_length)
+        if device is None:
+            try:
+                device = next(model.parameters()).device
+            except StopIteration:
+                device = "cpu"
+        self._device = torch.device(device)
+        if precision == "auto":
+            precision = "bf16" if self._device.type == "cuda" else "fp32"
+        if precision not in ("bf16", "fp32"):
+            raise ValueError(f"precision must be auto, bf16 or fp32, got {precision!r}")
+        self.precision = precision
+        self.eot_id = int(eot_id) if eot_id is not None else _find_eot(tokenizer)
+        self.pad_id = int(pad_id) if pad_id is not None else self.eot_id
+        self.progress = progress
+        self.stats = {"requests": 0, "forward_s": 0.0, "batches": 0, "tokens": 0, "truncated": 0, "boundary_mismatch": 0}
+        self.model.eval()
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    # -- tokenisation -----------------------------------------------------------------------
+
+    def tok_encode(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text))
+
+    def encode_pair(self, context: str, continuation: str) -> tuple[list[int], list[int]]:
+        """Token ids of (context, continuation) under the protocol (see the module docstring)."""
+        context, continuation = split_whitespace(context, continuation)
+        if context == "":
+            return [self.eot_id], self.tok_encode(continuation)
+        whole = self.tok_encode(context + continuation)
+        ctx = self.tok_encode(context)
+        if whole[: len(ctx)] != ctx:
+            self.stats["boundary_mismatch"] += 1
+        return ctx, whole[len(ctx) :]
+
+    # -- scoring core -----------------------------------------------------------------------
+
+    @torch.no_grad()
+    def _forward_logits(self, inputs: list[list[int]]) -> torch.Tensor:
+        """Logits [B, T, V] of right-padded ``inputs`` (model dtype; cast to fp32 per row later)."""
+        width = max(len(x) for x in inputs)
+        batch = torch.full((len(inputs), width), self.pad_id, dtype=torch.long)
+        for i, x in enumerate(inputs):
+            batch[i, : len(x)] = torch.tensor(x, dtype=torch.long)
+        batch = batch.to(self.device)
+        if self.precision == "bf16":
+            with torch.autocast(device_type=self.device.type, dtype=torch.bfloat16):
+                logits = self.model(batch, doc_ids=None)
+        else:
+            logits = self.model(batch, doc_ids=None)
+        self.stats["tokens"] += sum(len(x) for x in inputs)
+        return logits
+
+    @torch.no_grad()
+    def score_tokens(self, pairs: Sequence[tuple[list[int], list[int]]]) -> list[tuple[float, bool]]:
+        """``(sum log p(continuation | context), greedy)`` for token-id pairs, batched.
+
+        Requests are processed longest first (fewer pad tokens per batch) and returned in input order.
+        """
+        prepared = []
+        for ctx, cont in pairs:
+            n_ctx = len(ctx)
+            ctx, cont = truncate_left(list(ctx), list(cont), self.max_length)
+            if len(ctx) < n_ctx:
+                self.stats["truncated"] += 1
+            if len(ctx) == 0:  # cannot happen after encode_pair, but keep the first token scorable
+                raise ValueError("empty context after truncation")
+            full = ctx + cont
+            prepared.append((full[:-1], cont))  # model input, continuation
+        order = sorted(range(len(prepared)), key=lambda i: -len(prepared[i][0]))
+        results: list[tuple[float, bool] | None] = [None] * len(prepared)
+        t0 = time.perf_counter()
+        it = range(0, len(order), self.batch_size)
+        if self.progress:
+            try:
+                from tqdm import tqdm
+
+                it = tqdm(it, desc="loglikelihood", unit="batch")
+            except ImportError:  # pragma: no cover
+                pass
+        for start in it:
+            idx = order[start : start + self.batch_size]
+            logits = self._forward_logits([prepared[i][0] for i in idx])
+            for row, i in enumerate(idx):
+                inp, cont = prepared[i]
+                n = len(cont)
+                target = torch.tensor(cont, dtype=torch.long, device=logits.device)
+                # fp32 log-probabilities at the continuation's positions only
+                step = F.log_softmax(logits[row, len(inp) - n : len(inp)].float(), dim=-1)  # [n, V]
+                ll = step.gather(-1, target[:, None]).squeeze(-1).sum().item()
+                greedy = bool((step.argmax(-1) == target).all().item())
+                results[i] = (float(ll), greedy)
+            self.stats["batches"] += 1
+        self.stats["forward_s"] += time.perf_counter() - t0
+        self.stats["requests"] += len(prepared)
+        return results  # type: ignore[return-value]
+
+    # -- lm-eval API ------------------------------------------------------------------------
+
+    def loglikelihood(self, requests, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
+        pairs = [self.encode_pair(*req.args[:2]) for req in requests]
+        results = self.score_tokens(pairs)
+        hook = getattr(self, "cache_hook", None)
+        if hook is not None:
+            for req, res in zip(requests, results):
+                hook.add_partial("loglikelihood", req.args, res)
+        return results
+
+    def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
+        from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+
+        out = []
+        for req in requests:
+            (text,) = req.args[:1]
+            tokens = self.tok_encode(text)
+            windows = [
+                make_disjoint_window(w)
+                for w in get_rolling_token_windows(
+                    token_list=tokens, prefix_token=self.eot_id, max_seq_len=self.max_length, context_len=1
+                )
+            ]
+            scores = self.score_tokens([(list(c), list(t)) for c, t in windows])
+            out.append(float(sum(s for s, _ in scores)))
+            hook = getattr(self, "cache_hook", None)
+            if hook is not None:
+                hook.add_partial("loglikelihood_rolling", req.args, out[-1])
+        return out
+
+    def generate_until(self, requests, disable_tqdm: bool = False):
+        raise NotImplementedError(
+            "LRAttnResLM scores continuations only (loglikelihood, loglikelihood_rolling); "
+            "generation tasks are outside the paper's Appendix G protocol"
+        )
+
+    # -- bookkeeping ------------------------------------------------------------------------
+
+    def requests_per_s(self) -> float | None:
+        s = self.stats["forward_s"]
+        return self.stats["requests"] / s if s > 0 else None
+
+    def get_model_info(self) -> dict:
+        return {
+            "adapter": "lrattnres.evaluate.adapter.LRAttnResLM",
+            "batch_size": self.batch_size,
+            "max_length": self.max_length,
+            "precision": self.precision,
+            "device": str(self.device),
+        }
