@@ -11,7 +11,9 @@ configfile: "config.yaml"
 
 include: "workflow/rules/common.smk"
 include: "workflow/rules/accounting.smk"
+include: "workflow/rules/data.smk"
 include: "workflow/rules/report.smk"
+include: "workflow/rules/train.smk"
 
 
 rule all:

@@ -1,5 +1,6 @@
 # Shared helpers: the resolved settings of the selected scale, source-file inputs, spec quoting.
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -22,7 +23,7 @@ LOGS = f"{R}/logs"
 # workflow works without activating it; with conda, it is the rule's environment.
 _deploy = {m.name for m in (workflow.deployment_settings.deployment_method or ())}
 _bindir = "" if "CONDA" in _deploy else f"export PATH={Path(sys.executable).parent}:$PATH; "
-shell.prefix(f"{_bindir}export PYTHONPATH={workflow.basedir}:${{PYTHONPATH:-}}; ")
+shell.prefix(f"{_bindir}export PYTHONPATH={workflow.basedir}:${{{{PYTHONPATH:-}}}}; ")
 
 
 def stage_sources(*modules):
