@@ -169,3 +169,22 @@ def test_cli_bad_spec_exits_2(tmp_path):
     r = subprocess.run([sys.executable, "-m", "lrattnres", "accounting", "--spec", '{"ranks": "d"}',
                         "--out", str(tmp_path / "x.json")], cwd=REPO, capture_output=True, text=True)
     assert r.returncode == 2 and "ranks" in r.stderr and not (tmp_path / "x.json").exists()
+
+
+def test_report_section_with_and_without_results(published, tmp_path):
+    pytest.importorskip("lrattnres.report.html")
+    from lrattnres.report.context import ReportContext
+    from lrattnres.report.sections import accounting as section
+
+    result = {"stage": "accounting", **acc.run({"architectures": {"tiny": "tiny"}, "ranks": ["d/4", "d"],
+                                                "blocks": ["full", 2]})}
+    ev = claims.evaluate_claims(published, result["claims"], "tiny")
+    ctx = ReportContext(scale="tiny", published=published, claims={c["id"]: c for c in ev},
+                        by_stage={"accounting": [result]})
+    page = section.build(ctx)
+    assert page.count('class="badge ok">match') >= 66 and "mismatch" not in page
+    assert "0.09865" in page and "0.4320" in page and "tiny" in page
+    empty = ReportContext(scale="tiny", published=published,
+                          claims={c["id"]: c for c in claims.evaluate_claims(published, {}, "tiny")})
+    page = section.build(empty)
+    assert "has not run" in page and "0.8131" in page and "not run" in page
