@@ -421,26 +421,9 @@ def run(spec: dict) -> dict[str, Any]:
     }
 
 
-def _provenance(spec: dict, started: str) -> dict:
-    """The standard provenance block, without importing torch (its device probe would).
-
-    ``provenance.device()`` imports torch; a ``None`` entry in ``sys.modules`` makes that import fail
-    fast with ImportError, which it handles ("cpu: ...").  The entry is removed again afterwards.
-    """
-    from lrattnres.provenance import provenance
-
-    if "torch" in sys.modules:
-        return provenance(spec, started=started)
-    sys.modules["torch"] = None  # type: ignore[assignment]
-    try:
-        return provenance(spec, started=started)
-    finally:
-        del sys.modules["torch"]
-
-
 def main(argv: list[str] | None = None) -> int:
     from lrattnres.io import atomic_write_json
-    from lrattnres.provenance import now
+    from lrattnres.provenance import now, provenance
 
     p = argparse.ArgumentParser(prog="python -m lrattnres accounting", description=__doc__.split("\n")[0])
     p.add_argument("--spec", default="{}", help='JSON: {"architectures": {name: preset | {n_layers, d_model, d_ff}}, '
@@ -459,7 +442,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"accounting: {e}", file=sys.stderr)
         return 2
-    out = {"stage": "accounting", "provenance": _provenance(spec, started), **result}
+    out = {"stage": "accounting", "provenance": provenance(spec, started=started), **result}
     atomic_write_json(args.out, out)
     log.info("wrote %s: %d claims, %d paper and %d extra architectures", args.out, len(result["claims"]),
              len(result["tables"]["paper"]), len(result["tables"]["extra"]))

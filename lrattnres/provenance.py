@@ -7,6 +7,7 @@ import hashlib
 import json
 import platform
 import subprocess
+import sys
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -52,13 +53,11 @@ def versions() -> dict[str, str]:
 
 
 def device() -> str:
-    try:
-        import torch
-
-        if torch.cuda.is_available():
-            return f"cuda: {torch.cuda.get_device_name(0)} x{torch.cuda.device_count()}"
-    except ImportError:  # pragma: no cover
-        pass
+    """The accelerator a stage ran on.  Asks torch only if the stage already imported it, so that
+    cheap stages (accounting, report) do not pay torch's import for their provenance."""
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_available():
+        return f"cuda: {torch.cuda.get_device_name(0)} x{torch.cuda.device_count()}"
     return f"cpu: {platform.processor() or platform.machine()}"
 
 

@@ -7,20 +7,22 @@ rule accounting:
         src=stage_sources("lrattnres.accounting"),
     output:
         f"{R}/accounting.json",
+    log:
+        f"{LOGS}/accounting.log",
+    conda:
+        "../../envs/lrattnres.yaml"
+    resources:
+        mem_mb=res("accounting", "mem_mb", 2000),
+        runtime=res("accounting", "runtime", 10),
     params:
         spec=lambda wc: spec(
             {
-                "architectures": {name: name for name in sorted(set(S["presets"].values()))},
+                "architectures": {
+                    name: name for name in sorted(set(S["presets"].values()))
+                },
                 "ranks": S["accounting"]["ranks"],
                 "blocks": S["accounting"]["blocks"],
             }
         ),
-    log:
-        f"{LOGS}/accounting.log",
-    resources:
-        mem_mb=res("accounting", "mem_mb", 2000),
-        runtime=res("accounting", "runtime", 10),
-    conda:
-        "../../envs/lrattnres.yaml"
     shell:
         "python -m lrattnres accounting --spec {params.spec:q} --out {output} > {log} 2>&1"

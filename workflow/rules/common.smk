@@ -1,5 +1,6 @@
 # Shared helpers: the resolved settings of the selected scale, source-file inputs, spec quoting.
 import json
+import os
 import re
 import sys
 from pathlib import Path
@@ -22,7 +23,9 @@ LOGS = f"{R}/logs"
 # Without --sdm conda, `python` is the interpreter running Snakemake (the project's venv), so the
 # workflow works without activating it; with conda, it is the rule's environment.
 _deploy = {m.name for m in (workflow.deployment_settings.deployment_method or ())}
-_bindir = "" if "CONDA" in _deploy else f"export PATH={Path(sys.executable).parent}:$PATH; "
+_bindir = (
+    "" if "CONDA" in _deploy else f"export PATH={Path(sys.executable).parent}:$PATH; "
+)
 shell.prefix(f"{_bindir}export PYTHONPATH={workflow.basedir}:${{{{PYTHONPATH:-}}}}; ")
 
 
@@ -43,3 +46,18 @@ def res(rule_name, key, fallback):
         if key in block:
             return block[key]
     return fallback
+
+
+def report_results(wildcards):
+    """Result files of every stage that has arrived in this workflow."""
+    results = [rules.accounting.output[0]]
+    for name in (
+        "grid_summary",
+        "convert_all",
+        "evaluate_all",
+        "throughput",
+        "diagnostics",
+    ):
+        if name in rules._rules:
+            results += list(getattr(rules, name).output)
+    return results

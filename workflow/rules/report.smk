@@ -1,24 +1,15 @@
 # The report: every stage's result beside the published numbers, with verdicts.
 
 
-def report_results(wildcards):
-    """Result files of every stage that has arrived in this workflow."""
-    results = [rules.accounting.output[0]]
-    for name in ("grid_summary", "convert_all", "evaluate_all", "throughput", "diagnostics"):
-        if name in rules._rules:
-            results += list(getattr(rules, name).output)
-    return results
-
-
 rule settings:
     output:
         f"{R}/settings.json",
-    params:
-        settings=lambda wc: spec(S),
     log:
         f"{LOGS}/settings.log",
     conda:
         "../../envs/lrattnres.yaml"
+    params:
+        settings=lambda wc: spec(S),
     shell:
         "python -c 'import sys; from lrattnres.io import atomic_write_text; "
         "atomic_write_text(sys.argv[1], sys.argv[2])' {output} {params.settings:q} > {log} 2>&1"
@@ -30,7 +21,9 @@ rule report:
         published="reports/published.yaml",
         results=report_results,
         src=stage_sources(
-            "lrattnres.report", "lrattnres.claims", *package_modules("lrattnres.report.sections")
+            "lrattnres.report",
+            "lrattnres.claims",
+            *package_modules("lrattnres.report.sections"),
         )
         + package_files("lrattnres.report.templates", "*.j2"),
     output:
@@ -38,11 +31,11 @@ rule report:
         json="reports/paper.json",
     log:
         f"{LOGS}/report.log",
+    conda:
+        "../../envs/lrattnres.yaml"
     resources:
         mem_mb=res("report", "mem_mb", 2000),
         runtime=res("report", "runtime", 10),
-    conda:
-        "../../envs/lrattnres.yaml"
     shell:
         "python -m lrattnres report --settings {input.settings} --published {input.published} "
         "--results {input.results} --html {output.html} --json {output.json} > {log} 2>&1"

@@ -9,30 +9,32 @@ RUNS = {run.run_id: run for run in plan_grid(S)}
 rule train:
     input:
         data=rules.prepare_data.output.manifest,
-        src=stage_sources("lrattnres.train.cli", "lrattnres.train.loop", "lrattnres.model", "kernels"),
+        src=stage_sources(
+            "lrattnres.train.cli", "lrattnres.train.loop", "lrattnres.model", "kernels"
+        ),
     output:
         result=f"{R}/runs/{{run}}/result.json",
         model=f"{R}/runs/{{run}}/model.pt",
-    params:
-        spec=lambda wc: spec(train_spec(S, RUNS[wc.run])),
-        out=lambda wc: f"{R}/runs/{wc.run}",
-        launcher=lambda wc, resources: (
-            f"torchrun --standalone --nproc-per-node {resources.gpu} -m lrattnres"
-            if resources.gpu > 1
-            else "python -m lrattnres"
-        ),
-    wildcard_constraints:
-        run="|".join(map(re.escape, RUNS)),
     log:
         f"{LOGS}/train/{{run}}.log",
+    wildcard_constraints:
+        run="|".join(map(re.escape, RUNS)),
+    conda:
+        "../../envs/lrattnres.yaml"
     threads: 1
     resources:
         mem_mb=res("train", "mem_mb", 4000),
         runtime=res("train", "runtime", 60),
         gpu=res("train", "gpu", 0),
         cpus_per_gpu=res("train", "cpus_per_gpu", 1),
-    conda:
-        "../../envs/lrattnres.yaml"
+    params:
+        spec=lambda wc: spec(train_spec(S, RUNS[wc.run])),
+        out=lambda wc, output: os.path.dirname(output.result),
+        launcher=lambda wc, resources: (
+            f"torchrun --standalone --nproc-per-node {resources.gpu} -m lrattnres"
+            if resources.gpu > 1
+            else "python -m lrattnres"
+        ),
     shell:
         "{params.launcher} train --spec {params.spec:q} --data {input.data} --out {params.out} "
         "--threads {threads} --no-progress > {log} 2>&1"
@@ -46,15 +48,15 @@ rule grid_summary:
         src=stage_sources("lrattnres.grid", "lrattnres.claims"),
     output:
         f"{R}/grid.json",
-    params:
-        runs=f"{R}/runs",
     log:
         f"{LOGS}/grid_summary.log",
+    conda:
+        "../../envs/lrattnres.yaml"
     resources:
         mem_mb=res("grid_summary", "mem_mb", 2000),
         runtime=res("grid_summary", "runtime", 10),
-    conda:
-        "../../envs/lrattnres.yaml"
+    params:
+        runs=lambda wc, input: os.path.dirname(os.path.dirname(input.runs[0])),
     shell:
         "python -m lrattnres summarize-grid --settings {input.settings} --runs {params.runs} "
         "--published {input.published} --out {output} > {log} 2>&1"
