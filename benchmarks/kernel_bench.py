@@ -1,0 +1,356 @@
+"""Depth-routing kernels side by side: this project's fused Triton op, FLA's fused_attnres, fast-attnres,
+the eager reference and torch.compile of the reference.
+
+    python benchmarks/kernel_bench.py --out DIR            # check, then the full grid
+    python benchmarks/kernel_bench.py --quick --out DIR    # a few shapes
+    python benchmarks/kernel_bench.py --sweep --out DIR    # launch-configuration sweep of our kernels
+
+Every row: median microseconds of triton.testing.do_bench (which clears the L2 before each call) for the
+forward and for forward+backward, and the fraction of the copy bandwidth measured in the same run,
+with roofline bytes forward (S+1)*tokens*d*2 and forward+backward (3S+2)*tokens*d*2.  The bf16
+correctness check (|x - ref| <= 0.05 + 0.05|ref|) runs first.  Writes kernel_bench.json and
+kernel_bench.md (or kernel_sweep.*) to --out, rewritten after every row so a cut-off run keeps
+what it measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import os
+import sys
+import time
+import traceback
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import triton  # noqa: E402
+from triton.testing import do_bench  # noqa: E402
+
+import kernels  # noqa: E402
+import kernels.op as kop  # noqa: E402
+from lrattnres.routing import route  # noqa: E402
+
+DTYPE = torch.bfloat16
+EPS = 1e-6
+
+
+def _bench(fn, warmup=10, rep=40):
+    return do_bench(fn, warmup=warmup, rep=rep, return_mode="median") * 1e3  # us
+
+
+def copy_bandwidth() -> float:
+    """Device-to-device copy, bytes read + written per second."""
+    n = 1 << 30  # 2 GiB of bf16
+    a = torch.empty(n, dtype=DTYPE, device="cuda").normal_()
+    b = torch.empty_like(a)
+    t = do_bench(lambda: b.copy_(a), warmup=20, rep=200, return_mode="median") * 1e-3
+    del a, b
+    torch.cuda.empty_cache()
+    return 2 * n * 2 / t
+
+
+# ---------------------------------------------------------------------------------------- impls
+
+
+def _impls(want_compile: bool):
+    impls = {"ours": lambda srcs, q, d: kernels.attnres(srcs, q, norm="slice", eps=EPS)}
+    try:
+        from fla.ops.attnres import fused_attnres
+
+        ones = {}
+
+        def fla(srcs, q, d):
+            if q.shape[0] != d:
+                return None
+            w = ones.get(d)
+            if w is None:
+                w = ones[d] = torch.ones(d, device="cuda", dtype=q.dtype)
+            return fused_attnres(q, srcs, w, rms_eps=EPS)
+
+        impls["fla"] = fla
+    except Exception as e:  # pragma: no cover - depends on the machine
+        print(f"FLA unavailable: {e!r}", flush=True)
+    try:
+        from attnres import attnres as fast
+
+        impls["fast-attnres"] = lambda srcs, q, d: fast(list(srcs), q, eps=EPS)
+    except Exception as e:  # pragma: no cover
+        print(f"fast-attnres unavailable: {e!r}", flush=True)
+    impls["eager"] = lambda srcs, q, d: route(srcs, q, norm="slice", eps=EPS)
+    if want_compile:
+        compiled = torch.compile(route, dynamic=False)
+        impls["compiled"] = lambda srcs, q, d: compiled(srcs, q, norm="slice", eps=EPS)
+    return impls
+
+
+def _inputs(S, N, d, r, seed=0):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    srcs = [torch.randn(N, d, device="cuda", dtype=DTYPE, generator=gen) for _ in range(S)]
+    q = (torch.randn(r, device="cuda", generator=gen) * 0.5).to(DTYPE)
+    g = torch.randn(N, d, device="cuda", generator=gen).to(DTYPE)
+    return srcs, q, g
+
+
+def time_impl(fn, S, N, d, r, srcs, q, g):
+    """(fwd us, fwd+bwd us) for one implementation, None where it cannot run."""
+    if fn(srcs, q, d) is None:
+        return None, None
+    t_f = _bench(lambda: fn(srcs, q, d))
+    srcs_g = [s.detach().requires_grad_() for s in srcs]
+    q_g = q.detach().requires_grad_()
+    leaves = srcs_g + [q_g]
+
+    def fb():
+        out = fn(srcs_g, q_g, d)
+        return torch.autograd.grad(out, leaves, g)
+
+    fb()
+    t_fb = _bench(fb)
+    return t_f, t_fb
+
+
+# ---------------------------------------------------------------------------------------- check
+
+
+def _rel(a, b):
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def bf16_check(shapes, N=4096):
+    rows = []
+    for d, r, S, norm in shapes:
+        srcs, q, g = _inputs(S, N, d, r, seed=d + r + S)
+        q = q.float()
+        out = {}
+        for name, fn in (("ours", kernels.attnres), ("ref", route)):
+            ss = [s.detach().requires_grad_() for s in srcs]
+            qq = q.detach().requires_grad_()
+            kop.POISON = name == "ours"
+            h = fn(ss, qq, norm=norm, eps=EPS)
+            gr = torch.autograd.grad(h, ss + [qq], g)
+            out[name] = (h, gr[:-1], gr[-1])
+        kop.POISON = False
+        (h, gs, gq), (hr, gsr, gqr) = out["ours"], out["ref"]
+
+        def ok(x, ref):
+            x, ref = x.float(), ref.float()
+            return bool(torch.isfinite(x).all()) and bool(((x - ref).abs() <= 0.05 + 0.05 * ref.abs()).all())
+
+        row = {
+            "d": d, "r": r, "S": S, "norm": norm, "tokens": N,
+            "pass": ok(h, hr) and all(ok(a, b) for a, b in zip(gs, gsr)) and ok(gq, gqr),
+            "out_rel_l2": _rel(h, hr),
+            "src_grad_rel_l2": max(_rel(a, b) for a, b in zip(gs, gsr)),
+            "query_grad_rel_l2": _rel(gq, gqr),
+        }
+        rows.append(row)
+        print(f"check d={d} r={r} S={S} {norm}: pass={row['pass']} out={row['out_rel_l2']:.2e} "
+              f"dsrc={row['src_grad_rel_l2']:.2e} dq={row['query_grad_rel_l2']:.2e}", flush=True)
+    return rows
+
+
+# ---------------------------------------------------------------------------------------- output
+
+
+def _env():
+    return {
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "sms": torch.cuda.get_device_properties(0).multi_processor_count,
+    }
+
+
+def _write(out_dir, stem, payload, md):
+    os.makedirs(out_dir, exist_ok=True)
+    for ext, text in (("json", json.dumps(payload, indent=1)), ("md", md)):
+        path = os.path.join(out_dir, f"{stem}.{ext}")
+        with open(path + ".tmp", "w") as f:
+            f.write(text)
+        os.replace(path + ".tmp", path)
+
+
+def _md(payload):
+    e = payload["env"]
+    lines = [
+        f"# Depth-routing kernels: {e['device']}, torch {e['torch']}, triton {e['triton']}, {e['date']}",
+        "",
+        f"Copy bandwidth (read + write): {payload['copy_bw_TBps']:.2f} TB/s. Median of triton do_bench; "
+        "% = roofline bytes / (time x copy bandwidth); fwd bytes (S+1)Nd2, fwd+bwd bytes (3S+2)Nd2. bf16.",
+        "",
+    ]
+    if payload.get("check"):
+        lines += ["## bf16 check (|x-ref| <= 0.05 + 0.05|ref|)", "",
+                  "| d | r | S | norm | pass | out rel L2 | src grad rel L2 | query grad rel L2 |", "|---|---|---|---|---|---|---|---|"]
+        for c in payload["check"]:
+            lines.append(f"| {c['d']} | {c['r']} | {c['S']} | {c['norm']} | {c['pass']} | {c['out_rel_l2']:.2e} | "
+                         f"{c['src_grad_rel_l2']:.2e} | {c['query_grad_rel_l2']:.2e} |")
+        lines.append("")
+    lines += ["## Timings", "",
+              "| tokens | d | S | r | impl | fwd us | fwd % | fwd+bwd us | fwd+bwd % | ours speedup fwd+bwd |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
+    for row in payload["rows"]:
+        def f(x, p=0):
+            return "-" if x is None else f"{x:.{p}f}"
+        lines.append(f"| {row['tokens']} | {row['d']} | {row['S']} | {row['r']} | {row['impl']} | {f(row['fwd_us'])} | "
+                     f"{f(row['fwd_pct'])} | {f(row['fwdbwd_us'])} | {f(row['fwdbwd_pct'])} | {f(row.get('ours_speedup_fwdbwd'), 2)} |")
+    return "\n".join(lines) + "\n"
+
+
+# ---------------------------------------------------------------------------------------- main
+
+
+def run_grid(args):
+    t0 = time.time()
+    payload = {"env": _env(), "rows": [], "check": []}
+    bw = copy_bandwidth()
+    payload["copy_bw_TBps"] = bw / 1e12
+    print(f"copy bandwidth {bw / 1e12:.3f} TB/s", flush=True)
+    if not args.no_check:
+        payload["check"] = bf16_check([
+            (1536, 1536, 9, "slice"), (1536, 384, 9, "slice"), (1536, 192, 9, "full"), (2560, 640, 25, "slice"),
+            (1024, 128, 49, "slice"), (513, 7, 2, "full"), (1024, 1024, 64, "full"),
+        ])
+    if args.quick:
+        grid = [(8192, 1536, S, r) for S in (5, 9, 25) for r in (1536, 384)] + [(4096, 2560, 9, 320), (8192, 1024, 49, 1024)]
+        compile_at = {(8192, 1536, 9, 384)}
+    else:
+        grid = [(N, d, S, r) for N in (4096, 8192) for d in (1024, 1536, 2560) for S in (2, 5, 9, 25, 49)
+                for r in (d, d // 4, d // 8)]
+        compile_at = {(8192, 1536, 9, 1536), (8192, 1536, 9, 384), (8192, 2560, 9, 320)}
+    impls = _impls(want_compile=not args.no_compile)
+    for N, d, S, r in grid:
+        if time.time() - t0 > args.budget_s:
+            print("time budget reached; stopping the grid", flush=True)
+            payload["truncated"] = True
+            break
+        srcs, q, g = _inputs(S, N, d, r)
+        res = {}
+        for name, fn in impls.items():
+            if name == "compiled" and (N, d, S, r) not in compile_at:
+                continue
+            if name == "eager" and not args.eager_all and S > 9 and N == 4096:
+                continue
+            try:
+                t_f, t_fb = time_impl(fn, S, N, d, r, srcs, q, g)
+            except Exception as e:
+                print(f"{name} failed at N={N} d={d} S={S} r={r}: {e!r}", flush=True)
+                traceback.print_exc(limit=2)
+                continue
+            if t_f is None:
+                continue
+            res[name] = (t_f, t_fb)
+        fwd_bytes = (S + 1) * N * d * 2
+        fb_bytes = (3 * S + 2) * N * d * 2
+        for name, (t_f, t_fb) in res.items():
+            row = {
+                "tokens": N, "d": d, "S": S, "r": r, "impl": name,
+                "fwd_us": t_f, "fwdbwd_us": t_fb,
+                "fwd_pct": 100 * fwd_bytes / (t_f * 1e-6 * bw), "fwdbwd_pct": 100 * fb_bytes / (t_fb * 1e-6 * bw),
+                "fwd_bytes": fwd_bytes, "fwdbwd_bytes": fb_bytes,
+            }
+            if name != "ours" and "ours" in res:
+                row["ours_speedup_fwd"] = t_f / res["ours"][0]
+                row["ours_speedup_fwdbwd"] = t_fb / res["ours"][1]
+            payload["rows"].append(row)
+        line = " ".join(f"{k}={v[0]:.0f}/{v[1]:.0f}" for k, v in res.items())
+        if "ours" in res:
+            o = payload["rows"][-len(res)]
+            line += f"  ours {o['fwd_pct']:.0f}%/{o['fwdbwd_pct']:.0f}%"
+        print(f"N={N} d={d} S={S} r={r}: {line}", flush=True)
+        _write(args.out, "kernel_bench", payload, _md(payload))
+        del srcs, q, g
+    payload["elapsed_s"] = time.time() - t0
+    _write(args.out, "kernel_bench", payload, _md(payload))
+
+
+def run_sweep(args):
+    """Time launch configurations of our kernels (forward and backward separately)."""
+    payload = {"env": _env(), "fwd": [], "bwd": []}
+    bw = copy_bandwidth()
+    payload["copy_bw_TBps"] = bw / 1e12
+    t0 = time.time()
+    for N, d, S, rr in [(8192, 1536, 9, 4), (8192, 2560, 9, 4), (8192, 1024, 9, 4)]:
+        r = d // rr
+        srcs, q, g = _inputs(S, N, d, r)
+        block_d = triton.next_power_of_2(d)
+        fwd_bytes = (S + 1) * N * d * 2
+        best = None
+        for bt in (1, 2, 4, 8, 16):
+            for nw in (2, 4, 8, 16):
+                per_thread = bt * block_d / (32 * nw)
+                if not 8 <= per_thread <= 64:
+                    continue
+                for pf in (False, True):
+                    kop.CONFIG_OVERRIDE["fwd"] = dict(BLOCK_T=bt, num_warps=nw, PREFETCH=pf)
+                    try:
+                        t = _bench(lambda: kop._fwd_triton(srcs, q, "slice", EPS), 5, 25)
+                    except Exception as e:
+                        print(f"fwd cfg bt={bt} nw={nw} pf={pf} failed: {e!r}", flush=True)
+                        continue
+                    pct = 100 * fwd_bytes / (t * 1e-6 * bw)
+                    payload["fwd"].append({"N": N, "d": d, "S": S, "r": r, "BLOCK_T": bt, "num_warps": nw, "PREFETCH": pf, "us": t, "pct": pct})
+                    if best is None or t < best[0]:
+                        best = (t, pct, bt, nw, pf)
+        print(f"fwd N={N} d={d} S={S} r={r}: best {best}", flush=True)
+        kop.CONFIG_OVERRIDE.pop("fwd", None)
+        h, lse = kop._fwd_triton(srcs, q, "slice", EPS)
+        bwd_bytes = (2 * S + 2) * N * d * 2
+        best = None
+        for bt in (1, 2, 4, 8):
+            for nw in (2, 4, 8, 16):
+                per_thread = bt * block_d / (32 * nw)
+                if not 4 <= per_thread <= 32:
+                    continue
+                for pf in (False, True):
+                    for dq2 in (False, True):
+                        for per_sm in (4, 8):
+                            kop.CONFIG_OVERRIDE["bwd"] = dict(BLOCK_T=bt, num_warps=nw, PREFETCH=pf, DQ2D=dq2, per_sm=per_sm)
+                            try:
+                                t = _bench(lambda: kop._bwd_triton(srcs, q, h, lse, g, "slice", EPS), 5, 25)
+                            except Exception as e:
+                                print(f"bwd cfg failed: {e!r}", flush=True)
+                                continue
+                            pct = 100 * bwd_bytes / (t * 1e-6 * bw)
+                            payload["bwd"].append({"N": N, "d": d, "S": S, "r": r, "BLOCK_T": bt, "num_warps": nw, "PREFETCH": pf,
+                                                   "DQ2D": dq2, "per_sm": per_sm, "us": t, "pct_of_own_bytes": pct})
+                            if best is None or t < best[0]:
+                                best = (t, pct, bt, nw, pf, dq2, per_sm)
+        kop.CONFIG_OVERRIDE.pop("bwd", None)
+        print(f"bwd N={N} d={d} S={S} r={r}: best {best} (pct of (2S+2)Nd2)", flush=True)
+        with open(os.path.join(args.out, "kernel_sweep.json"), "w") as f:
+            json.dump(payload, f, indent=1)
+        if time.time() - t0 > args.budget_s:
+            break
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--sweep", action="store_true")
+    p.add_argument("--no-check", action="store_true")
+    p.add_argument("--no-compile", action="store_true")
+    p.add_argument("--eager-all", action="store_true", help="also time the eager reference at 4096 tokens for S > 9")
+    p.add_argument("--budget-s", type=float, default=480.0)
+    args = p.parse_args(argv)
+    os.makedirs(args.out, exist_ok=True)
+    if not torch.cuda.is_available():
+        print("kernel_bench needs a CUDA GPU", file=sys.stderr)
+        return 1
+    if args.sweep:
+        run_sweep(args)
+    else:
+        run_grid(args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
