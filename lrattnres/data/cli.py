@@ -1,0 +1,45 @@
+"""``prepare-data`` stage: ``python -m lrattnres.data.cli --spec '<json>' --out <dir>``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="lrattnres prepare-data", description=__doc__)
+    p.add_argument("--spec", default="{}", help="JSON object of settings (or @file.json)")
+    p.add_argument("--out", required=True, help="output folder (manifest.json + shards)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    args = p.parse_args(argv)
+    text = args.spec
+    if text.startswith("@"):
+        text = Path(text[1:]).read_text(encoding="utf-8")
+    try:
+        spec = json.loads(text)
+    except json.JSONDecodeError as e:
+        print(f"prepare-data: --spec is not valid JSON ({e})", file=sys.stderr)
+        return 2
+    from .shards import prepare
+    from .spec import SpecError
+
+    try:
+        m = prepare(spec, args.out, progress=not args.no_progress)
+    except SpecError as e:
+        print(f"prepare-data: {e}", file=sys.stderr)
+        return 2
+    c, t = m["counts"], m["timing"]
+    print(
+        f"prepare-data: {args.out}: {c['tokens']:,} tokens in {c['documents']:,} documents "
+        f"(val {m['splits']['val']['tokens']:,} / train {m['splits']['train']['tokens']:,} tokens, "
+        f"{c['empty_skipped']} empty skipped), vocab {m['vocab']} {m['vocab_size']:,}, "
+        f"{t['seconds']:.1f} s, encode {t['encode_tokens_per_s']:,} tokens/s",
+        file=sys.stderr,
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,322 @@
+"""Build token shards from a source: tokenise, split val/train by whole documents, shard, compact.
+
+The build works in ``<out>/../.<name>.partial/`` and renames it onto ``<out>`` when complete, so an
+interrupted build never leaves a folder that looks complete. It is resumable: every shard holds whole
+documents, and after each shard is written ``progress.json`` records the number of source documents
+consumed; a restart with the same spec keeps the written shards and skips that many documents.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..io import atomic_path, atomic_write_json, read_json
+from ..provenance import config_sha256, now, provenance
+from . import tokenizer as tok
+from .manifest import FORMAT, SPLITS, load_manifest, sha256_file
+from .sources import make_source
+from .spec import max_tokens, validate_spec
+
+CHUNK_DOCS = 64  # documents per encode_ordinary_batch call
+VAL_DEFINITION = (
+    "the first whole documents of the source order until the split holds at least val_tokens tokens "
+    "(the document that reaches the budget is included); every later document is training data"
+)
+
+
+class _Buffer:
+    def __init__(self):
+        self.arrays: list[np.ndarray] = []
+        self.lengths: list[int] = []
+        self.tokens = 0
+        self.text = hashlib.sha256()
+
+    def add(self, text: str, ids: list[int]) -> None:
+        a = np.asarray(ids, dtype=np.uint32)
+        self.arrays.append(a)
+        self.lengths.append(a.size)
+        self.tokens += a.size
+        self.text.update(text.encode("utf-8", "surrogatepass"))
+        self.text.update(b"\0")
+
+
+def _fresh_state(spec_sha: str) -> dict[str, Any]:
+    return {
+        "spec_sha256": spec_sha,
+        "started": now(),
+        "docs_consumed": 0,
+        "documents": 0,
+        "empty_skipped": 0,
+        "tokens": 0,
+        "split": "val",
+        "splits": {s: {"tokens": 0, "documents": 0, "shards": []} for s in SPLITS},
+        "encode_seconds": 0.0,
+        "seconds": 0.0,
+        "done": False,
+        "source": None,
+    }
+
+
+def _flush(work: Path, state: dict, split: str, buf: _Buffer) -> None:
+    if not buf.tokens:
+        return
+    s = state["splits"][split]
+    i = len(s["shards"])
+    name = f"{split}_{i:05d}"
+    data = np.concatenate(buf.arrays).astype("<u4", copy=False)
+    raw = work / "raw" / f"{name}.bin"
+    with atomic_path(raw) as tmp:
+        data.tofile(tmp)
+    ends = np.cumsum(np.asarray(buf.lengths, dtype=np.int64))
+    idx = work / f"{name}.idx.npy"
+    with atomic_path(idx) as tmp:
+        with open(tmp, "wb") as f:
+            np.save(f, ends, allow_pickle=False)
+    s["shards"].append({
+        "file": f"{name}.bin",
+        "tokens": int(buf.tokens),
+        "documents": len(buf.lengths),
+        "sha256": hashlib.sha256(data.tobytes()).hexdigest(),
+        "index": idx.name,
+        "index_sha256": sha256_file(idx),
+        "text_sha256": buf.text.hexdigest(),
+    })
+    s["tokens"] += int(buf.tokens)
+    s["documents"] += len(buf.lengths)
+    atomic_write_json(work / "progress.json", state)
+
+
+def _tokenize(spec: dict, work: Path, state: dict, progress: bool) -> None:
+    from tqdm import tqdm
+
+    t_start = time.perf_counter()
+    source = make_source(spec)
+    cap = max_tokens(spec)
+    val_tokens = spec["val_tokens"]
+    shard_tokens = spec["shard_tokens"]
+    enc = tok.get_encoding()
+    if state["split"] == "val" and val_tokens == 0:
+        state["split"] = "train"
+    texts_it = source.iter_texts(skip=state["docs_consumed"])
+    buf = _Buffer()
+    pending = {s: state["splits"][s]["tokens"] for s in SPLITS}
+    bar = tqdm(total=cap, initial=state["tokens"], unit="tok", unit_scale=True, file=sys.stderr,
+               disable=not progress, desc=f"prepare-data ({spec['source']})", mininterval=1.0)
+    stop = cap is not None and state["tokens"] >= cap
+    encode_s = 0.0
+    try:
+        while not stop:
+            texts = list(itertools.islice(texts_it, CHUNK_DOCS))
+            if not texts:
+                break
+            t0 = time.perf_counter()
+            encoded = enc.encode_ordinary_batch(texts, num_threads=spec["num_threads"])
+            encode_s += time.perf_counter() - t0
+            for text, ids in zip(texts, encoded):
+                state["docs_consumed"] += 1
+                if not ids or not text.strip():
+                    state["empty_skipped"] += 1
+                    continue
+                ids.append(tok.EOT)
+                split = state["split"]
+                buf.add(text, ids)
+                n = len(ids)
+                state["tokens"] += n
+                state["documents"] += 1
+                pending[split] += n
+                bar.update(n)
+                if split == "val" and pending["val"] >= val_tokens:
+                    _flush(work, state, "val", buf)
+                    buf = _Buffer()
+                    state["split"] = "train"
+                    atomic_write_json(work / "progress.json", state)
+                elif buf.tokens >= shard_tokens:
+                    _flush(work, state, split, buf)
+                    buf = _Buffer()
+                if cap is not None and state["tokens"] >= cap:
+                    stop = True
+                    break
+        _flush(work, state, state["split"], buf)
+    finally:
+        bar.close()
+        close = getattr(texts_it, "close", None)
+        if close:
+            close()
+    state["encode_seconds"] += encode_s
+    state["seconds"] += time.perf_counter() - t_start
+    state["source"] = source.describe()
+    if state["documents"] == 0:
+        raise ValueError(
+            f"empty corpus: source {spec['source']!r} gave no non-empty documents "
+            f"({state['docs_consumed']} consumed, {state['empty_skipped']} empty) -- "
+            f"settings {spec[spec['source']]}"
+        )
+    if state["splits"]["train"]["tokens"] == 0:
+        raise ValueError(
+            f"corpus too small: all {state['tokens']} tokens ({state['documents']} documents) went to the "
+            f"validation split (val_tokens={val_tokens}); lower val_tokens or give more data"
+        )
+    state["done"] = True
+    atomic_write_json(work / "progress.json", state)
+
+
+def _all_shards(state: dict):
+    for split in SPLITS:
+        for rec in state["splits"][split]["shards"]:
+            yield split, rec
+
+
+def _finalize(spec: dict, work: Path, state: dict, progress: bool) -> dict[str, Any]:
+    from tqdm import tqdm
+
+    vocab_map = None
+    vocab_size = tok.N_VOCAB
+    eot_id = tok.EOT
+    unk_id = None
+    shards = list(_all_shards(state))
+    if spec["vocab"] == "compact":
+        vpath = work / "vocab.npy"
+        if not vpath.exists():
+            used = np.zeros(tok.N_VOCAB, dtype=bool)
+            used[tok.EOT] = True
+            for _, rec in tqdm(shards, desc="compaction: scan", file=sys.stderr, disable=not progress):
+                mm = np.memmap(work / "raw" / rec["file"], dtype="<u4", mode="r")
+                for a in range(0, mm.size, 1 << 24):
+                    used |= np.bincount(mm[a:a + (1 << 24)], minlength=tok.N_VOCAB).astype(bool)
+            ids = np.flatnonzero(used).astype(np.int64)
+            with atomic_path(vpath) as tmp:
+                with open(tmp, "wb") as f:
+                    np.save(f, ids, allow_pickle=False)
+        ids = np.load(vpath)
+        fwd = np.full(tok.N_VOCAB, ids.size, dtype=np.uint32)
+        fwd[ids] = np.arange(ids.size, dtype=np.uint32)
+        for _, rec in tqdm(shards, desc="compaction: rewrite", file=sys.stderr, disable=not progress):
+            mm = np.memmap(work / "raw" / rec["file"], dtype="<u4", mode="r")
+            h = hashlib.sha256()
+            with atomic_path(work / rec["file"]) as tmp:
+                with open(tmp, "wb") as f:
+                    for a in range(0, mm.size, 1 << 24):
+                        block = fwd[mm[a:a + (1 << 24)]].astype("<u4", copy=False)
+                        h.update(block.tobytes())
+                        block.tofile(f)
+            rec["sha256"] = h.hexdigest()
+        vocab_map = {"file": vpath.name, "sha256": sha256_file(vpath), "size": int(ids.size),
+                     "meaning": "model id i < size stands for cl100k id ids[i] (sorted); id `size` is UNK "
+                                "(any cl100k id the corpus never used)"}
+        vocab_size = int(ids.size) + 1
+        eot_id = int(fwd[tok.EOT])
+        unk_id = int(ids.size)
+    else:
+        for _, rec in shards:
+            raw = work / "raw" / rec["file"]
+            if raw.exists():
+                os.replace(raw, work / rec["file"])
+    shutil.rmtree(work / "raw", ignore_errors=True)
+
+    content = hashlib.sha256("\n".join(rec.pop("text_sha256") for _, rec in shards).encode()).hexdigest()
+    enc_s = max(state["encode_seconds"], 1e-9)
+    source = dict(state["source"] or {})
+    source["content_sha256"] = content
+    source["content_sha256_definition"] = (
+        "sha256 of the newline-joined per-shard sha256 of the documents' UTF-8 text, each followed by NUL"
+    )
+    m: dict[str, Any] = {
+        "format": FORMAT,
+        "stage": "data",
+        "tokenizer": tok.tokenizer_info(),
+        "dtype": "uint32",
+        "byteorder": "little",
+        "vocab": spec["vocab"],
+        "vocab_size": vocab_size,
+        "eot_id": eot_id,
+        "unk_id": unk_id,
+        "vocab_map": vocab_map,
+        "source": source,
+        "counts": {
+            "documents_consumed": state["docs_consumed"],
+            "documents": state["documents"],
+            "empty_skipped": state["empty_skipped"],
+            "duplicates_skipped": source.get("duplicates_skipped", 0),
+            "tokens": state["tokens"],
+        },
+        "val_split": {
+            "definition": VAL_DEFINITION,
+            "val_tokens_requested": spec["val_tokens"],
+            "tokens": state["splits"]["val"]["tokens"],
+            "documents": state["splits"]["val"]["documents"],
+        },
+        "splits": state["splits"],
+        "shard_tokens": spec["shard_tokens"],
+        "timing": {
+            "seconds": round(state["seconds"], 3),
+            "encode_seconds": round(state["encode_seconds"], 3),
+            "encode_tokens_per_s": round(state["tokens"] / enc_s),
+            "end_to_end_tokens_per_s": round(state["tokens"] / max(state["seconds"], 1e-9)),
+            "num_threads": spec["num_threads"],
+            "cpu_count": os.cpu_count(),
+        },
+        "spec": spec,
+        "provenance": provenance(spec, started=state["started"]),
+    }
+    return m
+
+
+def _make_readable(folder: Path) -> None:
+    """mkstemp creates 0600 files; give the outputs the usual umask-based mode."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for f in folder.iterdir():
+        if f.is_file():
+            os.chmod(f, 0o666 & ~umask)
+
+
+def prepare(spec: dict | None, out: str | os.PathLike, *, progress: bool = True) -> dict:
+    """Build the token shards and manifest for ``spec`` in ``out``; return the loaded manifest."""
+    spec = validate_spec(spec)
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    work = out.parent / f".{out.name}.partial"
+    spec_sha = config_sha256(spec)
+    state = None
+    prog = work / "progress.json"
+    if prog.exists():
+        try:
+            old = read_json(prog)
+            if old.get("spec_sha256") == spec_sha:
+                state = old
+                print(f"[data] resuming {work}: {old['docs_consumed']} documents consumed, "
+                      f"{old['tokens']} tokens written", file=sys.stderr)
+        except ValueError:
+            state = None
+    if state is None:
+        shutil.rmtree(work, ignore_errors=True)
+        (work / "raw").mkdir(parents=True)
+        state = _fresh_state(spec_sha)
+    try:
+        if not state["done"]:
+            _tokenize(spec, work, state, progress)
+    except ValueError:
+        shutil.rmtree(work, ignore_errors=True)  # a definitive error (empty corpus ...): nothing to resume
+        raise
+    m = _finalize(spec, work, state, progress)
+    atomic_write_json(work / "manifest.json", m)
+    prog.unlink(missing_ok=True)
+    _make_readable(work)
+    if out.exists():
+        old = out.parent / f".{out.name}.old"
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(out, old)
+        os.replace(work, out)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(work, out)
+    return load_manifest(out)

@@ -1,0 +1,375 @@
+"""Document sources. Each yields document texts in a fixed order and can skip a consumed prefix.
+
+- ``EmbeddedSource``: docstrings (longer than ``min_chars``) of installed packages, read with ``ast``
+  from the installed ``.py`` files without importing the packages. Order: packages in the configured
+  order, files by sorted relative path, docstrings in source order (module, then classes/functions
+  depth-first). Exact duplicate docstrings are dropped (counted), so that no text is both in the
+  validation and the training split.
+- ``HFSource``: a Hugging Face dataset streamed with ``datasets`` (Ultra-FineWeb by default).
+- ``LocalSource``: the user's txt (one document per file), jsonl (one per line, ``field``) or parquet
+  (one per row, ``field``) files matched by a glob, in sorted path order.
+"""
+
+from __future__ import annotations
+
+import ast
+import glob as _glob
+import hashlib
+import importlib.util
+import json
+import os
+import sys
+from importlib import metadata
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+
+# ------------------------------------------------------------------------------------------------
+# embedded: docstrings of installed packages
+
+
+def _docstrings_of_file(args: tuple[str, int]) -> list[str]:
+    """Docstrings longer than ``min_chars`` in one file, in source order (module first)."""
+    path, min_chars = args
+    try:
+        with open(path, "rb") as f:
+            tree = ast.parse(f.read(), filename=path)
+    except (SyntaxError, ValueError, OSError, RecursionError):
+        return []
+    out: list[str] = []
+    stack: list[ast.AST] = [tree]
+    kinds = (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
+    while stack:
+        node = stack.pop()
+        if isinstance(node, kinds):
+            doc = ast.get_docstring(node, clean=True)
+            if doc and len(doc) > min_chars:
+                out.append(doc)
+        children = [c for c in ast.iter_child_nodes(node) if _may_hold_defs(c)]
+        stack.extend(reversed(children))
+    return out
+
+
+def _may_hold_defs(node: ast.AST) -> bool:
+    return not isinstance(node, (ast.expr, ast.expr_context, ast.operator, ast.arguments))
+
+
+def package_files(name: str) -> tuple[Path, list[str]] | None:
+    """(root, sorted relative paths of .py files) of an installed top-level package, or None."""
+    try:
+        spec = importlib.util.find_spec(name)  # finds a top-level package without executing it
+    except (ImportError, ValueError):
+        return None
+    if spec is None:
+        return None
+    if spec.submodule_search_locations:
+        roots = [Path(p) for p in spec.submodule_search_locations]
+    elif spec.origin and spec.origin.endswith(".py"):
+        p = Path(spec.origin)
+        return p.parent, [p.name]
+    else:
+        return None
+    root = roots[0]
+    rels: set[str] = set()
+    for r in roots:
+        for dirpath, dirnames, filenames in os.walk(r):
+            dirnames[:] = [d for d in dirnames if d != "__pycache__"]
+            for fn in filenames:
+                if fn.endswith(".py"):
+                    rels.add(Path(dirpath, fn).relative_to(r).as_posix())
+    return root, sorted(rels)
+
+
+def _dist_of(name: str) -> str | None:
+    try:
+        dists = metadata.packages_distributions().get(name)
+    except Exception:  # pragma: no cover
+        dists = None
+    return dists[0] if dists else None
+
+
+def _is_stdlib(name: str) -> bool:
+    return name in getattr(sys, "stdlib_module_names", ())
+
+
+def package_meta(name: str) -> dict[str, Any]:
+    if _is_stdlib(name):
+        import platform
+
+        return {"name": name, "distribution": "python (standard library)",
+                "version": platform.python_version(), "license": "PSF-2.0"}
+    dist = _dist_of(name) or name
+    info: dict[str, Any] = {"name": name, "distribution": dist, "version": None, "license": None}
+    try:
+        md = metadata.metadata(dist)
+    except metadata.PackageNotFoundError:
+        return info
+    info["version"] = md.get("Version")
+    lic = md.get("License-Expression") or ""
+    if not lic:
+        raw = (md.get("License") or "").strip()
+        first = raw.splitlines()[0].strip() if raw else ""
+        lic = first[:120]
+    classifiers = [c.split("::")[-1].strip() for c in md.get_all("Classifier") or [] if c.startswith("License ::")]
+    if not lic or lic.upper() in ("UNKNOWN", "NONE"):
+        lic = "; ".join(classifiers) or None
+    info["license"] = lic
+    if classifiers:
+        info["license_classifiers"] = classifiers
+    return info
+
+
+class EmbeddedSource:
+    kind = "embedded"
+
+    def __init__(self, packages: list[str], max_documents: int | None = None, min_chars: int = 200,
+                 workers: int = 2, missing: str = "skip", **_: Any):
+        self.packages = list(packages)
+        self.max_documents = max_documents
+        self.min_chars = min_chars
+        self.workers = max(1, int(workers))
+        self.missing = missing
+        self.stats: dict[str, Any] = {}
+        self.package_info: list[dict[str, Any]] = []
+
+    def _plan(self) -> list[tuple[dict, Path, list[str]]]:
+        plan = []
+        missing = []
+        for name in self.packages:
+            found = package_files(name)
+            if found is None:
+                missing.append(name)
+                continue
+            root, rels = found
+            info = package_meta(name)
+            info["files"] = len(rels)
+            info["documents_extracted"] = 0
+            plan.append((info, root, rels))
+        if missing and self.missing == "error":
+            raise ValueError(f"spec.embedded.packages: not installed: {', '.join(missing)}")
+        if missing:
+            print(f"[data] embedded: packages not installed, skipped: {', '.join(missing)}", file=sys.stderr)
+        self.stats["missing_packages"] = missing
+        if not plan:
+            raise ValueError(
+                f"empty corpus: none of the embedded packages {self.packages} is installed"
+            )
+        return plan
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "kind": self.kind,
+            "packages": self.package_info,
+            "requested_packages": self.packages,
+            "max_documents": self.max_documents,
+            "min_chars": self.min_chars,
+            "order": "packages in configured order; files by sorted relative path; docstrings in "
+            "source order (module, classes, functions depth-first); exact duplicates dropped",
+            **self.stats,
+        }
+
+    def iter_texts(self, skip: int = 0) -> Iterator[str]:
+        plan = self._plan()
+        self.package_info = [p[0] for p in plan]
+        seen: set[bytes] = set()
+        yielded = 0
+        dups = 0
+        jobs = [(info, str(root / rel)) for info, root, rels in plan for rel in rels]
+        args = [(path, self.min_chars) for _, path in jobs]
+        pool = None
+        if self.workers > 1 and len(args) > 8:
+            import multiprocessing as mp
+
+            ctx = mp.get_context("fork" if sys.platform.startswith("linux") else "spawn")
+            pool = ctx.Pool(self.workers)
+            results = pool.imap(_docstrings_of_file, args, chunksize=4)
+        else:
+            results = map(_docstrings_of_file, args)
+        try:
+            for (info, _), docs in zip(jobs, results):
+                for doc in docs:
+                    key = hashlib.sha1(doc.encode("utf-8", "surrogatepass")).digest()
+                    if key in seen:
+                        dups += 1
+                        continue
+                    seen.add(key)
+                    info["documents_extracted"] += 1
+                    yielded += 1
+                    self.stats["duplicates_skipped"] = dups
+                    if yielded > skip:
+                        yield doc
+                    if self.max_documents is not None and yielded >= self.max_documents:
+                        return
+        finally:
+            self.stats["duplicates_skipped"] = dups
+            if pool is not None:
+                pool.terminate()
+                pool.join()
+
+
+# ------------------------------------------------------------------------------------------------
+# hf: a datasets stream (Ultra-FineWeb by default)
+
+
+def _default_load_dataset(*args, **kwargs):
+    import datasets
+
+    return datasets.load_dataset(*args, **kwargs)
+
+
+class HFSource:
+    kind = "hf"
+    #: the function that opens the stream; tests may replace it, the default is datasets.load_dataset
+    load_dataset: Callable[..., Any] = staticmethod(_default_load_dataset)
+
+    def __init__(self, dataset: str, split: str, column: str, revision: str | None = None,
+                 name: str | None = None, data_files: Any = None, **_: Any):
+        self.dataset = dataset
+        self.split = split
+        self.column = column
+        self.revision = revision
+        self.name = name
+        self.data_files = data_files
+        self.stats: dict[str, Any] = {}
+
+    def describe(self) -> dict[str, Any]:
+        d = {
+            "kind": self.kind,
+            "dataset": self.dataset,
+            "name": self.name,
+            "split": self.split,
+            "column": self.column,
+            "revision": self.revision,
+            "data_files": self.data_files,
+            "datasets_version": _version("datasets"),
+            "order": "the dataset's streaming order",
+            **self.stats,
+        }
+        return d
+
+    def open(self):
+        kwargs: dict[str, Any] = {"split": self.split, "streaming": True}
+        if self.name is not None:
+            kwargs["name"] = self.name
+        if self.revision is not None:
+            kwargs["revision"] = self.revision
+        if self.data_files is not None:
+            kwargs["data_files"] = self.data_files
+        try:
+            return self.load_dataset(self.dataset, **kwargs)
+        except Exception as e:
+            raise RuntimeError(f"hf source {self.dataset!r} (split {self.split!r}): cannot open the stream: {e}") from e
+
+    def iter_texts(self, skip: int = 0) -> Iterator[str]:
+        ds = self.open()
+        if skip:
+            ds = ds.skip(skip)
+        for i, row in enumerate(ds):
+            if self.column not in row:
+                raise ValueError(
+                    f"hf source {self.dataset!r}: column {self.column!r} not in the rows "
+                    f"(columns: {', '.join(map(str, row))})"
+                )
+            text = row[self.column]
+            yield "" if text is None else str(text)
+
+
+# ------------------------------------------------------------------------------------------------
+# local files
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+class LocalSource:
+    kind = "local"
+
+    def __init__(self, glob: str, format: str = "auto", field: str = "text", **_: Any):
+        self.glob = glob
+        self.format = format
+        self.field = field
+        self.files: list[dict[str, Any]] = []
+        self.stats: dict[str, Any] = {}
+
+    def _paths(self) -> list[str]:
+        paths = sorted(p for p in _glob.glob(os.path.expanduser(self.glob), recursive=True) if os.path.isfile(p))
+        if not paths:
+            raise FileNotFoundError(f"empty corpus: spec.local.glob {self.glob!r} matches no files")
+        return paths
+
+    def _format_of(self, path: str) -> str:
+        if self.format != "auto":
+            return self.format
+        low = path.lower()
+        if low.endswith((".jsonl", ".json", ".ndjson")):
+            return "jsonl"
+        if low.endswith(".parquet"):
+            return "parquet"
+        return "txt"
+
+    def describe(self) -> dict[str, Any]:
+        return {"kind": self.kind, "glob": self.glob, "format": self.format, "field": self.field,
+                "files": self.files, "order": "files by sorted path; rows/lines in file order", **self.stats}
+
+    def _iter_file(self, path: str, fmt: str) -> Iterator[str]:
+        if fmt == "txt":
+            with open(path, encoding="utf-8", errors="replace") as f:
+                yield f.read()
+        elif fmt == "jsonl":
+            with open(path, encoding="utf-8") as f:
+                for lineno, line in enumerate(f, 1):
+                    if not line.strip():
+                        continue
+                    try:
+                        obj = json.loads(line)
+                    except json.JSONDecodeError as e:
+                        raise ValueError(f"{path}:{lineno}: not valid JSON ({e})") from None
+                    if not isinstance(obj, dict) or self.field not in obj:
+                        raise ValueError(f"{path}:{lineno}: field {self.field!r} missing (spec.local.field)")
+                    v = obj[self.field]
+                    yield "" if v is None else str(v)
+        elif fmt == "parquet":
+            import pyarrow.parquet as pq
+
+            try:
+                pf = pq.ParquetFile(path)
+            except Exception as e:
+                raise ValueError(f"{path}: not a readable parquet file ({e})") from None
+            if self.field not in pf.schema_arrow.names:
+                raise ValueError(
+                    f"{path}: column {self.field!r} missing (spec.local.field; columns: "
+                    f"{', '.join(pf.schema_arrow.names)})"
+                )
+            for batch in pf.iter_batches(columns=[self.field], batch_size=1024):
+                for v in batch.column(0).to_pylist():
+                    yield "" if v is None else str(v)
+        else:  # pragma: no cover - validated in spec
+            raise ValueError(f"unknown format {fmt!r}")
+
+    def iter_texts(self, skip: int = 0) -> Iterator[str]:
+        self.files = []
+        n = 0
+        for path in self._paths():
+            fmt = self._format_of(path)
+            rec = {"path": path, "format": fmt, "documents": 0, "size": os.path.getsize(path)}
+            self.files.append(rec)
+            for text in self._iter_file(path, fmt):
+                n += 1
+                rec["documents"] += 1
+                if n > skip:
+                    yield text
+
+
+def make_source(spec: dict):
+    kind = spec["source"]
+    if kind == "embedded":
+        return EmbeddedSource(**spec["embedded"])
+    if kind == "hf":
+        return HFSource(**spec["hf"])
+    if kind == "local":
+        return LocalSource(**spec["local"])
+    raise ValueError(f"spec.source: unknown source {kind!r}")  # pragma: no cover

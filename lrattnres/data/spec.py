@@ -1,0 +1,145 @@
+"""The prepare-data spec: defaults, validation (errors name the bad key)."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+DEFAULT_PACKAGES = [
+    "torch",
+    "numpy",
+    "sympy",
+    "pandas",
+    "networkx",
+    "matplotlib",
+    "datasets",
+    "huggingface_hub",
+]
+
+DEFAULTS: dict[str, Any] = {
+    "source": "embedded",
+    "embedded": {
+        "packages": DEFAULT_PACKAGES,
+        "max_documents": None,
+        "max_tokens": None,
+        "min_chars": 200,  # a docstring must be longer than this to count as a document
+        "workers": 2,  # processes parsing files with ast
+        "missing": "skip",  # skip | error: what to do with a listed package that is not installed
+    },
+    "hf": {
+        "dataset": "openbmb/Ultra-FineWeb",
+        "name": None,
+        "split": "en",
+        "column": "content",
+        "revision": None,
+        "max_tokens": None,
+        "data_files": None,  # e.g. a local mirror: dataset "parquet", data_files "mirror/*.parquet"
+    },
+    "local": {"glob": None, "format": "auto", "field": "text", "max_tokens": None},
+    "val_tokens": 100_000_000,  # the paper: the first 100M tokens are the validation set
+    "shard_tokens": 50_000_000,
+    "vocab": "full",
+    "seed": 0,
+    "num_threads": 2,  # tiktoken encode_ordinary_batch threads
+}
+
+_SOURCES = ("embedded", "hf", "local")
+_FORMATS = ("auto", "txt", "jsonl", "parquet")
+
+
+class SpecError(ValueError):
+    pass
+
+
+def _int(v, key, minimum=0, optional=False):
+    if v is None and optional:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise SpecError(f"spec.{key}: expected an integer{' or null' if optional else ''}, got {v!r}")
+    if v < minimum:
+        raise SpecError(f"spec.{key}: expected >= {minimum}, got {v}")
+    return v
+
+
+def _str(v, key, optional=False, choices=None):
+    if v is None and optional:
+        return None
+    if not isinstance(v, str) or not v:
+        raise SpecError(f"spec.{key}: expected a non-empty string{' or null' if optional else ''}, got {v!r}")
+    if choices and v not in choices:
+        raise SpecError(f"spec.{key}: expected one of {', '.join(choices)}, got {v!r}")
+    return v
+
+
+def validate_spec(spec: dict | None) -> dict:
+    """Merge ``spec`` over the defaults and check every key; raise SpecError naming the bad one."""
+    if spec is None:
+        spec = {}
+    if not isinstance(spec, dict):
+        raise SpecError(f"spec: expected a JSON object, got {type(spec).__name__}")
+    out = copy.deepcopy(DEFAULTS)
+    for k, v in spec.items():
+        if k not in DEFAULTS:
+            raise SpecError(f"spec.{k}: unknown key (expected one of {', '.join(DEFAULTS)})")
+        if isinstance(DEFAULTS[k], dict):
+            if v is None:
+                continue
+            if not isinstance(v, dict):
+                raise SpecError(f"spec.{k}: expected an object, got {v!r}")
+            for kk, vv in v.items():
+                if kk not in DEFAULTS[k]:
+                    raise SpecError(
+                        f"spec.{k}.{kk}: unknown key (expected one of {', '.join(DEFAULTS[k])})"
+                    )
+                out[k][kk] = vv
+        else:
+            out[k] = v
+
+    _str(out["source"], "source", choices=_SOURCES)
+    _str(out["vocab"], "vocab", choices=("full", "compact"))
+    _int(out["val_tokens"], "val_tokens", 0)
+    _int(out["shard_tokens"], "shard_tokens", 1)
+    _int(out["seed"], "seed", 0)
+    _int(out["num_threads"], "num_threads", 1)
+
+    e = out["embedded"]
+    if not isinstance(e["packages"], list) or not e["packages"] or not all(
+        isinstance(p, str) and p.isidentifier() for p in e["packages"]
+    ):
+        raise SpecError(f"spec.embedded.packages: expected a non-empty list of importable package names, got {e['packages']!r}")
+    if len(set(e["packages"])) != len(e["packages"]):
+        raise SpecError(f"spec.embedded.packages: duplicate names in {e['packages']!r}")
+    _int(e["max_documents"], "embedded.max_documents", 1, optional=True)
+    _int(e["max_tokens"], "embedded.max_tokens", 1, optional=True)
+    _int(e["min_chars"], "embedded.min_chars", 0)
+    _int(e["workers"], "embedded.workers", 1)
+    _str(e["missing"], "embedded.missing", choices=("skip", "error"))
+
+    h = out["hf"]
+    _str(h["dataset"], "hf.dataset")
+    _str(h["name"], "hf.name", optional=True)
+    _str(h["split"], "hf.split")
+    _str(h["column"], "hf.column")
+    _str(h["revision"], "hf.revision", optional=True)
+    _int(h["max_tokens"], "hf.max_tokens", 1, optional=True)
+    df = h["data_files"]
+    if df is not None and not (
+        isinstance(df, str)
+        or (isinstance(df, list) and all(isinstance(x, str) for x in df))
+        or (isinstance(df, dict) and all(isinstance(x, (str, list)) for x in df.values()))
+    ):
+        raise SpecError(f"spec.hf.data_files: expected a path, a list of paths or a mapping, got {df!r}")
+
+    lo = out["local"]
+    if out["source"] == "local":
+        _str(lo["glob"], "local.glob")
+    else:
+        _str(lo["glob"], "local.glob", optional=True)
+    _str(lo["format"], "local.format", choices=_FORMATS)
+    _str(lo["field"], "local.field")
+    _int(lo["max_tokens"], "local.max_tokens", 1, optional=True)
+    return out
+
+
+def max_tokens(spec: dict) -> int | None:
+    return spec[spec["source"]].get("max_tokens")

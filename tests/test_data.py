@@ -1,0 +1,370 @@
+"""Data stage: tokenizer, sources, shards, manifest validation, compaction (lrattnres.data)."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+
+import numpy as np
+import pytest
+
+from lrattnres.data import (
+    EOT,
+    ManifestError,
+    SpecError,
+    Tokenizer,
+    doc_ends,
+    get_encoding,
+    load_manifest,
+    prepare,
+    validate_spec,
+)
+from lrattnres.data import cli, sources
+from lrattnres.data.tokenizer import EXPECTED_SHA256, N_VOCAB
+
+WORDS = (
+    "the of and to in is that for it as was with be by on not he this are or his from at which but have an "
+    "they you were her she there been one all we their has would when if so no will more can said who what "
+    "model layer residual attention depth query key value token document routing weight sum block rank "
+    "Zürich naïve café über 2048 3.14 (x) [y] {z} -- ; : ! ? \u4e2d\u6587 emoji \U0001F600"
+).split()
+
+
+def make_docs(n: int, seed: int = 0, empty_every: int = 0) -> list[str]:
+    rng = random.Random(seed)
+    docs = []
+    for i in range(n):
+        if empty_every and i % empty_every == empty_every - 1:
+            docs.append("" if i % 2 else "   \n")
+            continue
+        k = rng.randint(3, 120)
+        words = [rng.choice(WORDS) for _ in range(k)]
+        docs.append(f"Doc {i}: " + " ".join(words) + ".")
+    return docs
+
+
+def write_jsonl(path, docs, field="text"):
+    with open(path, "w", encoding="utf-8") as f:
+        for i, d in enumerate(docs):
+            f.write(json.dumps({"id": i, field: d}) + "\n")
+
+
+def write_parquet(path, docs, column):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"id": list(range(len(docs))), column: docs}), path)
+
+
+def split_docs(m, split):
+    """Decoded documents of a split (texts without the EOT), via the document index."""
+    from lrattnres.data.loader import SplitTokens
+
+    tk = Tokenizer.from_manifest(m)
+    data = SplitTokens(m, split)
+    ends = doc_ends(m, split)
+    starts = np.concatenate([[0], ends[:-1]])
+    out = []
+    for a, b in zip(starts, ends):
+        ids = data.read(int(a), int(b - a))
+        assert ids[-1] == m["eot_id"]
+        out.append(tk.decode(ids[:-1].tolist()))
+    return out
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    """A local jsonl corpus (with empty documents) built twice: full and compact vocabulary."""
+    d = tmp_path_factory.mktemp("corpus")
+    docs = make_docs(240, empty_every=40)
+    write_jsonl(d / "a.jsonl", docs[:120])
+    write_jsonl(d / "b.jsonl", docs[120:])
+    base = {"source": "local", "local": {"glob": str(d / "*.jsonl")}, "val_tokens": 1500, "shard_tokens": 2000}
+    full = prepare(base, d / "full", progress=False)
+    compact = prepare({**base, "vocab": "compact"}, d / "compact", progress=False)
+    return {"docs": docs, "dir": d, "spec": base, "full": full, "compact": compact}
+
+
+# -- tokenizer ------------------------------------------------------------------------------
+
+
+def test_tokenizer_facts():
+    enc = get_encoding()
+    assert enc.n_vocab == N_VOCAB == 100_277
+    assert enc.encode_ordinary("hello world") == [15339, 1917]
+    assert enc.eot_token == EOT == 100_257
+    assert enc.encode("<|endoftext|>", allowed_special="all") == [100_257]
+    assert enc.encode("<|endofprompt|>", allowed_special="all") == [100_276]
+    assert [enc.encode(t, allowed_special="all")[0] for t in ("<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>")] == [
+        100_258, 100_259, 100_260]
+    # special-token text inside a document is ordinary text
+    assert EOT not in enc.encode_ordinary("a <|endoftext|> b")
+    assert EXPECTED_SHA256 == "223921b76ee99bde995b7ff738513eef100fb51d18c93597a113bcffe865b2a7"
+    tk = Tokenizer()
+    assert tk.encode("hello world", eot=True) == [15339, 1917, EOT]
+    assert tk.decode([15339, 1917]) == "hello world"
+
+
+# -- sources -----------------------------------------------------------------------------------
+
+
+def test_embedded_deterministic(tmp_path):
+    spec = {"embedded": {"packages": ["json", "email"], "max_documents": 25, "workers": 2},
+            "val_tokens": 1000, "shard_tokens": 1500}
+    a = prepare(spec, tmp_path / "a", progress=False)
+    b = prepare({**spec, "embedded": {**spec["embedded"], "workers": 1}}, tmp_path / "b", progress=False)
+    assert a["source"]["content_sha256"] == b["source"]["content_sha256"]
+    assert [s["sha256"] for s in a["splits"]["train"]["shards"]] == [s["sha256"] for s in b["splits"]["train"]["shards"]]
+    assert a["counts"]["documents"] == 25
+    pk = {p["name"]: p for p in a["source"]["packages"]}
+    assert pk["email"]["version"] and pk["email"]["license"]
+    docs = split_docs(a, "val") + split_docs(a, "train")
+    assert all(len(d) > 200 for d in docs)
+    # extraction does not import the packages it reads
+    assert sources.package_files("json")[1][0] == "__init__.py"
+
+
+def test_embedded_missing_package(tmp_path):
+    with pytest.raises(ValueError, match="not_a_pkg_xyz"):
+        prepare({"embedded": {"packages": ["not_a_pkg_xyz"], "missing": "error"}}, tmp_path / "x", progress=False)
+
+
+def test_local_formats(tmp_path):
+    docs = make_docs(30, seed=3)
+    (tmp_path / "txt").mkdir()
+    for i, d in enumerate(docs):
+        (tmp_path / "txt" / f"{i:03d}.txt").write_text(d, encoding="utf-8")
+    write_jsonl(tmp_path / "c.jsonl", docs, field="body")
+    write_parquet(tmp_path / "c.parquet", docs, "body")
+    common = {"source": "local", "val_tokens": 200, "shard_tokens": 300}
+    ms = {
+        "txt": prepare({**common, "local": {"glob": str(tmp_path / "txt" / "*.txt")}}, tmp_path / "o1", progress=False),
+        "jsonl": prepare({**common, "local": {"glob": str(tmp_path / "*.jsonl"), "field": "body"}}, tmp_path / "o2", progress=False),
+        "parquet": prepare({**common, "local": {"glob": str(tmp_path / "*.parquet"), "format": "parquet", "field": "body"}},
+                           tmp_path / "o3", progress=False),
+    }
+    shas = {k: m["source"]["content_sha256"] for k, m in ms.items()}
+    assert len(set(shas.values())) == 1, shas
+    for m in ms.values():
+        assert m["counts"]["documents"] == 30
+        assert split_docs(m, "val") + split_docs(m, "train") == docs
+    with pytest.raises(ValueError, match="c.jsonl:1: field .text. missing"):
+        prepare({**common, "local": {"glob": str(tmp_path / "*.jsonl")}}, tmp_path / "o4", progress=False)
+
+
+def _standin(tmp_path, n=120):
+    docs = make_docs(n, seed=7, empty_every=25)
+    files = []
+    for k in range(3):
+        p = tmp_path / f"ultrafineweb_en_{k}.parquet"
+        write_parquet(p, docs[k * n // 3:(k + 1) * n // 3], "content")
+        files.append(str(p))
+    return docs, files
+
+
+def test_hf_standin_and_resume(tmp_path, monkeypatch):
+    docs, files = _standin(tmp_path)
+    spec = {"source": "hf", "hf": {"dataset": "parquet", "data_files": {"en": files}, "split": "en",
+                                   "column": "content"}, "val_tokens": 800, "shard_tokens": 700}
+    ref = prepare(spec, tmp_path / "ref", progress=False)
+    assert ref["source"]["kind"] == "hf" and ref["source"]["split"] == "en"
+    assert ref["counts"]["empty_skipped"] == 4
+    assert ref["counts"]["documents_consumed"] == 120
+    nonempty = [d for d in docs if d.strip()]
+    assert split_docs(ref, "val") + split_docs(ref, "train") == nonempty
+
+    # interrupt after 70 rows, then resume: the written shards are kept and consumed rows skipped
+    real = sources.HFSource.load_dataset
+    read = {"rows": 0}
+
+    class Boom(RuntimeError):
+        pass
+
+    def flaky(*a, **k):
+        ds = real(*a, **k)
+
+        class Wrapped:
+            def skip(self, n):
+                read["skipped"] = n
+                return Wrapped2(ds.skip(n))
+
+            def __iter__(self):
+                return Wrapped2(ds).__iter__()
+
+        class Wrapped2:
+            def __init__(self, inner):
+                self.inner = inner
+
+            def __iter__(self):
+                for row in self.inner:
+                    read["rows"] += 1
+                    if read.get("limit") and read["rows"] > read["limit"]:
+                        raise Boom("interrupted")
+                    yield row
+
+        return Wrapped()
+
+    monkeypatch.setattr(sources.HFSource, "load_dataset", staticmethod(flaky))
+    read["limit"] = 70
+    with pytest.raises(Boom):
+        prepare(spec, tmp_path / "res", progress=False)
+    progress = json.loads((tmp_path / ".res.partial" / "progress.json").read_text())
+    consumed = progress["docs_consumed"]
+    assert 0 < consumed <= 70
+    assert not (tmp_path / "res").exists()
+    read.update(rows=0, limit=None)
+    res = prepare(spec, tmp_path / "res", progress=False)
+    assert read["skipped"] == consumed and read["rows"] == 120 - consumed
+    for split in ("val", "train"):
+        assert [s["sha256"] for s in res["splits"][split]["shards"]] == [s["sha256"] for s in ref["splits"][split]["shards"]]
+    assert res["source"]["content_sha256"] == ref["source"]["content_sha256"]
+    assert res["counts"] == ref["counts"]
+
+
+def test_hf_max_tokens_and_missing_column(tmp_path):
+    docs, files = _standin(tmp_path)
+    spec = {"source": "hf", "hf": {"dataset": "parquet", "data_files": {"en": files}, "split": "en",
+                                   "column": "content", "max_tokens": 2500}, "val_tokens": 500, "shard_tokens": 700}
+    m = prepare(spec, tmp_path / "o", progress=False)
+    assert 2500 <= m["counts"]["tokens"] < 2500 + 300
+    spec["hf"]["column"] = "text"
+    with pytest.raises(ValueError, match="column .text. not in the rows"):
+        prepare(spec, tmp_path / "o2", progress=False)
+
+
+# -- shards, splits, compaction ---------------------------------------------------------------
+
+
+def test_val_train_disjoint_whole_documents(corpus):
+    m = corpus["full"]
+    val, train = split_docs(m, "val"), split_docs(m, "train")
+    nonempty = [d for d in corpus["docs"] if d.strip()]
+    assert val + train == nonempty  # source order, whole documents, nothing lost
+    assert not set(val) & set(train)
+    vt = m["splits"]["val"]["tokens"]
+    assert vt >= 1500 and vt - (len(get_encoding().encode_ordinary(val[-1])) + 1) < 1500
+    assert m["val_split"]["val_tokens_requested"] == 1500
+    assert m["counts"]["empty_skipped"] == 6 and m["counts"]["documents"] == 234
+    assert m["counts"]["tokens"] == m["splits"]["val"]["tokens"] + m["splits"]["train"]["tokens"]
+    for sp in m["splits"].values():
+        for rec in sp["shards"]:
+            assert rec["sha256"] and rec["documents"] == len(np.load(corpus["dir"] / "full" / rec["index"]))
+    assert len(m["splits"]["train"]["shards"]) >= 2
+    assert m["provenance"]["config_sha256"] and m["tokenizer"]["sha256"] == EXPECTED_SHA256
+
+
+def test_compaction_round_trip(corpus):
+    full, comp = corpus["full"], corpus["compact"]
+    ids = np.load(corpus["dir"] / "compact" / "vocab.npy")
+    assert comp["vocab_size"] == ids.size + 1 and comp["unk_id"] == ids.size
+    assert np.all(np.diff(ids) > 0) and EOT in ids and comp["eot_id"] == int(np.searchsorted(ids, EOT))
+    assert full["vocab_size"] == N_VOCAB and full["eot_id"] == EOT
+    tk = Tokenizer.from_manifest(comp)
+    assert tk.vocab_size == comp["vocab_size"]
+    for split in ("val", "train"):
+        for rf, rc in zip(full["splits"][split]["shards"], comp["splits"][split]["shards"]):
+            a = np.fromfile(corpus["dir"] / "full" / rf["file"], dtype="<u4")
+            b = np.fromfile(corpus["dir"] / "compact" / rc["file"], dtype="<u4")
+            assert b.max() < comp["vocab_size"]
+            assert np.array_equal(ids[b], a)  # compact ids map back to the originals
+    assert split_docs(comp, "train") == split_docs(full, "train")
+    text = corpus["docs"][0]
+    assert tk.decode(tk.encode(text)) == text
+    assert tk.encode(text, eot=True)[-1] == comp["eot_id"]
+    unseen = "Quixotic xylophones"
+    enc = tk.encode(unseen)
+    assert comp["unk_id"] in enc and "\ufffd" in tk.decode(enc)
+    assert Tokenizer.from_manifest(full).encode("hello world") == [15339, 1917]
+
+
+# -- bad input ---------------------------------------------------------------------------------
+
+
+def _copy(src, dst):
+    import shutil
+
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_truncated_shard(corpus, tmp_path):
+    d = _copy(corpus["dir"] / "full", tmp_path / "t")
+    f = d / corpus["full"]["splits"]["train"]["shards"][0]["file"]
+    data = f.read_bytes()
+    f.write_bytes(data[:-2])
+    with pytest.raises(ManifestError, match=f"{f.name}.*multiple of 4"):
+        load_manifest(d)
+    f.write_bytes(data[:-4])
+    with pytest.raises(ManifestError, match=f"{f.name}.*truncated"):
+        load_manifest(d, verify="size")
+
+
+def test_altered_shard(corpus, tmp_path):
+    d = _copy(corpus["dir"] / "full", tmp_path / "t")
+    f = d / corpus["full"]["splits"]["val"]["shards"][0]["file"]
+    a = np.fromfile(f, dtype="<u4")
+    a[5] ^= 1
+    a.tofile(f)
+    with pytest.raises(ManifestError, match=f"{f.name}.*sha256"):
+        load_manifest(d)
+    load_manifest(d, verify="size")  # sizes only: huge data can skip hashing
+
+
+def test_wrong_tokenizer_manifest(corpus, tmp_path):
+    d = _copy(corpus["dir"] / "full", tmp_path / "t")
+    m = json.loads((d / "manifest.json").read_text())
+    m["tokenizer"]["name"] = "o200k_base"
+    (d / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(ManifestError, match="manifest.json.*tokenizer.*o200k_base"):
+        load_manifest(d)
+
+
+def test_missing_shard_and_bad_json(corpus, tmp_path):
+    d = _copy(corpus["dir"] / "full", tmp_path / "t")
+    f = d / corpus["full"]["splits"]["train"]["shards"][-1]["file"]
+    f.unlink()
+    with pytest.raises(ManifestError, match=f"{f.name}.*missing"):
+        load_manifest(d)
+    (d / "manifest.json").write_text("{")
+    with pytest.raises(ValueError, match="manifest.json"):
+        load_manifest(d)
+
+
+def test_empty_corpus(tmp_path):
+    write_jsonl(tmp_path / "e.jsonl", ["", "  ", "\n"])
+    with pytest.raises(ValueError, match="empty corpus"):
+        prepare({"source": "local", "local": {"glob": str(tmp_path / "e.jsonl")}}, tmp_path / "o", progress=False)
+    assert not (tmp_path / "o").exists() and not (tmp_path / ".o.partial").exists()
+    with pytest.raises(FileNotFoundError, match="matches no files"):
+        prepare({"source": "local", "local": {"glob": str(tmp_path / "nothing*.txt")}}, tmp_path / "o", progress=False)
+    write_jsonl(tmp_path / "s.jsonl", ["just one short document"])
+    with pytest.raises(ValueError, match="val_tokens"):
+        prepare({"source": "local", "local": {"glob": str(tmp_path / "s.jsonl")}, "val_tokens": 100},
+                tmp_path / "o", progress=False)
+
+
+def test_spec_validation():
+    assert validate_spec({})["source"] == "embedded"
+    for bad, key in [({"sorce": "hf"}, "spec.sorce"), ({"source": "web"}, "spec.source"),
+                     ({"embedded": {"max_docs": 3}}, "spec.embedded.max_docs"),
+                     ({"vocab": "tiny"}, "spec.vocab"), ({"val_tokens": -1}, "spec.val_tokens"),
+                     ({"hf": {"max_tokens": "10"}}, "spec.hf.max_tokens"),
+                     ({"source": "local"}, "spec.local.glob")]:
+        with pytest.raises(SpecError, match=key.replace(".", r"\.")):
+            validate_spec(bad)
+
+
+def test_cli(tmp_path, capsys):
+    write_jsonl(tmp_path / "c.jsonl", make_docs(20, seed=5))
+    spec = {"source": "local", "local": {"glob": str(tmp_path / "c.jsonl")}, "val_tokens": 100,
+            "shard_tokens": 500, "vocab": "compact", "seed": 0}
+    assert cli.main(["--spec", json.dumps(spec), "--out", str(tmp_path / "out"), "--no-progress"]) == 0
+    m = load_manifest(tmp_path / "out" / "manifest.json")
+    assert m["vocab"] == "compact" and m["stage"] == "data"
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []
+    assert cli.main(["--spec", '{"vocab_size": 3}', "--out", str(tmp_path / "o2")]) == 2
+    assert "spec.vocab_size" in capsys.readouterr().err
