@@ -89,8 +89,29 @@ def test_left_truncation_keeps_whole_answer(model):
     assert len(kept_ctx) + len(cont) - 1 == L
     assert ll == pytest.approx(_direct(model, kept_ctx, cont), abs=1e-4)
     assert lm.stats["truncated"] == 1
-    with pytest.raises(ValueError, match="whole answer"):
-        lm.loglikelihood([_req("a", " " + " ".join(["z"] * (L + 1)))])
+
+
+@torch.no_grad()
+def test_continuation_longer_than_window_is_scored_whole(model):
+    """Only the small scales' short windows meet this: every answer token is scored once, with the
+    longest left context that fits."""
+    tok = ToyTokenizer()
+    L = 8
+    lm = LRAttnResLM(model, tok, batch_size=3, max_length=L)
+    ctx_text, cont_text = "q0 q1 q2", " " + " ".join(f"a{i}" for i in range(19))
+    ctx, cont = tok.encode(ctx_text), tok.encode(cont_text)
+    assert len(cont) == 19 > L
+    (ll, _), = lm.loglikelihood([_req(ctx_text, cont_text)])
+    seq = ctx + cont
+    want, a = 0.0, len(ctx)
+    while a < len(seq):
+        b = min(a + L, len(seq))
+        start = max(0, b - 1 - L)
+        lp = F.log_softmax(model(torch.tensor([seq[start : b - 1]])).float(), -1)[0]
+        want += sum(lp[j - 1 - start, seq[j]].item() for j in range(a, b))
+        a = b
+    assert ll == pytest.approx(want, abs=1e-4)
+    assert lm.stats["chunked"] == 1 and lm.stats["requests"] == 1
 
 
 def test_empty_prompt_gets_end_of_text_prefix_only_then(model):

@@ -13,7 +13,9 @@ Protocol (Appendix G):
 * bf16 model computation on a GPU (autocast), log-probabilities in fp32 (``log_softmax`` of the
   logits cast to fp32); on the CPU the model runs in fp32 unless asked otherwise;
 * over-long inputs are truncated on the left to ``max_length`` tokens, always keeping the whole
-  continuation (a continuation longer than ``max_length`` is an error, not a silent cut);
+  continuation; a continuation longer than the window itself (possible only with the small
+  scales' 64-128-token windows) is scored in consecutive chunks, each conditioned on the longest
+  left context that fits (``chunk_continuation``), so the whole answer is still scored;
 * boundary whitespace is preserved. Tokenisation follows lm-eval's HFLM convention: trailing
   whitespace of the context is moved onto the continuation, then ``whole = encode(context +
   continuation)``, ``ctx = encode(context)`` and the continuation's tokens are ``whole[len(ctx):]``.
@@ -83,6 +85,26 @@ def truncate_left(context_enc: list[int], continuation_enc: list[int], max_lengt
     return context_enc, continuation_enc
 
 
+def chunk_continuation(context_enc: list[int], continuation_enc: list[int], max_length: int):
+    """Split a continuation longer than the window into consecutive chunks of at most
+    ``max_length`` tokens, each paired with everything before it (``truncate_left`` then keeps the
+    longest left context that fits). A continuation that fits is returned as one pair.
+
+    Appendix G keeps the whole answer; with the paper's 2048-token window no answer comes close. The
+    small scales' windows (64-128 tokens) can be shorter than a long PIQA or HellaSwag answer; the
+    answer is then still scored in full, token by token, as ``loglikelihood_rolling`` scores a text.
+    """
+    if len(continuation_enc) <= max_length:
+        return [(context_enc, continuation_enc)]
+    seq = context_enc + continuation_enc
+    out, a = [], len(context_enc)
+    while a < len(seq):
+        b = min(a + max_length, len(seq))
+        out.append((seq[:a], seq[a:b]))
+        a = b
+    return out
+
+
 @register_model("lrattnres")
 class LRAttnResLM(_LMBase):
     """lm-eval ``LM`` over a ``model(input_ids, doc_ids=None) -> logits`` module."""
@@ -126,7 +148,7 @@ class LRAttnResLM(_LMBase):
         self.eot_id = int(eot_id) if eot_id is not None else _find_eot(tokenizer)
         self.pad_id = int(pad_id) if pad_id is not None else self.eot_id
         self.progress = progress
-        self.stats = {"requests": 0, "forward_s": 0.0, "batches": 0, "tokens": 0, "truncated": 0, "boundary_mismatch": 0}
+        self.stats = {"requests": 0, "forward_s": 0.0, "batches": 0, "tokens": 0, "truncated": 0, "chunked": 0, "boundary_mismatch": 0}
         self.model.eval()
 
     @property
@@ -173,18 +195,23 @@ class LRAttnResLM(_LMBase):
 
         Requests are processed longest first (fewer pad tokens per batch) and returned in input order.
         """
-        prepared = []
-        for ctx, cont in pairs:
-            n_ctx = len(ctx)
-            ctx, cont = truncate_left(list(ctx), list(cont), self.max_length)
-            if len(ctx) < n_ctx:
+        prepared = []  # (model input, continuation chunk)
+        owner = []  # request index of each prepared row
+        for k, (ctx, cont) in enumerate(pairs):
+            ctx, cont = list(ctx), list(cont)
+            if len(ctx) == 0:  # encode_pair never yields this; keep the first token scorable
+                raise ValueError("empty context: prefix the end-of-text id")
+            if len(ctx) + len(cont) - 1 > self.max_length:
                 self.stats["truncated"] += 1
-            if len(ctx) == 0:  # cannot happen after encode_pair, but keep the first token scorable
-                raise ValueError("empty context after truncation")
-            full = ctx + cont
-            prepared.append((full[:-1], cont))  # model input, continuation
+            for c_ctx, c_cont in chunk_continuation(ctx, cont, self.max_length):
+                c_ctx, c_cont = truncate_left(c_ctx, c_cont, self.max_length)
+                full = c_ctx + c_cont
+                prepared.append((full[:-1], c_cont))
+                owner.append(k)
+            if len(cont) > self.max_length:
+                self.stats["chunked"] += 1
         order = sorted(range(len(prepared)), key=lambda i: -len(prepared[i][0]))
-        results: list[tuple[float, bool] | None] = [None] * len(prepared)
+        scored: list[tuple[float, bool] | None] = [None] * len(prepared)
         t0 = time.perf_counter()
         it = range(0, len(order), self.batch_size)
         if self.progress:
@@ -205,11 +232,14 @@ class LRAttnResLM(_LMBase):
                 step = F.log_softmax(logits[row, len(inp) - n : len(inp)].float(), dim=-1)  # [n, V]
                 ll = step.gather(-1, target[:, None]).squeeze(-1).sum().item()
                 greedy = bool((step.argmax(-1) == target).all().item())
-                results[i] = (float(ll), greedy)
+                scored[i] = (float(ll), greedy)
             self.stats["batches"] += 1
         self.stats["forward_s"] += time.perf_counter() - t0
-        self.stats["requests"] += len(prepared)
-        return results  # type: ignore[return-value]
+        self.stats["requests"] += len(pairs)
+        results = [(0.0, True)] * len(pairs)
+        for k, (ll, greedy) in zip(owner, scored):  # type: ignore[misc]
+            results[k] = (results[k][0] + ll, results[k][1] and greedy)
+        return results
 
     # -- lm-eval API ------------------------------------------------------------------------
 
