@@ -1,0 +1,691 @@
+"""Routing diagnostics (Sections 4.6-4.7, Appendices C.4, C.5, D.1, E.2, G.1; Figures 4, 6-8, 10 right;
+Tables 6 and 9).
+
+``python -m lrattnres diagnostics --settings S.json --runs RUNS --data manifest.json
+--published reports/published.yaml --out diagnostics.json``
+
+For every run of :func:`lrattnres.grid.plan` (run folder ``RUNS/<run_id>``):
+
+* **Effective number of sources** per read site (Eq. 14): ``N_eff(t, x) = exp(H(alpha_t(x)))`` with
+  ``H = -sum_i alpha_{t,i} log alpha_{t,i}`` over the sources of read t, averaged over the held-out
+  tokens (the validation split, first ``tokens`` targets in order; the paper uses 1,007,616 tokens).
+  ``n_eff[t-1]`` belongs to read t (after write t, t = 1..2L); the last entry is the final read, the
+  one that feeds the head.  The embedding-only read before the first sub-layer has one source and no
+  query; it is not listed.
+* **Mean depth-wise attention** (Figure 8): ``heatmap[t-1][j]`` is the token-averaged weight that read t
+  gives source j.  Source indexing: column 0 is the embedding o_0; column j >= 1 is block j, i.e. the
+  sum of the writes ``block_ends[j-2]+1 .. block_ends[j-1]``.  A read inside block j sees that block as
+  its current partial sum, in the same column j it will occupy once complete.  With full routing block
+  j is write o_j.  Columns a read cannot see (later blocks) are ``null``; every row sums to 1.
+* **Gradient norms** (Table 9, Figure 7, Figure 10 right): mean, population variance and the share of
+  steps (in %) whose pre-clipping norm exceeds the clip threshold (the run's ``grad_clip``; 1 when it
+  has none, the threshold of Table 9), from the ``train`` records of ``metrics.jsonl``; traces with a
+  trailing mean over ``trailing_window`` steps.
+* **Static-query utilisation** (Appendix E.2, Table 6): per query q_t (row t-1 of ``queries``; our
+  routing RMSNorms are weightless, so the folded query of E.1 is q_t itself), the coordinate
+  effective dimension ``D_eff = exp(-sum_j p_j log p_j)`` with ``p_j = q_j^2 / sum_k q_k^2``, and the
+  fraction of exactly zero coordinates (no tolerance).  A query that is zero everywhere has no
+  distribution; it counts in the zero fraction but not in D_eff (``n_zero_queries``).  Groups as in
+  Table 6: ``pre_attention`` (reads after even writes t < 2L: they feed an attention sub-layer; the
+  embedding-only first read has no query), ``pre_mlp`` (reads after odd writes), ``final_output``.
+
+The scale's settings may carry a ``diagnostics`` block (:data:`DEFAULTS` lists its keys).  Claims
+(``reports/published.yaml``, stage ``diagnostics``) map runs to the paper's rows as
+:mod:`lrattnres.grid` does: :func:`lrattnres.grid.paper_row` (same method and N, same r/d), the roles of
+Section 4.4 (headline, control) for the N = 8 rows, and the size pair (roles ``pair-small`` /
+``pair-large``) for 1B / 4B.  Direction claims say in their note which runs stood in.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+from lrattnres.grid import HEADLINE_ATTNRES, HEADLINE_LR, CONTROL, PAIR_SIZES, PAPER_D, paper_row, plan
+from lrattnres.io import atomic_write_json, read_json
+from lrattnres.presets import get_preset
+from lrattnres.provenance import now, provenance
+
+log = logging.getLogger("lrattnres.diagnostics")
+
+# The scale's ``diagnostics`` block: every key and its default.
+DEFAULTS: dict[str, Any] = {
+    "tokens": 65536,  # held-out tokens for N_eff and heatmaps (the paper: 1,007,616 = 492 x 2048)
+    "batch_size": 8,  # sequences per forward pass
+    "seq_len": None,  # window length; None: the run's training seq_len
+    "split": "val",  # the held-out split of the manifest
+    "device": "auto",  # auto | cpu | cuda
+    "trailing_window": 50,  # steps of the trailing mean of Figure 10 (the paper: 1,000)
+    "trace_points": 2000,  # at most this many points of each gradient-norm trace kept for Figure 10
+}
+DEVICES = ("auto", "cpu", "cuda")
+QUERY_GROUPS = ("pre_attention", "pre_mlp", "final_output", "all")
+
+
+class DiagnosticsError(ValueError):
+    """Bad settings or inputs; the message names the file or key and what was expected."""
+
+
+# ------------------------------------------------------------------------------------ settings
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def validate_settings(block: Any, where: str = "diagnostics") -> dict[str, Any]:
+    """The scale's ``diagnostics`` block with defaults filled in; bad keys are named."""
+    if block is None:
+        block = {}
+    if not isinstance(block, dict):
+        raise DiagnosticsError(f"{where}: expected a mapping with keys {sorted(DEFAULTS)}, got {type(block).__name__}")
+    unknown = sorted(set(block) - set(DEFAULTS))
+    if unknown:
+        raise DiagnosticsError(f"{where}: unknown key(s) {unknown}; expected only {sorted(DEFAULTS)}")
+    out = {**DEFAULTS, **block}
+
+    def bad(key: str, expected: str) -> None:
+        raise DiagnosticsError(f"{where}.{key}: expected {expected}, got {out[key]!r}")
+
+    for key in ("tokens", "batch_size", "trailing_window", "trace_points"):
+        if not _is_int(out[key]) or out[key] < 1:
+            bad(key, "an integer >= 1")
+    if out["seq_len"] is not None and (not _is_int(out["seq_len"]) or out["seq_len"] < 1):
+        bad("seq_len", "null (the run's training seq_len) or an integer >= 1")
+    if not isinstance(out["split"], str) or not out["split"]:
+        bad("split", "a split name of the data manifest (e.g. 'val')")
+    if out["device"] not in DEVICES:
+        bad("device", f"one of {list(DEVICES)}")
+    return out
+
+
+# ------------------------------------------------------------------------ N_eff and heatmaps
+
+
+def effective_sources(weights):
+    """Per-token N_eff = exp(entropy) of routing weights [..., S] (0 log 0 = 0), in float64."""
+    import torch
+
+    w = weights.double()
+    plogp = torch.where(w > 0, w * torch.log(w.clamp_min(1e-300)), torch.zeros_like(w))
+    return torch.exp(-plogp.sum(-1))
+
+
+def source_columns(n_writes: int, blocks) -> list[str]:
+    """Labels of the heatmap columns: ``emb`` then one per block (``o1`` ... for full routing)."""
+    from lrattnres.routing import block_ends
+
+    ends = block_ends(n_writes, blocks)
+    if blocks in ("full", None):
+        return ["emb"] + [f"o{t}" for t in ends]
+    labels, start = ["emb"], 1
+    for e in ends:
+        labels.append(f"B{len(labels)} (o{start}-o{e})" if e > start else f"B{len(labels)} (o{e})")
+        start = e + 1
+    return labels
+
+
+def sources_per_read(n_writes: int, blocks) -> list[int]:
+    """S_t for reads t = 1..2L: embedding + completed blocks + the partial block if nonempty."""
+    from lrattnres.routing import block_ends
+
+    ends = set(block_ends(n_writes, blocks))
+    out, done, partial = [], 0, False
+    for t in range(1, n_writes + 1):
+        if t in ends:
+            done, partial = done + 1, False
+        else:
+            partial = True
+        out.append(1 + done + int(partial))
+    return out
+
+
+class RoutingAccumulator:
+    """Token sums of N_eff and of the routing weights, per read; fed the model's routing lists."""
+
+    def __init__(self):
+        self.tokens = 0
+        self.n_eff_sum: list[float] | None = None
+        self.weight_sum: list | None = None
+
+    def update(self, routing: list, mask=None) -> None:
+        """``routing``: the model's list over reads of weights [B, T, S_t]; ``mask`` [B, T] bool keeps
+        the tokens that count (default: all)."""
+        import torch
+
+        if not routing:
+            raise DiagnosticsError("routing is empty: the baseline has no depth routing")
+        if self.n_eff_sum is None:
+            self.n_eff_sum = [0.0] * len(routing)
+            self.weight_sum = [torch.zeros(w.shape[-1], dtype=torch.float64) for w in routing]
+        if len(routing) != len(self.n_eff_sum):
+            raise DiagnosticsError(f"routing has {len(routing)} reads, earlier batches had {len(self.n_eff_sum)}")
+        n = None
+        for t, w in enumerate(routing):
+            w = w.detach()
+            if mask is not None:
+                w = w[mask.to(w.device)]
+            w = w.reshape(-1, w.shape[-1]).double()
+            n = w.shape[0]
+            self.n_eff_sum[t] += float(effective_sources(w).sum())
+            self.weight_sum[t] += w.sum(0).cpu()
+        self.tokens += n or 0
+
+    def result(self) -> dict[str, Any]:
+        if not self.tokens:
+            raise DiagnosticsError("no tokens were routed (empty held-out split?)")
+        width = max(len(w) for w in self.weight_sum)
+        heat = []
+        for w in self.weight_sum:
+            row = (w / self.tokens).tolist()
+            heat.append(row + [None] * (width - len(row)))
+        return {
+            "n_eff": [s / self.tokens for s in self.n_eff_sum],
+            "heatmap": heat,
+            "tokens": self.tokens,
+            "sources": [len(w) for w in self.weight_sum],
+        }
+
+
+def routing_diagnostics(model, batches, device, tokens: int, autocast_dtype=None) -> dict[str, Any]:
+    """N_eff per read and the mean heatmap over the first ``tokens`` tokens of ``batches``."""
+    import torch
+
+    acc = RoutingAccumulator()
+    left = tokens
+    model.eval()
+    with torch.no_grad():
+        for batch in batches:
+            if left <= 0:
+                break
+            inputs, doc_ids = batch.inputs, batch.doc_ids
+            B, T = inputs.shape
+            mask = None
+            if B * T > left:  # keep the first `left` tokens in reading order
+                mask = (torch.arange(B * T) < left).view(B, T)
+                rows = int(mask.any(1).sum())
+                inputs, doc_ids, mask = inputs[:rows], doc_ids[:rows], mask[:rows]
+            inputs, doc_ids = inputs.to(device), doc_ids.to(device)
+            if autocast_dtype is not None:
+                with torch.autocast(device.type, dtype=autocast_dtype):
+                    _, routing = model(inputs, doc_ids, return_routing=True)
+            else:
+                _, routing = model(inputs, doc_ids, return_routing=True)
+            acc.update(routing, mask)
+            left = tokens - acc.tokens
+    return acc.result()
+
+
+# ------------------------------------------------------------------------------ gradient norms
+
+
+def read_grad_norms(metrics_path: str | Path) -> list[tuple[int, float]]:
+    """(step, pre-clip gradient norm) of every training record of a run's ``metrics.jsonl``.
+
+    Training records have ``"kind": "train"`` (older logs: ``"step"`` or no kind); validation records
+    are skipped.  A line cut short by a kill (the last one) is ignored; a bad line elsewhere is an
+    error naming the file and line."""
+    path = Path(metrics_path)
+    if not path.exists():
+        raise DiagnosticsError(f"{path}: metrics file not found")
+    lines = path.read_text(encoding="utf-8").splitlines()
+    out = []
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError as e:
+            if i == len(lines) - 1:
+                log.warning("%s: last line is cut short; ignored", path)
+                continue
+            raise DiagnosticsError(f"{path}: line {i + 1} is not JSON ({e})") from None
+        if rec.get("kind", "train") not in ("train", "step") or "grad_norm" not in rec:
+            continue
+        g = rec["grad_norm"]
+        g = float(g) if isinstance(g, (int, float, str)) else float("nan")  # "nan"/"inf" are strings
+        out.append((int(rec.get("step", len(out) + 1)), g))
+    return out
+
+
+def grad_norm_stats(norms: list[float], clip: float | None = 1.0) -> dict[str, Any]:
+    """Mean, population variance and the percentage of steps above ``clip`` (Table 9)."""
+    vals = [x for x in norms if math.isfinite(x)]
+    n = len(vals)
+    if not n:
+        return {"mean": None, "var": None, "above_clip_pct": None, "count": 0, "clip": clip, "non_finite": len(norms)}
+    mean = math.fsum(vals) / n
+    var = math.fsum((x - mean) ** 2 for x in vals) / n
+    above = None if clip is None else 100.0 * sum(x > clip for x in vals) / n
+    return {"mean": mean, "var": var, "above_clip_pct": above, "count": n, "clip": clip,
+            "non_finite": len(norms) - n}
+
+
+def trailing_mean(values: list[float], window: int) -> list[float]:
+    """Mean of the last ``window`` values at each step (fewer at the start)."""
+    out, s = [], 0.0
+    for i, v in enumerate(values):
+        s += v
+        if i >= window:
+            s -= values[i - window]
+        out.append(s / min(i + 1, window))
+    return out
+
+
+def _thin(n: int, points: int) -> list[int]:
+    if n <= points:
+        return list(range(n))
+    idx = sorted({round(i * (n - 1) / (points - 1)) for i in range(points)})
+    return idx
+
+
+# -------------------------------------------------------------------------- query utilisation
+
+
+def coordinate_effective_dim(q) -> float | None:
+    """D_eff = exp(Shannon entropy of p_j = q_j^2 / sum_k q_k^2) (Appendix E.2); None for q = 0."""
+    import torch
+
+    q = torch.as_tensor(q).detach().double().flatten()
+    s = (q * q).sum()
+    if not s > 0:
+        return None
+    p = q * q / s
+    h = -torch.where(p > 0, p * torch.log(p.clamp_min(1e-300)), torch.zeros_like(p)).sum()
+    return float(torch.exp(h))
+
+
+def zero_fraction(q) -> float:
+    """Fraction of coordinates exactly equal to zero (no tolerance)."""
+    import torch
+
+    q = torch.as_tensor(q).detach().flatten()
+    return float((q == 0).sum()) / q.numel()
+
+
+def query_group(t: int, n_writes: int) -> str:
+    """Table 6's site type of query t (serving the read after write t, 1-based)."""
+    if t == n_writes:
+        return "final_output"
+    return "pre_mlp" if t % 2 == 1 else "pre_attention"
+
+
+def query_utilisation(queries) -> dict[str, Any]:
+    """Per-query D_eff and zero fraction of a [2L, r] query matrix, summarised per group."""
+    n_writes, width = queries.shape
+    per = []
+    for t in range(1, n_writes + 1):
+        q = queries[t - 1]
+        per.append({"read": t, "group": query_group(t, n_writes), "d_eff": coordinate_effective_dim(q),
+                    "zero_frac": zero_fraction(q)})
+
+    def summary(rows: list[dict]) -> dict[str, Any]:
+        d = [r["d_eff"] for r in rows if r["d_eff"] is not None]
+        return {
+            "count": len(rows),
+            "d_eff_mean": statistics.fmean(d) if d else None,
+            "d_eff_median": statistics.median(d) if d else None,
+            "zero_frac": statistics.fmean(r["zero_frac"] for r in rows) if rows else None,
+            "n_zero_queries": len(rows) - len(d),
+        }
+
+    groups = {g: summary([r for r in per if g == "all" or r["group"] == g]) for g in QUERY_GROUPS}
+    out = dict(groups["all"])
+    out.update(width=width, d_eff_frac=None if out["d_eff_mean"] is None else out["d_eff_mean"] / width,
+               groups=groups, per_query=per)
+    return out
+
+
+# ----------------------------------------------------------------------------------- one run
+
+
+def _device(name: str):
+    import torch
+
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda" and not torch.cuda.is_available():
+        raise DiagnosticsError("diagnostics.device: 'cuda' asked for, but no CUDA device is available")
+    return torch.device(name)
+
+
+def _clip_of(folder: Path, info: dict | None, settings: dict) -> float:
+    """The run's grad_clip (spec.json, else model.pt's spec, else the scale's recipe); 1 if none."""
+    spec = None
+    if (folder / "spec.json").exists():
+        spec = read_json(folder / "spec.json").get("spec")
+    if spec is None and info:
+        spec = info.get("spec")
+    if spec is None:
+        spec = {**settings.get("recipe", {}), **settings.get("train", {})}
+    clip = spec.get("grad_clip", 1.0)
+    return float(clip) if isinstance(clip, (int, float)) and not isinstance(clip, bool) else 1.0
+
+
+def analyse_run(run, folder: Path, manifest: dict | None, settings: dict, diag: dict, device) -> dict[str, Any]:
+    """Every diagnostic of one run folder (see the module doc)."""
+    import torch
+
+    from lrattnres.train.checkpoint import load_model
+
+    shape = get_preset(run.preset)
+    row: dict[str, Any] = {
+        "run_id": run.run_id, "preset": run.preset, "d_model": shape["d_model"], "n_layers": shape["n_layers"],
+        "method": run.method, "blocks": run.blocks, "rank": run.rank, "seed": run.seed, "roles": list(run.roles),
+    }
+    row["paper_row"] = paper_row(row, shape["d_model"])
+    row["r_over_d"] = None if run.rank is None else run.rank / shape["d_model"]
+
+    row.update(n_eff=None, heatmap=None, query_util=None, tokens=0)
+    info = None
+    if run.method != "baseline":
+        model, info = load_model(folder / "model.pt", device)
+        cfg = model.cfg
+        if (cfg.method, cfg.blocks, cfg.rank) != (run.method, run.blocks, run.rank):
+            raise DiagnosticsError(
+                f"{folder / 'model.pt'}: holds method={cfg.method} blocks={cfg.blocks} rank={cfg.rank}, but the grid "
+                f"plans {run.run_id} as method={run.method} blocks={run.blocks} rank={run.rank}")
+        if manifest is not None:
+            if int(manifest["vocab_size"]) > cfg.vocab_size:
+                raise DiagnosticsError(f"{manifest.get('_path')}: vocab_size {manifest['vocab_size']} exceeds the model's "
+                                       f"{cfg.vocab_size} ({folder / 'model.pt'}); not the data it was trained on")
+            if info.get("manifest_sha256") and info["manifest_sha256"] != manifest.get("_sha256"):
+                log.warning("%s: trained on manifest sha256 %s..., diagnosing on %s...", run.run_id,
+                            str(info["manifest_sha256"])[:12], str(manifest.get("_sha256"))[:12])
+            from lrattnres.data import iter_eval_batches
+
+            seq_len = diag["seq_len"] or (info.get("spec") or {}).get("seq_len") or cfg.max_seq_len
+            if seq_len > cfg.max_seq_len:
+                raise DiagnosticsError(f"diagnostics.seq_len={seq_len} exceeds the model's max_seq_len={cfg.max_seq_len}")
+            windows = -(-diag["tokens"] // seq_len)
+            batches = iter_eval_batches(manifest, diag["split"], diag["batch_size"], seq_len,
+                                        max_batches=-(-windows // diag["batch_size"]), verify=False)
+            if batches.tokens_covered < diag["tokens"]:
+                log.warning("%s: split %r holds %d windows of %d tokens, fewer than the %d tokens asked for",
+                            run.run_id, diag["split"], batches.n_windows, seq_len, diag["tokens"])
+            precision = (info.get("spec") or {}).get("precision", "fp32")
+            amp = torch.bfloat16 if (precision == "bf16" and device.type == "cuda") else None
+            stats = routing_diagnostics(model, batches, device, diag["tokens"], amp)
+            row.update(n_eff=stats["n_eff"], heatmap=stats["heatmap"], tokens=stats["tokens"],
+                       sources=stats["sources"], seq_len=seq_len,
+                       source_columns=source_columns(2 * cfg.n_layers, cfg.blocks))
+        row["query_util"] = query_utilisation(model.queries.detach().float().cpu())
+        del model
+
+    norms = read_grad_norms(folder / "metrics.jsonl")
+    clip = _clip_of(folder, info, settings)
+    values = [g for _, g in norms]
+    row["grad_norm"] = grad_norm_stats(values, clip)
+    finite = [g if math.isfinite(g) else float("nan") for g in values]
+    keep = _thin(len(finite), diag["trace_points"])
+    trail = trailing_mean([g if math.isfinite(g) else 0.0 for g in finite], diag["trailing_window"])
+    row["grad_norm_trace"] = {
+        "step": [norms[i][0] for i in keep],
+        "norm": [finite[i] if math.isfinite(finite[i]) else None for i in keep],
+        "trailing_mean": [trail[i] for i in keep],
+        "window": diag["trailing_window"],
+    }
+    return row
+
+
+# -------------------------------------------------------------------------------- figures data
+
+
+def _main_seed0(rows: list[dict], settings: dict) -> list[dict]:
+    main = settings["presets"]["main"]
+    return [r for r in rows if r["preset"] == main and r["seed"] == 0]
+
+
+def n8_blocks(rows: list[dict], settings: dict):
+    """The N that stands for the paper's N = 8: 8 when the main preset has an AttnRes run at N = 8,
+    else the headline's N (the paper's headline is N = 8)."""
+    seed0 = _main_seed0(rows, settings)
+    if any(r["method"] == "attnres" and r["blocks"] == 8 for r in seed0):
+        return 8
+    h = settings["grid"].get("headline")
+    return h["blocks"] if h else None
+
+
+def _closest(runs: list[dict], target_ratio: float) -> dict | None:
+    runs = [r for r in runs if r.get("rank")]
+    if not runs:
+        return None
+    return min(runs, key=lambda r: (abs(math.log(r["r_over_d"] / target_ratio)), r["rank"]))
+
+
+def fig6_runs(rows: list[dict], settings: dict) -> dict[str, dict | None]:
+    """AttnRes, projected and sliced runs at the N = 8 analogue (the paper: r = 32 projected, r = 64
+    sliced; otherwise the run of that method whose r/d is closest to the paper's)."""
+    N = n8_blocks(rows, settings)
+    seed0 = [r for r in _main_seed0(rows, settings) if r["blocks"] == N]
+    at = next((r for r in seed0 if r["method"] == "attnres"), None)
+    plr = [r for r in seed0 if r["method"] == "plr"]
+    lr = [r for r in seed0 if r["method"] == "lr" and r["rank"] < r["d_model"]]
+    return {
+        "attnres": at,
+        "plr": next((r for r in plr if r["paper_row"] == f"plr.n{N}.r32"), None) or _closest(plr, 32 / PAPER_D),
+        "lr": next((r for r in lr if r["paper_row"] == f"lr.n{N}.r64"), None) or _closest(lr, 64 / PAPER_D),
+    }
+
+
+def figures_data(rows: list[dict], settings: dict) -> dict[str, Any]:
+    seed0 = _main_seed0(rows, settings)
+    routed = [r for r in seed0 if r.get("n_eff")]
+    full = sorted((r for r in routed if r["blocks"] == "full" and r["method"] in ("lr", "attnres")), key=lambda r: r["rank"])
+    fig4 = [{"run_id": r["run_id"], "method": r["method"], "rank": r["rank"], "r_over_d": r["r_over_d"],
+             "paper_r": round(r["r_over_d"] * PAPER_D), "n_eff": r["n_eff"]} for r in full]
+    N = n8_blocks(rows, settings)
+    f6 = fig6_runs(rows, settings)
+    fig6 = {"blocks": N, "runs": {m: (None if r is None else {"run_id": r["run_id"], "rank": r["rank"], "n_eff": r["n_eff"]})
+                                  for m, r in f6.items()}}
+    # Figure 7: mean gradient norm against rank, one series per (method, N); the baseline as a level
+    series: dict[str, list] = {}
+    for r in seed0:
+        if r["method"] == "baseline" or r["grad_norm"]["mean"] is None:
+            continue
+        if not ({"sweep", "projected", "control"} & set(r["roles"])):
+            continue
+        key = f"{r['method']}.n{r['blocks']}"
+        series.setdefault(key, []).append({"run_id": r["run_id"], "rank": r["rank"], "r_over_d": r["r_over_d"],
+                                           "paper_r": round(r["r_over_d"] * PAPER_D), "mean": r["grad_norm"]["mean"]})
+    for pts in series.values():
+        pts.sort(key=lambda p: p["rank"])
+    base = next((r for r in seed0 if r["method"] == "baseline"), None)
+    fig7 = {"baseline": None if base is None else base["grad_norm"]["mean"], "series": series}
+    # Figure 8: full routing at three ranks (top row), AttnRes / projected / sliced at N = 8 (bottom)
+    low = [r for r in full if r["method"] == "lr"] or full
+    top = [low[0], low[len(low) // 2], low[-1]] if len(low) > 3 else low
+    fig8 = {"top": list(dict.fromkeys(r["run_id"] for r in top)),
+            "bottom": [r["run_id"] for r in (f6["attnres"], f6["plr"], f6["lr"]) if r is not None]}
+    # Figure 10 right: the size pair's traces
+    fig10: dict[str, dict] = {}
+    for role, size in zip(("small", "large"), PAIR_SIZES):
+        for r in rows:
+            if f"pair-{role}" in r["roles"]:
+                fig10.setdefault(size, {})[r["method"]] = {"run_id": r["run_id"], **r["grad_norm_trace"]}
+    return {"fig4": fig4, "fig6": fig6, "fig7": fig7, "fig8": fig8, "fig10": fig10}
+
+
+# -------------------------------------------------------------------------------------- claims
+
+
+def run_rows(rows: list[dict], settings: dict) -> dict[str, dict]:
+    """Paper row key -> run (main preset, seed 0): grid.paper_row first, then the Section 4.4 roles
+    (headline LR and AttnRes, the control) for the paper's N = 8 rows."""
+    out: dict[str, dict] = {}
+    seed0 = _main_seed0(rows, settings)
+    for r in seed0:
+        if r["paper_row"] and r["paper_row"] not in out:
+            out[r["paper_row"]] = r
+    h = settings["grid"].get("headline")
+    if h:
+        for r in seed0:
+            if "seeds" in r["roles"] and r["method"] == "attnres":
+                out.setdefault(HEADLINE_ATTNRES, r)
+            if "seeds" in r["roles"] and r["method"] == "lr":
+                out.setdefault(HEADLINE_LR, r)
+    for r in seed0:
+        if "control" in r["roles"]:
+            out.setdefault(CONTROL, r)
+    return out
+
+
+def claims(rows: list[dict], settings: dict, known_ids=None) -> dict[str, dict]:
+    """The diagnostics claims of reports/published.yaml computed from the analysed runs."""
+    out: dict[str, dict] = {}
+    scale = settings.get("scale", "?")
+    analog = "" if scale == "paper" else f"{scale} scale: analogous run (same method and N, same r/d, or same role)"
+
+    def put(cid: str, value, text: str = "", *, value_claim: bool = True) -> None:
+        if value is None or (known_ids is not None and cid not in known_ids):
+            return
+        note = "; ".join(t for t in (text, analog if value_claim else "") if t)
+        out[cid] = {"reproduced": value, "note": note}
+
+    by_row = run_rows(rows, settings)
+    seed0 = _main_seed0(rows, settings)
+
+    # N_eff at the final read (Section 4.6, Appendix D.1)
+    for key, r in by_row.items():
+        if r.get("n_eff"):
+            prefix = "sec4.6" if key.startswith("lr.nfull.") else "appD.1"
+            put(f"{prefix}.n_eff_final.{key}", r["n_eff"][-1], f"{r['run_id']}, {r.get('tokens')} tokens")
+    full_lr = sorted((r for r in seed0 if r["method"] == "lr" and r["blocks"] == "full" and "sweep" in r["roles"]
+                      and r.get("n_eff")), key=lambda r: r["rank"])
+    if len(full_lr) >= 2:
+        lo, hi = full_lr[0], full_lr[-1]
+        put("sec4.6.n_eff_full_decreases_with_rank", lo["n_eff"][-1] > hi["n_eff"][-1],
+            f"final-read N_eff {lo['n_eff'][-1]:.3f} at r={lo['rank']} ({lo['run_id']}) vs {hi['n_eff'][-1]:.3f} at "
+            f"r={hi['rank']} ({hi['run_id']}), the smallest and largest r<d of the full sweep", value_claim=False)
+    f6 = fig6_runs(rows, settings)
+    at = f6["attnres"]
+    low = [r for r in (f6["lr"], f6["plr"]) if r is not None and r.get("n_eff")]
+    if at is not None and at.get("n_eff") and low:
+        ok = all(r["n_eff"][-1] > at["n_eff"][-1] for r in low)
+        who = ", ".join(f"{r['run_id']} {r['n_eff'][-1]:.3f}" for r in low)
+        put("appD.1.lowrank_broader_final_read.n8", ok,
+            f"N = {at['blocks']} stands for N = 8; final-read N_eff: AttnRes {at['run_id']} {at['n_eff'][-1]:.3f} vs {who}"
+            + ("" if f6["plr"] else "; no projected run at this N"), value_claim=False)
+
+    # Appendix C.5: mean gradient norms of the 0.5B sweep
+    base = next((r for r in seed0 if r["method"] == "baseline"), None)
+    if base is not None:
+        put("appC.5.grad_norm_mean.baseline", base["grad_norm"]["mean"], base["run_id"])
+    for key, r in by_row.items():
+        if key != "baseline":
+            put(f"appC.5.grad_norm_mean.{key}", r["grad_norm"]["mean"], r["run_id"])
+    plr_runs = [r for r in seed0 if r["method"] == "plr" and r["grad_norm"]["mean"] is not None]
+    full_plr = [r for r in plr_runs if r["blocks"] == "full"]
+    stand = full_plr or plr_runs
+    if base is not None and base["grad_norm"]["mean"] is not None and stand:
+        b = base["grad_norm"]["mean"]
+        put("appC.5.plr_full_below_baseline", all(r["grad_norm"]["mean"] < b for r in stand),
+            f"baseline {b:.4f} vs " + ", ".join(f"{r['run_id']} {r['grad_norm']['mean']:.4f}" for r in stand)
+            + ("" if full_plr else "; no full projected run at this scale: the block projected runs stand in"),
+            value_claim=False)
+    ctrl = next((r for r in seed0 if "control" in r["roles"]), None)
+    if ctrl is not None:
+        sl = next((r for r in seed0 if r["method"] == "lr" and r["blocks"] == ctrl["blocks"] and r["rank"] == ctrl["rank"]), None)
+        if sl is not None and None not in (ctrl["grad_norm"]["mean"], sl["grad_norm"]["mean"]):
+            put("appC.5.fullrms_above_slice", ctrl["grad_norm"]["mean"] > sl["grad_norm"]["mean"],
+                f"control {ctrl['run_id']} {ctrl['grad_norm']['mean']:.4f} vs sliced {sl['run_id']} "
+                f"{sl['grad_norm']['mean']:.4f}", value_claim=False)
+
+    # Table 9 / Appendix G.1: the size pair
+    for role, size in zip(("small", "large"), PAIR_SIZES):
+        pair = {r["method"]: r for r in rows if f"pair-{role}" in r["roles"]}
+        for m in ("attnres", "lr"):
+            r = pair.get(m)
+            if r is None:
+                continue
+            g = r["grad_norm"]
+            put(f"table9.grad_norm_mean.{size}.{m}", g["mean"], r["run_id"])
+            put(f"table9.grad_norm_var.{size}.{m}", g["var"], r["run_id"])
+            put(f"table9.above_clip_pct.{size}.{m}", g["above_clip_pct"], f"{r['run_id']}, threshold {g['clip']:g}")
+        a, l = pair.get("attnres"), pair.get("lr")
+        if a is None or l is None:
+            continue
+        ga, gl = a["grad_norm"], l["grad_norm"]
+        who = f"{size.upper()} pair: {l['run_id']} vs {a['run_id']}"
+        if ga["mean"] and gl["mean"] is not None:
+            put(f"appG.1.grad_norm_mean_reduction_pct.{size}", 100.0 * (ga["mean"] - gl["mean"]) / ga["mean"], who)
+            put(f"appG.1.lr_lower_grad_norm.{size}", gl["mean"] < ga["mean"],
+                f"{who}: mean {gl['mean']:.4f} vs {ga['mean']:.4f}", value_claim=False)
+        if ga["var"] and gl["var"] is not None:
+            put(f"appG.1.grad_norm_var_reduction_pct.{size}", 100.0 * (ga["var"] - gl["var"]) / ga["var"], who)
+        if None not in (ga["above_clip_pct"], gl["above_clip_pct"]):
+            put(f"appG.1.lr_fewer_clipped.{size}", gl["above_clip_pct"] < ga["above_clip_pct"],
+                f"{who}: {gl['above_clip_pct']:.2f}% vs {ga['above_clip_pct']:.2f}% of steps above {ga['clip']:g}",
+                value_claim=False)
+    return out
+
+
+# ----------------------------------------------------------------------------------------- CLI
+
+
+def diagnose(settings: dict, runs_root: Path, manifest: dict | None, known_ids=None, *, skip_missing: bool = False) -> dict:
+    """The diagnostics result (without provenance) for every planned run under ``runs_root``."""
+    diag = validate_settings(settings.get("diagnostics"), "settings.diagnostics")
+    device = _device(diag["device"])
+    rows = []
+    planned = plan(settings)
+    for i, run in enumerate(planned):
+        folder = runs_root / run.run_id
+        need = [folder / "metrics.jsonl"] + ([] if run.method == "baseline" else [folder / "model.pt"])
+        missing = [p for p in need if not p.exists()]
+        if missing:
+            if skip_missing:
+                log.warning("%s: %s missing; skipped", run.run_id, ", ".join(str(p) for p in missing))
+                continue
+            raise DiagnosticsError(f"{missing[0]}: not found (run {run.run_id} of the grid; train it first, "
+                                   "or pass --skip-missing)")
+        log.info("[%d/%d] %s", i + 1, len(planned), run.run_id)
+        rows.append(analyse_run(run, folder, manifest, settings, diag, device))
+    table = {r["run_id"]: r for r in rows}
+    return {
+        "stage": "diagnostics",
+        "scale": settings.get("scale"),
+        "settings": diag,
+        "runs": table,
+        "figures_data": figures_data(rows, settings),
+        "claims": claims(rows, settings, known_ids),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m lrattnres diagnostics",
+                                description="routing diagnostics: N_eff, heatmaps, gradient norms, query utilisation")
+    p.add_argument("--settings", required=True, help="resolved settings JSON of the scale")
+    p.add_argument("--runs", required=True, help="folder holding one sub-folder per run id")
+    p.add_argument("--data", required=True, help="data manifest (manifest.json or its folder)")
+    p.add_argument("--published", required=True, help="reports/published.yaml (claim ids)")
+    p.add_argument("--out", required=True, help="diagnostics result JSON")
+    p.add_argument("--skip-missing", action="store_true", help="skip runs whose folder lacks model.pt or metrics.jsonl")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s: %(message)s")
+    started = now()
+    import torch
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    from lrattnres.claims import load_published
+    from lrattnres.data import load_manifest
+
+    settings = read_json(args.settings)
+    for key in ("grid", "presets"):
+        if key not in settings:
+            raise DiagnosticsError(f"{args.settings}: settings lack {key!r} (expected the resolved settings of a scale)")
+    known = set(load_published(args.published))
+    manifest = load_manifest(args.data, verify="size")
+    result = diagnose(settings, Path(args.runs), manifest, known, skip_missing=args.skip_missing)
+    result["provenance"] = provenance(settings, started=started)
+    atomic_write_json(args.out, result)
+    log.info("diagnostics: %d runs, %d claims -> %s", len(result["runs"]), len(result["claims"]), args.out)
+    return 0
