@@ -15,6 +15,8 @@ Spec keys (all optional):
     device      auto | cpu | cuda (default auto)
     precision   auto (bf16 on a GPU, fp32 on the CPU) | bf16 | fp32
     cache_dir   where task JSONL/YAMLs go (default: <out dir>/task_cache)
+    threads     torch CPU threads (default: torch's). On a shared CPU give the rule's thread count:
+                oversubscribed threads made the tiny model 10x slower on a loaded 2-core machine
     run_id, size, method   override what is read from the checkpoint
 
 Output JSON: {"stage": "evaluate", "run_id", "size", "method", "claim_size", "tasks": {task:
@@ -36,7 +38,7 @@ log = logging.getLogger("lrattnres.evaluate")
 
 SPEC_KEYS = {
     "tasks", "limit", "seed", "batch_size", "max_length", "source", "device", "precision", "cache_dir",
-    "run_id", "size", "method",
+    "run_id", "size", "method", "threads",
 }
 
 
@@ -60,7 +62,7 @@ def validate_spec(spec: Any) -> dict:
     s = {
         "tasks": list(TASK_NAMES), "limit": None, "seed": 0, "batch_size": 8, "max_length": None,
         "source": "offline", "device": "auto", "precision": "auto", "cache_dir": None,
-        "run_id": None, "size": None, "method": None,
+        "run_id": None, "size": None, "method": None, "threads": None,
     }
     s.update({k: v for k, v in spec.items() if k in SPEC_KEYS})
     if not (isinstance(s["tasks"], list) and s["tasks"] and all(t in TASK_NAMES for t in s["tasks"])):
@@ -79,6 +81,8 @@ def validate_spec(spec: Any) -> dict:
         raise SpecError(f"evaluate spec key 'device': expected auto, cpu or cuda, got {s['device']!r}")
     if s["precision"] not in ("auto", "bf16", "fp32"):
         raise SpecError(f"evaluate spec key 'precision': expected auto, bf16 or fp32, got {s['precision']!r}")
+    if s["threads"] is not None and not (_is_int(s["threads"]) and s["threads"] > 0):
+        raise SpecError(f"evaluate spec key 'threads': expected null or a positive integer, got {s['threads']!r}")
     return s
 
 
@@ -173,6 +177,10 @@ def main(argv: list[str] | None = None) -> int:
     from lrattnres.io import atomic_write_json
     from lrattnres.train.checkpoint import load_model
 
+    if spec["threads"]:
+        import torch
+
+        torch.set_num_threads(spec["threads"])
     device = _device(spec["device"])
     model, info = load_model(args.checkpoint, device)
     manifest = load_manifest(args.data)
