@@ -25,6 +25,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from lrattnres.accounting import added_flops
 from lrattnres.config import deep_merge, resolve_rank
 from lrattnres.io import atomic_write_json, read_json
 from lrattnres.presets import get_preset
@@ -173,7 +174,9 @@ def summarize(settings: dict, run_dirs: dict[str, Path], known_ids=None) -> dict
         folder = run_dirs[run.run_id]
         result = read_json(folder / "result.json")
         val, steps = read_curve(folder / "metrics.jsonl")
-        d = get_preset(run.preset)["d_model"]
+        shape = get_preset(run.preset)
+        d = shape["d_model"]
+        cost = added_flops(shape["n_layers"], d, shape["d_ff"], run.method, run.blocks, run.rank)
         row = {
             "run_id": run.run_id,
             "preset": run.preset,
@@ -183,6 +186,7 @@ def summarize(settings: dict, run_dirs: dict[str, Path], known_ids=None) -> dict
             "rank": run.rank,
             "seed": run.seed,
             "roles": list(run.roles),
+            "added_flops_pct": cost["pct"],
             "final_val_ce": result["final_val_ce"],
             "steps": result.get("steps"),
             "tokens": result.get("tokens"),
