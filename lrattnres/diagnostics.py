@@ -491,7 +491,7 @@ def figures_data(rows: list[dict], settings: dict) -> dict[str, Any]:
             continue
         if not ({"sweep", "projected", "control"} & set(r["roles"])):
             continue
-        key = f"{r['method']}.n{r['blocks']}"
+        key = f"{'lr' if r['method'] == 'attnres' else r['method']}.n{r['blocks']}"  # AttnRes: the sliced r = d end
         series.setdefault(key, []).append({"run_id": r["run_id"], "rank": r["rank"], "r_over_d": r["r_over_d"],
                                            "paper_r": round(r["r_over_d"] * PAPER_D), "mean": r["grad_norm"]["mean"]})
     for pts in series.values():
@@ -542,10 +542,10 @@ def claims(rows: list[dict], settings: dict, known_ids=None) -> dict[str, dict]:
     scale = settings.get("scale", "?")
     analog = "" if scale == "paper" else f"{scale} scale: analogous run (same method and N, same r/d, or same role)"
 
-    def put(cid: str, value, text: str = "", *, value_claim: bool = True) -> None:
+    def put(cid: str, value, text: str = "", *, value_claim: bool = True, how: str | None = None) -> None:
         if value is None or (known_ids is not None and cid not in known_ids):
             return
-        note = "; ".join(t for t in (text, analog if value_claim else "") if t)
+        note = "; ".join(t for t in (text, (how or analog) if value_claim and analog else "") if t)
         out[cid] = {"reproduced": value, "note": note}
 
     by_row = run_rows(rows, settings)
@@ -600,25 +600,26 @@ def claims(rows: list[dict], settings: dict, known_ids=None) -> dict[str, dict]:
     # Table 9 / Appendix G.1: the size pair
     for role, size in zip(("small", "large"), PAIR_SIZES):
         pair = {r["method"]: r for r in rows if f"pair-{role}" in r["roles"]}
+        how = f"{scale} scale: the pair-{role} runs stand for {size.upper()}"
         for m in ("attnres", "lr"):
             r = pair.get(m)
             if r is None:
                 continue
             g = r["grad_norm"]
-            put(f"table9.grad_norm_mean.{size}.{m}", g["mean"], r["run_id"])
-            put(f"table9.grad_norm_var.{size}.{m}", g["var"], r["run_id"])
-            put(f"table9.above_clip_pct.{size}.{m}", g["above_clip_pct"], f"{r['run_id']}, threshold {g['clip']:g}")
+            put(f"table9.grad_norm_mean.{size}.{m}", g["mean"], r["run_id"], how=how)
+            put(f"table9.grad_norm_var.{size}.{m}", g["var"], r["run_id"], how=how)
+            put(f"table9.above_clip_pct.{size}.{m}", g["above_clip_pct"], f"{r['run_id']}, threshold {g['clip']:g}", how=how)
         a, l = pair.get("attnres"), pair.get("lr")
         if a is None or l is None:
             continue
         ga, gl = a["grad_norm"], l["grad_norm"]
         who = f"{size.upper()} pair: {l['run_id']} vs {a['run_id']}"
         if ga["mean"] and gl["mean"] is not None:
-            put(f"appG.1.grad_norm_mean_reduction_pct.{size}", 100.0 * (ga["mean"] - gl["mean"]) / ga["mean"], who)
+            put(f"appG.1.grad_norm_mean_reduction_pct.{size}", 100.0 * (ga["mean"] - gl["mean"]) / ga["mean"], who, how=how)
             put(f"appG.1.lr_lower_grad_norm.{size}", gl["mean"] < ga["mean"],
                 f"{who}: mean {gl['mean']:.4f} vs {ga['mean']:.4f}", value_claim=False)
         if ga["var"] and gl["var"] is not None:
-            put(f"appG.1.grad_norm_var_reduction_pct.{size}", 100.0 * (ga["var"] - gl["var"]) / ga["var"], who)
+            put(f"appG.1.grad_norm_var_reduction_pct.{size}", 100.0 * (ga["var"] - gl["var"]) / ga["var"], who, how=how)
         if None not in (ga["above_clip_pct"], gl["above_clip_pct"]):
             put(f"appG.1.lr_fewer_clipped.{size}", gl["above_clip_pct"] < ga["above_clip_pct"],
                 f"{who}: {gl['above_clip_pct']:.2f}% vs {ga['above_clip_pct']:.2f}% of steps above {ga['clip']:g}",

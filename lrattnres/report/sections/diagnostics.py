@@ -55,6 +55,14 @@ def _paper_r(run: dict) -> str:
 # ----------------------------------------------------------------------------------- figures
 
 
+def _int_ticks(ax, y: bool = False) -> None:
+    from matplotlib.ticker import MaxNLocator
+
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    if y:
+        ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+
+
 def _fig4(res: dict) -> str:
     import matplotlib.pyplot as plt
 
@@ -69,6 +77,7 @@ def _fig4(res: dict) -> str:
                 label=f"r={c['rank']} (paper r={c['paper_r']})" + (" AttnRes" if c["method"] == "attnres" else ""))
     n = len(curves[0]["n_eff"])
     ax.plot(range(1, n + 1), [t + 1 for t in range(1, n + 1)], ls=":", color="grey", label="uniform (S_t)")
+    _int_ticks(ax)
     ax.set_xlabel("read site t (after write t; the last feeds the head)")
     ax.set_ylabel("N_eff = exp(H)")
     ax.set_title("Full routing: effective number of sources")
@@ -93,6 +102,7 @@ def _fig6(res: dict) -> str:
             name, color = styles[m]
             ax.plot(range(1, len(r["n_eff"]) + 1), r["n_eff"], marker="o", ms=3, color=color,
                     label=f"{name} r={r['rank']} ({r['run_id']})")
+    _int_ticks(ax)
     ax.set_xlabel("read site t")
     ax.set_ylabel("N_eff = exp(H)")
     ax.set_title(f"Block routing, N = {f6.get('blocks')} (stands for the paper's N = 8)")
@@ -113,7 +123,8 @@ def _fig8(res: dict) -> str:
     if not rows:
         return '<p class="note">Figure 8: no routed run with a heatmap.</p>'
     ncol = max(len(r) for r in rows)
-    fig, axes = plt.subplots(len(rows), ncol, figsize=(4.2 * ncol, 3.6 * len(rows)), squeeze=False)
+    fig, axes = plt.subplots(len(rows), ncol, figsize=(4.2 * ncol, 3.6 * len(rows)), squeeze=False,
+                             layout="constrained")
     for i, row in enumerate(rows):
         mats = [np.array([[np.nan if v is None else v for v in line] for line in r["heatmap"]], dtype=float).T
                 for r in row]
@@ -126,6 +137,7 @@ def _fig8(res: dict) -> str:
             im = ax.imshow(np.ma.masked_invalid(mats[j]), origin="lower", aspect="auto", vmin=0, vmax=vmax,
                            cmap="magma", extent=(0.5, mats[j].shape[1] + 0.5, -0.5, mats[j].shape[0] - 0.5))
             ax.set_title(_label(row[j]), fontsize=9)
+            _int_ticks(ax, y=True)
             ax.set_xlabel("read site t")
             ax.set_ylabel("source (0 = embedding)")
             ax.grid(False)
@@ -148,7 +160,8 @@ def _fig7(res: dict) -> str:
     for key, pts in sorted(series.items()):
         method, n = key.split(".n", 1)
         ax.plot([p["paper_r"] for p in pts], [p["mean"] for p in pts], marker="o", ms=4,
-                ls="--" if method == "plr" else "-", label=f"{METHOD_NAMES.get(method, method)} N={n}")
+                ls="--" if method == "plr" else "-",
+                label=f"{METHOD_NAMES.get(method, method)} N={n}" + (" (r = d: AttnRes)" if method == "lr" else ""))
     if f7.get("baseline") is not None:
         ax.axhline(f7["baseline"], color="black", lw=1, ls=":", label="baseline")
     ax.set_xscale("log", base=2)
@@ -166,7 +179,7 @@ def _fig10(res: dict) -> str:
     if not f10:
         return '<p class="note">Figure 10 (right): no size-pair run at this scale.</p>'
     sizes = [s for s in SIZES if s in f10]
-    fig, axes = plt.subplots(len(sizes), 1, figsize=(7, 3.2 * len(sizes)), squeeze=False)
+    fig, axes = plt.subplots(len(sizes), 1, figsize=(7, 3.2 * len(sizes)), squeeze=False, layout="constrained")
     colors = {"attnres": "tab:red", "lr": "tab:blue"}
     window = None
     for ax, size in zip(axes[:, 0], sizes):
