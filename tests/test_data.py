@@ -23,7 +23,7 @@ from lrattnres.data import (
     prepare,
     validate_spec,
 )
-from lrattnres.data import cli, sources
+from lrattnres.data import cli, shards, sources
 from lrattnres.data.tokenizer import EXPECTED_SHA256, N_VOCAB
 
 WORDS = (
@@ -209,6 +209,7 @@ def test_hf_standin_and_resume(tmp_path, monkeypatch):
         return Wrapped()
 
     monkeypatch.setattr(sources.HFSource, "load_dataset", staticmethod(flaky))
+    monkeypatch.setattr(shards, "CHUNK_DOCS", 8)
     read["limit"] = 70
     with pytest.raises(Boom):
         prepare(spec, tmp_path / "res", progress=False)

@@ -9,10 +9,11 @@ consumed; a restart with the same spec keeps the written shards and skips that m
 from __future__ import annotations
 
 import hashlib
-import itertools
 import os
+import queue
 import shutil
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -26,7 +27,8 @@ from .manifest import FORMAT, SPLITS, load_manifest, sha256_file
 from .sources import make_source
 from .spec import max_tokens, validate_spec
 
-CHUNK_DOCS = 64  # documents per encode_ordinary_batch call
+CHUNK_DOCS = 2048  # at most this many documents per encode_ordinary_batch call
+CHUNK_CHARS = 1 << 20  # ... or about this many characters
 VAL_DEFINITION = (
     "the first whole documents of the source order until the split holds at least val_tokens tokens "
     "(the document that reaches the budget is included); every later document is training data"
@@ -64,6 +66,63 @@ def _fresh_state(spec_sha: str) -> dict[str, Any]:
         "done": False,
         "source": None,
     }
+
+
+def _take(it) -> list[str]:
+    out, chars = [], 0
+    for text in it:
+        out.append(text)
+        chars += len(text)
+        if len(out) >= CHUNK_DOCS or chars >= CHUNK_CHARS:
+            break
+    return out
+
+
+class _Prefetch:
+    """Pull chunks of texts from a source in a background thread (overlaps reading and encoding)."""
+
+    def __init__(self, it, max_chunks: int = 3):
+        self._q: queue.Queue = queue.Queue(max_chunks)
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._run, args=(it,), daemon=True, name="prepare-data-read")
+        self._t.start()
+
+    def _run(self, it) -> None:
+        try:
+            while not self._stop.is_set():
+                chunk = _take(it)
+                self._put(("data", chunk))
+                if not chunk:
+                    break
+        except BaseException as e:  # handed to the consumer
+            self._put(("error", e))
+        finally:
+            close = getattr(it, "close", None)
+            if close:
+                close()
+
+    def _put(self, item) -> None:
+        while not self._stop.is_set():
+            try:
+                self._q.put(item, timeout=0.1)
+                return
+            except queue.Full:
+                continue
+
+    def get(self) -> list[str]:
+        kind, val = self._q.get()
+        if kind == "error":
+            raise val
+        return val
+
+    def close(self) -> None:
+        self._stop.set()
+        while True:
+            try:
+                self._q.get_nowait()
+            except queue.Empty:
+                break
+        self._t.join(timeout=30)
 
 
 def _flush(work: Path, state: dict, split: str, buf: _Buffer) -> None:
@@ -106,21 +165,22 @@ def _tokenize(spec: dict, work: Path, state: dict, progress: bool) -> None:
     enc = tok.get_encoding()
     if state["split"] == "val" and val_tokens == 0:
         state["split"] = "train"
-    texts_it = source.iter_texts(skip=state["docs_consumed"])
+    reader = _Prefetch(source.iter_texts(skip=state["docs_consumed"]))
     buf = _Buffer()
     pending = {s: state["splits"][s]["tokens"] for s in SPLITS}
     bar = tqdm(total=cap, initial=state["tokens"], unit="tok", unit_scale=True, file=sys.stderr,
                disable=not progress, desc=f"prepare-data ({spec['source']})", mininterval=1.0)
     stop = cap is not None and state["tokens"] >= cap
-    encode_s = 0.0
+    encode_s = encode_cpu = 0.0
     try:
         while not stop:
-            texts = list(itertools.islice(texts_it, CHUNK_DOCS))
+            texts = reader.get()
             if not texts:
                 break
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             encoded = enc.encode_ordinary_batch(texts, num_threads=spec["num_threads"])
             encode_s += time.perf_counter() - t0
+            encode_cpu += time.process_time() - c0
             for text, ids in zip(texts, encoded):
                 state["docs_consumed"] += 1
                 if not ids or not text.strip():
@@ -148,10 +208,9 @@ def _tokenize(spec: dict, work: Path, state: dict, progress: bool) -> None:
         _flush(work, state, state["split"], buf)
     finally:
         bar.close()
-        close = getattr(texts_it, "close", None)
-        if close:
-            close()
+        reader.close()
     state["encode_seconds"] += encode_s
+    state["encode_cpu_seconds"] = state.get("encode_cpu_seconds", 0.0) + encode_cpu
     state["seconds"] += time.perf_counter() - t_start
     state["source"] = source.describe()
     if state["documents"] == 0:
@@ -259,7 +318,10 @@ def _finalize(spec: dict, work: Path, state: dict, progress: bool) -> dict[str, 
         "timing": {
             "seconds": round(state["seconds"], 3),
             "encode_seconds": round(state["encode_seconds"], 3),
+            "encode_cpu_seconds": round(state.get("encode_cpu_seconds", 0.0), 3),
             "encode_tokens_per_s": round(state["tokens"] / enc_s),
+            "encode_tokens_per_cpu_s": round(state["tokens"] / max(state.get("encode_cpu_seconds", 0.0), 1e-9)),
+            "load_avg_1min": round(os.getloadavg()[0], 2),
             "end_to_end_tokens_per_s": round(state["tokens"] / max(state["seconds"], 1e-9)),
             "num_threads": spec["num_threads"],
             "cpu_count": os.cpu_count(),

@@ -180,7 +180,7 @@ class EmbeddedSource:
         if self.workers > 1 and len(args) > 8:
             import multiprocessing as mp
 
-            ctx = mp.get_context("fork" if sys.platform.startswith("linux") else "spawn")
+            ctx = mp.get_context("forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn")
             pool = ctx.Pool(self.workers)
             results = pool.imap(_docstrings_of_file, args, chunksize=4)
         else:

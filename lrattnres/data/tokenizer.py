@@ -153,12 +153,13 @@ class Tokenizer:
         return arr if self._fwd is None else self._fwd[arr]
 
     def to_original_ids(self, model_ids: Iterable[int] | np.ndarray) -> np.ndarray:
+        """cl100k ids of model ids; with compaction the UNK id maps to -1."""
         arr = np.asarray(model_ids, dtype=np.int64)
+        if arr.size and (arr.min() < 0 or arr.max() >= self.vocab_size):
+            raise ValueError(f"model id out of range [0, {self.vocab_size})")
         if self._inv is None:
             return arr
-        if arr.size and (arr.min() < 0 or arr.max() > self.unk_id):
-            raise ValueError(f"model id out of range [0, {self.vocab_size})")
-        return arr
+        return np.where(arr == self.unk_id, -1, self._inv[np.minimum(arr, self.unk_id - 1)])
 
     # -- text --------------------------------------------------------------------------------
     def encode(self, text: str, *, eot: bool = False) -> list[int]:
@@ -178,19 +179,17 @@ class Tokenizer:
 
     def decode(self, ids: Iterable[int]) -> str:
         """Text of model ids; with compaction the UNK id decodes to U+FFFD."""
-        arr = self.to_original_ids(list(ids))
-        if self._inv is None:
-            return self.encoding.decode(arr.tolist())
+        orig = self.to_original_ids(list(ids)).tolist()
         parts: list[str] = []
         run: list[int] = []
-        for i in arr.tolist():
-            if i == self.unk_id:
+        for i in orig:
+            if i < 0:
                 if run:
                     parts.append(self.encoding.decode(run))
                     run = []
                 parts.append("\ufffd")
             else:
-                run.append(int(self._inv[i]))
+                run.append(i)
         if run:
             parts.append(self.encoding.decode(run))
         return "".join(parts)
