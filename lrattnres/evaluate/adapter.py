@@ -224,15 +224,28 @@ class LRAttnResLM(_LMBase):
         for start in it:
             idx = order[start : start + self.batch_size]
             logits = self._forward_logits([prepared[i][0] for i in idx])
+            # fp32 log-probabilities at the continuations' positions only, all rows at once
+            rows, pos, tgt, seg = [], [], [], []
             for row, i in enumerate(idx):
                 inp, cont = prepared[i]
                 n = len(cont)
-                target = torch.tensor(cont, dtype=torch.long, device=logits.device)
-                # fp32 log-probabilities at the continuation's positions only
-                step = F.log_softmax(logits[row, len(inp) - n : len(inp)].float(), dim=-1)  # [n, V]
-                ll = step.gather(-1, target[:, None]).squeeze(-1).sum().item()
-                greedy = bool((step.argmax(-1) == target).all().item())
-                scored[i] = (float(ll), greedy)
+                rows += [row] * n
+                pos += range(len(inp) - n, len(inp))
+                tgt += cont
+                seg += [row] * n
+            dev = logits.device
+            rows_t = torch.tensor(rows, device=dev)
+            pos_t = torch.tensor(pos, device=dev)
+            tgt_t = torch.tensor(tgt, device=dev)
+            step = F.log_softmax(logits[rows_t, pos_t].float(), dim=-1)  # [M, V]
+            tok_ll = step.gather(-1, tgt_t[:, None]).squeeze(-1)
+            hit = (step.argmax(-1) == tgt_t).to(torch.float32)
+            seg_t = torch.tensor(seg, device=dev)
+            ll = torch.zeros(len(idx), dtype=torch.float64, device=dev).index_add_(0, seg_t, tok_ll.double())
+            misses = torch.zeros(len(idx), device=dev).index_add_(0, seg_t, 1.0 - hit)
+            ll, misses = ll.tolist(), misses.tolist()  # one device sync per batch
+            for row, i in enumerate(idx):
+                scored[i] = (float(ll[row]), misses[row] == 0)
             self.stats["batches"] += 1
         self.stats["forward_s"] += time.perf_counter() - t0
         self.stats["requests"] += len(pairs)
