@@ -121,3 +121,26 @@ def test_grad_norm_summary():
     s = grad_norm_summary([0.5, 1.5, 2.0, 1.0], 1.0)
     assert s["mean"] == pytest.approx(1.25) and s["above_clip_pct"] == pytest.approx(50.0)
     assert s["var"] == pytest.approx(((0.75 ** 2) + 0.25 ** 2 + 0.75 ** 2 + 0.25 ** 2) / 4)
+
+
+def test_muon_matches_torch_muon():
+    from lrattnres.train.optim import Muon
+
+    torch.manual_seed(0)
+    ws = [torch.randn(8, 5), torch.randn(4, 12)]
+    a = [w.clone().requires_grad_(True) for w in ws]
+    b = [w.clone().requires_grad_(True) for w in ws]
+    kw = dict(lr=1e-2, momentum=0.95, weight_decay=0.1, nesterov=True, ns_steps=5, adjust_lr_fn="original")
+    ours, ref = Muon(a, ns_dtype="bf16", **kw), torch.optim.Muon(b, **kw)
+    f32 = Muon([w.clone().requires_grad_(True) for w in ws], ns_dtype="fp32", **kw)
+    for _ in range(3):
+        g = [torch.randn_like(w) for w in ws]
+        for ps in (a, b, f32.param_groups[0]["params"]):
+            for p, gi in zip(ps, g):
+                p.grad = gi.clone()
+        ours.step(), ref.step(), f32.step()
+    for x, y, z in zip(a, b, f32.param_groups[0]["params"]):
+        assert torch.equal(x, y)
+        torch.testing.assert_close(z, y, rtol=0, atol=2e-3)  # fp32 iteration: close, not equal
+    with pytest.raises(ValueError, match="2D"):
+        Muon([torch.zeros(3, requires_grad=True)], lr=1e-3)

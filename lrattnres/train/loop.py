@@ -151,7 +151,23 @@ class _StopFlag:
         self._old = {}
 
 
-def train(
+def train(spec: dict, data: str | os.PathLike, out: str | os.PathLike, **kw) -> dict[str, Any]:
+    """Train one run; returns the result dict (also written to ``<out>/result.json`` by rank 0).
+
+    Keywords: ``resume``: ``auto`` (continue from ``<out>/checkpoint.pt`` if present), ``never``
+    (start over, ignoring a checkpoint), ``must`` (fail without one).  ``stop_after``: stop after
+    that many total updates, writing a checkpoint as on preemption (for tests and time-sliced jobs;
+    raises :class:`Preempted`).  ``progress``: show the tqdm bar.  SIGTERM/SIGINT are caught from
+    the start (a signal during start-up still stops at the first step boundary with a checkpoint).
+    """
+    stop = _StopFlag().install()
+    try:
+        return _train(spec, data, out, stop=stop, **kw)
+    finally:
+        stop.restore()
+
+
+def _train(
     spec: dict,
     data: str | os.PathLike,
     out: str | os.PathLike,
@@ -160,16 +176,11 @@ def train(
     stop_after: int | None = None,
     progress: bool = True,
     log=None,
+    stop: _StopFlag,
 ) -> dict[str, Any]:
-    """Train one run; returns the result dict (also written to ``<out>/result.json`` by rank 0).
-
-    ``resume``: ``auto`` (continue from ``<out>/checkpoint.pt`` if present), ``never`` (start over,
-    ignoring a checkpoint), ``must`` (fail without one).  ``stop_after``: stop after that many total
-    updates, writing a checkpoint as on preemption (for tests and time-sliced jobs; raises
-    :class:`Preempted`).
-    """
     started = now()
     t_process = time.perf_counter()
+    cpu_process = time.process_time()
     out = Path(out)
     s = spec_mod.resolve(spec)
     rank, world, local_rank = _dist_env()
@@ -182,8 +193,10 @@ def train(
 
     from lrattnres.data import TokenLoader, iter_eval_batches, load_manifest
 
-    manifest = load_manifest(data)
-    manifest_sha = file_sha256(data)
+    manifest = load_manifest(data, verify="size")
+    if sum(manifest["splits"][k]["tokens"] for k in ("train", "val")) <= 2_000_000_000:
+        manifest = load_manifest(data, verify=True)  # hash the shards too, unless that takes minutes
+    manifest_sha = manifest["_sha256"]
     mcfg = resolve_model_config(s["model"], int(manifest["vocab_size"]), s["seq_len"])
     mcfg_dict = ckpt.model_config_dict(mcfg)
     steps_total = spec_mod.total_steps(s, world)
@@ -199,7 +212,7 @@ def train(
     loader = TokenLoader(manifest, "train", s["micro_batch"], s["seq_len"], s["seed"], rank=rank, world_size=world)
 
     # ---- resume -------------------------------------------------------------------------------
-    step, tokens, train_s, grad_norms = 0, 0, 0.0, []
+    step, tokens, train_s, grad_norms, wall_prev, cpu_prev = 0, 0, 0.0, [], 0.0, 0.0
     ck_path = out / "checkpoint.pt"
     if resume not in ("auto", "never", "must"):
         raise ValueError(f"resume must be auto, never or must, got {resume!r}")
@@ -226,6 +239,7 @@ def train(
         for name, opt in optimizers.items():
             opt.load_state_dict(st["optimizers"][name])
         step, tokens, train_s = st["step"], st["tokens"], st["train_s"]
+        wall_prev, cpu_prev = st["wall_s"], st["cpu_s"]
         grad_norms = list(st["grad_norms"])
         loader.load_state_dict(st["loader"][rank])
         ckpt.set_rng_state(st["rng"][rank])
@@ -272,11 +286,12 @@ def train(
                 "kind": "checkpoint", "model": model.state_dict(), "model_config": mcfg_dict,
                 "optimizers": {k: o.state_dict() for k, o in optimizers.items()},
                 "step": step, "tokens": tokens, "train_s": train_s, "grad_norms": grad_norms,
+                "wall_s": wall_prev + time.perf_counter() - t_process,
+                "cpu_s": cpu_prev + time.process_time() - cpu_process,
                 "rng": rngs, "loader": loader_states, "world_size": world, "spec": s,
                 "manifest_sha256": manifest_sha,
             }, ck_path)
 
-    stop = _StopFlag().install()
     bar = progress_bar(steps_total, step, enabled=master and progress, desc=out.name or "train")
     zc = float(s["z_loss"])
     clip = s["grad_clip"]
@@ -363,7 +378,6 @@ def train(
                 save_checkpoint()
     finally:
         bar.close()
-        stop.restore()
         metrics.flush()
 
     # ---- end: final checkpoint, weights, final validation, result (last) -----------------------
@@ -384,8 +398,10 @@ def train(
         "val_tokens": final["tokens"],
         "steps": step,
         "tokens": tokens,
-        "wall_s": time.perf_counter() - t_process,
-        "train_s": train_s,
+        "wall_s": wall_prev + time.perf_counter() - t_process,  # all processes of the run, start-up included
+        "train_s": train_s,  # time inside optimiser steps (no start-up, validation or checkpoints)
+        "cpu_s": cpu_prev + time.process_time() - cpu_process,  # process CPU time (rank 0)
+        "resumed": resumed,
         "tokens_per_s": tokens / train_s if train_s > 0 else None,
         "steps_per_s": step / train_s if train_s > 0 else None,
         "grad_norm": grad_norm_summary(grad_norms, clip),

@@ -23,7 +23,7 @@ DEFAULTS: dict[str, Any] = {
     "grad_accum": 1,
     "optim": {
         "muon": {"lr": 1e-3, "momentum": 0.95, "weight_decay": 0.1, "nesterov": True, "ns_steps": 5,
-                 "adjust_lr_fn": "original"},
+                 "adjust_lr_fn": "original", "ns_dtype": "auto"},
         "adam": {"lr": 3e-4, "betas": [0.9, 0.95], "weight_decay": 0.0, "eps": 1e-8},
     },
     "schedule": {"warmup_steps": 2000, "warmdown_frac": 0.2, "final_lr_frac": 0.0},
@@ -118,6 +118,7 @@ def resolve(spec: dict) -> dict:
     _check(_is_int(mu["ns_steps"]) and 1 <= mu["ns_steps"] < 100, "optim.muon.ns_steps", "an int in [1, 100)", mu["ns_steps"])
     _check(mu["adjust_lr_fn"] in ("original", "match_rms_adamw", None), "optim.muon.adjust_lr_fn",
            "'original', 'match_rms_adamw' or null", mu["adjust_lr_fn"])
+    _check(mu["ns_dtype"] in ("auto", "bf16", "fp32"), "optim.muon.ns_dtype", "'auto', 'bf16' or 'fp32'", mu["ns_dtype"])
     b = o["adam"]["betas"]
     _check(isinstance(b, (list, tuple)) and len(b) == 2 and all(_is_num(x) and 0 <= x < 1 for x in b),
            "optim.adam.betas", "two numbers in [0, 1)", b)

@@ -20,13 +20,17 @@ IGNORE_INDEX = -100
 
 
 def loss_sums(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp32 sums over valid tokens of per-token cross-entropy and of logsumexp^2."""
+    """fp32 sums over valid tokens of per-token cross-entropy and of logsumexp^2.
+
+    One log-softmax serves both terms: ``ce = -logp[target]`` and ``lse = z_0 - logp_0``.
+    """
     logits = logits.float()
-    lse = torch.logsumexp(logits, dim=-1)
+    logp = logits.log_softmax(dim=-1)
+    lse = logits[..., 0] - logp[..., 0]
     valid = targets != IGNORE_INDEX
-    tgt = logits.gather(-1, targets.clamp_min(0).unsqueeze(-1)).squeeze(-1)
+    ce = -logp.gather(-1, targets.clamp_min(0).unsqueeze(-1)).squeeze(-1)
     zero = torch.zeros((), dtype=lse.dtype, device=lse.device)
-    ce_sum = torch.where(valid, lse - tgt, zero).sum()
+    ce_sum = torch.where(valid, ce, zero).sum()
     z_sum = torch.where(valid, lse.square(), zero).sum()
     return ce_sum, z_sum
 

@@ -1,0 +1,215 @@
+"""End-to-end tests of the trainer on a tiny corpus: resume, SIGTERM, refusals, NaN, DDP, final CE."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from lrattnres.train import loop
+from lrattnres.train.checkpoint import load, load_model
+from lrattnres.train.loop import NonFiniteLoss, Preempted, ResumeMismatch, train
+
+REPO = Path(__file__).resolve().parent.parent
+WORDS = ("the of and to in is that for it as was with be by on not he this are or his from at which but have an "
+         "model layer residual attention depth query key value token document routing weight sum block rank").split()
+
+
+@pytest.fixture(scope="module")
+def manifest(tmp_path_factory):
+    from lrattnres.data import prepare
+
+    d = tmp_path_factory.mktemp("train_corpus")
+    rng = random.Random(0)
+    with open(d / "docs.jsonl", "w", encoding="utf-8") as f:
+        for _ in range(400):
+            f.write(json.dumps({"text": " ".join(rng.choice(WORDS) for _ in range(rng.randint(10, 120)))}) + "\n")
+    prepare({"source": "local", "local": {"glob": str(d / "docs.jsonl")}, "val_tokens": 1500,
+             "shard_tokens": 20000, "vocab": "compact"}, d / "data", progress=False)
+    return str(d / "data" / "manifest.json")
+
+
+def make_spec(**over):
+    s = {"model": {"preset": "smoke", "method": "lr", "blocks": 2, "rank": 8}, "seed": 1, "steps": 6,
+         "micro_batch": 4, "grad_accum": 2, "seq_len": 32, "schedule": {"warmup_steps": 2},
+         "val": {"every": 3, "batches": 2}, "checkpoint": {"every": 2}, "device": "cpu"}
+    s.update(over)
+    return s
+
+
+def weights(path):
+    return load(path)["model"]
+
+
+def records(out, kind="train"):
+    return [r for r in map(json.loads, (Path(out) / "metrics.jsonl").read_text().splitlines()) if r["kind"] == kind]
+
+
+@pytest.fixture(scope="module")
+def full_run(manifest, tmp_path_factory):
+    out = tmp_path_factory.mktemp("runs") / "full"
+    res = train(make_spec(), manifest, out, progress=False)
+    return out, res
+
+
+def test_outputs_and_metrics(full_run):
+    out, res = full_run
+    for name in ("spec.json", "metrics.jsonl", "checkpoint.pt", "model.pt", "result.json"):
+        assert (out / name).exists(), name
+    r = json.loads((out / "result.json").read_text())
+    assert r["stage"] == "train" and r["run_id"] == "full" and r["steps"] == 6
+    assert r["tokens"] == 6 * 4 * 2 * 32 and r["val_tokens"] > 0 and r["final_val_ce"] > 0
+    assert set(r["grad_norm"]) >= {"mean", "var", "above_clip_pct"} and "provenance" in r
+    recs = records(out)
+    assert [x["step"] for x in recs] == list(range(1, 7))
+    for x in recs:
+        assert x["loss"] == pytest.approx(x["ce"] + x["zloss"])  # z-loss counted once
+        assert set(x["lr"]) == {"muon", "adam"} and x["tokens_per_s"] > 0 and "memory" in x
+    assert recs[0]["lr"]["muon"] == pytest.approx(0.5e-3) and recs[0]["lr"]["adam"] == pytest.approx(1.5e-4)
+    assert [x["step"] for x in records(out, "val")] == [3]
+    assert len(records(out, "final_val")) == 1
+
+
+def test_resume_bit_for_bit(manifest, full_run, tmp_path):
+    out, _ = full_run
+    with pytest.raises(Preempted):
+        train(make_spec(), manifest, tmp_path, progress=False, stop_after=3)
+    assert load(tmp_path / "checkpoint.pt")["step"] == 3 and not (tmp_path / "result.json").exists()
+    res = train(make_spec(), manifest, tmp_path, progress=False)
+    assert res["resumed"] and res["steps"] == 6
+    a, b = weights(out / "model.pt"), weights(tmp_path / "model.pt")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    oa, ob = load(out / "checkpoint.pt")["optimizers"], load(tmp_path / "checkpoint.pt")["optimizers"]
+    for name in oa:
+        for i, st in oa[name]["state"].items():
+            for k, v in st.items():
+                assert torch.equal(v, ob[name]["state"][i][k]), (name, i, k)
+    ra, rb = records(out), records(tmp_path)
+    assert [(x["step"], x["loss"], x["grad_norm"]) for x in ra] == [(x["step"], x["loss"], x["grad_norm"]) for x in rb]
+    assert json.loads((tmp_path / "result.json").read_text())["final_val_ce"] == json.loads((out / "result.json").read_text())["final_val_ce"]
+
+
+def test_resume_refuses_other_config(manifest, tmp_path):
+    with pytest.raises(Preempted):
+        train(make_spec(), manifest, tmp_path, progress=False, stop_after=1)
+    other = make_spec(model={"preset": "smoke", "method": "lr", "blocks": 2, "rank": 16})
+    with pytest.raises(ResumeMismatch, match=r"model\.rank: checkpoint 8 != now 16"):
+        train(other, manifest, tmp_path, progress=False)
+    with pytest.raises(ResumeMismatch, match=r"optim\.muon\.lr"):
+        train(make_spec(optim={"muon": {"lr": 0.02}}), manifest, tmp_path, progress=False)
+    # allowed changes: validation/checkpoint cadence, device, compile
+    with pytest.raises(Preempted):
+        train(make_spec(val={"every": 0, "batches": 1}), manifest, tmp_path, progress=False, stop_after=2)
+
+
+def test_nonfinite_loss_stops_and_keeps_last_checkpoint(manifest, tmp_path, monkeypatch):
+    real = loop.loss_sums
+    calls = {"n": 0}
+
+    def poisoned(logits, targets):
+        calls["n"] += 1
+        ce, z = real(logits, targets)
+        if calls["n"] > 2 * 4:  # from the 5th update on (2 micro-batches each)
+            z = z * float("nan")
+        return ce, z
+
+    monkeypatch.setattr(loop, "loss_sums", poisoned)
+    with pytest.raises(NonFiniteLoss, match=r"non-finite z-loss .* at step 5"):
+        train(make_spec(), manifest, tmp_path, progress=False)
+    assert load(tmp_path / "checkpoint.pt")["step"] == 4
+    assert not (tmp_path / "model.pt").exists() and not (tmp_path / "result.json").exists()
+    assert all(torch.isfinite(v).all() for v in load(tmp_path / "checkpoint.pt")["model"].values())
+
+
+def test_grad_norm_logged_before_clipping(manifest, tmp_path):
+    tight = train(make_spec(steps=2, grad_clip=1e-4, val={"final": False}), manifest, tmp_path / "a", progress=False)
+    loose = train(make_spec(steps=2, grad_clip=None, val={"final": False}), manifest, tmp_path / "b", progress=False)
+    ga, gb = records(tmp_path / "a"), records(tmp_path / "b")
+    assert ga[0]["grad_norm"] == gb[0]["grad_norm"] > 1e-3  # same pre-clip norm, far above the clip
+    assert tight["grad_norm"]["above_clip_pct"] == 100.0 and loose["grad_norm"]["above_clip_pct"] is None
+    wa, wb = weights(tmp_path / "a" / "model.pt"), weights(tmp_path / "b" / "model.pt")
+    assert not torch.equal(wa["layers.0.attn.qkv.weight"], wb["layers.0.attn.qkv.weight"])
+
+
+def test_final_val_ce_matches_fp64(full_run, manifest):
+    from lrattnres.data import iter_eval_batches, load_manifest
+
+    out, res = full_run
+    model, info = load_model(out / "model.pt")
+    model = model.double()
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for b in iter_eval_batches(load_manifest(manifest), "val", 3, 32):
+            logits = model(b.inputs, b.doc_ids)
+            total += torch.nn.functional.cross_entropy(logits.flatten(0, 1), b.targets.flatten(), reduction="sum").item()
+            count += b.targets.numel()
+    assert count == res["val_tokens"]
+    assert res["final_val_ce"] == pytest.approx(total / count, rel=1e-6)
+    assert info["step"] == 6 and info["model_config"]["rank"] == 8
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _ddp_worker(rank, world, port, spec, manifest, out):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    try:
+        train(spec, manifest, out, progress=False)
+    finally:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def test_ddp_two_ranks_match_one(manifest, tmp_path):
+    import torch.multiprocessing as mp
+
+    base = dict(steps=3, grad_accum=2, val={"every": 0, "final": True}, checkpoint={"every": 0})
+    one = train(make_spec(micro_batch=4, **base), manifest, tmp_path / "one", progress=False)
+    mp.start_processes(_ddp_worker, args=(2, _free_port(), make_spec(micro_batch=2, **base), manifest,
+                                          str(tmp_path / "two")), nprocs=2, join=True, start_method="spawn")
+    two = json.loads((tmp_path / "two" / "result.json").read_text())
+    assert two["world_size"] == 2 and two["tokens"] == one["tokens"]
+    a, b = weights(tmp_path / "one" / "model.pt"), weights(tmp_path / "two" / "model.pt")
+    for k in a:
+        torch.testing.assert_close(b[k], a[k], rtol=1e-4, atol=1e-5, msg=k)
+    ra, rb = records(tmp_path / "one"), records(tmp_path / "two")
+    for x, y in zip(ra, rb):
+        assert y["ce"] == pytest.approx(x["ce"], rel=1e-5) and y["grad_norm"] == pytest.approx(x["grad_norm"], rel=1e-4)
+    assert two["final_val_ce"] == pytest.approx(one["final_val_ce"], rel=1e-5)
+    assert two["val_tokens"] == one["val_tokens"]
+
+
+def test_sigterm_writes_checkpoint_that_resumes(manifest, tmp_path):
+    spec = make_spec(steps=100000, checkpoint={"every": 0}, val={"every": 0, "final": False})
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "lrattnres.train", "--spec", json.dumps(spec), "--data", manifest,
+                             "--out", str(tmp_path), "--no-progress"], env=env, cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 60
+    while not (tmp_path / "spec.json").exists() and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.1)
+    time.sleep(0.5)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == loop.EXIT_PREEMPTED, err
+    assert "checkpoint" in err and (tmp_path / "checkpoint.pt").exists()
+    k = load(tmp_path / "checkpoint.pt")["step"]
+    with pytest.raises(Preempted, match=f"stopped at step {k + 2}"):
+        train(spec, manifest, tmp_path, progress=False, stop_after=k + 2)
+    assert [r["step"] for r in records(tmp_path)] == list(range(1, k + 3))
