@@ -158,14 +158,17 @@ def count_parameters(spec) -> int:
 
 def rope_tables(head_dim: int, max_seq_len: int, base: float) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin [max_seq_len, head_dim/2]: pair j rotates at frequency base^(-2j/head_dim)."""
-    freq = base ** (-torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
-    angle = torch.outer(torch.arange(max_seq_len, dtype=torch.float64), freq)
+    # built on the CPU even under a meta-device context (arange on meta is needlessly slow to start)
+    freq = base ** (-torch.arange(0, head_dim, 2, dtype=torch.float64, device="cpu") / head_dim)
+    angle = torch.outer(torch.arange(max_seq_len, dtype=torch.float64, device="cpu"), freq)
     return angle.cos().float(), angle.sin().float()
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate interleaved pairs (x[2j], x[2j+1]) of x [B, H, T, hd] by position."""
-    x1, x2 = x.float()[..., 0::2], x.float()[..., 1::2]
+    wide = torch.promote_types(x.dtype, torch.float32)
+    x1, x2 = x.to(wide)[..., 0::2], x.to(wide)[..., 1::2]
+    cos, sin = cos.to(wide), sin.to(wide)
     out = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
     return out.to(x.dtype)
 
@@ -228,7 +231,8 @@ class LRAttnResLM(nn.Module):
         super().__init__()
         self.cfg = cfg
         d, r, n_writes = cfg.d_model, cfg.rank, 2 * cfg.n_layers
-        self.embed = nn.Embedding(cfg.vocab_size, d)
+        # _weight skips nn.Embedding's own init, which is slow to start on the meta device; ours follows
+        self.embed = nn.Embedding(cfg.vocab_size, d, _weight=torch.empty(cfg.vocab_size, d))
         self.layers = nn.ModuleList(Layer(cfg) for _ in range(cfg.n_layers))
         self.head = nn.Linear(d, cfg.vocab_size, bias=False)
         if cfg.method != "baseline":
@@ -236,10 +240,10 @@ class LRAttnResLM(nn.Module):
         if cfg.method == "plr":
             self.embed_route_key = nn.Linear(d, r, bias=False)
         cos, sin = rope_tables(d // cfg.n_heads, cfg.max_seq_len, cfg.rope_base)
-        self.register_buffer("rope_cos", cos, persistent=False)
-        self.register_buffer("rope_sin", sin, persistent=False)
+        self.register_buffer("rope_cos", cos.to(self.embed.weight.device), persistent=False)
+        self.register_buffer("rope_sin", sin.to(self.embed.weight.device), persistent=False)
         for m in self.modules():
-            if isinstance(m, (nn.Linear, nn.Embedding)):
+            if isinstance(m, (nn.Linear, nn.Embedding)) and not m.weight.is_meta:  # meta: counting only
                 nn.init.normal_(m.weight, mean=0.0, std=cfg.init_std)
 
     def num_parameters(self) -> int:

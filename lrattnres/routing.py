@@ -54,7 +54,8 @@ def rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
 def routing_scores(
     sources: Sequence[torch.Tensor], query: torch.Tensor, *, norm: str = "slice", eps: float = 1e-6
 ) -> torch.Tensor:
-    """Scores ``q . RMSNorm(key_i)`` stacked on a leading source axis, in fp32: [S, ...]."""
+    """Scores ``q . RMSNorm(key_i)`` stacked on a leading source axis, in fp32 (or fp64 for fp64
+    sources): [S, ...]."""
     if norm not in NORMS:
         raise ValueError(f"norm must be one of {NORMS}, got {norm!r}")
     if len(sources) == 0:
@@ -65,18 +66,31 @@ def routing_scores(
         raise ValueError(f"query must be 1-D [r], got shape {tuple(query.shape)}")
     if not 1 <= r <= d:
         raise ValueError(f"query width r={r} must satisfy 1 <= r <= d={d}")
-    q = query.float()
+    wide = _compute_dtype(sources[0])
+    q = query.to(wide)
     scores = []
     for o in sources:
         if o.shape != sources[0].shape:
             raise ValueError(f"all sources must share one shape; got {tuple(o.shape)} and {tuple(sources[0].shape)}")
-        o32 = o.float()
+        o32 = o.to(wide)
         if norm == "slice":
             k = rms_norm(o32[..., d - r :], eps)
         else:
             k = rms_norm(o32, eps)[..., d - r :]
         scores.append(k @ q)
     return torch.stack(scores)
+
+
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    return torch.promote_types(x.dtype, torch.float32)
+
+
+def _mix(weights: torch.Tensor, values: Sequence[torch.Tensor]) -> torch.Tensor:
+    """sum_i weights[i] * values[i], in the weights' dtype."""
+    mixed = weights[0].unsqueeze(-1) * values[0].to(weights.dtype)
+    for w, o in zip(weights[1:], values[1:]):
+        mixed = mixed + w.unsqueeze(-1) * o.to(weights.dtype)
+    return mixed
 
 
 def route(
@@ -89,13 +103,12 @@ def route(
 ):
     """Mix ``sources`` (each [..., d]) with routing weights from ``query`` ([r]).
 
-    Computes in fp32 and returns the mixed value in the sources' dtype; with
-    ``return_weights`` also returns the fp32 weights [S, ...].
+    Computes in fp32 (fp64 for fp64 sources, so conversion checks can run in fp64) and returns the
+    mixed value in the sources' dtype; with ``return_weights`` also returns the weights [S, ...] in
+    that compute dtype.
     """
     weights = routing_scores(sources, query, norm=norm, eps=eps).softmax(dim=0)
-    mixed = weights[0].unsqueeze(-1) * sources[0].float()
-    for w, o in zip(weights[1:], sources[1:]):
-        mixed = mixed + w.unsqueeze(-1) * o.float()
+    mixed = _mix(weights, sources)
     mixed = mixed.to(sources[0].dtype)
     return (mixed, weights) if return_weights else mixed
 
@@ -117,11 +130,10 @@ def route_keys(
         raise ValueError(f"route_keys needs one key per value; got {len(values)} values and {len(keys)} keys")
     if query.dim() != 1 or any(k.shape[-1] != query.shape[-1] for k in keys):
         raise ValueError(f"keys must be [..., r] with r = len(query) = {query.shape[-1]}")
-    q = query.float()
-    weights = torch.stack([rms_norm(k.float(), eps) @ q for k in keys]).softmax(dim=0)
-    mixed = weights[0].unsqueeze(-1) * values[0].float()
-    for w, o in zip(weights[1:], values[1:]):
-        mixed = mixed + w.unsqueeze(-1) * o.float()
+    wide = _compute_dtype(values[0])
+    q = query.to(wide)
+    weights = torch.stack([rms_norm(k.to(wide), eps) @ q for k in keys]).softmax(dim=0)
+    mixed = _mix(weights, values)
     mixed = mixed.to(values[0].dtype)
     return (mixed, weights) if return_weights else mixed
 

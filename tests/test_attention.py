@@ -1,0 +1,110 @@
+"""Document-masked causal attention: every backend this machine has computes the same function."""
+
+import importlib.util
+
+import pytest
+import torch
+
+from lrattnres.attention import causal_attention, resolve_backend
+
+# eager flex_attention on the CPU is the unfused reference implementation: fine for tests
+pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+
+HAS_CUDA = torch.cuda.is_available()
+
+
+def _local_backends():
+    """(backend, device) pairs that run here: sdpa and eager flex on the CPU; flex/flash on CUDA."""
+    pairs = [("sdpa", "cpu"), ("flex", "cpu")]
+    if HAS_CUDA:
+        pairs += [pytest.param("sdpa", "cuda", marks=pytest.mark.gpu), pytest.param("flex", "cuda", marks=pytest.mark.gpu)]
+        if importlib.util.find_spec("flash_attn") is not None:
+            pairs += [pytest.param("flash", "cuda", marks=pytest.mark.gpu)]
+    return pairs
+
+
+BACKENDS = pytest.mark.parametrize("backend,device", _local_backends())
+
+DOC_IDS = torch.tensor([[0] * 5 + [1] * 7 + [2] * 4, [3] * 16, [4] * 1 + [5] * 14 + [6] * 1])
+
+
+def _explicit_reference(q, k, v, doc_ids):
+    """softmax(q k^T / sqrt(hd) + mask) v, written out, in fp64."""
+    q, k, v = (x.double() for x in (q, k, v))
+    T = q.shape[2]
+    allowed = torch.ones(T, T, dtype=torch.bool).tril()
+    if doc_ids is not None:
+        allowed = allowed & (doc_ids[:, :, None] == doc_ids[:, None, :])
+        allowed = allowed[:, None]
+    scores = (q @ k.transpose(-1, -2)) / q.shape[-1] ** 0.5
+    return scores.masked_fill(~allowed, float("-inf")).softmax(-1) @ v
+
+
+def _qkv(dtype=torch.float32, device="cpu"):
+    g = torch.Generator().manual_seed(0)
+    return [torch.randn(3, 2, 16, 8, generator=g).to(device=device, dtype=dtype) for _ in range(3)]
+
+
+def _tol(device):
+    return dict(atol=1e-5, rtol=1e-5) if device == "cpu" else dict(atol=2e-3, rtol=2e-3)
+
+
+@BACKENDS
+def test_backend_matches_explicit_softmax(backend, device):
+    dtype = torch.bfloat16 if backend == "flash" else torch.float32
+    q, k, v = _qkv(dtype, device)
+    out = causal_attention(q, k, v, DOC_IDS.to(device), backend=backend)
+    ref = _explicit_reference(q.cpu(), k.cpu(), v.cpu(), DOC_IDS)
+    tol = dict(atol=2e-2, rtol=2e-2) if dtype == torch.bfloat16 else _tol(device)
+    torch.testing.assert_close(out.cpu().double(), ref, **tol)
+
+
+@BACKENDS
+def test_changing_one_document_leaves_the_others(backend, device):
+    dtype = torch.bfloat16 if backend == "flash" else torch.float32
+    q, k, v = _qkv(dtype, device)
+    doc = DOC_IDS.to(device)
+    out = causal_attention(q, k, v, doc, backend=backend)
+    in_doc1 = (doc == 1)[:, None, :, None]
+    q2, k2, v2 = (torch.where(in_doc1, torch.randn_like(x), x) for x in (q, k, v))
+    out2 = causal_attention(q2, k2, v2, doc, backend=backend)
+    outside = ~in_doc1.expand_as(out)
+    assert torch.equal(out[outside], out2[outside])
+    assert not torch.allclose(out[~outside], out2[~outside])
+
+
+def test_no_doc_ids_is_plain_causal():
+    q, k, v = _qkv()
+    torch.testing.assert_close(causal_attention(q, k, v).double(), _explicit_reference(q, k, v, None), atol=1e-5, rtol=1e-5)
+
+
+def test_sdpa_backward_matches_reference():
+    q, k, v = (x.double().requires_grad_(True) for x in _qkv())
+    causal_attention(q, k, v, DOC_IDS, backend="sdpa").square().sum().backward()
+    grads = [x.grad.clone() for x in (q, k, v)]
+    for x in (q, k, v):
+        x.grad = None
+    _explicit_reference(q, k, v, DOC_IDS).square().sum().backward()
+    for g, x in zip(grads, (q, k, v)):
+        torch.testing.assert_close(g, x.grad)
+
+
+def test_auto_backend_choice(monkeypatch):
+    import lrattnres.attention as attention
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert resolve_backend("auto", cpu, torch.float32) == "sdpa"
+    monkeypatch.setattr(attention, "_has_flash_attn", lambda: True)
+    assert resolve_backend("auto", cuda, torch.bfloat16) == "flash"
+    assert resolve_backend("auto", cuda, torch.float32) == "flex"  # flash-attn has no fp32 kernel
+    monkeypatch.setattr(attention, "_has_flash_attn", lambda: False)
+    assert resolve_backend("auto", cuda, torch.bfloat16) == "flex"
+    assert resolve_backend("sdpa", cuda, torch.bfloat16) == "sdpa"
+    with pytest.raises(ValueError, match="attention backend must be one of"):
+        resolve_backend("xformers", cpu, torch.float32)
+
+
+def test_bad_doc_ids_shape():
+    q, k, v = _qkv()
+    with pytest.raises(ValueError, match="doc_ids must be"):
+        causal_attention(q, k, v, DOC_IDS[:, :8])

@@ -1,0 +1,357 @@
+"""The model: parameter accounting (Appendix F.5), every variant against the explainer's loop,
+document masking, router switch, and bad configs."""
+
+import math
+import sys
+import types
+
+import pytest
+import torch
+
+import lrattnres.model as model_mod
+from lrattnres.attention import make_attention
+from lrattnres.model import METHODS, ModelConfig, apply_rope, build_model, count_parameters, model_config, rope_tables
+from lrattnres.presets import PRESETS
+from lrattnres.routing import block_ends, rms_norm
+
+pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+
+V = 97  # vocabulary of the small test models
+
+
+def smoke(method="lr", blocks="full", rank=None, **kw):
+    rank = rank if rank is not None else (32 if method == "attnres" else 8)
+    return model_config({"preset": "smoke", "vocab_size": V, "method": method, "blocks": blocks, "rank": rank, **kw})
+
+
+def variants():
+    return [pytest.param(m, b, id=f"{m}-{b}") for m in METHODS for b in ("full", 3)]
+
+
+def tokens(B=2, T=24, seed=0):
+    return torch.randint(0, V, (B, T), generator=torch.Generator().manual_seed(seed))
+
+
+# ---- parameter accounting -----------------------------------------------------------------------
+
+
+def analytic_parameters(L, d, m, vocab, method, r):
+    """Backbone 2Vd + L(4d^2 + 3dm); Delta P_S = 2Lr; Delta P_P = r[L(d+m) + d + 2L] (Appendix F.5)."""
+    base = 2 * vocab * d + L * (4 * d * d + 3 * d * m)
+    if method == "baseline":
+        return base
+    if method == "plr":
+        return base + r * (L * (d + m) + d + 2 * L)
+    return base + 2 * L * r
+
+
+def test_paper_0_5b_full_attnres_parameter_count():
+    assert count_parameters({"preset": "0.5B", "method": "attnres", "blocks": "full"}) == 513_697_792
+
+
+def test_appendix_f6_projected_delta():
+    base = count_parameters({"preset": "0.5B", "method": "baseline"})
+    assert count_parameters({"preset": "0.5B", "method": "plr", "blocks": "full", "rank": 32}) - base == 2_983_424
+    assert count_parameters({"preset": "0.5B", "method": "lr", "blocks": 8, "rank": 128}) - base == 48 * 128
+
+
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+def test_parameter_counts_of_every_preset_and_variant(preset):
+    p = PRESETS[preset]
+    L, d, m = p["n_layers"], p["d_model"], p["d_ff"]
+    vocab = p["vocab_size"] or 1000
+    for method, blocks in zip(METHODS, ("full", 2, "full", 2, 2)):  # N does not change the count
+        r = d if method == "attnres" else d // 4
+        cfg = {"preset": preset, "vocab_size": vocab, "method": method, "blocks": blocks, "rank": r}
+        assert count_parameters(cfg) == analytic_parameters(L, d, m, vocab, method, r), (preset, method)
+
+
+def test_instantiated_count_and_parameter_names():
+    cfg = smoke("plr", blocks=2)
+    model = build_model(cfg)
+    assert model.num_parameters() == count_parameters(cfg)
+    names = set(model.state_dict())
+    expected = {"embed.weight", "head.weight", "queries", "embed_route_key.weight"}
+    for i in range(cfg.n_layers):
+        expected |= {f"layers.{i}.attn.{n}.weight" for n in ("qkv", "out", "route_key")}
+        expected |= {f"layers.{i}.mlp.{n}.weight" for n in ("gate_up", "down", "route_key")}
+    assert names == expected  # RoPE tables are not saved
+    assert model.queries.shape == (4, 8)
+    assert model.layers[0].mlp.route_key.weight.shape == (8, cfg.d_ff)
+    assert model.layers[0].attn.route_key.weight.shape == (8, cfg.d_model)
+
+
+def test_initialisation():
+    torch.manual_seed(0)
+    model = build_model(model_config({"preset": "tiny", "vocab_size": 1000, "method": "lr", "rank": 16}))
+    assert torch.all(model.queries == 0)
+    for name, p in model.named_parameters():
+        if name != "queries":
+            assert abs(p.std().item() - 0.02) < 0.002, name
+            assert abs(p.mean().item()) < 0.002, name
+
+
+# ---- forward, backward, routing weights ---------------------------------------------------------
+
+
+def expected_num_sources(t, n_writes, blocks):
+    ends = block_ends(n_writes, blocks)
+    done = sum(e <= t for e in ends)
+    return 1 + done + (t not in ends)
+
+
+@pytest.mark.parametrize("method,blocks", variants())
+def test_forward_backward_and_routing_weights(method, blocks):
+    torch.manual_seed(0)
+    cfg = smoke(method, blocks)
+    model = build_model(cfg)
+    x = tokens()
+    logits, routing = model(x, return_routing=True)
+    assert logits.shape == (2, 24, V) and logits.dtype == torch.float32
+    loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), x.roll(-1, 1).flatten())
+    loss.backward()
+    assert torch.isfinite(loss)
+    for name, p in model.named_parameters():
+        assert p.grad is not None and torch.isfinite(p.grad).all(), name
+    if method == "baseline":
+        assert routing == []
+        return
+    n_writes = 2 * cfg.n_layers
+    assert len(routing) == n_writes
+    for t, w in enumerate(routing, start=1):
+        S = expected_num_sources(t, n_writes, blocks)
+        assert w.shape == (2, 24, S) and w.dtype == torch.float32
+        torch.testing.assert_close(w.sum(-1), torch.ones(2, 24))
+        torch.testing.assert_close(w, torch.full_like(w, 1 / S))  # zero queries: uniform
+    torch.testing.assert_close(model(x), logits)  # the same function without the weights
+
+
+def explainer_forward(model, x, *, keys_from="slice"):
+    """The explainer's teaching loop (bank, partial, ends), written independently of the model's."""
+    cfg = model.cfg
+    eps, r, M = cfg.norm_eps, cfg.rank, 2 * cfg.n_layers
+    T = x.shape[1]
+    attend = make_attention(None, seq_len=T, device=x.device, dtype=torch.float32, backend="sdpa")
+    aux = (model.rope_cos[:T], model.rope_sin[:T], attend)
+    e = model.embed(x)
+    if cfg.method == "baseline":
+        h = e
+        for sub in model.sublayers():
+            h = h + sub(rms_norm(h, eps), *aux)[0]
+        return model.head(rms_norm(h, eps))
+    N = M if cfg.blocks == "full" else cfg.blocks
+    ends = {math.ceil(M * j / N) for j in range(1, N + 1)}
+    bank = [(e, model.embed_route_key(e) if cfg.method == "plr" else None)]
+    partial, h = None, e
+    for t, (sub, q) in enumerate(zip(model.sublayers(), model.queries), 1):
+        write = sub(rms_norm(h, eps), *aux)
+        partial = write if partial is None else (partial[0] + write[0], None if write[1] is None else partial[1] + write[1])
+        if t in ends:
+            bank.append(partial)
+            partial = None
+        sources = bank + ([] if partial is None else [partial])
+        values = torch.stack([s[0] for s in sources])
+        if cfg.method == "plr":
+            keys = rms_norm(torch.stack([s[1] for s in sources]), eps)
+        elif cfg.method == "lr-fullrms":
+            keys = rms_norm(values, eps)[..., -r:]
+        else:
+            keys = rms_norm(values[..., -r:], eps)
+        weights = (keys @ q).softmax(0)
+        h = (weights[..., None] * values).sum(0)
+    return model.head(rms_norm(h, eps))
+
+
+@pytest.mark.parametrize("method,blocks", variants())
+def test_model_matches_the_explainer_loop(method, blocks):
+    torch.manual_seed(1)
+    model = build_model(smoke(method, blocks, router="reference"))
+    if method != "baseline":
+        with torch.no_grad():
+            model.queries.normal_(0, 2.0)  # non-uniform routing
+    x = tokens()
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), explainer_forward(model, x), atol=1e-5, rtol=1e-5)
+
+
+def test_lr_with_rank_d_is_attnres():
+    torch.manual_seed(0)
+    a = build_model(smoke("attnres", blocks=3))
+    b = build_model(smoke("lr", blocks=3, rank=32))
+    b.load_state_dict(a.state_dict())
+    with torch.no_grad():
+        a.queries.normal_()
+        b.queries.copy_(a.queries)
+        torch.testing.assert_close(a(tokens()), b(tokens()))
+
+
+def test_first_read_is_the_embedding():
+    model = build_model(smoke("lr", blocks=2))
+    seen = {}
+    model.layers[0].attn.register_forward_hook(lambda mod, args, out: seen.update(x=args[0]))
+    x = tokens()
+    with torch.no_grad():
+        model(x)
+        torch.testing.assert_close(seen["x"], rms_norm(model.embed(x), 1e-6))
+
+
+def test_fp64_forward_for_conversion_checks():
+    model = build_model(smoke("lr-fullrms", blocks=2)).double()
+    logits, routing = model(tokens(), return_routing=True)
+    assert logits.dtype == torch.float64 and routing[0].dtype == torch.float64
+
+
+def test_rope_rotates_interleaved_pairs():
+    cos, sin = rope_tables(4, 8, 500000.0)
+    x = torch.tensor([1.0, 0.0, 1.0, 0.0]).expand(1, 1, 8, 4)
+    out = apply_rope(x, cos, sin)
+    p = torch.arange(8.0)
+    torch.testing.assert_close(out[0, 0, :, 0], torch.cos(p))  # pair (0, 1) at frequency 1
+    torch.testing.assert_close(out[0, 0, :, 1], torch.sin(p))
+    slow = p * 500000.0 ** (-0.5)  # pair (2, 3) at frequency base^(-2/4)
+    torch.testing.assert_close(out[0, 0, :, 2], torch.cos(slow))
+    # scores depend only on the distance between positions
+    q, k = torch.randn(2, 1, 1, 1, 4).unbind(0)
+    qr, kr = apply_rope(q.expand(1, 1, 8, 4), cos, sin), apply_rope(k.expand(1, 1, 8, 4), cos, sin)
+    s = qr[0, 0] @ kr[0, 0].T
+    torch.testing.assert_close(s[5, 3], s[4, 2])
+
+
+# ---- document masking ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "flex"])
+@pytest.mark.parametrize("method", ["baseline", "lr", "plr"])
+def test_changing_one_document_leaves_the_others(method, backend):
+    torch.manual_seed(0)
+    model = build_model(smoke(method, blocks=3, attention=backend))
+    doc = torch.tensor([[0] * 7 + [1] * 9 + [2] * 8, [0] * 24])
+    x = tokens()
+    x2 = torch.where(doc == 1, tokens(seed=5), x)
+    with torch.no_grad():
+        a, b = model(x, doc), model(x2, doc)
+    keep = doc != 1
+    torch.testing.assert_close(a[keep], b[keep], atol=1e-6, rtol=1e-6)
+    assert not torch.allclose(a[~keep], b[~keep])
+    # one document per row is plain causal attention
+    with torch.no_grad():
+        torch.testing.assert_close(model(x, torch.zeros_like(doc)), model(x), atol=1e-5, rtol=1e-5)
+
+
+# ---- router switch ------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def fake_kernels(monkeypatch):
+    """A stand-in ``kernels`` package that records its calls and computes the reference math."""
+    from lrattnres.routing import route
+
+    calls = []
+    fake = types.ModuleType("kernels")
+
+    def attnres(sources, query, *, norm="slice", eps=1e-6):
+        calls.append(norm)
+        return route(sources, query, norm=norm, eps=eps)
+
+    fake.attnres = attnres
+    monkeypatch.setitem(sys.modules, "kernels", fake)
+    model_mod._kernels.cache_clear()
+    yield calls
+    model_mod._kernels.cache_clear()
+
+
+def test_fused_router_calls_kernels(fake_kernels):
+    torch.manual_seed(0)
+    model = build_model(smoke("lr-fullrms", blocks=3, router="fused"))
+    with torch.no_grad():
+        model.queries.normal_()
+    x = tokens()
+    out = model(x)
+    assert fake_kernels == ["full"] * 4
+    model.cfg.router = "reference"
+    torch.testing.assert_close(out, model(x))
+    assert len(fake_kernels) == 4
+    model.cfg.router = "auto"  # auto stays on the reference path on the CPU
+    model(x)
+    assert len(fake_kernels) == 4
+
+
+def test_plr_and_routing_weights_do_not_use_the_kernel(fake_kernels):
+    build_model(smoke("plr", blocks=3, router="fused"))(tokens())
+    build_model(smoke("lr", blocks=3, router="fused"))(tokens(), return_routing=True)
+    assert fake_kernels == []
+
+
+def test_fused_router_without_kernels(monkeypatch):
+    monkeypatch.setattr(model_mod, "_kernels", lambda: None)
+    with pytest.raises(ValueError, match="router='fused'"):
+        build_model(smoke("lr", router="fused"))(tokens())
+
+
+def test_real_kernels_match_reference():
+    kernels = pytest.importorskip("kernels")
+    if not hasattr(kernels, "attnres"):
+        pytest.skip("kernels.attnres not there yet")
+    torch.manual_seed(0)
+    model = build_model(smoke("lr", blocks=3, router="fused"))
+    with torch.no_grad():
+        model.queries.normal_()
+        out = model(tokens())
+        model.cfg.router = "reference"
+        torch.testing.assert_close(out, model(tokens()), atol=1e-5, rtol=1e-5)
+
+
+# ---- configs and bad input ----------------------------------------------------------------------
+
+
+def test_config_from_name_dict_and_dataclass():
+    cfg = model_config("0.5B")
+    assert (cfg.n_layers, cfg.d_model, cfg.n_heads, cfg.d_ff, cfg.max_seq_len, cfg.vocab_size) == (24, 1024, 16, 2816, 2048, 100277)
+    assert (cfg.method, cfg.blocks, cfg.rank) == ("lr", 8, 128)
+    assert model_config({"preset": "1B", "method": "attnres"}).rank == 1536
+    assert model_config({"preset": "4B", "method": "lr", "rank": 640}).n_layers == 44
+    assert model_config(cfg) is cfg
+    assert model_config(cfg.to_dict()) == cfg
+    assert ModelConfig(100, 2, 32, 2, 88, 64, method="attnres", blocks=2, rank=None).rank == 32
+
+
+@pytest.mark.parametrize(
+    "override,match",
+    [
+        ({"method": "hyper"}, r"method='hyper': expected one of \('baseline'"),
+        ({"rank": 33}, r"rank=33: expected an int r with 1 <= r <= d_model=32"),
+        ({"rank": 0}, r"rank=0: expected an int r with 1 <= r <= d_model=32"),
+        ({"blocks": 5}, r"blocks=5: expected 'full' or an int N with 1 <= N <= 2L = 4"),
+        ({"blocks": 0}, r"blocks=0"),
+        ({"blocks": "8"}, r"blocks='8'"),
+        ({"method": "attnres", "rank": 8}, r"rank=8: expected r = d_model = 32 for method 'attnres'"),
+        ({"router": "triton"}, r"router='triton'"),
+        ({"attention": "xformers"}, r"attention='xformers'"),
+        ({"n_heads": 3}, r"n_heads=3"),
+        ({"vocab_size": 0}, r"vocab_size=0"),
+        ({"colour": "red"}, r"unknown model config field\(s\) \['colour'\]"),
+    ],
+)
+def test_bad_config(override, match):
+    with pytest.raises(ValueError, match=match):
+        model_config({"preset": "smoke", "vocab_size": V, "method": "lr", "rank": 8, **override})
+
+
+def test_unknown_preset_lists_the_known_ones():
+    with pytest.raises(ValueError, match=r"unknown model preset '7B'; expected one of \[.*'0.5B'.*'tiny'"):
+        build_model("7B")
+
+
+def test_small_preset_needs_a_vocabulary():
+    with pytest.raises(ValueError, match="vocab_size: preset 'tiny' takes it from the data manifest"):
+        build_model("tiny")
+
+
+def test_dict_without_preset_names_missing_fields():
+    with pytest.raises(ValueError, match=r"lacks field\(s\) \['d_ff'"):
+        model_config({"vocab_size": 10, "n_layers": 2, "d_model": 32, "n_heads": 2, "max_seq_len": 64})
+
+
+def test_too_long_input():
+    with pytest.raises(ValueError, match="max_seq_len=64"):
+        build_model(smoke())(torch.zeros(1, 65, dtype=torch.long))
