@@ -10,10 +10,14 @@ configfile: "config.yaml"
 
 
 include: "workflow/rules/common.smk"
+include: "workflow/rules/settings.smk"
 include: "workflow/rules/accounting.smk"
 include: "workflow/rules/data.smk"
-include: "workflow/rules/report.smk"
 include: "workflow/rules/train.smk"
+include: "workflow/rules/convert.smk"
+include: "workflow/rules/evaluate.smk"
+include: "workflow/rules/diagnostics.smk"
+include: "workflow/rules/report.smk"  # last: it reads every stage's REPORT_INPUTS
 
 
 rule all:

@@ -325,3 +325,46 @@ def main(argv: list[str] | None = None) -> int:
     atomic_write_json(args.out, result)
     log.info("grid: %d runs, %d claims -> %s", len(result["runs"]), len(result["claims"]), args.out)
     return 0
+
+
+# ------------------------------------------------------------------------ runs of the later stages
+
+SIZE_OF_ROLE = {"sweep": "0.5b", "pair-small": "1b", "pair-large": "4b"}
+
+
+def _claim_size(run: Run, order=("pair-large", "pair-small", "sweep")) -> str | None:
+    """Which of the paper's model sizes a run stands for (its first role, in ``order``, that has one)."""
+    for role in order:
+        if role in run.roles:
+            return SIZE_OF_ROLE[role]
+    return None
+
+
+def conversions(settings: dict) -> list[dict]:
+    """Section 4.8: every standard AttnRes run of seed 0 is converted to the scale's conversion rank.
+
+    ``settings["convert"]["rank"]`` maps a preset name to its rank (an int, ``"d/<k>"`` or ``"k"``
+    for the checkpoint's joint query rank)."""
+    ranks = settings.get("convert", {}).get("rank", {})
+    out = []
+    for run in plan(settings):
+        if run.method != "attnres" or run.seed != 0:
+            continue
+        size = _claim_size(run, order=("sweep", "pair-small", "pair-large"))
+        out.append({
+            "run_id": run.run_id,
+            "rank": ranks.get(run.preset, "k"),
+            "claim_row": f"{size}.n{run.blocks}" if size else None,
+        })
+    return out
+
+
+def evaluations(settings: dict) -> list[dict]:
+    """Appendix G: the size pair's runs are evaluated downstream, standing for 1B and 4B."""
+    out = []
+    for run in plan(settings):
+        for role in ("pair-small", "pair-large"):
+            if role in run.roles:
+                out.append({"run_id": run.run_id, "claim_size": SIZE_OF_ROLE[role]})
+                break
+    return out

@@ -15,7 +15,7 @@ import pytest
 from conftest import REPO, copy_repo, snakemake
 
 from lrattnres.config import load_and_resolve
-from lrattnres.grid import plan
+from lrattnres.grid import conversions, evaluations, plan
 
 SCALES = ("smoke", "tiny", "gpu", "paper")
 
@@ -48,7 +48,9 @@ def test_dry_run_every_scale(shared_copy, scale):
     counts = job_counts(proc.stdout)
     settings = load_and_resolve(REPO / "config.yaml", {"scale": scale})
     assert counts.get("train") == len(plan(settings))
-    for rule in ("accounting", "prepare_data", "report", "grid_summary"):
+    assert counts.get("convert") == len(conversions(settings))
+    assert counts.get("evaluate") == len(evaluations(settings))
+    for rule in ("accounting", "prepare_data", "report", "grid_summary", "convert_all", "diagnostics"):
         assert counts.get(rule) == 1, (rule, counts)
 
 
@@ -56,7 +58,10 @@ def test_paper_scale_plans_exactly_the_papers_runs(shared_copy):
     proc = snakemake(shared_copy, "-n", "--config", "scale=paper")
     # 32 rank/grouping configurations + baseline, 2 extra seeds of each headline run, the control,
     # 6 projected configurations, the 1B and 4B pairs.
-    assert job_counts(proc.stdout)["train"] == 33 + 4 + 1 + 6 + 4
+    counts = job_counts(proc.stdout)
+    assert counts["train"] == 33 + 4 + 1 + 6 + 4
+    # Table 2: the four 0.5B AttnRes runs, the 1B and the 4B; Table 8: the two pairs
+    assert counts["convert"] == 6 and counts["evaluate"] == 4
     settings = load_and_resolve(REPO / "config.yaml", {"scale": "paper"})
     ids = {r.run_id for r in plan(settings)}
     assert "0.5B-lr-n8-r128-s2" in ids and "0.5B-attnres-n8-r1024-s2" in ids

@@ -26,3 +26,6 @@ rule accounting:
         ),
     shell:
         "python -m lrattnres accounting --spec {params.spec:q} --out {output} > {log} 2>&1"
+
+
+REPORT_INPUTS.append(rules.accounting.output[0])

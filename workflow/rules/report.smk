@@ -1,25 +1,11 @@
 # The report: every stage's result beside the published numbers, with verdicts.
 
 
-rule settings:
-    output:
-        f"{R}/settings.json",
-    log:
-        f"{LOGS}/settings.log",
-    conda:
-        "../../envs/lrattnres.yaml"
-    params:
-        settings=lambda wc: spec(S),
-    shell:
-        "python -c 'import sys; from lrattnres.io import atomic_write_text; "
-        "atomic_write_text(sys.argv[1], sys.argv[2])' {output} {params.settings:q} > {log} 2>&1"
-
-
 rule report:
     input:
         settings=rules.settings.output[0],
         published="reports/published.yaml",
-        results=report_results,
+        results=REPORT_INPUTS,
         src=stage_sources(
             "lrattnres.report",
             "lrattnres.claims",

@@ -60,3 +60,6 @@ rule grid_summary:
     shell:
         "python -m lrattnres summarize-grid --settings {input.settings} --runs {params.runs} "
         "--published {input.published} --out {output} > {log} 2>&1"
+
+
+REPORT_INPUTS.append(rules.grid_summary.output[0])

@@ -1,0 +1,62 @@
+# Section 4.8 / Table 2: every standard AttnRes run of seed 0 converted to full-width-RMS LR-AttnRes
+# without retraining, checked in FP64 and by paired validation cross-entropy.
+from lrattnres.grid import conversions
+
+CONVERSIONS = {c["run_id"]: c for c in conversions(S)}
+CONVERT_SETTINGS = {k: v for k, v in S.get("convert", {}).items() if k != "rank"}
+
+
+rule convert:
+    input:
+        model=f"{R}/runs/{{run}}/model.pt",
+        data=rules.prepare_data.output.manifest,
+        published="reports/published.yaml",
+        src=stage_sources("lrattnres.convert"),
+    output:
+        f"{R}/convert/{{run}}.json",
+    log:
+        f"{LOGS}/convert/{{run}}.log",
+    wildcard_constraints:
+        run="|".join(map(re.escape, CONVERSIONS)) or "no-conversion",
+    conda:
+        "../../envs/lrattnres.yaml"
+    threads: 1
+    resources:
+        mem_mb=res("convert", "mem_mb", 4000),
+        runtime=res("convert", "runtime", 30),
+        gpu=res("convert", "gpu", 0),
+        cpus_per_gpu=res("convert", "cpus_per_gpu", 1),
+    params:
+        spec=lambda wc: spec(
+            {
+                **CONVERT_SETTINGS,
+                "rank": CONVERSIONS[wc.run]["rank"],
+                "claim_row": CONVERSIONS[wc.run]["claim_row"],
+            }
+        ),
+    shell:
+        "OMP_NUM_THREADS={threads} python -m lrattnres convert --checkpoint {input.model} "
+        "--data {input.data} --spec {params.spec:q} --published {input.published} "
+        "--out {output} --no-progress > {log} 2>&1"
+
+
+rule convert_all:
+    input:
+        results=expand(f"{R}/convert/{{run}}.json", run=CONVERSIONS),
+        published="reports/published.yaml",
+        src=stage_sources("lrattnres.convert"),
+    output:
+        f"{R}/convert.json",
+    log:
+        f"{LOGS}/convert_all.log",
+    conda:
+        "../../envs/lrattnres.yaml"
+    resources:
+        mem_mb=res("convert_all", "mem_mb", 2000),
+        runtime=res("convert_all", "runtime", 10),
+    shell:
+        "python -m lrattnres convert --aggregate {input.results} --published {input.published} "
+        "--out {output} > {log} 2>&1"
+
+
+REPORT_INPUTS.append(rules.convert_all.output[0])

@@ -1,0 +1,36 @@
+# Appendix G / Tables 1 and 8: zero-shot downstream accuracy of the size pair with lm-eval, offline.
+from lrattnres.grid import evaluations
+
+EVALUATIONS = {e["run_id"]: e for e in evaluations(S)}
+
+
+rule evaluate:
+    input:
+        model=f"{R}/runs/{{run}}/model.pt",
+        data=rules.prepare_data.output.manifest,
+        published="reports/published.yaml",
+        src=stage_sources("lrattnres.evaluate.cli"),
+    output:
+        f"{R}/evaluate/{{run}}.json",
+    log:
+        f"{LOGS}/evaluate/{{run}}.log",
+    wildcard_constraints:
+        run="|".join(map(re.escape, EVALUATIONS)) or "no-evaluation",
+    conda:
+        "../../envs/lrattnres.yaml"
+    threads: 1
+    resources:
+        mem_mb=res("evaluate", "mem_mb", 4000),
+        runtime=res("evaluate", "runtime", 30),
+        gpu=res("evaluate", "gpu", 0),
+        cpus_per_gpu=res("evaluate", "cpus_per_gpu", 1),
+    params:
+        spec=lambda wc, threads: spec({**S.get("evaluate", {}), "threads": threads}),
+        size=lambda wc: EVALUATIONS[wc.run]["claim_size"],
+    shell:
+        "python -m lrattnres evaluate --checkpoint {input.model} --data {input.data} "
+        "--spec {params.spec:q} --claim-size {params.size} --published {input.published} "
+        "--out {output} > {log} 2>&1"
+
+
+REPORT_INPUTS.extend(expand(f"{R}/evaluate/{{run}}.json", run=EVALUATIONS))
