@@ -1,0 +1,125 @@
+"""The smoke DAG on a real one-node Slurm cluster, submitted through workflow/profiles/slurm.
+
+The cluster (Debian's slurmctld, slurmd, slurm-client and munge; fake GPUs as GRES) is started by
+scripts/slurm/start.sh, which needs root. Every rule that asks for a GPU at the paper scale is made
+to ask for one here too, so that GPU jobs go through Slurm's GPU scheduling (`--gpus`); the smoke
+models still train on the CPU.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+from conftest import REPO, copy_repo, snakemake
+
+pytestmark = [pytest.mark.slurm, pytest.mark.slow]
+
+START = REPO / "scripts" / "slurm" / "start.sh"
+PROFILE = "workflow/profiles/slurm"
+DAEMONS = ("munged", "slurmctld", "slurmd", "sbatch", "squeue", "scontrol", "sinfo")
+# Rules that run on GPUs at the paper scale (config.yaml, scales.paper.resources).
+GPU_RULES = ("train", "evaluate", "convert", "diagnostics", "throughput")
+
+
+def _which(name: str) -> str | None:
+    return shutil.which(name) or next((f"{d}/{name}" for d in ("/usr/sbin", "/sbin") if os.access(f"{d}/{name}", os.X_OK)), None)
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster() -> str:
+    """A running one-node cluster (started if needed, left running); its node name."""
+    if os.geteuid() != 0:
+        pytest.skip("the one-node Slurm cluster needs root (scripts/slurm/start.sh)")
+    missing = [d for d in DAEMONS if _which(d) is None]
+    if missing:
+        pytest.skip(f"Slurm not installed (missing {', '.join(missing)}): apt-get install slurmctld slurmd slurm-client munge")
+    try:
+        import snakemake_executor_plugin_slurm  # noqa: F401
+    except ImportError:
+        pytest.skip("snakemake-executor-plugin-slurm not installed: pip install -e '.[slurm]'")
+    proc = subprocess.run(["bash", str(START)], capture_output=True, text=True, timeout=180)
+    if proc.returncode != 0:
+        logs = ""
+        for f in ("/var/log/slurm/slurmctld.log", "/var/log/slurm/slurmd.log"):
+            if os.path.exists(f):
+                logs += f"\n--- {f}\n" + "".join(open(f, errors="replace").readlines()[-20:])
+        pytest.fail(f"scripts/slurm/start.sh failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}{logs}")
+    return subprocess.run(["hostname", "-s"], capture_output=True, text=True, check=True).stdout.strip()
+
+
+def cluster_flags(jobs: int = 4) -> list[str]:
+    """What a user's own profile would add for this cluster (no accounting database, quick polls)."""
+    return [
+        "--slurm-no-account",
+        "--slurm-status-command", "squeue",
+        "--slurm-init-seconds-before-status-checks", "2",
+        "--seconds-between-status-checks", "2",
+        "--latency-wait", "5",
+        "--jobs", str(jobs),
+    ]
+
+
+def gpu_flags(workdir: Path) -> list[str]:
+    """--set-resources making every GPU rule of the DAG ask Slurm for one (fake) GPU."""
+    rules = snakemake(workdir, "--list-rules", "--config", "scale=smoke").stdout.split()
+    present = [r for r in GPU_RULES if r in rules]
+    if not present:
+        return []
+    return ["--set-resources", *(f"{r}:gpu=1" for r in present), *(f"{r}:cpus_per_gpu=1" for r in present)]
+
+
+def slurm_logs(workdir: Path) -> str:
+    out = []
+    for f in sorted((workdir / "results" / "slurm").rglob("*.log")):
+        out.append(f"--- {f.relative_to(workdir)}\n{f.read_text(errors='replace')[-1500:]}")
+    return "\n".join(out[-8:])
+
+
+def test_profile_keys():
+    prof = yaml.safe_load((REPO / PROFILE / "config.yaml").read_text())
+    assert prof["executor"] == "slurm"
+    assert prof["slurm-requeue"] is True and prof["retries"] >= 1
+    assert prof["rerun-incomplete"] is True and prof["latency-wait"] >= 30
+    assert prof["slurm-logdir"] and prof["slurm-keep-successful-logs"] is True
+    # account and partition are the user's (their own profile or --default-resources)
+    assert "slurm_account" not in json.dumps(prof) and "slurm_partition" not in json.dumps(prof)
+    assert "default-resources" not in prof, "would hide the user's default-resources (account, partition)"
+    local = yaml.safe_load((REPO / "workflow" / "profiles" / "local" / "config.yaml").read_text())
+    assert local["cores"] == "all" and local["rerun-incomplete"] is True and local["keep-going"] is False
+
+
+def test_smoke_dag_through_the_slurm_profile(slurm_cluster, tmp_path):
+    work = copy_repo(tmp_path / "repo")
+    flags = gpu_flags(work)
+    t0 = time.time()
+    proc = snakemake(
+        work, "reports/paper.html", "--profile", PROFILE, "--config", "scale=smoke", *cluster_flags(), *flags,
+        check=False, timeout=600,
+    )
+    elapsed = time.time() - t0
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, f"{out[-6000:]}\n{slurm_logs(work)}"
+    paper = json.loads((work / "reports" / "paper.json").read_text())
+    assert paper["scale"] == "smoke" and len(paper["claims"]) >= 300
+    # every job went through sbatch: one Slurm job id per job, logs in the profile's folder
+    submitted = re.findall(r"has been submitted with SLURM jobid (\d+) \(log: (\S+)\)", out)
+    planned = int(re.search(r"^total\s+(\d+)$", out, re.M).group(1))
+    assert len(submitted) == planned, out[-4000:]
+    for _, log in submitted:
+        log = Path(log.rstrip(")."))
+        assert log.is_file() and log.is_relative_to(work / "results" / "slurm"), log
+    # GPU rules were scheduled with GPUs (fake GRES): Slurm's record of one such job shows them
+    if flags:
+        gpu_jobs = [jid for jid, log in submitted if any(f"/rule_{r}/" in log for r in GPU_RULES)]
+        assert gpu_jobs, "no GPU rule was submitted"
+        shown = subprocess.run(["scontrol", "show", "job", gpu_jobs[-1]], capture_output=True, text=True).stdout
+        assert "gpu" in shown, shown
+    print(f"smoke DAG on Slurm: {elapsed:.0f} s, {len(submitted)} Slurm jobs")
