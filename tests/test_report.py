@@ -1,0 +1,110 @@
+"""The report stage: assembly, claims bookkeeping, and the page rendered in headless Chromium."""
+
+from __future__ import annotations
+
+import base64
+import json
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+from conftest import REPO
+
+from lrattnres import accounting, report
+from lrattnres.config import load_and_resolve
+from lrattnres.io import atomic_write_json, read_json
+
+
+@pytest.fixture(scope="module")
+def built_report(tmp_path_factory) -> dict[str, Path]:
+    """A report of the tiny scale's settings with the accounting stage done (as after a fresh install)."""
+    tmp = tmp_path_factory.mktemp("report")
+    settings = load_and_resolve(REPO / "config.yaml")
+    atomic_write_json(tmp / "settings.json", settings)
+    assert accounting.main(["--spec", json.dumps({"architectures": {"tiny": "tiny", "tiny-large": "tiny-large"},
+                                                   "ranks": ["d/8", "d"], "blocks": ["full", 2]}),
+                            "--out", str(tmp / "accounting.json")]) == 0
+    html, js = tmp / "paper.html", tmp / "paper.json"
+    rc = report.main(["--settings", str(tmp / "settings.json"), "--published", str(REPO / "reports" / "published.yaml"),
+                      "--results", str(tmp / "accounting.json"), "--html", str(html), "--json", str(js), "--root", str(REPO)])
+    assert rc == 0
+    return {"html": html, "json": js, "dir": tmp}
+
+
+def test_paper_json_shape_and_not_run_claims(built_report):
+    paper = read_json(built_report["json"])
+    assert paper["scale"] == "tiny"
+    assert {"commit", "dirty", "config_sha256", "versions", "device", "started", "finished"} <= set(paper["provenance"])
+    claims = paper["claims"]
+    ids = [c["id"] for c in claims]
+    assert len(ids) == len(set(ids)) >= 300
+    for c in claims:
+        assert set(c) >= {"id", "source", "row", "quantity", "kind", "published", "reproduced", "verdict", "note"}
+    exact = [c for c in claims if c["kind"] == "exact"]
+    assert exact and all(c["verdict"] == "match" for c in exact)
+    table5 = [c for c in claims if c["id"].startswith("table5.added_flops.")]
+    assert len(table5) >= 38 and all(c["verdict"] == "match" for c in table5)
+    not_run = [c for c in claims if c["verdict"] == "not run"]
+    assert not_run, "only the accounting ran, so most claims are not run"
+    # the note names the stage that will produce the claim
+    assert all(re.search(r"\b(grid|convert|evaluate|throughput|diagnostics|kernel|stage)\b", c["note"]) for c in not_run)
+
+
+def test_duplicate_claims_are_an_error():
+    a = {"_path": "a.json", "stage": "x", "claims": {"c1": {"reproduced": 1}}}
+    b = {"_path": "b.json", "stage": "y", "claims": {"c1": {"reproduced": 2}}}
+    with pytest.raises(ValueError, match="c1.*a.json.*b.json"):
+        report.collect_produced({"x": [a], "y": [b]}, {})
+
+
+def test_result_without_stage_is_rejected(tmp_path):
+    bad = tmp_path / "r.json"
+    bad.write_text("{}")
+    with pytest.raises(ValueError, match="r.json.*stage"):
+        report.load_results([str(bad)])
+
+
+def test_sections_are_discovered_in_order():
+    mods = report.discover_sections()
+    names = [report.section_id(m) for m in mods]
+    assert names[0] == "accounting" and "grid" in names
+    assert all(hasattr(m, "TITLE") for m in mods)
+
+
+def _chromium() -> str | None:
+    return shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
+
+
+CHROME_FLAGS = [
+    "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+    "--disable-background-networking", "--disable-component-update", "--disable-sync",
+    "--enable-logging=stderr", "--v=0",
+]
+
+
+@pytest.mark.skipif(_chromium() is None, reason="chromium not installed (scripts/install.sh test installs it)")
+def test_page_renders_in_headless_chromium(built_report, tmp_path):
+    html = built_report["html"]
+    url = html.resolve().as_uri()
+    common = [_chromium(), *CHROME_FLAGS, f"--user-data-dir={tmp_path / 'profile'}"]
+    dom = subprocess.run([*common, "--dump-dom", url], capture_output=True, text=True, timeout=120)
+    assert dom.returncode == 0, dom.stderr[-2000:]
+    console = [line for line in dom.stderr.splitlines() if "CONSOLE" in line or "Uncaught" in line]
+    assert not [line for line in console if "error" in line.lower() or "Uncaught" in line], console
+    page = dom.stdout
+    assert "Low-Rank Attention Residuals: replication report" in page
+    # every section the contents list names is on the page, and so are the claims and provenance
+    for anchor in re.findall(r'<a href="#([^"]+)">', page):
+        assert f'id="{anchor}"' in page, anchor
+    assert page.count('<section id="') >= 3
+    # every figure is an inline PNG that decodes
+    for src in re.findall(r'<img[^>]+src="([^"]+)"', page):
+        assert src.startswith("data:image/png;base64,")
+        assert base64.b64decode(src.split(",", 1)[1])[:8] == b"\x89PNG\r\n\x1a\n"
+    # Table 5's added-FLOPs column is shown with its verdicts
+    assert "Table 5" in page and "match" in page
+    shot = tmp_path / "page.png"
+    proc = subprocess.run([*common, f"--screenshot={shot}", "--window-size=1280,2000", url], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and shot.stat().st_size > 10_000
