@@ -177,53 +177,74 @@ def test_hf_standin_and_resume(tmp_path, monkeypatch):
     nonempty = [d for d in docs if d.strip()]
     assert split_docs(ref, "val") + split_docs(ref, "train") == nonempty
 
-    # interrupt after 70 rows, then resume: the written shards are kept and consumed rows skipped
+    # interrupt after 70 rows, then resume: the written shards are kept and the stream restarts
+    # from its stored state (IterableDataset.state_dict), not from the first row
     real = sources.HFSource.load_dataset
-    read = {"rows": 0}
+    read = {"rows": 0, "limit": 70, "loaded_state": None}
 
     class Boom(RuntimeError):
         pass
 
-    def flaky(*a, **k):
-        ds = real(*a, **k)
+    class Counting:
+        def __init__(self, inner):
+            self.inner = inner
 
-        class Wrapped:
-            def skip(self, n):
-                read["skipped"] = n
-                return Wrapped2(ds.skip(n))
+        def state_dict(self):
+            return self.inner.state_dict()
 
-            def __iter__(self):
-                return Wrapped2(ds).__iter__()
+        def load_state_dict(self, st):
+            read["loaded_state"] = st
+            self.inner.load_state_dict(st)
 
-        class Wrapped2:
-            def __init__(self, inner):
-                self.inner = inner
+        def __iter__(self):
+            for row in self.inner:
+                read["rows"] += 1
+                if read["limit"] and read["rows"] > read["limit"]:
+                    raise Boom("interrupted")
+                yield row
 
-            def __iter__(self):
-                for row in self.inner:
-                    read["rows"] += 1
-                    if read.get("limit") and read["rows"] > read["limit"]:
-                        raise Boom("interrupted")
-                    yield row
-
-        return Wrapped()
-
-    monkeypatch.setattr(sources.HFSource, "load_dataset", staticmethod(flaky))
+    monkeypatch.setattr(sources.HFSource, "load_dataset", staticmethod(lambda *a, **k: Counting(real(*a, **k))))
     monkeypatch.setattr(shards, "CHUNK_DOCS", 8)
-    read["limit"] = 70
     with pytest.raises(Boom):
         prepare(spec, tmp_path / "res", progress=False)
     progress = json.loads((tmp_path / ".res.partial" / "progress.json").read_text())
     consumed = progress["docs_consumed"]
-    assert 0 < consumed <= 70
+    assert 0 < consumed <= 70 and progress["resume"]["state"] is not None
     assert not (tmp_path / "res").exists()
     read.update(rows=0, limit=None)
     res = prepare(spec, tmp_path / "res", progress=False)
-    assert read["skipped"] == consumed and read["rows"] == 120 - consumed
+    assert read["loaded_state"] == progress["resume"]["state"]
+    assert read["rows"] == 120 - consumed + progress["resume"]["offset"]  # at most one chunk re-read
+    assert progress["resume"]["offset"] <= 8
     for split in ("val", "train"):
         assert [s["sha256"] for s in res["splits"][split]["shards"]] == [s["sha256"] for s in ref["splits"][split]["shards"]]
     assert res["source"]["content_sha256"] == ref["source"]["content_sha256"]
     assert res["counts"] == ref["counts"]
+
+
+def test_local_resume_by_count(tmp_path, monkeypatch):
+    write_jsonl(tmp_path / "c.jsonl", make_docs(90, seed=2))
+    spec = {"source": "local", "local": {"glob": str(tmp_path / "c.jsonl")}, "val_tokens": 600,
+            "shard_tokens": 500, "vocab": "compact"}
+    ref = prepare(spec, tmp_path / "ref", progress=False)
+    real = sources.LocalSource.iter_texts
+
+    def flaky(self, skip=0):
+        for i, t in enumerate(real(self, skip)):
+            if i == 60:
+                raise KeyboardInterrupt
+            yield t
+
+    monkeypatch.setattr(sources.LocalSource, "iter_texts", flaky)
+    monkeypatch.setattr(shards, "CHUNK_DOCS", 8)
+    with pytest.raises(KeyboardInterrupt):
+        prepare(spec, tmp_path / "res", progress=False)
+    progress = json.loads((tmp_path / ".res.partial" / "progress.json").read_text())
+    assert progress["resume"] == {"state": None, "offset": progress["docs_consumed"]} and progress["docs_consumed"] > 0
+    monkeypatch.setattr(sources.LocalSource, "iter_texts", real)
+    res = prepare(spec, tmp_path / "res", progress=False)
+    assert res["splits"] == ref["splits"] and res["counts"] == ref["counts"]
+    assert np.array_equal(np.load(tmp_path / "res" / "vocab.npy"), np.load(tmp_path / "ref" / "vocab.npy"))
 
 
 def test_hf_max_tokens_and_missing_column(tmp_path):

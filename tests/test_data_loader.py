@@ -127,6 +127,11 @@ def test_iter_eval_batches_covers_split_once(manifest):
     again = list(iter_eval_batches(manifest, "val", 7, 50))
     assert all(torch.equal(a.inputs, b.inputs) for a, b in zip(batches, again))
     assert len(list(iter_eval_batches(manifest, "val", 7, 50, max_batches=2))) == 2
+    # ranks split the batches; together they cover the split once
+    parts = [iter_eval_batches(manifest, "val", 7, 50, rank=r, world_size=2) for r in range(2)]
+    assert sum(p.tokens_covered for p in parts) == n
+    rows = sorted(tuple(r) for p in parts for b in p for r in b.inputs.tolist())
+    assert rows == sorted(tuple(r) for b in batches for r in b.inputs.tolist())
 
 
 def test_loader_errors(manifest, tmp_path):

@@ -182,33 +182,47 @@ class TokenLoader:
 
 
 class EvalBatches:
-    """Every window of a split once, in order; ``tokens_covered`` targets in all (see module doc)."""
+    """Every window of a split once, in order (see module doc).
+
+    With ``world_size > 1`` rank ``r`` takes batches ``r, r + world_size, ...``; the ranks together
+    cover the split once. ``tokens_covered`` counts the targets this rank predicts (each once);
+    ``tokens_covered_all`` those of all ranks together.
+    """
 
     def __init__(self, manifest, split: str, batch_size: int, seq_len: int, *,
-                 max_batches: int | None = None, verify: bool | str = True):
+                 max_batches: int | None = None, rank: int = 0, world_size: int = 1,
+                 verify: bool | str = True):
         m = _as_manifest(manifest, verify)
         if batch_size < 1 or seq_len < 1:
             raise ValueError("iter_eval_batches: batch_size and seq_len must be >= 1")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"iter_eval_batches: rank {rank} must be in [0, world_size={world_size})")
         self.data = SplitTokens(m, split)
         self.batch_size = int(batch_size)
         self.seq_len = int(seq_len)
+        self.rank, self.world_size = int(rank), int(world_size)
         self.n_windows = max(0, (self.data.size - 1) // self.seq_len)
         if max_batches is not None:
             self.n_windows = min(self.n_windows, int(max_batches) * self.batch_size)
         self.tokens_total = self.data.size
-        self.tokens_covered = self.n_windows * self.seq_len  # targets predicted, each exactly once
+        self.tokens_covered_all = self.n_windows * self.seq_len
+        self._starts = list(range(0, self.n_windows, self.batch_size))[self.rank::self.world_size]
+        self.tokens_covered = sum(min(self.batch_size, self.n_windows - a) for a in self._starts) * self.seq_len
 
     def __len__(self) -> int:
-        return -(-self.n_windows // self.batch_size)
+        return len(self._starts)
 
     def __iter__(self) -> Iterator[Batch]:
-        for a in range(0, self.n_windows, self.batch_size):
+        for a in self._starts:
             wins = np.arange(a, min(a + self.batch_size, self.n_windows))
             yield _make_batch(self.data, wins, self.seq_len)
 
 
 def iter_eval_batches(manifest, split: str, batch_size: int, seq_len: int, *,
-                      max_batches: int | None = None, verify: bool | str = True) -> EvalBatches:
+                      max_batches: int | None = None, rank: int = 0, world_size: int = 1,
+                      verify: bool | str = True) -> EvalBatches:
     """Cover ``split`` once with non-overlapping windows, in order (the last batch may be smaller;
-    the final partial window is dropped). The result is iterable and reports ``tokens_covered``."""
-    return EvalBatches(manifest, split, batch_size, seq_len, max_batches=max_batches, verify=verify)
+    the final partial window is dropped). The result is iterable, has ``len()``, and reports
+    ``tokens_covered`` (targets predicted) and ``tokens_total`` (tokens in the split)."""
+    return EvalBatches(manifest, split, batch_size, seq_len, max_batches=max_batches, rank=rank,
+                       world_size=world_size, verify=verify)

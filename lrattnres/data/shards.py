@@ -65,6 +65,7 @@ def _fresh_state(spec_sha: str) -> dict[str, Any]:
         "seconds": 0.0,
         "done": False,
         "source": None,
+        "resume": None,  # where a restart continues: {"state": source state or None, "offset": documents}
     }
 
 
@@ -81,17 +82,25 @@ def _take(it) -> list[str]:
 class _Prefetch:
     """Pull chunks of texts from a source in a background thread (overlaps reading and encoding)."""
 
-    def __init__(self, it, max_chunks: int = 3):
+    def __init__(self, source, skip: int, resume, max_chunks: int = 3):
         self._q: queue.Queue = queue.Queue(max_chunks)
         self._stop = threading.Event()
-        self._t = threading.Thread(target=self._run, args=(it,), daemon=True, name="prepare-data-read")
+        self._t = threading.Thread(target=self._run, args=(source, skip, resume), daemon=True,
+                                   name="prepare-data-read")
         self._t.start()
 
-    def _run(self, it) -> None:
+    def _run(self, source, skip, resume) -> None:
+        it = source.iter_texts(skip=skip, resume=resume) if resume is not None else source.iter_texts(skip=skip)
+        base, off = resume, skip  # where each chunk starts: a source state (or None) plus documents
+        state_of = getattr(source, "state", lambda: None)
         try:
             while not self._stop.is_set():
+                st = state_of()
+                if st is not None:
+                    base, off = st, 0
                 chunk = _take(it)
-                self._put(("data", chunk))
+                self._put(("data", (base, off, chunk)))
+                off += len(chunk)
                 if not chunk:
                     break
         except BaseException as e:  # handed to the consumer
@@ -109,7 +118,7 @@ class _Prefetch:
             except queue.Full:
                 continue
 
-    def get(self) -> list[str]:
+    def get(self) -> tuple[Any, int, list[str]]:
         kind, val = self._q.get()
         if kind == "error":
             raise val
@@ -165,7 +174,8 @@ def _tokenize(spec: dict, work: Path, state: dict, progress: bool) -> None:
     enc = tok.get_encoding()
     if state["split"] == "val" and val_tokens == 0:
         state["split"] = "train"
-    reader = _Prefetch(source.iter_texts(skip=state["docs_consumed"]))
+    res = state.get("resume") or {"state": None, "offset": state["docs_consumed"]}
+    reader = _Prefetch(source, res["offset"], res["state"])
     buf = _Buffer()
     pending = {s: state["splits"][s]["tokens"] for s in SPLITS}
     bar = tqdm(total=cap, initial=state["tokens"], unit="tok", unit_scale=True, file=sys.stderr,
@@ -174,15 +184,16 @@ def _tokenize(spec: dict, work: Path, state: dict, progress: bool) -> None:
     encode_s = encode_cpu = 0.0
     try:
         while not stop:
-            texts = reader.get()
+            base, off, texts = reader.get()
             if not texts:
                 break
             t0, c0 = time.perf_counter(), time.process_time()
             encoded = enc.encode_ordinary_batch(texts, num_threads=spec["num_threads"])
             encode_s += time.perf_counter() - t0
             encode_cpu += time.process_time() - c0
-            for text, ids in zip(texts, encoded):
+            for j, (text, ids) in enumerate(zip(texts, encoded)):
                 state["docs_consumed"] += 1
+                state["resume"] = {"state": base, "offset": off + j + 1}
                 if not ids or not text.strip():
                     state["empty_skipped"] += 1
                     continue

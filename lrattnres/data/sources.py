@@ -105,14 +105,17 @@ def package_meta(name: str) -> dict[str, Any]:
     except metadata.PackageNotFoundError:
         return info
     info["version"] = md.get("Version")
-    lic = md.get("License-Expression") or ""
+    classifiers = [c.split("::")[-1].strip() for c in md.get_all("Classifier") or [] if c.startswith("License ::")]
+    lic = (md.get("License-Expression") or "").strip()
     if not lic:
         raw = (md.get("License") or "").strip()
-        first = raw.splitlines()[0].strip() if raw else ""
-        lic = first[:120]
-    classifiers = [c.split("::")[-1].strip() for c in md.get_all("Classifier") or [] if c.startswith("License ::")]
-    if not lic or lic.upper() in ("UNKNOWN", "NONE"):
-        lic = "; ".join(classifiers) or None
+        if raw and "\n" not in raw and len(raw) <= 80 and raw.upper() not in ("UNKNOWN", "NONE"):
+            lic = raw
+        elif classifiers:
+            lic = "; ".join(classifiers)
+        elif raw:
+            lic = raw.splitlines()[0].strip()[:120]
+    lic = lic or None
     info["license"] = lic
     if classifiers:
         info["license_classifiers"] = classifiers
@@ -260,11 +263,33 @@ class HFSource:
         except Exception as e:
             raise RuntimeError(f"hf source {self.dataset!r} (split {self.split!r}): cannot open the stream: {e}") from e
 
-    def iter_texts(self, skip: int = 0) -> Iterator[str]:
+    def state(self) -> Any:
+        """The stream's position after the last yielded row (``IterableDataset.state_dict``), or None.
+
+        Called between yields by the thread that iterates; lets a restart resume without re-reading.
+        """
+        ds = getattr(self, "_ds", None)
+        if ds is None or not hasattr(ds, "state_dict"):
+            return None
+        try:
+            return json.loads(json.dumps(ds.state_dict()))  # a detached, JSON-able copy
+        except Exception:  # not serialisable / not supported: the caller falls back to counting
+            return None
+
+    def iter_texts(self, skip: int = 0, resume: Any = None) -> Iterator[str]:
+        """Rows' texts; ``resume`` (a ``state()``) restarts the stream there, then ``skip`` rows are
+        dropped."""
+        self._ds = None
         ds = self.open()
-        if skip:
-            ds = ds.skip(skip)
-        for i, row in enumerate(ds):
+        if resume is not None:
+            ds.load_state_dict(resume)
+            self.stats["resumed_from_state"] = True
+        self._ds = ds
+        n = 0
+        for row in ds:
+            n += 1
+            if n <= skip:
+                continue
             if self.column not in row:
                 raise ValueError(
                     f"hf source {self.dataset!r}: column {self.column!r} not in the rows "
