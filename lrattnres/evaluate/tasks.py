@@ -231,13 +231,14 @@ def materialise(
     """
     if source not in ("offline", "hub"):
         raise ValueError(f"evaluate spec: 'source' must be 'offline' or 'hub', got {source!r}")
+    import hashlib
+
     cache = Path(cache_dir).resolve()
-    yaml_dir = cache / "yamls"
+    # one YAML folder per selection, so that concurrent jobs sharing the cache never see each other's
+    # task files (the TaskManager loads every YAML of the folder)
+    key = json.dumps({"tasks": sorted(tasks), "limit": limit, "seed": seed, "source": source, "v": FORMAT_VERSION})
+    yaml_dir = cache / "yamls" / hashlib.sha256(key.encode()).hexdigest()[:16]
     yaml_dir.mkdir(parents=True, exist_ok=True)
-    # stale YAMLs of other tasks would be picked up by the TaskManager: keep only ours
-    for old in yaml_dir.glob("*.yaml"):
-        if old.stem not in tasks:
-            old.unlink()
     builtin_root = lm_eval_tasks_root()
     out: dict[str, Any] = {"yaml_dir": str(yaml_dir), "tasks": {}}
     for name in tasks:
