@@ -1,16 +1,21 @@
 """Fused Triton kernels for depth routing (Fast-AttnRes style), forward and backward.
 
-Layout: every source is a [N, d] matrix with unit column stride and its own row stride; the
-kernels read the sources through a table of base addresses (int64 ``data_ptr``s) and a table of
-row strides, so a list of tensors is never stacked.  One program owns BLOCK_T tokens and the
-whole row width (BLOCK_D = next power of two >= d, masked).
+Layout: every source is a [N, d] matrix with unit column stride and its own row stride.  The
+kernels read the sources through a table of element offsets relative to an anchor tensor (the
+first source) plus a table of row strides, so a list of tensors is never stacked; addressing off a
+typed anchor pointer (rather than casting integers to pointers) keeps Triton's alignment analysis,
+and the ALIGN hint (host-checked) lets every row load be a 16-byte vector.  One program owns
+BLOCK_T tokens and the whole row width (BLOCK_D = next power of two >= d, masked).
 
-Forward (one pass over the sources, online softmax):
-    reads S*d + writes d elements per token, plus one fp32 logsumexp per token.
-Backward (one pass over the sources):
-    reads g and the saved output h (d each), the S sources once, writes the S source gradients;
-    the query gradient is reduced per program into an fp32 partial [programs, r] that the host
-    sums (deterministic).
+Forward (one pass over the sources, online softmax): reads S*d, writes d elements per token, one
+fp32 logsumexp per token, and (bf16/fp16) an int8 residual per element: the next 8 mantissa bits of
+the fp32 mix that rounding to the output dtype dropped.  The backward needs g.h at fp32 accuracy
+(dz_i = w_i (g.o_i - g.h) cancels), and g.h from the rounded h alone fails the paper's bf16
+criterion on random upstream gradients; the residual restores h to about 2^-16 relative for one byte.
+
+Backward (one pass over the sources): reads g, h and the residual, the S sources once, writes the S
+source gradients; the query gradient is reduced per program into an fp32 partial [programs, r] that
+the host sums (deterministic).  Persistent grid: programs loop over token blocks.
 
 Math (fp32).  k_i = o_i restricted to the key coordinates (the last r for "slice", all d for
 "full"), n = their count, rinv_i = 1/sqrt(|k_i|^2/n + eps), z_i = rinv_i * (q . o_i[tail]),
@@ -27,11 +32,31 @@ import triton.language as tl
 
 
 @triton.jit
+def _res_base(hb32):
+    """2^exponent of each (rounded) value, and whether it is a finite normal number."""
+    ebits = hb32.to(tl.int32, bitcast=True) & 0x7F800000
+    ok = (ebits > 0) & (ebits < 0x7F800000)
+    return ebits.to(tl.float32, bitcast=True), ok
+
+
+@triton.jit
+def _load_src(src0_ptr, src_offs, src_strides, j, S, rows, rows64, offs, mask, ALIGN: tl.constexpr):
+    """Raw [BLOCK_T, BLOCK_D] tile of source j (zeros when j >= S)."""
+    jj = tl.minimum(j, S - 1)
+    off = tl.multiple_of(tl.load(src_offs + jj), ALIGN)
+    stride = tl.multiple_of(tl.load(src_strides + jj), ALIGN)
+    ok = mask & ((rows * 0 + j) < S)[:, None]
+    return tl.load(src0_ptr + off + rows64[:, None] * stride + offs[None, :], mask=ok, other=0.0)
+
+
+@triton.jit
 def _attnres_fwd_kernel(
-    src_ptrs,  # int64 [S]: base addresses of the sources
+    src0_ptr,  # anchor: the first source (typed pointer)
+    src_offs,  # int64 [S]: element offset of each source from the anchor
     src_strides,  # int64 [S]: row strides (elements)
     q_ptr,  # [r] (any float dtype)
-    out_ptr,  # [N, d] contiguous, output dtype (= source dtype)
+    out_ptr,  # [N, d] contiguous, source dtype
+    res_ptr,  # int8 [N, d] contiguous (unused unless HAS_RES)
     lse_ptr,  # fp32 [N]
     N,
     S,
@@ -40,9 +65,12 @@ def _attnres_fwd_kernel(
     inv_n,  # 1/r for "slice", 1/d for "full"
     eps,
     SLICE: tl.constexpr,
+    HAS_RES: tl.constexpr,
+    RES_STEP: tl.constexpr,  # 2^-(mantissa bits + 8)
+    ALIGN: tl.constexpr,  # offsets and strides are multiples of this many elements
     BLOCK_T: tl.constexpr,
     BLOCK_D: tl.constexpr,
-    PREFETCH: tl.constexpr,
+    PREFETCH: tl.constexpr,  # how many sources ahead to load (0, 1, 2)
 ):
     pid = tl.program_id(0)
     dtype = out_ptr.dtype.element_ty
@@ -58,21 +86,20 @@ def _attnres_fwd_kernel(
     m = tl.full([BLOCK_T], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_T], tl.float32)
     acc = tl.zeros([BLOCK_T, BLOCK_D], tl.float32)
-    if PREFETCH:
-        base = tl.load(src_ptrs).to(tl.pointer_type(dtype))
-        stride = tl.load(src_strides)
-        x_next = tl.load(base + rows64[:, None] * stride + offs[None, :], mask=mask, other=0.0)
+    if PREFETCH >= 1:
+        x_n1 = _load_src(src0_ptr, src_offs, src_strides, 0, S, rows, rows64, offs, mask, ALIGN)
+    if PREFETCH >= 2:
+        x_n2 = _load_src(src0_ptr, src_offs, src_strides, 1, S, rows, rows64, offs, mask, ALIGN)
     for i in range(S):
-        if PREFETCH:
-            x = x_next.to(tl.float32)
-            j = tl.minimum(i + 1, S - 1)
-            base = tl.load(src_ptrs + j).to(tl.pointer_type(dtype))
-            stride = tl.load(src_strides + j)
-            x_next = tl.load(base + rows64[:, None] * stride + offs[None, :], mask=mask & ((rows * 0 + i + 1) < S)[:, None], other=0.0)
+        if PREFETCH == 0:
+            x = _load_src(src0_ptr, src_offs, src_strides, i, S, rows, rows64, offs, mask, ALIGN).to(tl.float32)
+        elif PREFETCH == 1:
+            x = x_n1.to(tl.float32)
+            x_n1 = _load_src(src0_ptr, src_offs, src_strides, i + 1, S, rows, rows64, offs, mask, ALIGN)
         else:
-            base = tl.load(src_ptrs + i).to(tl.pointer_type(dtype))
-            stride = tl.load(src_strides + i)
-            x = tl.load(base + rows64[:, None] * stride + offs[None, :], mask=mask, other=0.0).to(tl.float32)
+            x = x_n1.to(tl.float32)
+            x_n1 = x_n2
+            x_n2 = _load_src(src0_ptr, src_offs, src_strides, i + 2, S, rows, rows64, offs, mask, ALIGN)
         if SLICE:
             ss = tl.sum(tl.where(tail[None, :], x * x, 0.0), axis=1)
         else:
@@ -86,17 +113,28 @@ def _attnres_fwd_kernel(
         l = l * alpha + p
         m = m_new
     h = acc / l[:, None]
-    tl.store(out_ptr + rows64[:, None] * d + offs[None, :], h.to(dtype), mask=mask)
+    hb = h.to(dtype)
+    tl.store(out_ptr + rows64[:, None] * d + offs[None, :], hb, mask=mask)
+    if HAS_RES:
+        hb32 = hb.to(tl.float32)
+        base, ok = _res_base(hb32)
+        step = tl.where(ok, base * RES_STEP, 1.0)
+        code = tl.floor((h - hb32) / step + 0.5)
+        code = tl.where(ok, tl.minimum(tl.maximum(code, -127.0), 127.0), 0.0)
+        tl.store(res_ptr + rows64[:, None] * d + offs[None, :], code.to(tl.int8), mask=mask)
     tl.store(lse_ptr + rows, m + tl.log(l), mask=row_ok)
 
 
 @triton.jit
 def _attnres_bwd_kernel(
-    src_ptrs,  # int64 [S]
+    src0_ptr,  # anchor of the sources
+    src_offs,  # int64 [S]
     src_strides,  # int64 [S]
-    grad_ptrs,  # int64 [S]: base addresses of the source gradients (contiguous [N, d])
+    grad0_ptr,  # anchor of the source gradients (each contiguous [N, d])
+    grad_offs,  # int64 [S]
     q_ptr,  # [r]
     h_ptr,  # [N, d] saved output, row stride d
+    res_ptr,  # int8 [N, d] saved residual (unused unless HAS_RES)
     g_ptr,  # [N, d] upstream gradient, row stride stride_g
     lse_ptr,  # fp32 [N]
     dq_part_ptr,  # fp32 [programs, r]
@@ -108,9 +146,13 @@ def _attnres_bwd_kernel(
     inv_n,
     eps,
     SLICE: tl.constexpr,
+    HAS_RES: tl.constexpr,
+    RES_STEP: tl.constexpr,
+    ALIGN: tl.constexpr,
+    GALIGN: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_D: tl.constexpr,
-    PREFETCH: tl.constexpr,
+    PREFETCH: tl.constexpr,  # how many sources ahead to load (0, 1, 2)
     DQ2D: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -132,24 +174,27 @@ def _attnres_bwd_kernel(
         mask = row_ok[:, None] & col_ok[None, :]
         g = tl.load(g_ptr + rows64[:, None] * stride_g + offs[None, :], mask=mask, other=0.0).to(tl.float32)
         hh = tl.load(h_ptr + rows64[:, None] * d + offs[None, :], mask=mask, other=0.0).to(tl.float32)
+        if HAS_RES:
+            code = tl.load(res_ptr + rows64[:, None] * d + offs[None, :], mask=mask, other=0).to(tl.float32)
+            base, ok = _res_base(hh)
+            hh = tl.where(ok, hh + code * (base * RES_STEP), hh)
         gh = tl.sum(g * hh, axis=1)
         lse = tl.load(lse_ptr + rows, mask=row_ok, other=0.0)
-        if PREFETCH:
-            base = tl.load(src_ptrs).to(tl.pointer_type(dtype))
-            stride = tl.load(src_strides)
-            x_next = tl.load(base + rows64[:, None] * stride + offs[None, :], mask=mask, other=0.0)
+        if PREFETCH >= 1:
+            x_n1 = _load_src(src0_ptr, src_offs, src_strides, 0, S, rows, rows64, offs, mask, ALIGN)
+        if PREFETCH >= 2:
+            x_n2 = _load_src(src0_ptr, src_offs, src_strides, 1, S, rows, rows64, offs, mask, ALIGN)
         for i in range(S):
-            gbase = tl.load(grad_ptrs + i).to(tl.pointer_type(dtype))
-            if PREFETCH:
-                x = x_next.to(tl.float32)
-                j = tl.minimum(i + 1, S - 1)
-                base = tl.load(src_ptrs + j).to(tl.pointer_type(dtype))
-                stride = tl.load(src_strides + j)
-                x_next = tl.load(base + rows64[:, None] * stride + offs[None, :], mask=mask & ((rows * 0 + i + 1) < S)[:, None], other=0.0)
+            goff = tl.multiple_of(tl.load(grad_offs + i), GALIGN)
+            if PREFETCH == 0:
+                x = _load_src(src0_ptr, src_offs, src_strides, i, S, rows, rows64, offs, mask, ALIGN).to(tl.float32)
+            elif PREFETCH == 1:
+                x = x_n1.to(tl.float32)
+                x_n1 = _load_src(src0_ptr, src_offs, src_strides, i + 1, S, rows, rows64, offs, mask, ALIGN)
             else:
-                base = tl.load(src_ptrs + i).to(tl.pointer_type(dtype))
-                stride = tl.load(src_strides + i)
-                x = tl.load(base + rows64[:, None] * stride + offs[None, :], mask=mask, other=0.0).to(tl.float32)
+                x = x_n1.to(tl.float32)
+                x_n1 = x_n2
+                x_n2 = _load_src(src0_ptr, src_offs, src_strides, i + 2, S, rows, rows64, offs, mask, ALIGN)
             if SLICE:
                 k = tl.where(tail[None, :], x, 0.0)
             else:
@@ -162,7 +207,7 @@ def _attnres_bwd_kernel(
             c = w * (go - gh) * rinv  # dL/dz_i * rinv_i
             coef = z * rinv * inv_n
             grad = w[:, None] * g + c[:, None] * (q[None, :] - coef[:, None] * k)
-            tl.store(gbase + rows64[:, None] * d + offs[None, :], grad.to(dtype), mask=mask)
+            tl.store(grad0_ptr + goff + rows64[:, None] * d + offs[None, :], grad.to(dtype), mask=mask)
             if DQ2D:
                 dq2 += c[:, None] * x
             else:

@@ -46,7 +46,7 @@ def _use_triton(t: torch.Tensor) -> bool:
 def _empty(shape, dtype, device) -> torch.Tensor:
     out = torch.empty(shape, dtype=dtype, device=device)
     if POISON:
-        out.fill_(float("nan"))
+        out.fill_(float("nan") if dtype.is_floating_point else -128)
     return out
 
 
@@ -107,23 +107,86 @@ def _next_pow2(x: int) -> int:
     return 1 << (max(1, x) - 1).bit_length()
 
 
-def _fwd_config(block_d: int, elem: int) -> dict:
-    """BLOCK_T, num_warps, PREFETCH for the forward kernel."""
-    if "fwd" in CONFIG_OVERRIDE:
-        return dict(CONFIG_OVERRIDE["fwd"])
-    # about 8K fp32 accumulator elements per program, 32 per thread
-    bt = max(1, min(16, 8192 // block_d))
-    nw = max(1, min(16, bt * block_d // 1024))
-    return dict(BLOCK_T=bt, num_warps=nw, PREFETCH=True)
+# Residual of the rounded output: bits of mantissa per dtype (see kernels._triton).
+_MANT = {torch.bfloat16: 7, torch.float16: 10}
+TRITON_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
-def _bwd_config(block_d: int, elem: int) -> dict:
-    """BLOCK_T, num_warps, PREFETCH, DQ2D, per_sm (persistent programs per SM) for the backward."""
-    if "bwd" in CONFIG_OVERRIDE:
-        return dict(CONFIG_OVERRIDE["bwd"])
-    bt = max(1, min(16, 4096 // block_d))
-    nw = max(1, min(16, bt * block_d // 512))
-    return dict(BLOCK_T=bt, num_warps=nw, PREFETCH=True, DQ2D=False, per_sm=4)
+def _res_step(dtype: torch.dtype) -> float:
+    return 2.0 ** -(_MANT[dtype] + 8) if dtype in _MANT else 1.0
+
+
+def _fwd_configs(block_d: int) -> list[dict]:
+    """Candidate launch configurations of the forward kernel (BLOCK_T, num_warps, PREFETCH depth).
+
+    Chosen from register counts of sm_90 builds (docs/kernel_notes.md): 16-32 elements per thread.
+    """
+    out = []
+    for bt, per_thread, pf in ((1, 16, 1), (1, 16, 2), (2, 32, 1), (1, 8, 2), (2, 16, 2)):
+        bt = max(bt, 512 // block_d)
+        nw = max(1, min(16, bt * block_d // (32 * per_thread)))
+        cfg = dict(BLOCK_T=bt, num_warps=nw, PREFETCH=pf)
+        if cfg not in out:
+            out.append(cfg)
+    return out
+
+
+def _bwd_configs(block_d: int) -> list[dict]:
+    """Candidate launch configurations of the backward kernel (BLOCK_T, num_warps, PREFETCH, DQ2D)."""
+    out = []
+    for bt, per_thread, pf, dq2 in ((1, 32, 1, False), (1, 16, 1, False), (1, 16, 2, False),
+                                    (2, 32, 1, True), (1, 32, 2, False)):
+        bt = max(bt, 256 // block_d)
+        nw = max(1, min(16, bt * block_d // (32 * per_thread)))
+        cfg = dict(BLOCK_T=bt, num_warps=nw, PREFETCH=pf, DQ2D=dq2)
+        if cfg not in out:
+            out.append(cfg)
+    return out
+
+
+# Autotuning (CUDA only): one triton.autotune wrapper per (kernel, BLOCK_D), keyed on d and the norm.
+AUTOTUNE = os.environ.get("KERNELS_AUTOTUNE", "1") == "1"
+_TUNED: dict = {}
+BWD_PROGRAMS_PER_SM = 8
+
+
+def _launcher(kind: str, block_d: int, device: torch.device):
+    """(kernel to launch, fixed config or None when the kernel is autotuned)."""
+    from . import _triton as K
+
+    raw = K._attnres_fwd_kernel if kind == "fwd" else K._attnres_bwd_kernel
+    if kind in CONFIG_OVERRIDE:
+        return raw, dict(CONFIG_OVERRIDE[kind])
+    cfgs = _fwd_configs(block_d) if kind == "fwd" else _bwd_configs(block_d)
+    if device.type != "cuda" or not AUTOTUNE:
+        return raw, dict(cfgs[0])
+    key = (kind, block_d)
+    if key not in _TUNED:
+        import triton
+
+        configs = [triton.Config({k: v for k, v in c.items() if k != "num_warps"}, num_warps=c["num_warps"]) for c in cfgs]
+        _TUNED[key] = triton.autotune(configs=configs, key=["d", "SLICE", "HAS_RES"])(raw)
+    return _TUNED[key], None
+
+
+def tuned_configs() -> dict:
+    """The configurations autotuning chose so far: {"fwd/2048": {...}, ...}."""
+    out = {}
+    for (kind, block_d), fn in _TUNED.items():
+        best = getattr(fn, "best_config", None)
+        if best is not None:
+            out[f"{kind}/{block_d}"] = dict(best.kwargs, num_warps=best.num_warps)
+    return out
+
+
+def _anchor_table(tensors: list[torch.Tensor], strides: list[int] | None):
+    """Element offsets of ``tensors`` from the first one, and the ALIGN hint (elements)."""
+    esz = tensors[0].element_size()
+    p0 = tensors[0].data_ptr()
+    offs = [(t.data_ptr() - p0) // esz for t in tensors]
+    vec = max(1, 16 // esz)
+    ok = p0 % 16 == 0 and all(o % vec == 0 for o in offs) and all(s % vec == 0 for s in (strides or []))
+    return offs, (vec if ok else 1)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -131,57 +194,64 @@ def _bwd_config(block_d: int, elem: int) -> dict:
 
 
 def _fwd_triton(sources: Sequence[torch.Tensor], query: torch.Tensor, norm: str, eps: float):
-    from . import _triton as K
-
     d, r = _check(sources, query, norm)
     dtype = sources[0].dtype
     lead = sources[0].shape[:-1]
     rows = [_rows(o, d, dtype) for o in sources]
     n_tok = rows[0].shape[0]
     dev = sources[0].device
+    has_res = dtype in _MANT
     out = _empty((n_tok, d), dtype, dev)
     lse = _empty((n_tok,), torch.float32, dev)
+    res = _empty((n_tok, d) if has_res else (0,), torch.int8, dev)
     if n_tok > 0:
-        table = _table([[o.data_ptr() for o in rows], [o.stride(0) for o in rows]], dev)
-        q = query.contiguous()
+        strides = [o.stride(0) for o in rows]
+        offs, align = _anchor_table(rows, strides)
+        table = _table([offs, strides], dev)
         block_d = _next_pow2(d)
-        cfg = _fwd_config(block_d, rows[0].element_size())
-        grid = (triton_cdiv(n_tok, cfg["BLOCK_T"]),)
-        K._attnres_fwd_kernel[grid](
-            table[0], table[1], q, out, lse,
+        fn, cfg = _launcher("fwd", block_d, dev)
+        if cfg is None:
+            grid = lambda meta: (triton_cdiv(n_tok, meta["BLOCK_T"]),)  # noqa: E731
+            cfg = {}
+        else:
+            grid = (triton_cdiv(n_tok, cfg["BLOCK_T"]),)
+        fn[grid](
+            rows[0], table[0], table[1], query.contiguous(), out, res if has_res else out, lse,
             n_tok, len(rows), d, r, 1.0 / (r if norm == "slice" else d), float(eps),
-            SLICE=(norm == "slice"), BLOCK_D=block_d, **cfg,
+            SLICE=(norm == "slice"), HAS_RES=has_res, RES_STEP=_res_step(dtype), ALIGN=align,
+            BLOCK_D=block_d, **cfg,
         )
-    return out.view(*lead, d), lse.view(lead)
+    return out.view(*lead, d), lse.view(lead), (res.view(*lead, d) if has_res else res)
 
 
-def _bwd_triton(sources, query, h, lse, g, norm: str, eps: float):
-    from . import _triton as K
-
+def _bwd_triton(sources, query, h, lse, res, g, norm: str, eps: float):
     d, r = _check(sources, query, norm)
     dtype = sources[0].dtype
     rows = [_rows(o, d, dtype) for o in sources]
     n_tok = rows[0].shape[0]
     dev = sources[0].device
+    has_res = dtype in _MANT and res.numel() > 0
     grads = [_empty(o.shape, dtype, dev) for o in sources]
     if n_tok == 0:
         return grads, torch.zeros_like(query)
     h2 = _rows(h, d, dtype).contiguous()
+    res2 = res.reshape(-1, d).contiguous() if has_res else h2
     g2 = _rows(g, d, g.dtype)
     lse2 = lse.reshape(-1).contiguous()
     block_d = _next_pow2(d)
-    cfg = _bwd_config(block_d, rows[0].element_size())
-    per_sm = cfg.pop("per_sm")
-    nblk = triton_cdiv(n_tok, cfg["BLOCK_T"])
-    nprog = max(1, min(nblk, per_sm * _num_sms(dev)))
+    nprog = max(1, min(n_tok, BWD_PROGRAMS_PER_SM * _num_sms(dev)))
     part = _empty((nprog, r), torch.float32, dev)
-    table = _table(
-        [[o.data_ptr() for o in rows], [o.stride(0) for o in rows], [gr.data_ptr() for gr in grads]], dev
-    )
-    K._attnres_bwd_kernel[(nprog,)](
-        table[0], table[1], table[2], query.contiguous(), h2, g2, lse2, part,
+    strides = [o.stride(0) for o in rows]
+    offs, align = _anchor_table(rows, strides)
+    grad_rows = [gr.view(-1, d) for gr in grads]
+    goffs, galign = _anchor_table(grad_rows, [d])
+    table = _table([offs, strides, goffs], dev)
+    fn, cfg = _launcher("bwd", block_d, dev)
+    fn[(nprog,)](
+        rows[0], table[0], table[1], grad_rows[0], table[2], query.contiguous(), h2, res2, g2, lse2, part,
         n_tok, len(rows), d, r, g2.stride(0), 1.0 / (r if norm == "slice" else d), float(eps),
-        SLICE=(norm == "slice"), BLOCK_D=block_d, **cfg,
+        SLICE=(norm == "slice"), HAS_RES=has_res, RES_STEP=_res_step(dtype), ALIGN=align, GALIGN=galign,
+        BLOCK_D=block_d, **(cfg or {}),
     )
     dq = part.sum(0).to(query.dtype)
     return grads, dq
@@ -195,6 +265,27 @@ def triton_cdiv(a: int, b: int) -> int:
 # Torch fallback (CPU): the reference forward, and the backward written out in fp32 torch
 
 
+def _res_encode(h32: torch.Tensor, hb: torch.Tensor) -> torch.Tensor:
+    """int8 residual of rounding ``h32`` to ``hb`` (same code as the kernels)."""
+    if hb.dtype not in _MANT:
+        return torch.empty(0, dtype=torch.int8, device=hb.device)
+    hb32 = hb.float()
+    ebits = hb32.view(torch.int32) & 0x7F800000
+    ok = (ebits > 0) & (ebits < 0x7F800000)
+    step = torch.where(ok, ebits.view(torch.float32) * _res_step(hb.dtype), 1.0)
+    code = torch.floor((h32 - hb32) / step + 0.5).clamp(-127, 127)
+    return torch.where(ok, code, 0.0).to(torch.int8)
+
+
+def _res_decode(hb: torch.Tensor, res: torch.Tensor) -> torch.Tensor:
+    hb32 = hb.float()
+    if hb.dtype not in _MANT or res.numel() == 0:
+        return hb32
+    ebits = hb32.view(torch.int32) & 0x7F800000
+    ok = (ebits > 0) & (ebits < 0x7F800000)
+    return torch.where(ok, hb32 + res.float() * (ebits.view(torch.float32) * _res_step(hb.dtype)), hb32)
+
+
 def _fwd_torch(sources, query, norm: str, eps: float):
     from lrattnres.routing import routing_scores
 
@@ -205,14 +296,15 @@ def _fwd_torch(sources, query, norm: str, eps: float):
     h = w[0].unsqueeze(-1) * sources[0].float()
     for wi, o in zip(w[1:], sources[1:]):
         h = h + wi.unsqueeze(-1) * o.float()
-    return h.to(sources[0].dtype), lse
+    hb = h.to(sources[0].dtype)
+    return hb, lse, _res_encode(h, hb)
 
 
-def _bwd_torch(sources, query, h, lse, g, norm: str, eps: float):
+def _bwd_torch(sources, query, h, lse, res, g, norm: str, eps: float):
     d, r = _check(sources, query, norm)
     q = query.float()
     g = g.float()
-    gh = (g * h.float()).sum(-1)
+    gh = (g * _res_decode(h, res)).sum(-1)
     n = r if norm == "slice" else d
     dq = torch.zeros(r, dtype=torch.float32, device=query.device)
     grads = []
@@ -238,10 +330,15 @@ def _bwd_torch(sources, query, h, lse, g, norm: str, eps: float):
 # torch.library ops
 
 
+def _triton_ok(t: torch.Tensor) -> bool:
+    return _use_triton(t) and t.dtype in TRITON_DTYPES
+
+
 @torch.library.custom_op("lrattnres_kernels::attnres_fwd", mutates_args=())
-def attnres_fwd(sources: list[torch.Tensor], query: torch.Tensor, norm: str, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Returns (h [..., d] in the sources' dtype, logsumexp of the scores [...] fp32)."""
-    if _use_triton(sources[0]):
+def attnres_fwd(sources: list[torch.Tensor], query: torch.Tensor, norm: str, eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Returns (h [..., d] in the sources' dtype, logsumexp of the scores [...] fp32, int8 residual
+    of rounding h to its dtype [..., d] (empty for fp32))."""
+    if _triton_ok(sources[0]):
         return _fwd_triton(sources, query, norm, eps)
     return _fwd_torch(sources, query, norm, eps)
 
@@ -250,39 +347,41 @@ def attnres_fwd(sources: list[torch.Tensor], query: torch.Tensor, norm: str, eps
 def _(sources, query, norm, eps):
     _check(sources, query, norm)
     s0 = sources[0]
-    return s0.new_empty(s0.shape), s0.new_empty(s0.shape[:-1], dtype=torch.float32)
+    res_shape = s0.shape if s0.dtype in _MANT else (0,)
+    return s0.new_empty(s0.shape), s0.new_empty(s0.shape[:-1], dtype=torch.float32), s0.new_empty(res_shape, dtype=torch.int8)
 
 
 @torch.library.custom_op("lrattnres_kernels::attnres_bwd", mutates_args=())
 def attnres_bwd(
-    sources: list[torch.Tensor], query: torch.Tensor, h: torch.Tensor, lse: torch.Tensor, g: torch.Tensor, norm: str, eps: float
+    sources: list[torch.Tensor], query: torch.Tensor, h: torch.Tensor, lse: torch.Tensor, res: torch.Tensor,
+    g: torch.Tensor, norm: str, eps: float,
 ) -> list[torch.Tensor]:
     """Returns the S source gradients followed by the query gradient."""
-    if _use_triton(sources[0]):
-        grads, dq = _bwd_triton(sources, query, h, lse, g, norm, eps)
+    if _triton_ok(sources[0]):
+        grads, dq = _bwd_triton(sources, query, h, lse, res, g, norm, eps)
     else:
-        grads, dq = _bwd_torch(sources, query, h, lse, g, norm, eps)
+        grads, dq = _bwd_torch(sources, query, h, lse, res, g, norm, eps)
     return list(grads) + [dq]
 
 
 @attnres_bwd.register_fake
-def _(sources, query, h, lse, g, norm, eps):
+def _(sources, query, h, lse, res, g, norm, eps):
     return [s.new_empty(s.shape) for s in sources] + [query.new_empty(query.shape)]
 
 
 def _setup_context(ctx, inputs, output):
     sources, query, norm, eps = inputs
-    h, lse = output
-    ctx.save_for_backward(query, h, lse, *sources)
+    h, lse, res = output
+    ctx.save_for_backward(query, h, lse, res, *sources)
     ctx.norm = norm
     ctx.eps = eps
 
 
-def _backward(ctx, grad_h, grad_lse):
-    query, h, lse, *sources = ctx.saved_tensors
+def _backward(ctx, grad_h, grad_lse, grad_res):
+    query, h, lse, res, *sources = ctx.saved_tensors
     if grad_h is None:
         grad_h = torch.zeros_like(h)
-    out = attnres_bwd(list(sources), query, h, lse, grad_h, ctx.norm, ctx.eps)
+    out = attnres_bwd(list(sources), query, h, lse, res, grad_h, ctx.norm, ctx.eps)
     return list(out[:-1]), out[-1], None, None
 
 
@@ -291,7 +390,7 @@ attnres_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 def attnres(sources: Sequence[torch.Tensor], query: torch.Tensor, *, norm: str = "slice", eps: float = 1e-6) -> torch.Tensor:
     """Fused depth routing: ``sum_i softmax_i(q . RMSNorm(key_i)) o_i`` (see module docstring)."""
-    h, _ = attnres_fwd(list(sources), query, norm, float(eps))
+    h, _, _ = attnres_fwd(list(sources), query, norm, float(eps))
     return h
 
 
@@ -302,15 +401,15 @@ def attnres(sources: Sequence[torch.Tensor], query: torch.Tensor, *, norm: str =
 class _AttnResTriton(torch.autograd.Function):
     @staticmethod
     def forward(ctx, query, norm, eps, *sources):
-        h, lse = _fwd_triton(sources, query, norm, eps)
-        ctx.save_for_backward(query, h, lse, *sources)
+        h, lse, res = _fwd_triton(sources, query, norm, eps)
+        ctx.save_for_backward(query, h, lse, res, *sources)
         ctx.norm, ctx.eps = norm, eps
         return h
 
     @staticmethod
     def backward(ctx, grad_h):
-        query, h, lse, *sources = ctx.saved_tensors
-        grads, dq = _bwd_triton(sources, query, h, lse, grad_h, ctx.norm, ctx.eps)
+        query, h, lse, res, *sources = ctx.saved_tensors
+        grads, dq = _bwd_triton(sources, query, h, lse, res, grad_h, ctx.norm, ctx.eps)
         return (dq, None, None, *grads)
 
 
