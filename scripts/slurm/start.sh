@@ -74,6 +74,8 @@ MinJobAge=300
 # Jobs may be requeued (Snakemake's --slurm-requeue, scontrol requeue, preemption).
 JobRequeue=1
 KillWait=$KILL_WAIT
+# A requeued job may start again after cred_expire seconds (default 120).
+AuthInfo=cred_expire=10
 ReturnToService=2
 MpiDefault=none
 SchedulerParameters=sched_interval=2
