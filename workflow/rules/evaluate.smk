@@ -33,4 +33,24 @@ rule evaluate:
         "--out {output} > {log} 2>&1"
 
 
+rule evaluate_pairs:
+    input:
+        results=expand(f"{R}/evaluate/{{run}}.json", run=EVALUATIONS),
+        published="reports/published.yaml",
+        src=stage_sources("lrattnres.evaluate.pairs"),
+    output:
+        f"{R}/evaluate_pairs.json",
+    log:
+        f"{LOGS}/evaluate_pairs.log",
+    conda:
+        "../../envs/lrattnres.yaml"
+    resources:
+        mem_mb=res("evaluate_pairs", "mem_mb", 2000),
+        runtime=res("evaluate_pairs", "runtime", 10),
+    shell:
+        "python -m lrattnres evaluate-pairs --results {input.results} --published {input.published} "
+        "--out {output} > {log} 2>&1"
+
+
 REPORT_INPUTS.extend(expand(f"{R}/evaluate/{{run}}.json", run=EVALUATIONS))
+REPORT_INPUTS.append(rules.evaluate_pairs.output[0])
