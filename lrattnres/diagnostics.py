@@ -484,6 +484,12 @@ def figures_data(rows: list[dict], settings: dict) -> dict[str, Any]:
     f6 = fig6_runs(rows, settings)
     fig6 = {"blocks": N, "runs": {m: (None if r is None else {"run_id": r["run_id"], "rank": r["rank"], "n_eff": r["n_eff"]})
                                   for m, r in f6.items()}}
+    # full routing: projected runs beside the sliced runs of the same ranks and full AttnRes (C.4's matched pairs)
+    plr_full = [r for r in routed if r["method"] == "plr" and r["blocks"] == "full"]
+    ranks = {r["rank"] for r in plr_full}
+    matched = [r for r in full if r["method"] == "attnres" or r["rank"] in ranks] if plr_full else []
+    fig6["full"] = [{"run_id": r["run_id"], "method": r["method"], "rank": r["rank"], "n_eff": r["n_eff"]}
+                    for r in sorted(plr_full + matched, key=lambda r: (r["method"], r["rank"]))]
     # Figure 7: mean gradient norm against rank, one series per (method, N); the baseline as a level
     series: dict[str, list] = {}
     for r in seed0:
@@ -561,16 +567,16 @@ def claims(rows: list[dict], settings: dict, known_ids=None) -> dict[str, dict]:
     if len(full_lr) >= 2:
         lo, hi = full_lr[0], full_lr[-1]
         put("sec4.6.n_eff_full_decreases_with_rank", lo["n_eff"][-1] > hi["n_eff"][-1],
-            f"final-read N_eff {lo['n_eff'][-1]:.3f} at r={lo['rank']} ({lo['run_id']}) vs {hi['n_eff'][-1]:.3f} at "
+            f"final-read N_eff {lo['n_eff'][-1]:.6g} at r={lo['rank']} ({lo['run_id']}) vs {hi['n_eff'][-1]:.6g} at "
             f"r={hi['rank']} ({hi['run_id']}), the smallest and largest r<d of the full sweep", value_claim=False)
     f6 = fig6_runs(rows, settings)
     at = f6["attnres"]
     low = [r for r in (f6["lr"], f6["plr"]) if r is not None and r.get("n_eff")]
     if at is not None and at.get("n_eff") and low:
         ok = all(r["n_eff"][-1] > at["n_eff"][-1] for r in low)
-        who = ", ".join(f"{r['run_id']} {r['n_eff'][-1]:.3f}" for r in low)
+        who = ", ".join(f"{r['run_id']} {r['n_eff'][-1]:.6g}" for r in low)
         put("appD.1.lowrank_broader_final_read.n8", ok,
-            f"N = {at['blocks']} stands for N = 8; final-read N_eff: AttnRes {at['run_id']} {at['n_eff'][-1]:.3f} vs {who}"
+            f"N = {at['blocks']} stands for N = 8; final-read N_eff: AttnRes {at['run_id']} {at['n_eff'][-1]:.6g} vs {who}"
             + ("" if f6["plr"] else "; no projected run at this N"), value_claim=False)
 
     # Appendix C.5: mean gradient norms of the 0.5B sweep
@@ -586,7 +592,7 @@ def claims(rows: list[dict], settings: dict, known_ids=None) -> dict[str, dict]:
     if base is not None and base["grad_norm"]["mean"] is not None and stand:
         b = base["grad_norm"]["mean"]
         put("appC.5.plr_full_below_baseline", all(r["grad_norm"]["mean"] < b for r in stand),
-            f"baseline {b:.4f} vs " + ", ".join(f"{r['run_id']} {r['grad_norm']['mean']:.4f}" for r in stand)
+            f"baseline {b:.6g} vs " + ", ".join(f"{r['run_id']} {r['grad_norm']['mean']:.6g}" for r in stand)
             + ("" if full_plr else "; no full projected run at this scale: the block projected runs stand in"),
             value_claim=False)
     ctrl = next((r for r in seed0 if "control" in r["roles"]), None)
@@ -594,8 +600,8 @@ def claims(rows: list[dict], settings: dict, known_ids=None) -> dict[str, dict]:
         sl = next((r for r in seed0 if r["method"] == "lr" and r["blocks"] == ctrl["blocks"] and r["rank"] == ctrl["rank"]), None)
         if sl is not None and None not in (ctrl["grad_norm"]["mean"], sl["grad_norm"]["mean"]):
             put("appC.5.fullrms_above_slice", ctrl["grad_norm"]["mean"] > sl["grad_norm"]["mean"],
-                f"control {ctrl['run_id']} {ctrl['grad_norm']['mean']:.4f} vs sliced {sl['run_id']} "
-                f"{sl['grad_norm']['mean']:.4f}", value_claim=False)
+                f"control {ctrl['run_id']} {ctrl['grad_norm']['mean']:.6g} vs sliced {sl['run_id']} "
+                f"{sl['grad_norm']['mean']:.6g}", value_claim=False)
 
     # Table 9 / Appendix G.1: the size pair
     for role, size in zip(("small", "large"), PAIR_SIZES):
@@ -617,7 +623,7 @@ def claims(rows: list[dict], settings: dict, known_ids=None) -> dict[str, dict]:
         if ga["mean"] and gl["mean"] is not None:
             put(f"appG.1.grad_norm_mean_reduction_pct.{size}", 100.0 * (ga["mean"] - gl["mean"]) / ga["mean"], who, how=how)
             put(f"appG.1.lr_lower_grad_norm.{size}", gl["mean"] < ga["mean"],
-                f"{who}: mean {gl['mean']:.4f} vs {ga['mean']:.4f}", value_claim=False)
+                f"{who}: mean {gl['mean']:.6g} vs {ga['mean']:.6g}", value_claim=False)
         if ga["var"] and gl["var"] is not None:
             put(f"appG.1.grad_norm_var_reduction_pct.{size}", 100.0 * (ga["var"] - gl["var"]) / ga["var"], who, how=how)
         if None not in (ga["above_clip_pct"], gl["above_clip_pct"]):

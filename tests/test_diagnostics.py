@@ -289,3 +289,20 @@ def test_report_section_without_results():
     assert "has not run" in html
     assert "0.9754" in html and "3.62" in html and "602.6" in html and "not run" in html
     assert "data:image/png" not in html
+
+
+@pytest.mark.gpu
+def test_routing_diagnostics_on_cuda_with_bf16_autocast():
+    """The GPU path (bf16 autocast as for a bf16-trained run): uniform routing stays uniform, and a token
+    budget that cuts a batch counts exactly that many tokens."""
+    from lrattnres.data.loader import Batch
+
+    model = build_model(dict(SMALL, method="lr", blocks=3, rank=4)).cuda()
+    g = torch.Generator().manual_seed(1)
+    batches = [Batch(torch.randint(0, 50, (4, 16), generator=g), torch.zeros(4, 16, dtype=torch.long),
+                     torch.zeros(4, 16, dtype=torch.int32)) for _ in range(3)]
+    res = dg.routing_diagnostics(model, batches, torch.device("cuda"), 150, torch.bfloat16)
+    assert res["tokens"] == 150
+    S = dg.sources_per_read(6, 3)
+    assert res["n_eff"] == pytest.approx([float(s) for s in S], rel=1e-5)
+    assert res["heatmap"][-1][: S[-1]] == pytest.approx([1 / S[-1]] * S[-1], rel=1e-5)
