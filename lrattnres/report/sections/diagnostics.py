@@ -251,16 +251,18 @@ def _n_eff_table(ctx, res: dict | None) -> str:
 
 
 def _table9(ctx, res: dict | None) -> str:
+    pair = {}
+    for r in (res or {}).get("runs", {}).values():
+        for role, size in (("pair-small", SIZES[0]), ("pair-large", SIZES[1])):
+            if role in r.get("roles", []):
+                pair[(size, r["method"])] = r["run_id"]
     rows = []
     for size in SIZES:
         for m in ("attnres", "lr"):
             cells = []
             for q in ("grad_norm_mean", "grad_norm_var", "above_clip_pct"):
                 cells += _cells(ctx, f"table9.{q}.{size}.{m}")
-            run = ""
-            c = ctx.claims.get(f"table9.grad_norm_mean.{size}.{m}", {})
-            if c.get("reproduced") is not None:
-                run = (c.get("note") or "").split(";")[0]
+            run = pair.get((size, m), "")
             rows.append([esc(size.upper()), esc(METHOD_NAMES[m]), *cells, esc(run)])
     headers = ["model", "method", "mean paper", "ours", "verdict", "variance paper", "ours", "verdict",
                "above 1 (%) paper", "ours", "verdict", "our run"]
