@@ -125,3 +125,77 @@ def test_kill_9_of_snakemake_then_rerun_incomplete(tmp_path):
     assert "Nothing to be done" in dry or "total" not in dry, dry[-2000:]
     print(f"kill -9 then --rerun-incomplete: outputs before {before}, after {after}; "
           f"{len(interrupted)} interrupted runs resumed; rerun {elapsed:.0f} s")
+
+
+def _slurm_job_of(run: str) -> str | None:
+    """The Slurm job id of the training job of ``run`` (the executor puts rule and wildcards in the
+    job's comment)."""
+    out = subprocess.run(["squeue", "-h", "-o", "%i|%k|%T"], capture_output=True, text=True).stdout
+    for line in out.splitlines():
+        jid, comment, state = line.split("|", 2)
+        if comment.startswith("rule_train_") and comment.endswith(run) and state == "RUNNING":
+            return jid
+    return None
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
+def test_requeued_training_job_resumes_with_identical_weights(slurm_cluster, tmp_path):
+    """`scontrol requeue` of a running training job (what preemption with PreemptMode=REQUEUE does:
+    SIGTERM, then back to the queue): the trainer checkpoints and exits, Slurm starts the job again,
+    it resumes, and the final weights equal those of an uninterrupted run, bit for bit."""
+    import torch
+
+    from lrattnres.config import load_and_resolve
+    from lrattnres.grid import plan
+
+    work = copy_repo(tmp_path / "repo")
+    if "train" not in snakemake(work, "--list-rules").stdout.split():
+        pytest.skip("the workflow has no train rule yet")
+    overrides = {"steps": 120, "checkpoint": {"every": 5}}
+    config = ["--config", "scale=smoke", "train=" + json.dumps(overrides)]
+    runs = plan(load_and_resolve(work / "config.yaml", {"scale": "smoke", "train": overrides}))
+    run = next((r.run_id for r in runs if r.method == "lr"), runs[0].run_id)
+    rundir = work / "results" / "smoke" / "runs" / run
+    proc = _popen_snakemake(work, f"results/smoke/runs/{run}/model.pt", "--profile", PROFILE, *config, *cluster_flags(jobs=2))
+    t0 = time.time()
+    try:
+        _wait_for(lambda: (rundir / "checkpoint.pt").exists(), 300, proc, f"the first checkpoint of {run}")
+        jid = None
+        _wait_for(lambda: (jid := _slurm_job_of(run)) is not None, 30, proc, "the running training job")
+        jid = _slurm_job_of(run)
+        assert not (rundir / "model.pt").exists(), "training finished before it could be requeued: raise its steps"
+        subprocess.run(["scontrol", "requeue", jid], check=True, capture_output=True, text=True)
+        t_requeue = time.time()
+        out, _ = proc.communicate(timeout=480)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 0, f"{out[-6000:]}\n{slurm_logs(work)}"
+    shown = subprocess.run(["scontrol", "show", "job", jid], capture_output=True, text=True).stdout
+    restarts = int(re.search(r"Restarts=(\d+)", shown).group(1))
+    assert restarts >= 1, shown
+    # Snakemake submitted the job once: Slurm itself ran it again
+    assert len(re.findall(r"has been submitted with SLURM jobid", out)) == 2, out[-4000:]  # data + train
+    log = (work / "results" / "smoke" / "logs" / "train" / f"{run}.log").read_text()
+    m = re.search(r"resumed at step (\d+)", log)
+    assert m and 0 < int(m.group(1)) < overrides["steps"], log[-3000:]
+
+    # the same run without interruption, by hand, from the spec the run recorded
+    recorded = json.loads((rundir / "spec.json").read_text())
+    ref = tmp_path / "reference"
+    subprocess.run(
+        [sys.executable, "-m", "lrattnres", "train", "--spec", json.dumps(recorded["spec"]),
+         "--data", str(work / "results" / "smoke" / "data" / "manifest.json"), "--out", str(ref),
+         "--threads", "1", "--no-progress"],
+        cwd=work, env=dict(os.environ, PYTHONPATH=str(work)), check=True, capture_output=True, timeout=600,
+    )
+    a = torch.load(rundir / "model.pt", map_location="cpu", weights_only=False)
+    b = torch.load(ref / "model.pt", map_location="cpu", weights_only=False)
+    assert a["step"] == b["step"] == overrides["steps"]
+    assert a["model"].keys() == b["model"].keys()
+    differ = [k for k in a["model"] if not torch.equal(a["model"][k], b["model"][k])]
+    assert not differ, f"weights differ after resume: {differ[:5]}"
+    print(f"requeue of Slurm job {jid} at step {m.group(1)}/{overrides['steps']}: resumed, identical weights; "
+          f"{time.time() - t0:.0f} s (after requeue {time.time() - t_requeue:.0f} s)")

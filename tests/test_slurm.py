@@ -68,12 +68,16 @@ def cluster_flags(jobs: int = 4) -> list[str]:
 
 
 def gpu_flags(workdir: Path) -> list[str]:
-    """--set-resources making every GPU rule of the DAG ask Slurm for one (fake) GPU."""
+    """--set-resources making every GPU rule of the DAG ask Slurm for one (fake) GPU, on top of the
+    profile's own set-resources (a command-line --set-resources replaces the profile's whole key)."""
     rules = snakemake(workdir, "--list-rules", "--config", "scale=smoke").stdout.split()
     present = [r for r in GPU_RULES if r in rules]
     if not present:
         return []
-    return ["--set-resources", *(f"{r}:gpu=1" for r in present), *(f"{r}:cpus_per_gpu=1" for r in present)]
+    prof = yaml.safe_load((workdir / PROFILE / "config.yaml").read_text())
+    entries = [f"{r}:{k}={v}" for r, kv in (prof.get("set-resources") or {}).items() for k, v in kv.items()]
+    entries += [f"{r}:gpu=1" for r in present] + [f"{r}:cpus_per_gpu=1" for r in present]
+    return ["--set-resources", *entries]
 
 
 def slurm_logs(workdir: Path) -> str:
