@@ -19,7 +19,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--packages", nargs="+", default=["numpy", "sympy"])
     p.add_argument("--threads", nargs="+", type=int, default=[1, 2])
     p.add_argument("--repeat", type=int, default=3)
-    p.add_argument("--chunk", type=int, default=64, help="documents per encode_ordinary_batch call")
+    p.add_argument("--chunk", type=int, default=2048, help="documents per encode_ordinary_batch call")
     args = p.parse_args(argv)
     from .sources import EmbeddedSource
     from .tokenizer import get_encoding

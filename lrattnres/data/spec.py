@@ -1,4 +1,25 @@
-"""The prepare-data spec: defaults, validation (errors name the bad key)."""
+"""The prepare-data spec: defaults, validation (errors name the bad key).
+
+Keys (all optional; the defaults are the paper's data setup except the source):
+
+- ``source``: ``embedded`` (docstrings of installed packages, offline) | ``hf`` (a Hugging Face
+  dataset, streamed; Ultra-FineWeb by default) | ``local`` (txt/jsonl/parquet files by glob).
+- ``embedded``: ``packages`` (read in this order), ``max_documents``, ``max_tokens``, ``min_chars``,
+  ``workers`` (ast-parsing processes), ``missing`` (skip | error for an uninstalled package).
+- ``hf``: ``dataset``, ``name`` (config), ``split``, ``column``, ``revision``, ``max_tokens``,
+  ``data_files`` (a local mirror or a stand-in: ``dataset: parquet, data_files: [...]``).
+- ``local``: ``glob``, ``format`` (auto | txt | jsonl | parquet; txt = one document per file),
+  ``field`` (jsonl key / parquet column), ``max_tokens``.
+- ``max_tokens`` (per source) caps the total (validation + training) tokens; whole documents are
+  taken until the cap is reached (the document that reaches it is kept).
+- ``val_tokens``: whole documents from the start of the stream go to the validation split until it
+  holds at least this many tokens (the paper: the first 100M tokens).
+- ``shard_tokens``: a shard is closed at the first document end at or after this many tokens.
+- ``vocab``: ``full`` (cl100k ids) | ``compact`` (dense ids for the tokens the corpus uses, plus UNK).
+- ``seed``: recorded only; the build is deterministic and never shuffles (the loader shuffles
+  windows with its own seed).
+- ``num_threads``: threads of tiktoken's ``encode_ordinary_batch``.
+"""
 
 from __future__ import annotations
 
