@@ -281,7 +281,7 @@ class LRAttnResLM(nn.Module):
         h, routing = x, []
         for t, sub in enumerate(self.sublayers()):
             o, k = sub(norm(h), *rope)
-            values.write(o)
+            values.write(o.to(x.dtype))  # under autocast: sources share the embedding's dtype
             query = self.queries[t]
             if keys is not None:
                 keys.write(k)

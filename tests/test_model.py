@@ -355,3 +355,16 @@ def test_dict_without_preset_names_missing_fields():
 def test_too_long_input():
     with pytest.raises(ValueError, match="max_seq_len=64"):
         build_model(smoke())(torch.zeros(1, 65, dtype=torch.long))
+
+
+def test_autocast_sources_share_one_dtype(fake_kernels, monkeypatch):
+    """Under bf16 autocast the writes are cast to the embedding's dtype, so a fused kernel gets one dtype."""
+    import kernels
+
+    seen = []
+    inner = kernels.attnres
+    monkeypatch.setattr(kernels, "attnres", lambda s, q, **kw: seen.append({x.dtype for x in s}) or inner(s, q, **kw))
+    model = build_model(smoke("lr", blocks=3, router="fused"))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        model(tokens()).float().mean().backward()
+    assert seen and all(s == {torch.float32} for s in seen)
