@@ -246,6 +246,16 @@ def test_local_resume_by_count(tmp_path, monkeypatch):
     assert res["splits"] == ref["splits"] and res["counts"] == ref["counts"]
     assert np.array_equal(np.load(tmp_path / "res" / "vocab.npy"), np.load(tmp_path / "ref" / "vocab.npy"))
 
+    # a changed input file invalidates the partial build: it starts afresh instead of mixing corpora
+    monkeypatch.setattr(sources.LocalSource, "iter_texts", flaky)
+    with pytest.raises(KeyboardInterrupt):
+        prepare(spec, tmp_path / "new", progress=False)
+    monkeypatch.setattr(sources.LocalSource, "iter_texts", real)
+    new_docs = make_docs(90, seed=4)
+    write_jsonl(tmp_path / "c.jsonl", new_docs)
+    new = prepare(spec, tmp_path / "new", progress=False)
+    assert split_docs(new, "val") + split_docs(new, "train") == new_docs
+
 
 def test_hf_max_tokens_and_missing_column(tmp_path):
     docs, files = _standin(tmp_path)

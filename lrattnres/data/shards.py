@@ -356,7 +356,11 @@ def prepare(spec: dict | None, out: str | os.PathLike, *, progress: bool = True)
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     work = out.parent / f".{out.name}.partial"
-    spec_sha = config_sha256(spec)
+    try:
+        fingerprint = make_source(spec).fingerprint()
+    except FileNotFoundError:
+        fingerprint = None  # reported by the build itself
+    spec_sha = config_sha256({"spec": spec, "source": fingerprint, "format": FORMAT})  # resume key
     state = None
     prog = work / "progress.json"
     if prog.exists():

@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import ast
+import functools
 import glob as _glob
 import hashlib
 import importlib.util
@@ -80,11 +81,16 @@ def package_files(name: str) -> tuple[Path, list[str]] | None:
     return root, sorted(rels)
 
 
-def _dist_of(name: str) -> str | None:
+@functools.lru_cache(maxsize=1)
+def _packages_distributions() -> dict[str, list[str]]:
     try:
-        dists = metadata.packages_distributions().get(name)
+        return dict(metadata.packages_distributions())
     except Exception:  # pragma: no cover
-        dists = None
+        return {}
+
+
+def _dist_of(name: str) -> str | None:
+    dists = _packages_distributions().get(name)
     return dists[0] if dists else None
 
 
@@ -158,6 +164,10 @@ class EmbeddedSource:
                 f"empty corpus: none of the embedded packages {self.packages} is installed"
             )
         return plan
+
+    def fingerprint(self) -> Any:
+        """What the documents depend on besides the spec: the installed packages' versions."""
+        return [(n, package_meta(n)["version"]) for n in self.packages]
 
     def describe(self) -> dict[str, Any]:
         return {
@@ -234,6 +244,9 @@ class HFSource:
         self.name = name
         self.data_files = data_files
         self.stats: dict[str, Any] = {}
+
+    def fingerprint(self) -> Any:
+        return None  # the spec (dataset, revision, data_files) identifies the stream
 
     def describe(self) -> dict[str, Any]:
         d = {
@@ -335,6 +348,14 @@ class LocalSource:
         if low.endswith(".parquet"):
             return "parquet"
         return "txt"
+
+    def fingerprint(self) -> Any:
+        """The matched files with their sizes and modification times."""
+        out = []
+        for p in self._paths():
+            st = os.stat(p)
+            out.append((p, st.st_size, st.st_mtime_ns))
+        return out
 
     def describe(self) -> dict[str, Any]:
         return {"kind": self.kind, "glob": self.glob, "format": self.format, "field": self.field,

@@ -142,9 +142,12 @@ class Tokenizer:
             self.eot_id = int(fwd[EOT])
 
     @classmethod
-    def from_manifest(cls, manifest: dict) -> "Tokenizer":
-        from .manifest import load_vocab_ids
+    def from_manifest(cls, manifest: "dict | str | os.PathLike") -> "Tokenizer":
+        """The tokenizer of a loaded manifest (or of a manifest path)."""
+        from .manifest import load_manifest, load_vocab_ids
 
+        if not isinstance(manifest, dict):
+            manifest = load_manifest(manifest, verify=False)
         return cls(load_vocab_ids(manifest))
 
     # -- ids ---------------------------------------------------------------------------------
