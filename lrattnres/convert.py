@@ -308,10 +308,13 @@ def with_config(model, **changes):
 # --------------------------------------------------------------------------------------- checks
 
 
-def _fp64_view(model):
+def _fp64_view(model, device=None):
+    """A float64 copy of ``model`` (on ``device``, default the model's) with the reference router and
+    SDPA attention, for the FP64 check."""
     import torch
 
-    m = copy.deepcopy(model).to(torch.float64)
+    device = next(model.parameters()).device if device is None else device
+    m = copy.deepcopy(model).to(device=device, dtype=torch.float64)
     return with_config(m, router="reference", attention="sdpa")
 
 
@@ -323,6 +326,28 @@ def max_logit_diff(a, b, inputs, doc_ids=None) -> tuple[float, float]:
         la = a(inputs, doc_ids)
         lb = b(inputs, doc_ids)
     return float((la - lb).abs().max()), float(la.abs().max())
+
+
+def max_logit_diff_to(ref, model, inputs, doc_ids=None) -> float:
+    """max |logits - ref| of ``model`` on ``inputs``."""
+    import torch
+
+    with torch.no_grad():
+        return float((model(inputs, doc_ids) - ref).abs().max())
+
+
+def fp64_noise_floor(model64, ref, inputs, doc_ids=None, seed: int = 0) -> float:
+    """How far the float64 logits move when every weight of ``model64`` is perturbed by one float64
+    rounding (relative 2^-53 noise): the floor under which an FP64 logit difference is rounding
+    amplified by the model's own sensitivity.  Perturbs ``model64`` in place."""
+    import torch
+
+    g = torch.Generator(device=ref.device).manual_seed(seed)
+    eps = torch.finfo(torch.float64).eps / 2
+    with torch.no_grad():
+        for p in model64.parameters():
+            p.mul_(1 + eps * torch.randn(p.shape, generator=g, device=p.device, dtype=p.dtype))
+    return max_logit_diff_to(ref, model64, inputs, doc_ids)
 
 
 def _autocast(device, precision: str):
@@ -433,7 +458,9 @@ def result_claims(result: dict, published: dict[str, dict] | None) -> dict[str, 
     rel = f"{err / scale:.3g}" if err is not None and scale > 0 else "n/a"
     put(f"table2.fp64_max_err.{row}", err,
         f"{who}; absolute max |logit difference| on one {result.get('fp64_seq_len')}-token sequence in FP64; "
-        f"relative to the logit scale {scale:.4g}: {rel}")
+        f"relative to the logit scale {scale:.4g}: {rel}"
+        + (f"; float64 noise floor (one rounding of every weight) {result['fp64_noise_floor']:.3g}"
+           if result.get("fp64_noise_floor") is not None else ""))
     put(f"table2.delta_ce.{row}", result.get("delta_ce"), f"{who}; converted minus original over {ce_how}")
     put(f"table2.orig_ce.{row}", result.get("original_ce"), f"{who}; {ce_how}")
     put(f"table2.conv_ce.{row}", result.get("converted_ce"), f"{who}; {ce_how}")
@@ -608,7 +635,7 @@ def run(checkpoint: str | Path, data: str | Path, spec: dict, save: str | Path |
 
     # ---- conversion and the FP64 check --------------------------------------------------------
     log.info("%s: %s N=%s d=%d, %d active queries", run_id, cfg.method, cfg.blocks, cfg.d_model, 2 * cfg.n_layers)
-    orig64 = _fp64_view(model.to(device))
+    orig64 = _fp64_view(model, device)  # the original stays on the CPU in its dtype until the CE pass
     conv = convert_model(orig64, spec["rank"], rtol=spec["rtol"], dtype=torch.float64, device=device)
     conv64 = with_config(conv.model, router="reference", attention="sdpa")
     log.info("joint rank k=%d of %d; converting d=%d -> r=%d (query residual %.3g)", conv.span.joint_rank,
@@ -623,26 +650,31 @@ def run(checkpoint: str | Path, data: str | Path, spec: dict, save: str | Path |
         first = iter_eval_batches(manifest, "val", 1, fp64_len)
     seq = next(iter(first))
     inputs, doc_ids = seq.inputs.to(device), seq.doc_ids.to(device)
-    err, scale = max_logit_diff(orig64, conv64, inputs, doc_ids)
-    slice64 = with_config(conv64, method="lr")
-    slice_err, _ = max_logit_diff(orig64, slice64, inputs, doc_ids)
     with torch.no_grad():
-        _, w_orig = orig64(inputs, doc_ids, return_routing=True)
+        ref, w_orig = orig64(inputs, doc_ids, return_routing=True)
+        err, scale = max_logit_diff_to(ref, conv64, inputs, doc_ids), float(ref.abs().max())
+        slice_err = max_logit_diff_to(ref, with_config(conv64, method="lr"), inputs, doc_ids)
         _, w_conv = conv64(inputs, doc_ids, return_routing=True)
     routing_err = max(float((a - b).abs().max()) for a, b in zip(w_orig, w_conv))
-    conv_export = _export(conv.model, storage, device)
-    exported_err, _ = max_logit_diff(orig64, _fp64_view(conv_export), inputs, doc_ids)
-    log.info("FP64 max logit error %.3e (logit scale %.3g), routing weights %.3e; exported (%s) %.3e; slice drift %.3e",
-             err, scale, routing_err, str(storage).replace("torch.", ""), exported_err, slice_err)
+    del w_orig, w_conv
     spectrum, qres = conv.span, conv.query_residual
-    del orig64, conv64, slice64, conv
+    conv_export = _export(conv.model, storage, device)
+    del conv64, conv  # free the float64 converted model before the exported copy's check
+    exported_err = max_logit_diff_to(ref, _fp64_view(conv_export), inputs, doc_ids)
+    noise_floor = fp64_noise_floor(orig64, ref, inputs, doc_ids)  # perturbs orig64: last use
+    log.info("FP64 max logit error %.3e (logit scale %.3g; float64 noise floor %.3e), routing weights %.3e; "
+             "exported (%s) %.3e; slice drift %.3e", err, scale, noise_floor, routing_err,
+             str(storage).replace("torch.", ""), exported_err, slice_err)
+    del orig64, ref
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
     # ---- paired validation CE -----------------------------------------------------------------
     seq_len = spec["seq_len"] or (info.get("spec") or {}).get("seq_len") or L
     seq_len = min(int(seq_len), L)
     batches = iter_eval_batches(manifest, "val", spec["batch_size"], seq_len)
     max_windows = None if spec["val_tokens"] is None else max(1, spec["val_tokens"] // seq_len)
-    models = {"original": model.eval(), "converted": conv_export, "slice": with_config(conv_export, method="lr")}
+    models = {"original": model.to(device).eval(), "converted": conv_export, "slice": with_config(conv_export, method="lr")}
     ce = paired_ce(models, batches, device, precision, max_windows, progress=progress)
     orig_ce, conv_ce, slice_ce = ce["ce"]["original"], ce["ce"]["converted"], ce["ce"]["slice"]
     wce = ce["window_ce"]
@@ -688,6 +720,7 @@ def run(checkpoint: str | Path, data: str | Path, spec: dict, save: str | Path |
         "fp64_seq_len": int(inputs.shape[1]),
         "fp64_max_logit_err": err,
         "logit_scale": scale,
+        "fp64_noise_floor": noise_floor,
         "fp64_rel_logit_err": err / scale if scale > 0 else None,
         "routing_max_err": routing_err,
         "exported_dtype": str(storage).replace("torch.", ""),
@@ -715,6 +748,7 @@ def run(checkpoint: str | Path, data: str | Path, spec: dict, save: str | Path |
         "saved": saved,
         "spec": spec,
         "wall_s": time.perf_counter() - t0,
+        "peak_gpu_mem_gib": (torch.cuda.max_memory_allocated(device) / 2**30) if device.type == "cuda" else None,
     }
     result["claims"] = result_claims(result, published_records(published))
     result["provenance"] = provenance({"checkpoint": str(checkpoint), "spec": spec}, started=started)

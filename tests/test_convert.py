@@ -353,6 +353,7 @@ def test_cli_end_to_end(tmp_path):
         assert r["stage"] == "convert" and r["run_id"] == run.name and r["blocks"] == blocks
         assert r["d"] == 32 and r["rank"] == 4 and r["joint_rank"] == 4 == r["active_queries"]
         assert r["fp64_seq_len"] == 64 and r["fp64_max_logit_err"] / r["logit_scale"] < 1e-9
+        assert 0 <= r["fp64_noise_floor"] < 1e-9 and r["routing_max_err"] < 1e-9
         assert abs(r["delta_ce"]) < 1e-4 and r["original_ce"] > 0
         assert r["val_tokens_evaluated"] == 256  # 300 // 64 windows of 64
         assert r["slice_drift"]["max_logit_err"] >= 0 and "delta_ce" in r["slice_drift"]

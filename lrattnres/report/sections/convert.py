@@ -75,6 +75,7 @@ def _our_row(c: dict, label: str) -> list[str]:
         esc(f"{c.get('joint_rank')} / {c.get('active_queries')}"),
         esc(_sci(c.get("fp64_max_logit_err"))),
         esc(_sci(rel, 2)),
+        esc(_sci(c.get("fp64_noise_floor"), 2)),
         esc(_ce(c.get("original_ce"))),
         esc(_ce(c.get("converted_ce"))),
         esc(_signed(c.get("delta_ce"))),
@@ -97,6 +98,7 @@ def _table2(ctx, convs: list[dict]) -> str:
             esc(rank_cell),
             esc(_sci(rec["published"])),
             "–",
+            "–",
             esc(_ce(_pub(ctx, "orig_ce", key))),
             esc(_ce(_pub(ctx, "conv_ce", key))),
             esc(_signed(_pub(ctx, "delta_ce", key))),
@@ -104,7 +106,7 @@ def _table2(ctx, convs: list[dict]) -> str:
         ])
         mine = [(i, c) for i, c in enumerate(convs) if str(c.get("claim_row") or "").lower() == key]
         if not mine:
-            rows.append([esc("ours"), "", "", "", "", "", "", "", "", "", badge("not run")])
+            rows.append([esc("ours"), "", "", "", "", "", "", "", "", "", "", badge("not run")])
         for i, c in mine:
             used.add(i)
             rows.append(_our_row(c, "ours") + [_badges(ctx, key)])
@@ -114,13 +116,14 @@ def _table2(ctx, convs: list[dict]) -> str:
     caption = (
         "Table 2, published rows beside this run's conversions. FP64 max. error: the largest absolute logit "
         "difference between the original and the converted model, both in float64, on one full-length validation "
-        "sequence; 'rel.' divides it by the largest |logit|. CE: paired evaluation over the same validation "
+        "sequence; 'rel.' divides it by the largest |logit|; the noise floor is how far the original model's float64 "
+        "logits move when every weight is perturbed by one float64 rounding (the model's own sensitivity). CE: paired evaluation over the same validation "
         "tokens (the paper: 100M tokens, BF16 computation; here the scale's validation split, bf16 on a GPU and "
         "fp32 on the CPU), fp32 per-token CE, fp64 sums; ΔCE = converted − original. k / 2L: joint query rank "
         "over the number of active queries. At scales other than 'paper' a checkpoint stands for the paper's row "
         "with the same routing (N), so the CEs are of a different model and only the invariants compare."
     )
-    headers = ["", "model", "routing", "d → r", "k / 2L", "FP64 max. error", "rel.", "original CE",
+    headers = ["", "model", "routing", "d → r", "k / 2L", "FP64 max. error", "rel.", "FP64 noise floor", "original CE",
                "converted CE", "ΔCE", "verdicts"]
     return table(headers, rows, caption, raw=True)
 
