@@ -400,3 +400,6 @@ def test_cli(tmp_path, capsys):
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []
     assert cli.main(["--spec", '{"vocab_size": 3}', "--out", str(tmp_path / "o2")]) == 2
     assert "spec.vocab_size" in capsys.readouterr().err
+    bad = {"source": "local", "local": {"glob": str(tmp_path / "none*.jsonl")}}
+    assert cli.main(["--spec", json.dumps(bad), "--out", str(tmp_path / "o3"), "--no-progress"]) == 1
+    assert "matches no files" in capsys.readouterr().err

@@ -30,6 +30,9 @@ def main(argv: list[str] | None = None) -> int:
     except SpecError as e:
         print(f"prepare-data: {e}", file=sys.stderr)
         return 2
+    except (ValueError, RuntimeError, OSError) as e:  # bad input, unreachable source: one clear line
+        print(f"prepare-data: error: {e}", file=sys.stderr)
+        return 1
     c, t = m["counts"], m["timing"]
     print(
         f"prepare-data: {args.out}: {c['tokens']:,} tokens in {c['documents']:,} documents "

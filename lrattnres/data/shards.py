@@ -379,7 +379,7 @@ def prepare(spec: dict | None, out: str | os.PathLike, *, progress: bool = True)
     try:
         if not state["done"]:
             _tokenize(spec, work, state, progress)
-    except ValueError:
+    except (ValueError, FileNotFoundError):
         shutil.rmtree(work, ignore_errors=True)  # a definitive error (empty corpus ...): nothing to resume
         raise
     m = _finalize(spec, work, state, progress)
