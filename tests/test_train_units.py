@@ -144,3 +144,20 @@ def test_muon_matches_torch_muon():
         torch.testing.assert_close(z, y, rtol=0, atol=2e-3)  # fp32 iteration: close, not equal
     with pytest.raises(ValueError, match="2D"):
         Muon([torch.zeros(3, requires_grad=True)], lr=1e-3)
+
+
+def test_fused_loss_matches_plain():
+    torch.manual_seed(1)
+    logits = (torch.randn(3, 7, 13) * 4).requires_grad_(True)
+    targets = torch.randint(0, 13, (3, 7))
+    targets[1, 2] = -100
+    grads, vals = [], []
+    for fused in (True, False):
+        logits.grad = None
+        ce, z = loss_sums(logits, targets, fused=fused)
+        (0.3 * ce + 0.01 * z).backward()
+        grads.append(logits.grad.clone())
+        vals.append((ce.item(), z.item()))
+    assert vals[0] == pytest.approx(vals[1], rel=1e-6)
+    torch.testing.assert_close(grads[0], grads[1], rtol=1e-5, atol=1e-6)
+    assert grads[0][1, 2].abs().max() == 0  # ignored target: no gradient

@@ -75,6 +75,50 @@ class LossModule(nn.Module):
         return loss_sums(logits, targets)
 
 
+def accumulate_gradients(fwd, lm, batches, params, device, z_loss: float, clip: float | None, world: int = 1):
+    """Forward/backward of one global batch, then clipping: returns (ce, z-loss term, pre-clip norm).
+
+    ``fwd`` is ``lm`` or its compiled form; ``lm`` is the (DDP-wrapped) :class:`LossModule`.  Every
+    micro-batch's loss is ``(sum CE + z_loss * sum lse^2) * world / N_global``, so the gradient is
+    that of the token-averaged loss of the whole global batch.  One host sync at the end.
+    """
+    ddp = world > 1
+    n_valid = torch.zeros((), dtype=torch.float64)
+    for b in batches:
+        n_valid += (b.targets != IGNORE_INDEX).sum()
+    if ddp:
+        n_valid = n_valid.to(device)
+        dist.all_reduce(n_valid)
+    n_tok = n_valid.item()
+    scale = world / n_tok
+    sums = torch.zeros(2, dtype=torch.float32, device=device)
+    for i, b in enumerate(batches):
+        inputs = b.inputs.to(device, non_blocking=True)
+        targets = b.targets.to(device, non_blocking=True)
+        doc_ids = b.doc_ids.to(device, non_blocking=True)
+        sync = contextlib.nullcontext() if (not ddp or i == len(batches) - 1) else lm.no_sync()
+        with sync:
+            ce_sum, z_sum = fwd(inputs, targets, doc_ids)
+            loss = (ce_sum + z_loss * z_sum) * scale
+            loss.backward()
+        sums += torch.stack([ce_sum.detach(), z_sum.detach()])
+    max_norm = clip if clip is not None else float("inf")
+    gnorm = torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=device.type == "cuda" or None)
+    if ddp:
+        dist.all_reduce(sums)
+    vals = torch.cat([sums.double(), gnorm.detach().double().reshape(1)]).tolist()
+    return vals[0] / n_tok, z_loss * vals[1] / n_tok, vals[2]
+
+
+def apply_update(optimizers: dict, device: torch.device) -> None:
+    for opt in optimizers.values():
+        opt.step()
+    for opt in optimizers.values():
+        opt.zero_grad(set_to_none=True)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def _dist_env() -> tuple[int, int, int]:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
@@ -299,7 +343,7 @@ def _train(
     try:
         while step < steps_total:
             # preemption (all ranks agree) or a requested stop: checkpoint, then leave
-            flag = torch.tensor([1.0 if stop.signum is not None else 0.0], device=device)
+            flag = torch.tensor([1.0 if stop.signum is not None else 0.0], device=device if ddp else "cpu")
             if ddp:
                 dist.all_reduce(flag, op=dist.ReduceOp.MAX)
             if flag.item() > 0 or (stop_after is not None and step >= stop_after):
@@ -313,47 +357,14 @@ def _train(
             lr_now = apply_lr(optimizers, lrs, mult)
 
             batches = [next(loader) for _ in range(s["grad_accum"])]
-            n_valid = torch.zeros((), dtype=torch.float64)
-            for b in batches:
-                n_valid += (b.targets != IGNORE_INDEX).sum()
-            if ddp:
-                n_valid = n_valid.to(device)
-                dist.all_reduce(n_valid)
-            scale = world / n_valid.item()
-
-            sums = torch.zeros(2, dtype=torch.float32, device=device)
-            for i, b in enumerate(batches):
-                inputs = b.inputs.to(device, non_blocking=True)
-                targets = b.targets.to(device, non_blocking=True)
-                doc_ids = b.doc_ids.to(device, non_blocking=True)
-                sync = contextlib.nullcontext() if (not ddp or i == len(batches) - 1) else lm.no_sync()
-                with sync:
-                    ce_sum, z_sum = fwd(inputs, targets, doc_ids)
-                    loss = (ce_sum + zc * z_sum) * scale
-                    loss.backward()
-                sums += torch.stack([ce_sum.detach(), z_sum.detach()])
-
-            max_norm = clip if clip is not None else float("inf")
-            gnorm = torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=device.type == "cuda" or None)
-            if ddp:
-                dist.all_reduce(sums)
-            vals = torch.cat([sums.double(), gnorm.detach().double().reshape(1)]).tolist()
-            n_tok = n_valid.item()
-            ce = vals[0] / n_tok
-            zl = zc * vals[1] / n_tok
-            gn = vals[2]
+            ce, zl, gn = accumulate_gradients(fwd, lm, batches, params, device, zc, clip, world)
             for term, v in (("cross-entropy", ce), ("z-loss", zl), ("gradient norm", gn)):
                 if not math.isfinite(v):
                     raise NonFiniteLoss(
                         f"non-finite {term} ({v}) at step {step + 1} (update index {step}); stopped before the "
                         f"update; the last good checkpoint {ck_path} (if any) is kept"
                     )
-            for opt in optimizers.values():
-                opt.step()
-            for opt in optimizers.values():
-                opt.zero_grad(set_to_none=True)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
+            apply_update(optimizers, device)
             dt = time.perf_counter() - t0
             train_s += dt
             step += 1

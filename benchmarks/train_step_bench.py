@@ -1,0 +1,280 @@
+"""Full production training-step throughput: baseline vs AttnRes vs LR-AttnRes, reference vs fused router.
+
+What one timed update is (the trainer's own code path, ``lrattnres.train.loop``):
+host-to-device copy of ``grad_accum`` micro-batches of ``micro_batch x seq_len`` random tokens with
+synthetic document boundaries (document masking on), bf16 autocast forward, CE + z-loss (1e-5),
+backward, gradient accumulation, clipping at 1.0 (pre-clip norm read back), Muon (bf16
+Newton-Schulz) + fused AdamW, zero_grad, CUDA synchronise.  The model is ``torch.compile``d
+(``dynamic=False``).  Compilation and warm-up updates are excluded; every config starts from the
+same seed, so the shared backbone weights are identical.
+
+Configs (``--configs``, in this order by default):
+  baseline         the same backbone, PreNorm residual sum, no routing
+  lr-fused         LR-AttnRes, N = --blocks, r = d/4, kernels.attnres
+  attnres-fused    AttnRes, N = --blocks, r = d, kernels.attnres
+  lr-ref           LR-AttnRes with the reference router (lrattnres.routing.route)
+  attnres-ref      AttnRes with the reference router
+
+Goal (issue 6): on one H200 with the 1B preset, lr-fused >= 90% of baseline tokens/s and >= 62,000
+tokens/s.
+
+Run (one call, <= ~8 minutes; results are written after every config, so a cut-off run still
+leaves the finished rows):
+
+    python benchmarks/train_step_bench.py --out "$OUT"            # GPU: 1B, mb 2 x 2048, accum 4
+    python benchmarks/train_step_bench.py --smoke --out /tmp/x    # CPU check: tiny shapes, 2 updates
+
+Writes ``train_step_bench.json`` (device, versions, date, settings, one row per config, peak
+memory, ratios to the baseline) and ``train_step_bench.md`` (the table) to ``--out``
+(``train_step_bench_smoke.*`` with ``--smoke``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import gc
+import json
+import math
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+import torch  # noqa: E402
+
+CONFIGS = {
+    "baseline": {"method": "baseline", "router": "reference"},
+    "lr-fused": {"method": "lr", "router": "fused", "rank": "d/4"},
+    "attnres-fused": {"method": "attnres", "router": "fused", "rank": "d"},
+    "lr-ref": {"method": "lr", "router": "reference", "rank": "d/4"},
+    "attnres-ref": {"method": "attnres", "router": "reference", "rank": "d"},
+}
+
+
+def _args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--smoke", action="store_true", help="tiny shapes, 2 updates, CPU if no GPU (checks the script)")
+    p.add_argument("--preset", default="1B")
+    p.add_argument("--vocab", type=int, default=100277)
+    p.add_argument("--configs", default=",".join(CONFIGS))
+    p.add_argument("--blocks", default="8", help="routing blocks N ('full' or an int)")
+    p.add_argument("--micro-batch", type=int, default=2)
+    p.add_argument("--seq-len", type=int, default=2048)
+    p.add_argument("--grad-accum", type=int, default=4)
+    p.add_argument("--warmup", type=int, default=3, help="untimed updates after compilation")
+    p.add_argument("--updates", type=int, default=6, help="timed updates")
+    p.add_argument("--mean-doc-len", type=float, default=1000.0, help="mean synthetic document length (geometric)")
+    p.add_argument("--attention", default="auto")
+    p.add_argument("--no-compile", action="store_true")
+    p.add_argument("--force-compile", action="store_true", help="compile on the CPU too (to check the compiled path)")
+    p.add_argument("--fullgraph", action="store_true", help="torch.compile(fullgraph=True), as the paper")
+    p.add_argument("--budget-s", type=float, default=450.0, help="start no new config after this many seconds")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=os.environ.get("OUT", str(REPO / "benchmarks" / "results")))
+    a = p.parse_args(argv)
+    if a.smoke:
+        a.preset, a.vocab, a.seq_len, a.micro_batch, a.grad_accum = "smoke", 1000, 64, 2, 2
+        a.warmup, a.updates, a.blocks, a.mean_doc_len = 1, 2, "2", 20.0
+    return a
+
+
+def _versions() -> dict:
+    from importlib import metadata
+
+    out = {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda}
+    for name in ("triton", "numpy"):
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            pass
+    return out
+
+
+def _git() -> dict:
+    import subprocess
+
+    def run(*a):
+        try:
+            return subprocess.run(["git", *a], cwd=REPO, capture_output=True, text=True, timeout=10).stdout.strip()
+        except Exception:
+            return None
+
+    return {"commit": run("rev-parse", "HEAD"), "dirty": bool(run("status", "--porcelain", "--untracked-files=no"))}
+
+
+def _batches(n, B, T, V, mean_doc, gen):
+    """Random tokens [B, T+1]; doc_ids from geometric document lengths (new doc after each 'EOT')."""
+    from lrattnres.data import Batch
+
+    out = []
+    for _ in range(n):
+        x = torch.randint(0, V, (B, T + 1), generator=gen)
+        ends = torch.rand(B, T, generator=gen) < (1.0 / mean_doc)
+        doc = torch.cumsum(ends.int(), dim=1, dtype=torch.int32) - ends.int()
+        out.append(Batch(x[:, :-1].contiguous(), x[:, 1:].contiguous(), doc.contiguous()))
+    return out
+
+
+def run_config(name, a, device):
+    from lrattnres.model import build_model
+    from lrattnres.presets import get_preset
+    from lrattnres.train.loop import LossModule, accumulate_gradients, apply_update
+    from lrattnres.train.optim import build_optimizers
+    from lrattnres.train.spec import resolve
+
+    c = CONFIGS[name]
+    shape = get_preset(a.preset)
+    d = shape["d_model"]
+    m = {"preset": a.preset, "vocab_size": a.vocab, "method": c["method"], "router": c["router"],
+         "attention": a.attention, "max_seq_len": max(a.seq_len, shape["max_seq_len"])}
+    if c["method"] != "baseline":
+        m["blocks"] = a.blocks if a.blocks == "full" else int(a.blocks)
+        m["rank"] = d if c["rank"] == "d" else d // 4
+    spec = resolve({"model": m, "steps": 1, "micro_batch": a.micro_batch, "seq_len": a.seq_len,
+                    "grad_accum": a.grad_accum, "precision": "bf16" if device.type == "cuda" else "fp32"})
+    torch.manual_seed(a.seed)
+    model = build_model(m).to(device)
+    n_params = model.num_parameters()
+    opts = build_optimizers(model, spec["optim"], device.type)
+    params = [p for p in model.parameters() if p.requires_grad]
+    lm = LossModule(model, spec["precision"])
+    compile_ = (device.type == "cuda" or a.force_compile) and not a.no_compile
+    fwd = torch.compile(lm, dynamic=False, fullgraph=a.fullgraph) if compile_ else lm
+    gen = torch.Generator().manual_seed(a.seed + 1)
+
+    def update():
+        batches = _batches(a.grad_accum, a.micro_batch, a.seq_len, a.vocab, a.mean_doc_len, gen)
+        ce, zl, gn = accumulate_gradients(fwd, lm, batches, params, device, spec["z_loss"], spec["grad_clip"])
+        apply_update(opts, device)
+        return ce, zl, gn
+
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    t0 = time.perf_counter()
+    first = update()  # compilation happens here
+    compile_s = time.perf_counter() - t0
+    for _ in range(a.warmup):
+        update()
+    times, losses = [], []
+    for _ in range(a.updates):
+        t = time.perf_counter()
+        ce, zl, gn = update()
+        times.append(time.perf_counter() - t)
+        losses.append(ce + zl)
+    tok = a.grad_accum * a.micro_batch * a.seq_len
+    mean_t = sum(times) / len(times)
+    sd = math.sqrt(sum((x - mean_t) ** 2 for x in times) / max(1, len(times) - 1))
+    row = {
+        "config": name, "method": c["method"], "router": c["router"] if c["method"] != "baseline" else None,
+        "rank": m.get("rank"), "blocks": m.get("blocks"), "parameters": n_params,
+        "tokens_per_update": tok, "update_s": times, "update_s_mean": mean_t, "update_s_cv": sd / mean_t,
+        "tokens_per_s": tok / mean_t, "first_update_s": compile_s, "loss_first": first[0] + first[1],
+        "loss_last": losses[-1], "finite": all(math.isfinite(x) for x in losses),
+    }
+    if device.type == "cuda":
+        row["peak_allocated_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+        row["peak_reserved_gib"] = torch.cuda.max_memory_reserved(device) / 2**30
+    del fwd, lm, opts, params, model
+    gc.collect()
+    torch._dynamo.reset()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return row
+
+
+def _table(rows) -> str:
+    lines = ["| config | method | router | r | N | tokens/s | vs baseline | update s (cv) | peak GiB | first update s |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['config']} | error: {r['error'][:80]} |||||||||")
+            continue
+        rel = f"{100 * r['vs_baseline']:.1f}%" if r.get("vs_baseline") else "-"
+        lines.append(
+            f"| {r['config']} | {r['method']} | {r['router'] or '-'} | {r['rank'] or '-'} | {r['blocks'] or '-'} | "
+            f"{r['tokens_per_s']:,.0f} | {rel} | {r['update_s_mean']:.3f} ({100 * r['update_s_cv']:.1f}%) | "
+            f"{r.get('peak_allocated_gib', float('nan')):.1f} | {r['first_update_s']:.1f} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    a = _args(argv)
+    t_start = time.perf_counter()
+    if a.device == "auto":
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    else:
+        device = torch.device(a.device)
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    names = [n.strip() for n in a.configs.split(",") if n.strip()]
+    for n in names:
+        if n not in CONFIGS:
+            print(f"unknown config {n!r}; expected some of {list(CONFIGS)}", file=sys.stderr)
+            return 2
+    doc = {
+        "benchmark": "train_step", "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu: {platform.machine()}",
+        "host": platform.node(), "versions": _versions(), "git": _git(), "smoke": a.smoke,
+        "settings": {k: v for k, v in vars(a).items() if k != "out"},
+        "goal": {"lr_fused_vs_baseline_min": 0.90, "lr_fused_tokens_per_s_min": 62000, "applies_to": "1B on one H200"},
+        "rows": [], "skipped": [],
+    }
+
+    def write():
+        base = next((r for r in doc["rows"] if r["config"] == "baseline" and "error" not in r), None)
+        for r in doc["rows"]:
+            if base and "error" not in r:
+                r["vs_baseline"] = r["tokens_per_s"] / base["tokens_per_s"]
+        lr = next((r for r in doc["rows"] if r["config"] == "lr-fused" and "error" not in r), None)
+        if lr and base:
+            doc["goal"]["lr_fused_vs_baseline"] = lr["vs_baseline"]
+            doc["goal"]["lr_fused_tokens_per_s"] = lr["tokens_per_s"]
+            doc["goal"]["met"] = bool(lr["vs_baseline"] >= 0.90 and lr["tokens_per_s"] >= 62000)
+        doc["wall_s"] = time.perf_counter() - t_start
+        stem = "train_step_bench_smoke" if a.smoke else "train_step_bench"
+        (out / f"{stem}.json").write_text(json.dumps(doc, indent=2) + "\n")
+        (out / f"{stem}.md").write_text(
+            f"# Training-step throughput ({doc['device']}, {a.preset}, mb {a.micro_batch} x {a.seq_len}, "
+            f"accum {a.grad_accum}, {doc['date']})\n\n" + _table(doc["rows"]))
+
+    longest = 0.0
+    for n in names:
+        elapsed = time.perf_counter() - t_start
+        if elapsed + longest > a.budget_s:
+            doc["skipped"].append({"config": n, "why": f"time budget {a.budget_s}s ({elapsed:.0f}s used)"})
+            print(f"[bench] skip {n}: budget", file=sys.stderr)
+            continue
+        t = time.perf_counter()
+        print(f"[bench] {n} ...", file=sys.stderr, flush=True)
+        try:
+            row = run_config(n, a, device)
+        except Exception as e:  # keep the other rows
+            import traceback
+
+            traceback.print_exc()
+            row = {"config": n, "error": f"{type(e).__name__}: {e}"}
+            torch._dynamo.reset()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+        longest = max(longest, time.perf_counter() - t)
+        doc["rows"].append(row)
+        if "error" not in row:
+            print(f"[bench] {n}: {row['tokens_per_s']:,.0f} tokens/s, first update {row['first_update_s']:.1f}s",
+                  file=sys.stderr, flush=True)
+        write()
+    write()
+    print(_table(doc["rows"]))
+    return 0 if all("error" not in r for r in doc["rows"]) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
