@@ -153,7 +153,9 @@ def test_requeued_training_job_resumes_with_identical_weights(slurm_cluster, tmp
     if "train" not in snakemake(work, "--list-rules").stdout.split():
         pytest.skip("the workflow has no train rule yet")
     overrides = {"steps": 120, "checkpoint": {"every": 5}}
-    config = ["--config", "scale=smoke", "train=" + json.dumps(overrides)]
+    overrides_file = tmp_path / "longer_training.yaml"
+    overrides_file.write_text(json.dumps({"scale": "smoke", "train": overrides}))
+    config = ["--configfile", "config.yaml", str(overrides_file)]
     runs = plan(load_and_resolve(work / "config.yaml", {"scale": "smoke", "train": overrides}))
     run = next((r.run_id for r in runs if r.method == "lr"), runs[0].run_id)
     rundir = work / "results" / "smoke" / "runs" / run
