@@ -796,8 +796,12 @@ def main(argv: list[str] | None = None) -> int:
         spec = json.loads(args.spec)
     except json.JSONDecodeError as e:
         raise ValueError(f"--spec: not valid JSON ({e})") from None
-    result = run(args.checkpoint, args.data, spec, save=args.save, published=args.published,
-                 progress=not args.no_progress)
+    try:
+        result = run(args.checkpoint, args.data, spec, save=args.save, published=args.published,
+                     progress=not args.no_progress)
+    except RankError as e:  # a clear refusal, not a traceback
+        print(f"convert: {args.checkpoint}: {e}", file=sys.stderr)
+        return 2
     atomic_write_json(args.out, result)
     log.info("wrote %s", args.out)
     return 0

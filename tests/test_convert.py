@@ -329,10 +329,15 @@ def _tiny_manifest(root: Path) -> Path:
     return root / "data"
 
 
-def test_cli_end_to_end(tmp_path):
+@pytest.fixture(scope="module")
+def tiny_manifest(tmp_path_factory) -> Path:
+    return _tiny_manifest(tmp_path_factory.mktemp("convert-data"))
+
+
+def test_cli_end_to_end(tmp_path, tiny_manifest):
     from lrattnres.data import load_manifest, manifest_sha256
 
-    mdir = _tiny_manifest(tmp_path)
+    mdir = tiny_manifest
     man = load_manifest(mdir)
     results = []
     for blocks, row in (("full", "0.5b.nfull"), (2, None)):
@@ -375,3 +380,18 @@ def test_cli_end_to_end(tmp_path):
     assert agg["invariants"]["fp64_rel_below_1e-9"] is True
     with pytest.raises(SystemExit):
         C.main(["--checkpoint", "x.pt", "--out", str(out)])  # --data/--spec missing
+
+
+def test_cli_refuses_rank_below_k(tmp_path, capsys, tiny_manifest):
+    from lrattnres.data import load_manifest
+
+    mdir = tiny_manifest
+    man = load_manifest(mdir)
+    m = attnres("smoke", 2, vocab=man["vocab_size"])
+    path = tmp_path / "run" / "model.pt"
+    ckpt.save({"kind": "model", "model": m.state_dict(), "model_config": dataclasses.asdict(m.cfg), "spec": None,
+               "manifest_sha256": None, "step": 0, "tokens": 0}, path)
+    spec = json.dumps({"rank": 2, "val_tokens": 64, "batch_size": 1, "claim_row": None})
+    rc = C.main(["--checkpoint", str(path), "--data", str(mdir), "--spec", spec, "--out", str(tmp_path / "o.json")])
+    assert rc == 2 and not (tmp_path / "o.json").exists()
+    assert "joint query rank k=4" in capsys.readouterr().err
