@@ -253,13 +253,21 @@ def _finalize(spec: dict, work: Path, state: dict, progress: bool) -> dict[str, 
     shards = list(_all_shards(state))
     if spec["vocab"] == "compact":
         vpath = work / "vocab.npy"
+        counts = np.zeros(tok.N_VOCAB, dtype=np.int64)
+        for _, rec in tqdm(shards, desc="compaction: scan", file=sys.stderr, disable=not progress):
+            mm = np.memmap(work / "raw" / rec["file"], dtype="<u4", mode="r")
+            for a in range(0, mm.size, 1 << 24):
+                counts += np.bincount(mm[a:a + (1 << 24)], minlength=tok.N_VOCAB)
         if not vpath.exists():
-            used = np.zeros(tok.N_VOCAB, dtype=bool)
+            used = counts > 0
             used[tok.EOT] = True
-            for _, rec in tqdm(shards, desc="compaction: scan", file=sys.stderr, disable=not progress):
-                mm = np.memmap(work / "raw" / rec["file"], dtype="<u4", mode="r")
-                for a in range(0, mm.size, 1 << 24):
-                    used |= np.bincount(mm[a:a + (1 << 24)], minlength=tok.N_VOCAB).astype(bool)
+            if spec["vocab_max"] is not None and used.sum() > spec["vocab_max"] - 1:
+                # keep the vocab_max - 1 most frequent ids (EOT always); the rest become UNK
+                ranked = np.argsort(-counts, kind="stable")
+                keep = [i for i in ranked[: spec["vocab_max"] - 1] if i != tok.EOT][: spec["vocab_max"] - 2]
+                used = np.zeros(tok.N_VOCAB, dtype=bool)
+                used[keep] = True
+                used[tok.EOT] = True
             ids = np.flatnonzero(used).astype(np.int64)
             with atomic_path(vpath) as tmp:
                 with open(tmp, "wb") as f:
@@ -277,9 +285,13 @@ def _finalize(spec: dict, work: Path, state: dict, progress: bool) -> dict[str, 
                         h.update(block.tobytes())
                         block.tofile(f)
             rec["sha256"] = h.hexdigest()
+        kept = np.zeros(tok.N_VOCAB, dtype=bool)
+        kept[ids] = True
         vocab_map = {"file": vpath.name, "sha256": sha256_file(vpath), "size": int(ids.size),
                      "meaning": "model id i < size stands for cl100k id ids[i] (sorted); id `size` is UNK "
-                                "(any cl100k id the corpus never used)"}
+                                "(any cl100k id the corpus never used, or beyond vocab_max)",
+                     "vocab_max": spec["vocab_max"],
+                     "unk_token_fraction": float(counts[~kept].sum() / max(int(counts.sum()), 1))}
         vocab_size = int(ids.size) + 1
         eot_id = int(fwd[tok.EOT])
         unk_id = int(ids.size)

@@ -16,6 +16,8 @@ Keys (all optional; the defaults are the paper's data setup except the source):
   holds at least this many tokens (the paper: the first 100M tokens).
 - ``shard_tokens``: a shard is closed at the first document end at or after this many tokens.
 - ``vocab``: ``full`` (cl100k ids) | ``compact`` (dense ids for the tokens the corpus uses, plus UNK).
+- ``vocab_max``: with ``compact``, keep only the ``vocab_max - 1`` most frequent ids (EOT always); the
+  rest map to UNK (the manifest records the fraction of tokens that became UNK).
 - ``seed``: recorded only; the build is deterministic and never shuffles (the loader shuffles
   windows with its own seed).
 - ``num_threads``: threads of tiktoken's ``encode_ordinary_batch``.
@@ -60,6 +62,7 @@ DEFAULTS: dict[str, Any] = {
     "val_tokens": 100_000_000,  # the paper: the first 100M tokens are the validation set
     "shard_tokens": 50_000_000,
     "vocab": "full",
+    "vocab_max": None,  # compact only: keep the vocab_max - 1 most frequent ids (EOT always), the rest UNK
     "seed": 0,
     "num_threads": 2,  # tiktoken encode_ordinary_batch threads
 }
@@ -118,6 +121,9 @@ def validate_spec(spec: dict | None) -> dict:
 
     _str(out["source"], "source", choices=_SOURCES)
     _str(out["vocab"], "vocab", choices=("full", "compact"))
+    out["vocab_max"] = _int(out["vocab_max"], "vocab_max", minimum=3, optional=True)
+    if out["vocab_max"] is not None and out["vocab"] != "compact":
+        raise SpecError("spec.vocab_max: only meaningful with vocab 'compact'")
     _int(out["val_tokens"], "val_tokens", 0)
     _int(out["shard_tokens"], "shard_tokens", 1)
     _int(out["seed"], "seed", 0)
