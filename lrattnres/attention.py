@@ -9,7 +9,9 @@ backends compute the same function:
 * ``flex``: PyTorch's flex_attention with a document block mask (compiled on CUDA); ``auto``'s
   choice on CUDA otherwise;
 * ``sdpa``: scaled_dot_product_attention with an explicit boolean [B, 1, T, T] mask; ``auto``'s
-  choice on the CPU.
+  choice on the CPU, and on CUDA inside an outer ``torch.compile`` (torch 2.11 on an H200: flex
+  traced inside a compiled model hit an illegal memory access; eager flex and compiled masked SDPA
+  both matched an fp64 reference).  flex needs a head width of at least 16 on CUDA.
 
 Without ``doc_ids`` every backend is plain causal SDPA (one document per row).  RoPE positions
 count from the start of the row, not of the document: RoPE scores depend only on the distance
@@ -42,11 +44,11 @@ def resolve_backend(backend: str, device: torch.device, dtype: torch.dtype) -> s
         raise ValueError(f"attention backend must be one of {BACKENDS}, got {backend!r}")
     if backend != "auto":
         return backend
-    if device.type == "cuda":
-        if dtype in (torch.float16, torch.bfloat16) and _has_flash_attn():
-            return "flash"
-        return "flex"
-    return "sdpa"
+    if device.type != "cuda":
+        return "sdpa"
+    if dtype in (torch.float16, torch.bfloat16) and _has_flash_attn():
+        return "flash"
+    return "sdpa" if torch.compiler.is_compiling() else "flex"
 
 
 def make_attention(

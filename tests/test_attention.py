@@ -42,7 +42,7 @@ def _explicit_reference(q, k, v, doc_ids):
 
 def _qkv(dtype=torch.float32, device="cpu"):
     g = torch.Generator().manual_seed(0)
-    return [torch.randn(3, 2, 16, 8, generator=g).to(device=device, dtype=dtype) for _ in range(3)]
+    return [torch.randn(3, 2, 16, 16, generator=g).to(device=device, dtype=dtype) for _ in range(3)]  # flex on CUDA: hd >= 16
 
 
 def _tol(device):
@@ -99,6 +99,8 @@ def test_auto_backend_choice(monkeypatch):
     assert resolve_backend("auto", cuda, torch.float32) == "flex"  # flash-attn has no fp32 kernel
     monkeypatch.setattr(attention, "_has_flash_attn", lambda: False)
     assert resolve_backend("auto", cuda, torch.bfloat16) == "flex"
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert resolve_backend("auto", cuda, torch.bfloat16) == "sdpa"  # flex inside torch.compile crashed
     assert resolve_backend("sdpa", cuda, torch.bfloat16) == "sdpa"
     with pytest.raises(ValueError, match="attention backend must be one of"):
         resolve_backend("xformers", cpu, torch.float32)
