@@ -1,0 +1,192 @@
+"""Report section: training-step throughput (Section 4.9, Table 3, Appendix I).
+
+Shows the published Table 3 (H100 and B200), this run's throughput result (the scale's presets on
+this run's device) and, when present, the recorded GPU result (``ctx.recorded["throughput_gpu"]``,
+measured on another machine), each labelled with its device, date and commit.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lrattnres.report.html import claims_table, esc, table
+
+TITLE = "Training throughput (Section 4.9, Table 3, Appendix I)"
+ORDER = 70
+
+SIZES = (("1b", "1B"), ("4b", "4B"))
+GPUS = (("h100", "H100"), ("b200", "B200"))
+GAIN_LABELS = {
+    "rank": "rank gain: r = d/4 vs r = d, this project's kernel (Table 3)",
+    "kernel": "kernel gain: fused vs reference router at r = d/4",
+    "combined_vs_fla": "combined gain: ours r = d/4 vs FLA r = d (Section 4.9)",
+    "kernel_vs_fla": "ours r = d vs FLA r = d",
+    "routing_rd4": "cost of routing: ours r = d/4 vs plain backbone",
+    "routing_rd": "cost of routing: ours r = d vs plain backbone",
+}
+NAME_LABELS = {
+    "baseline": "plain backbone (no routing)",
+    "fused-rd": "ours (fused) r = d",
+    "fused-rd4": "ours (fused) r = d/4",
+    "reference-rd4": "reference router r = d/4",
+    "fla-rd": "FLA r = d",
+}
+
+
+def _pub(ctx, cid: str) -> Any:
+    rec = ctx.published.get(cid)
+    return None if rec is None else rec.get("published")
+
+
+def _mean_sd(mean: Any, sd: Any) -> str:
+    if mean is None:
+        return "–"
+    if sd is None:
+        return f"{mean:,.0f}"
+    return f"{mean:,.0f} ± {sd:,.0f}"
+
+
+def _ci(lo: Any, hi: Any, digits: int = 3) -> str:
+    if lo is None or hi is None:
+        return "–"
+    return f"[{lo:.{digits}f}, {hi:.{digits}f}]"
+
+
+def _gain(x: Any, digits: int = 3) -> str:
+    return "–" if x is None else f"{x:+.{digits}f}"
+
+
+def published_table(ctx) -> str:
+    rows = []
+    for g, G in GPUS:
+        for s, S in SIZES:
+            base = f"{g}.{s}"
+            cells = [G, S]
+            for impl, rk in (("fla", "rd"), ("fast", "rd"), ("fast", "rd4")):
+                cells.append(_mean_sd(_pub(ctx, f"table3.tokens_per_s.{base}.{impl}.{rk}"),
+                                      _pub(ctx, f"table3.tokens_per_s_sd.{base}.{impl}.{rk}")))
+            gain = _pub(ctx, f"table3.rank_gain_pct.{base}")
+            cells.append("–" if gain is None else f"{gain:.3f}")
+            cells.append(_ci(_pub(ctx, f"table3.rank_gain_ci_low.{base}"), _pub(ctx, f"table3.rank_gain_ci_high.{base}")))
+            comb = _pub(ctx, f"sec4.9.combined_gain_pct.{base}")
+            cells.append("–" if comb is None else f"{comb:.2f}")
+            rows.append(cells)
+    headers = ["GPU", "Model", "FLA r = d", "Fast r = d", "Fast r = d/4", "Rank gain (%)", "95% CI (%)",
+               "Fast r = d/4 vs FLA (%)"]
+    return table(headers, rows, "Published Table 3 (tokens/s, mean ± sample SD, five repeats; the paper's "
+                                "hardware: H100 and B200, compiled, 64 accumulation steps)")
+
+
+def _provenance_line(res: dict, label: str) -> str:
+    prov = res.get("provenance") or {}
+    spec = res.get("spec") or {}
+    accum = sorted({r.get("grad_accum") for r in res.get("rows", []) if r.get("grad_accum") is not None})
+    parts = [
+        f"<b>{esc(label)}</b>",
+        f"device <b>{esc(res.get('device') or prov.get('device'))}</b>",
+        f"date {esc(prov.get('finished') or prov.get('started') or '?')}",
+        f"commit {esc((prov.get('commit') or '?')[:12])}{' (dirty)' if prov.get('dirty') else ''}",
+        f"{esc(res.get('precision'))}, {'compiled' if res.get('compile') else 'eager (not compiled)'}",
+        f"microbatch {esc(spec.get('micro_batch'))} × {esc(spec.get('seq_len'))}, accumulation "
+        f"{esc(', '.join(map(str, accum)) or spec.get('grad_accum'))} (paper: 2 × 2048 × 64)",
+        f"tokens: {esc(res.get('tokens'))}",
+    ]
+    if res.get("_path"):
+        parts.append(f"file {esc(res['_path'])}")
+    if not res.get("complete", True):
+        parts.append("<b>partial result</b> (stopped by its deadline or cut off)")
+    return "<p>" + "; ".join(parts) + ".</p>"
+
+
+def _presets(res: dict) -> list[str]:
+    out: list[str] = []
+    for r in res.get("rows", []):
+        if r["preset"] not in out:
+            out.append(r["preset"])
+    return out
+
+
+def result_tables(res: dict, label: str) -> str:
+    """Table 3 layout, every configuration, and the paired gains of one throughput result."""
+    out = [_provenance_line(res, label)]
+    by = {(r["preset"], r["name"]): r for r in res.get("rows", [])}
+    gains = res.get("gains", {})
+    t3 = []
+    for p in _presets(res):
+        g = gains.get(p, {})
+        rank = g.get("rank", {})
+        cells = [p]
+        for name in ("fla-rd", "fused-rd", "fused-rd4", "reference-rd4", "baseline"):
+            r = by.get((p, name))
+            cells.append(_mean_sd(r["mean"], r["sd"]) if r else "–")
+        cells.append(_gain(rank.get("mean")))
+        cells.append(_ci(*(rank.get("ci95") or [None, None])))
+        cells.append(_gain(g.get("combined_vs_fla", {}).get("mean"), 2))
+        cells.append(_gain(g.get("kernel", {}).get("mean"), 2))
+        cells.append(_gain(g.get("routing_rd4", {}).get("mean"), 2))
+        cells.append(str(rank.get("n") or "–"))
+        t3.append(cells)
+    out.append(table(["Preset", "FLA r = d", "ours r = d", "ours r = d/4", "reference r = d/4", "plain backbone",
+                      "Rank gain (%)", "95% CI (%)", "vs FLA (%)", "kernel vs reference (%)",
+                      "r = d/4 vs plain (%)", "repeats"], t3,
+                     f"{label}: Table 3 layout (tokens/s, mean ± sample SD over repeats; gains are paired means)"))
+    rows = []
+    for r in res.get("rows", []):
+        rows.append([r["preset"], NAME_LABELS.get(r["name"], r["name"]), r["method"], r["impl"],
+                     "–" if r.get("r") is None else r["r"], "–" if r.get("N") is None else r["N"],
+                     _mean_sd(r["mean"], r["sd"]), ", ".join(f"{v:,.0f}" for v in r.get("repeats", [])),
+                     r.get("tokens_per_update")])
+    out.append(table(["Preset", "configuration", "method", "router", "r", "N", "tokens/s", "per repeat",
+                      "tokens/update"], rows, f"{label}: every configuration"))
+    grows = []
+    for p in _presets(res):
+        for gname, g in gains.get(p, {}).items():
+            grows.append([p, GAIN_LABELS.get(gname, gname), _gain(g.get("mean")), _ci(*(g.get("ci95") or [None, None])),
+                          "–" if g.get("sd") is None else f"{g['sd']:.3f}",
+                          ", ".join(f"{x:+.2f}" for x in g.get("per_repeat", []))])
+    if grows:
+        out.append(table(["Preset", "paired gain", "mean (%)", "95% CI (%)", "SD (%)", "per repeat (%)"], grows,
+                         f"{label}: paired gains g_j = 100 (v_j^A / v_j^B - 1), 95% CI mean ± t(0.975, n-1) s/sqrt(n)"))
+    skipped = res.get("skipped") or []
+    notes = list(res.get("notes") or []) + [f"{s['preset']}: {s['method']} skipped ({s['why']})" for s in skipped]
+    if notes:
+        out.append("<ul>" + "".join(f"<li>{esc(n)}</li>" for n in notes) + "</ul>")
+    return "\n".join(out)
+
+
+def build(ctx) -> str:
+    out = [
+        "<p>Complete training-step throughput with the protocol of Appendix I: matched shared weights per "
+        "repeat, one cached token buffer with document boundaries transferred every update, the production "
+        "update (forward, backward, accumulation, clipping, Muon + AdamW) timed between device "
+        "synchronisations, three warm-up updates, 8 to 30 measured updates with the paper's stopping rule, "
+        "fresh repeats with rotated method order, and paired gains with 95% intervals. The interval uses "
+        "t(0.975, n-1) s/sqrt(n): the paper's formula prints s_g/5, which for five repeats would be "
+        "narrower than a 95% interval by sqrt(5).  Beyond the paper, the plain backbone (no routing) and the "
+        "reference router show the cost of routing and the kernel's gain.</p>",
+        published_table(ctx),
+    ]
+    local = ctx.results("throughput")
+    recorded = (getattr(ctx, "recorded", None) or {}).get("throughput_gpu")
+    if not local and not recorded:
+        out.append("<p><b>Not run:</b> the throughput stage has produced no result at this scale, and no "
+                   "recorded GPU result is configured (config.yaml <code>recorded.throughput_gpu</code>).</p>")
+    for res in local:
+        out.append(f"<h3>This run (scale {esc(ctx.scale)})</h3>")
+        out.append("<p>Different scale and hardware from Table 3: the numbers show the protocol and the "
+                   "relative costs at this scale, not the paper's values.</p>")
+        out.append(result_tables(res, f"scale {ctx.scale}"))
+    if recorded:
+        dev = recorded.get("device") or (recorded.get("provenance") or {}).get("device")
+        out.append(f"<h3>Recorded GPU result ({esc(dev)})</h3>")
+        out.append("<p>Measured on another machine and included from its recorded file. Different hardware "
+                   "from Table 3 unless the device is an H100 or B200; see the settings line for the "
+                   "accumulation and compilation used.</p>")
+        out.append(result_tables(recorded, f"recorded, {dev}"))
+    claims = ctx.claims_with_prefix("table3.") + ctx.claims_with_prefix("sec4.9.")
+    if claims:
+        out.append(claims_table(claims, "Claims of Table 3 and Section 4.9"))
+    return "\n".join(out)
+
+
+__all__ = ["TITLE", "ORDER", "build", "published_table", "result_tables"]

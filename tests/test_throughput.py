@@ -1,0 +1,288 @@
+"""Throughput stage (Section 4.9, Appendix I): stopping rule, intervals, paired gains, matched weights,
+a CPU run of the protocol, claims and the report section."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from lrattnres import throughput as tp
+
+ROOT = Path(__file__).resolve().parent.parent
+PUBLISHED = ROOT / "reports" / "published.yaml"
+
+# ------------------------------------------------------------------------------ stopping rule
+
+
+def test_window_stats_by_hand():
+    cv, drift = tp.window_stats([1.0, 1.0, 1.0, 1.1, 1.1, 1.1])
+    mean = 6.3 / 6
+    sd = math.sqrt(6 * 0.05**2 / 5)  # every value 0.05 from the mean
+    assert cv == pytest.approx(sd / mean)
+    assert drift == pytest.approx(0.1 / mean)
+    # odd window: the middle update belongs to neither half
+    assert tp.window_stats([1.0, 5.0, 1.0])[1] == 0.0
+
+
+def test_stop_on_a_flat_sequence_at_the_minimum():
+    times = []
+    for i in range(30):
+        times.append(1.0)
+        stop, why = tp.should_stop(times)
+        if stop:
+            break
+    assert len(times) == 8 and why == "converged"  # 6 + stride 2 = the paper's minimum of eight
+
+
+def test_noise_above_one_percent_runs_to_the_maximum():
+    times = [1.0 + (0.03 if i % 2 else -0.03) for i in range(40)]  # CV 3%
+    n = next(k for k in range(1, 41) if tp.should_stop(times[:k])[0])
+    assert n == 30 and tp.should_stop(times[:30]) == (True, "max_updates")
+
+
+def test_drift_blocks_stopping_even_with_small_cv():
+    # 0.4% per update: CV of six updates ~0.8% < 1%, but the halves differ by 1.2% > 0.5%
+    times = [1.0 * (1.004**i) for i in range(30)]
+    cv, drift = tp.window_stats(times[:6])
+    assert cv <= 0.01 and drift > 0.005
+    assert not any(tp.should_stop(times[:k])[0] for k in range(1, 30))
+
+
+def test_stops_once_both_windows_settle():
+    # three noisy updates (e.g. allocator warm-up), then flat: both windows are clean at 3 + 8 = 11
+    times = [1.3, 0.8, 1.2] + [1.0] * 20
+    n = next(k for k in range(1, len(times) + 1) if tp.should_stop(times[:k])[0])
+    assert n == 11
+    # disjoint windows (stride = window) need 12 clean updates
+    n2 = next(k for k in range(1, len(times) + 1) if tp.should_stop(times[:k], stride=6)[0])
+    assert n2 == 15
+
+
+def test_min_updates_binds():
+    assert tp.should_stop([1.0] * 7, min_updates=8) == (False, "")
+    assert tp.should_stop([1.0] * 9, min_updates=10) == (False, "")
+    assert tp.should_stop([1.0] * 10, min_updates=10) == (True, "converged")
+
+
+# ------------------------------------------------------------------------------ intervals and gains
+
+
+def test_ci_hand_computed():
+    g = [1.0, 2.0, 3.0, 4.0, 5.0]
+    r = tp.mean_ci95(g, use_scipy=False)
+    sd = math.sqrt(2.5)
+    assert r["mean"] == 3.0 and r["sd"] == pytest.approx(sd)
+    assert r["t"] == 2.776
+    hw = 2.776 * sd / math.sqrt(5)  # s / sqrt(n), not the paper's s / 5
+    assert r["half_width"] == pytest.approx(hw) and hw == pytest.approx(1.96293, abs=1e-5)
+    assert r["ci95"] == pytest.approx([3.0 - hw, 3.0 + hw])
+
+
+def test_t_table_matches_scipy():
+    scipy_stats = pytest.importorskip("scipy.stats")
+    for df in (1, 2, 4, 9, 30, 45, 120):
+        assert tp.t975(df, use_scipy=False) == pytest.approx(float(scipy_stats.t.ppf(0.975, df)), abs=2e-3)
+    assert tp.t975(4) == pytest.approx(2.776445, abs=1e-6)
+
+
+def test_paired_gains():
+    assert tp.paired_gains([110.0, 99.0], [100.0, 100.0]) == pytest.approx([10.0, -1.0])
+    r = tp.paired_gain([101.0, 102.0, 103.0], [100.0, 100.0, 100.0], use_scipy=False)
+    assert r["per_repeat"] == pytest.approx([1.0, 2.0, 3.0])
+    assert r["mean"] == pytest.approx(2.0) and r["ci95"][0] == pytest.approx(2.0 - 4.303 * 1.0 / math.sqrt(3))
+    with pytest.raises(ValueError):
+        tp.paired_gains([1.0], [1.0, 2.0])
+    one = tp.mean_ci95([5.0])
+    assert one["mean"] == 5.0 and one["ci95"] == [None, None]
+
+
+def test_rotation():
+    m = ["a", "b", "c"]
+    assert [tp.rotation(m, j) for j in range(4)] == [["a", "b", "c"], ["b", "c", "a"], ["c", "a", "b"], ["a", "b", "c"]]
+
+
+# ------------------------------------------------------------------------------ spec
+
+
+def test_spec_names_bad_keys():
+    with pytest.raises(tp.SpecError, match="'repeat'"):
+        tp.resolve_spec({"repeat": 5})
+    with pytest.raises(tp.SpecError, match="'presets'"):
+        tp.resolve_spec({"presets": ["nope"]})
+    with pytest.raises(tp.SpecError, match="'methods'"):
+        tp.resolve_spec({"methods": ["fast"]})
+    with pytest.raises(tp.SpecError, match="'max_updates'"):
+        tp.resolve_spec({"min_updates": 8, "max_updates": 4})
+    with pytest.raises(tp.SpecError, match="'seq_len'"):
+        tp.resolve_spec({"presets": ["smoke"], "seq_len": 128})
+    with pytest.raises(tp.SpecError, match="repeats_by_preset"):
+        tp.resolve_spec({"presets": ["tiny"], "repeats_by_preset": {"4B": 3}})
+    assert tp.resolve_spec({})["repeats"] == 5
+    assert tp.main(["--spec", '{"bogus": 1}', "--out", "/dev/null"]) == 2
+
+
+# ------------------------------------------------------------------------------ matched weights
+
+
+def test_matched_weights_identical_across_methods():
+    import torch
+
+    s = tp.resolve_spec({"presets": ["smoke"], "seq_len": 32})
+    dev = torch.device("cpu")
+    shared = tp.shared_backbone("smoke", s, 97, 0, dev)
+    again = tp.shared_backbone("smoke", s, 97, 0, dev)
+    other = tp.shared_backbone("smoke", s, 97, 1, dev)
+    assert all(torch.equal(shared[k], again[k]) for k in shared)  # seeded: same init for a repeat
+    assert not torch.equal(shared["embed.weight"], other["embed.weight"])  # fresh per repeat
+    models = {n: tp.matched_model("smoke", n, s, 97, shared, dev) for n in ("baseline", "fused-rd", "fused-rd4", "reference-rd4")}
+    for name, m in models.items():
+        sd = m.state_dict()
+        for k, v in shared.items():
+            assert torch.equal(sd[k], v), (name, k)
+        extra = set(sd) - set(shared)
+        assert extra == (set() if name == "baseline" else {"queries"}), name
+        if name != "baseline":
+            assert torch.count_nonzero(m.queries) == 0
+    assert models["fused-rd"].cfg.rank == 32 and models["fused-rd4"].cfg.rank == 8
+    assert models["fused-rd4"].cfg.blocks == 4  # N = 8 clipped to 2L = 4 writes
+    assert models["fused-rd4"].cfg.router == "fused" and models["reference-rd4"].cfg.router == "reference"
+
+
+def test_synthetic_buffer_has_document_boundaries():
+    b = tp.synthetic_buffer(2, 3, 64, 100, 99, 16, 0)
+    assert len(b) == 2 and tuple(b[0].inputs.shape) == (3, 64)
+    assert (b[0].inputs[:, 1:] == b[0].targets[:, :-1]).all()
+    assert int(b[0].doc_ids.max()) >= 1  # several documents per row
+    again = tp.synthetic_buffer(2, 3, 64, 100, 99, 16, 0)
+    assert all((x.inputs == y.inputs).all() for x, y in zip(b, again))
+
+
+def test_fla_skipped_on_cpu():
+    ok, why = tp.fla_available("cpu")
+    assert not ok and "CUDA" in why
+
+
+# ------------------------------------------------------------------------------ a CPU run
+
+
+SMALL = {"presets": ["smoke"], "micro_batch": 2, "seq_len": 32, "repeats": 2, "warmup": 1, "min_updates": 3,
+         "max_updates": 4, "window": 2, "stride": 1, "cv": 0.5, "drift": 0.5,
+         "methods": ["baseline", "fused-rd", "fused-rd4", "reference-rd4", "fla-rd"]}
+
+
+@pytest.fixture(scope="module")
+def cpu_result(tmp_path_factory):
+    out = tmp_path_factory.mktemp("tp") / "throughput.json"
+    assert tp.main(["--spec", json.dumps(SMALL), "--out", str(out)]) == 0
+    return json.loads(out.read_text())
+
+
+def test_cpu_run_json_shape(cpu_result):
+    r = cpu_result
+    assert r["stage"] == "throughput" and r["device"].startswith("cpu") and r["complete"] is True
+    assert r["provenance"]["commit"] is not None or "commit" in r["provenance"]
+    names = [row["name"] for row in r["rows"]]
+    assert names == ["baseline", "fused-rd", "fused-rd4", "reference-rd4"]
+    assert r["skipped"] and r["skipped"][0]["method"] == "fla-rd"
+    for row in r["rows"]:
+        assert row["preset"] == "smoke" and len(row["repeats"]) == 2 and row["mean"] > 0 and row["sd"] is not None
+        assert row["tokens_per_update"] == 64
+    by = {row["name"]: row for row in r["rows"]}
+    assert by["fused-rd"]["r"] == 32 and by["fused-rd4"]["r"] == 8 and by["baseline"]["r"] is None
+    g = r["gains"]["smoke"]
+    assert set(g) == {"rank", "kernel", "routing_rd4", "routing_rd"}
+    assert len(g["rank"]["per_repeat"]) == 2
+    exp = tp.paired_gains(by["fused-rd4"]["repeats"], by["fused-rd"]["repeats"])
+    assert g["rank"]["per_repeat"] == pytest.approx(exp)
+    assert r["claims"] == {}  # small presets on a CPU map onto no published claim
+    runs = r["runs"]
+    assert len(runs) == 8 and all(3 <= x["updates"] <= 4 for x in runs)
+    # rotated order: repeat 1 starts with the second method
+    assert [x["name"] for x in runs if x["repeat"] == 1][0] == "fused-rd"
+
+
+# ------------------------------------------------------------------------------ claims
+
+
+def _fake_gpu_result(device: str) -> dict:
+    s = tp.resolve_spec({"presets": ["1B", "4B"], "micro_batch": 2, "seq_len": 2048, "grad_accum": 4})
+    per = {"fla-rd": [47000, 47100, 47050], "fused-rd": [47800, 47900, 47850], "fused-rd4": [48100, 48200, 48150],
+           "baseline": [60000, 60100, 60050]}
+    rows = []
+    for preset in ("1B", "4B"):
+        for name, v in per.items():
+            st = tp.mean_ci95(v)
+            rows.append({"preset": preset, "size": preset.lower(), "name": name, "method": tp.METHOD_TABLE[name]["method"],
+                         "impl": tp.METHOD_TABLE[name]["impl"], "r": 1536, "d": 1536, "N": 8, "grad_accum": 4,
+                         "tokens_per_update": 16384, "micro_batch": 2, "seq_len": 2048,
+                         "repeats": v, "mean": st["mean"], "sd": st["sd"]})
+    res = {"stage": "throughput", "device": device, "device_type": "cuda", "spec": s, "precision": "bf16",
+           "compile": False, "rows": rows, "gains": {p: tp._gains(per) for p in ("1B", "4B")}, "complete": True,
+           "tokens": "synthetic", "provenance": {"device": device, "finished": "2026-11-29T12:00:00+00:00", "commit": "abc"}}
+    return res, s
+
+
+def test_claims_only_for_paper_shapes_and_gpus():
+    if not PUBLISHED.exists():
+        pytest.skip("reports/published.yaml not present")
+    ids = tp.published_ids(str(PUBLISHED))
+    res, s = _fake_gpu_result("NVIDIA H200")
+    c = tp.claims_for(res, s)
+    assert set(c) == {"sec4.9.rank_gain_positive.1b", "sec4.9.rank_gain_positive.4b"}
+    assert c["sec4.9.rank_gain_positive.1b"]["reproduced"] is True
+    res, s = _fake_gpu_result("NVIDIA H100 80GB HBM3")
+    c = tp.claims_for(res, s)
+    assert set(c) <= ids
+    assert c["table3.tokens_per_s.h100.1b.fla.rd"]["reproduced"] == pytest.approx(47050)
+    assert "table3.rank_gain_ci_high.h100.4b" in c and "sec4.9.combined_gain_pct.h100.1b" in c
+    res["device_type"] = "cpu"
+    assert tp.claims_for(res, s) == {}
+
+
+# ------------------------------------------------------------------------------ report section
+
+
+def _ctx(by_stage: dict, recorded: dict, scale: str = "tiny"):
+    from lrattnres import claims as engine
+    from lrattnres.report import collect_produced
+    from lrattnres.report.context import ReportContext
+
+    published = engine.load_published(PUBLISHED)
+    produced = collect_produced(by_stage, recorded)
+    claims = engine.evaluate_claims(published, produced, scale)
+    return ReportContext(scale=scale, published=published, claims={c["id"]: c for c in claims},
+                         by_stage=by_stage, recorded=recorded)
+
+
+def test_section_without_recorded(cpu_result):
+    if not PUBLISHED.exists():
+        pytest.skip("reports/published.yaml not present")
+    from lrattnres.report.sections import throughput as sec
+
+    assert sec.ORDER == 70 and sec.TITLE
+    html = sec.build(_ctx({"throughput": [dict(cpu_result, _path="t.json")]}, {}))
+    assert "47,436 ± 34" in html and "68,400 ± 309" in html and "[0.030, 1.157]" in html  # published Table 3
+    assert "This run (scale tiny)" in html and "smoke" in html and "Recorded GPU" not in html
+    assert "s/sqrt(n)" in html and "fla-rd skipped" in html
+    empty = sec.build(_ctx({}, {}))
+    assert "Not run" in empty and "47,436 ± 34" in empty
+
+
+def test_section_with_recorded(cpu_result):
+    if not PUBLISHED.exists():
+        pytest.skip("reports/published.yaml not present")
+    from lrattnres.report.sections import throughput as sec
+
+    res, s = _fake_gpu_result("NVIDIA H200")
+    res["claims"] = tp.claims_for(res, s)
+    res["_path"] = "benchmarks/results/throughput_h200.json"
+    ctx = _ctx({"throughput": [dict(cpu_result, _path="t.json")]}, {"throughput_gpu": res})
+    html = sec.build(ctx)
+    assert "Recorded GPU result (NVIDIA H200)" in html and "2026-11-29T12:00:00" in html
+    assert "benchmarks/results/throughput_h200.json" in html
+    assert "48,150 ±" in html  # ours r = d/4 mean
+    assert "sec4.9.rank_gain_positive.1b" in html and "reproduced" in html
+    assert ctx.claims["sec4.9.rank_gain_positive.1b"]["verdict"] == "reproduced"
