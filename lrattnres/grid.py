@@ -146,7 +146,10 @@ def paper_row(run: dict, d_model: int) -> str | None:
 
 
 def read_curve(metrics_path: Path) -> tuple[list[dict], list[dict]]:
-    """(validation points, per-step points) of a run's metrics.jsonl."""
+    """(validation points, per-update points) of a run's metrics.jsonl (lrattnres.train.metrics).
+
+    Validation points are the periodic ``val`` records and the ``final_val`` record; update points
+    are the ``train`` records."""
     val, steps = [], []
     if not metrics_path.exists():
         return val, steps
@@ -154,10 +157,10 @@ def read_curve(metrics_path: Path) -> tuple[list[dict], list[dict]]:
         if not line.strip():
             continue
         rec = json.loads(line)
-        kind = rec.get("kind", "step")
-        if kind == "val":
-            val.append({"step": rec.get("step"), "tokens": rec.get("tokens"), "ce": rec.get("val_ce", rec.get("ce"))})
-        elif kind == "step":
+        kind = rec.get("kind")
+        if kind in ("val", "final_val"):
+            val.append({"step": rec.get("step"), "tokens": rec.get("tokens"), "ce": rec.get("val_ce"), "final": kind == "final_val"})
+        elif kind == "train":
             steps.append({"step": rec.get("step"), "tokens": rec.get("tokens"), "grad_norm": rec.get("grad_norm"), "ce": rec.get("ce")})
     return val, steps
 
