@@ -34,6 +34,9 @@ Parameter names (stable; the conversion stage rotates them):
     layers.{i}.attn.route_key.weight  [r, d]    plr: W^K of write 2i+1
     layers.{i}.mlp.route_key.weight   [r, m]    plr: W^K of write 2i+2
 
+Precision: routing runs in fp32 (fp64 for an fp64 model).  Under autocast every write is cast to the
+embedding's dtype, so all sources of a read share one dtype, as the baseline's residual sum does.
+
 Router: ``reference`` mixes with ``routing.route``; ``fused`` with ``kernels.attnres`` (imported on
 first use); ``auto`` = fused on CUDA when ``kernels`` imports, reference otherwise.  ``plr`` scores
 its projected keys in PyTorch (``routing.route_keys``); so does any forward that returns routing
@@ -133,11 +136,11 @@ def model_config(spec) -> ModelConfig:
     values.update(spec)
     if values.get("vocab_size") is None and preset is not None:
         raise ValueError(f"vocab_size: preset {preset!r} takes it from the data manifest; pass vocab_size with it")
-    if values.get("method") == "attnres" and "rank" not in spec:
-        values["rank"] = values["d_model"]
     missing = sorted(f.name for f in dataclasses.fields(ModelConfig) if f.default is dataclasses.MISSING and f.name not in values)
     if missing:
         raise ValueError(f"model config lacks field(s) {missing} (or name a 'preset')")
+    if values.get("method") == "attnres" and "rank" not in spec:
+        values["rank"] = values["d_model"]
     return ModelConfig(**values)
 
 
@@ -227,6 +230,8 @@ def _kernels():
 
 
 class LRAttnResLM(nn.Module):
+    """The decoder of every method: embedding, L layers (2L writers), depth reads, head."""
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
@@ -257,7 +262,7 @@ class LRAttnResLM(nn.Module):
         """Logits [B, T, V]; with ``return_routing`` also the fp32 routing weights of the 2L reads,
         each [B, T, S_t] (read t after write t; an empty list for the baseline)."""
         cfg = self.cfg
-        B, T = input_ids.shape
+        T = input_ids.shape[1]
         if T > cfg.max_seq_len:
             raise ValueError(f"input length {T} exceeds max_seq_len={cfg.max_seq_len}")
         norm = functools.partial(rms_norm, eps=cfg.norm_eps)
@@ -265,12 +270,12 @@ class LRAttnResLM(nn.Module):
         dev = x.device.type
         dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
         attend = make_attention(doc_ids, seq_len=T, device=x.device, dtype=dtype, backend=cfg.attention)
-        rope = (self.rope_cos[:T], self.rope_sin[:T], attend)
+        sub_args = (self.rope_cos[:T], self.rope_sin[:T], attend)
 
         if cfg.method == "baseline":
             h = x
             for sub in self.sublayers():
-                h = h + sub(norm(h), *rope)[0]
+                h = h + sub(norm(h), *sub_args)[0]
             logits = self.head(norm(h))
             return (logits, []) if return_routing else logits
 
@@ -280,7 +285,7 @@ class LRAttnResLM(nn.Module):
         fused = None if return_routing or keys is not None else self._fused_router(x.device)
         h, routing = x, []
         for t, sub in enumerate(self.sublayers()):
-            o, k = sub(norm(h), *rope)
+            o, k = sub(norm(h), *sub_args)
             values.write(o.to(x.dtype))  # under autocast: sources share the embedding's dtype
             query = self.queries[t]
             if keys is not None:
