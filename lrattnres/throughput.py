@@ -58,6 +58,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import gc
 import json
 import math
@@ -112,7 +113,7 @@ DEFAULTS: dict[str, Any] = {
     "seed": 0,
     "vocab_size": None,  # synthetic tokens: None = the preset's vocabulary (512 for the small presets)
     "doc_len_median": 512,  # synthetic tokens: median document length (log-normal, sigma 1)
-    "deadline_s": None,  # stop starting new repeats after this many seconds (a partial result is written)
+    "deadline_s": None,  # start no new repeat after this many seconds from the start (number, or {preset: s})
     "threads": "auto",  # torch.set_num_threads; auto: 1 on the CPU (steadier timing on a shared machine), untouched on CUDA
     "published": None,  # path of published.yaml (claim ids); default: reports/published.yaml of the repo
 }
@@ -184,8 +185,10 @@ def resolve_spec(spec: dict | None) -> dict:
     _check(_is_int(s["seed"]) and s["seed"] >= 0, "seed", "a non-negative int", s["seed"])
     _check(s["vocab_size"] is None or (_is_int(s["vocab_size"]) and s["vocab_size"] >= 2), "vocab_size",
            "null or an int >= 2", s["vocab_size"])
-    _check(s["deadline_s"] is None or (_is_num(s["deadline_s"]) and s["deadline_s"] > 0), "deadline_s",
-           "null or a positive number of seconds", s["deadline_s"])
+    dl = s["deadline_s"]
+    _check(dl is None or (_is_num(dl) and dl > 0) or (isinstance(dl, dict) and all(p in s["presets"] and _is_num(v)
+                                                                                   and v > 0 for p, v in dl.items())),
+           "deadline_s", "null, a positive number of seconds, or {preset: seconds} (counted from the start)", dl)
     _check(s["threads"] in (None, "auto") or (_is_int(s["threads"]) and s["threads"] >= 1), "threads",
            "'auto', null or an int >= 1", s["threads"])
     _check(s["published"] is None or isinstance(s["published"], str), "published", "null or a path", s["published"])
@@ -482,6 +485,8 @@ def time_method(model, batches: list, s: dict, device, precision: str, log=None)
 
     gc.collect()
     _sync(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
     t0 = time.perf_counter()
     for _ in range(s["warmup"]):
         update()
@@ -498,8 +503,9 @@ def time_method(model, batches: list, s: dict, device, precision: str, log=None)
                                 window=s["window"], stride=s["stride"], cv=s["cv"], drift=s["drift"])
         if stop:
             break
+    peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
     del optimizers, fwd, lm
-    return {"times_s": times, "warmup_s": warm_s, "stopped": why, "final_ce": ce}
+    return {"times_s": times, "warmup_s": warm_s, "stopped": why, "final_ce": ce, "peak_mem_gib": peak}
 
 
 def _free(device) -> None:
@@ -575,7 +581,6 @@ def run(spec: dict, data: str | None = None, log=None, on_repeat: Callable[[dict
     else:
         result["notes"].append("eager mode (compile false): the paper times compiled models (fullgraph=True).")
 
-    stop_all = False
     for preset in s["presets"]:
         methods = list(s["methods_by_preset"].get(preset, s["methods"]))
         if "fla-rd" in methods and not fla_ok:
@@ -610,21 +615,32 @@ def run(spec: dict, data: str | None = None, log=None, on_repeat: Callable[[dict
                                "r": cfg.get("rank"), "d": d, "N": cfg.get("blocks"),
                                "tokens_per_update": tokens_per_update, "grad_accum": accum,
                                "micro_batch": s["micro_batch"], "seq_len": s["seq_len"]}
+        dl = s["deadline_s"].get(preset) if isinstance(s["deadline_s"], dict) else s["deadline_s"]
+        failed: set[str] = set()
         for j in range(repeats):
-            if s["deadline_s"] and time.perf_counter() - t_start > s["deadline_s"]:
-                result["notes"].append(f"deadline_s={s['deadline_s']} reached: {preset} stopped after {j} repeats")
-                say(f"[throughput] deadline reached before {preset} repeat {j}")
-                stop_all = True
+            if dl and time.perf_counter() - t_start > dl:
+                result["notes"].append(f"deadline {dl:g} s reached: {preset} stopped after {j} of {repeats} repeats")
+                say(f"[throughput] deadline {dl:g} s reached before {preset} repeat {j}")
+                result["cut"] = True
                 break
             t_rep = time.perf_counter()
             shared = shared_backbone(preset, s, vocab, j, device)
             got: dict[str, float] = {}
             for pos, name in enumerate(rotation(methods, j)):
-                model = matched_model(preset, name, s, vocab, shared, device)
-                model.train()
-                rec = time_method(model, batches, s, device, precision, log=say)
-                del model
-                _free(device)
+                model = None
+                try:
+                    model = matched_model(preset, name, s, vocab, shared, device)
+                    model.train()
+                    rec = time_method(model, batches, s, device, precision, log=say)
+                except Exception as e:  # one failing method (an unsupported shape, OOM) must not end the run
+                    why = f"{type(e).__name__}: {str(e)[:500]}"
+                    say(f"[throughput] {preset} repeat {j} {name} FAILED, dropped from the comparison: {why}")
+                    result["skipped"].append({"preset": preset, "method": name, "why": f"failed in repeat {j}: {why}"})
+                    failed.add(name)
+                    continue
+                finally:
+                    del model
+                    _free(device)
                 n = len(rec["times_s"])
                 v = tokens_per_update * n / sum(rec["times_s"])
                 got[name] = v
@@ -634,8 +650,16 @@ def run(spec: dict, data: str | None = None, log=None, on_repeat: Callable[[dict
                     f"({rec['stopped']}; warm-up {rec['warmup_s']:.1f} s)")
             del shared
             _free(device)
+            for name in failed:
+                if name in methods:
+                    methods.remove(name)
+                per_method.pop(name, None)
+            failed.clear()
+            if not methods:
+                break
             for name, v in got.items():
-                per_method[name].append(v)
+                if name in per_method:
+                    per_method[name].append(v)
             result["rows"] = [r for r in result["rows"] if r["preset"] != preset] + [
                 _row(rows_meta[m], per_method[m]) for m in methods]
             result["gains"][preset] = _gains(per_method)
@@ -646,9 +670,7 @@ def run(spec: dict, data: str | None = None, log=None, on_repeat: Callable[[dict
             if on_repeat is not None:
                 on_repeat(result)
         del batches
-        if stop_all:
-            break
-    result["complete"] = not stop_all
+    result["complete"] = not result.get("cut", False)
     result["claims"] = claims_for(result, s)
     result["elapsed_s"] = time.perf_counter() - t_start
     result["provenance"] = provenance(s, started=started)
@@ -676,9 +698,15 @@ def published_ids(path: str | None = None) -> set[str]:
     p = Path(path) if path else Path(__file__).resolve().parent.parent / "reports" / "published.yaml"
     if not p.exists():
         return set()
+    return set(_ids_of(str(p.resolve()), p.stat().st_mtime_ns))
+
+
+@functools.lru_cache(maxsize=4)
+def _ids_of(path: str, mtime_ns: int) -> frozenset:
     import yaml
 
-    return {r["id"] for r in yaml.safe_load(p.read_text(encoding="utf-8")) or [] if isinstance(r, dict) and "id" in r}
+    data = yaml.safe_load(Path(path).read_text(encoding="utf-8")) or []
+    return frozenset(r["id"] for r in data if isinstance(r, dict) and "id" in r)
 
 
 def paper_gpu(device_name: str) -> str | None:

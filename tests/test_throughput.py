@@ -286,3 +286,31 @@ def test_section_with_recorded(cpu_result):
     assert "48,150 ±" in html  # ours r = d/4 mean
     assert "sec4.9.rank_gain_positive.1b" in html and "reproduced" in html
     assert ctx.claims["sec4.9.rank_gain_positive.1b"]["verdict"] == "reproduced"
+
+
+def test_failing_method_is_dropped_and_deadline_cuts(tmp_path, monkeypatch):
+    real = tp.time_method
+
+    def flaky(model, *a, **k):
+        if model.cfg.method == "lr" and model.cfg.router == "reference":
+            raise RuntimeError("boom")
+        return real(model, *a, **k)
+
+    monkeypatch.setattr(tp, "time_method", flaky)
+    spec = dict(SMALL, methods=["fused-rd", "fused-rd4", "reference-rd4"], repeats=2, max_updates=3)
+    r = tp.run(spec)
+    assert [row["name"] for row in r["rows"]] == ["fused-rd", "fused-rd4"]
+    assert any(x["method"] == "reference-rd4" and "boom" in x["why"] for x in r["skipped"])
+    assert len(r["gains"]["smoke"]["rank"]["per_repeat"]) == 2 and r["complete"]
+    cut = tp.run(dict(spec, deadline_s={"smoke": 1e-9}))
+    assert cut["complete"] is False and cut["rows"] == [] and "deadline" in cut["notes"][-1]
+
+
+def test_gpu_script_spec_resolves():
+    import re
+
+    text = (ROOT / "benchmarks" / "throughput_gpu.sh").read_text()
+    spec = json.loads(re.search(r"SPEC='(.*?)'", text, re.S).group(1))
+    s = tp.resolve_spec(spec)
+    assert s["presets"] == ["1B", "4B"] and s["device"] == "cuda" and s["compile"] is False
+    assert "--out \"$OUT/throughput_h200.json\"" in text and "PYTHONUNBUFFERED=1" in text

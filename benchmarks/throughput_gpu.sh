@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# Table 3 on one GPU: the throughput protocol of Section 4.9 / Appendix I at the paper's 1B and 4B shapes.
+#
+#   OUT=/some/dir bash benchmarks/throughput_gpu.sh        # from the repository root; OUT defaults to benchmarks/results
+#
+# Writes $OUT/throughput_h200.json (the stage's result JSON, rewritten after every repeat, so a run cut off
+# by the call's time limit still leaves the finished repeats), $OUT/throughput_h200.log, $OUT/pip.log and
+# $OUT/nvidia-smi.txt.  Copy throughput_h200.json to benchmarks/results/ and config.yaml's
+# recorded.throughput_gpu points the report at it.
+#
+# Settings, chosen to fit one call of at most 9 minutes (see the deadlines):
+#   1B: micro-batch 2 x 2048, 4 accumulation steps (16,384 tokens per update; the paper uses 64 steps,
+#       262,144 tokens), 5 repeats, methods FLA r=d, ours r=d, ours r=d/4, plain backbone, reference r=d/4.
+#   4B: micro-batch 2 x 2048, 2 accumulation steps (8,192 tokens per update), 3 repeats, the three methods
+#       of Table 3 (FLA r=d, ours r=d, ours r=d/4).
+#   Both: N = 8, bf16 autocast, eager (compile off: compiling five 1B and three 4B models would take
+#   most of the call; the paper times fullgraph-compiled models), 3 warm-up updates, 8-30 measured updates
+#   with the paper's stopping rule (two six-update windows, CV <= 1%, drift <= 0.5%), rotated method order,
+#   synthetic tokens (vocabulary 100,277, log-normal documents of median 512 tokens, document masking on).
+#   No new 1B repeat starts after 270 s, no new 4B repeat after 430 s; the Python process is stopped at 545 s.
+# FLA: fla-core is installed from .whl/ (carry it: it is git-ignored); without it FLA is skipped with a note.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-benchmarks/results}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+PY=${PYTHON:-python}
+SITE=/tmp/site
+if compgen -G ".whl/*.whl" > /dev/null; then
+  $PY -m pip install --no-index --no-deps --target "$SITE" .whl/*.whl > "$OUT/pip.log" 2>&1 \
+    || echo "pip install of .whl/ failed (see pip.log); FLA will be skipped" | tee -a "$OUT/pip.log"
+  export PYTHONPATH="$SITE:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+else
+  echo "no .whl/ folder: FLA will be skipped" > "$OUT/pip.log"
+  export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+fi
+nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1 || true
+$PY -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name(0))" 2>&1 | tee "$OUT/throughput_h200.log"
+$PY -c "import fla.ops.attnres; print('fla ok')" >> "$OUT/throughput_h200.log" 2>&1 || echo "fla does not import" >> "$OUT/throughput_h200.log"
+
+SPEC='{"presets": ["1B", "4B"], "micro_batch": 2, "seq_len": 2048, "grad_accum": 4,
+ "grad_accum_by_preset": {"4B": 2}, "repeats": 5, "repeats_by_preset": {"4B": 3},
+ "methods": ["fla-rd", "fused-rd", "fused-rd4", "baseline", "reference-rd4"],
+ "methods_by_preset": {"4B": ["fla-rd", "fused-rd", "fused-rd4"]},
+ "warmup": 3, "min_updates": 8, "max_updates": 30, "window": 6, "stride": 2, "cv": 0.01, "drift": 0.005,
+ "blocks": 8, "device": "cuda", "precision": "bf16", "compile": false, "doc_len_median": 512,
+ "deadline_s": {"1B": 270, "4B": 430}}'
+
+timeout --signal=TERM --kill-after=10 545 \
+  $PY -m lrattnres throughput --spec "$SPEC" --out "$OUT/throughput_h200.json" 2>&1 | tee -a "$OUT/throughput_h200.log"
+rc=${PIPESTATUS[0]}
+echo "throughput exit code $rc" | tee -a "$OUT/throughput_h200.log"
+ls -la "$OUT"
+exit 0
