@@ -244,7 +244,9 @@ def main(argv=None) -> int:
         (out / f"{stem}.json").write_text(json.dumps(doc, indent=2) + "\n")
         (out / f"{stem}.md").write_text(
             f"# Training-step throughput ({doc['device']}, {a.preset}, mb {a.micro_batch} x {a.seq_len}, "
-            f"accum {a.grad_accum}, {doc['date']})\n\n" + _table(doc["rows"]))
+            f"accum {a.grad_accum}, {doc['date']})\n\n"
+            + ("Smoke run: checks that the script works; the numbers mean nothing.\n\n" if a.smoke else "")
+            + _table(doc["rows"]))
 
     longest = 0.0
     for n in names:

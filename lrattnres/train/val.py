@@ -22,7 +22,7 @@ IGNORE_INDEX = -100
 class _CEZ(torch.autograd.Function):
     """Sums of per-token CE and of logsumexp^2 over valid rows, with a one-pass backward.
 
-    Forward: max, exp, sum, normalise (the probabilities are kept); backward:
+    Forward: max, exp, sum (the numerators are kept); backward:
     ``dlogits = p * (g_ce + 2 g_z lse) - g_ce * onehot(target)`` on valid rows.  Eager PyTorch
     would run log-softmax and its backward plus extra full-size passes for the second term; this
     is about 2x cheaper on a CPU.  Under torch.compile the plain formulation is used instead
@@ -33,9 +33,8 @@ class _CEZ(torch.autograd.Function):
     def forward(ctx, logits, targets):
         x = logits.float()
         m = x.amax(dim=-1, keepdim=True)
-        p = (x - m).exp_()
-        s = p.sum(dim=-1, keepdim=True)
-        p.div_(s)
+        e = (x - m).exp_()  # softmax numerators; normalised in the backward pass
+        s = e.sum(dim=-1, keepdim=True)
         lse = (m + s.log()).squeeze(-1)
         valid = targets != IGNORE_INDEX
         t = targets.clamp_min(0).unsqueeze(-1)
@@ -43,15 +42,15 @@ class _CEZ(torch.autograd.Function):
         zero = torch.zeros((), dtype=lse.dtype, device=lse.device)
         ce_sum = torch.where(valid, ce, zero).sum()
         z_sum = torch.where(valid, lse.square(), zero).sum()
-        ctx.save_for_backward(p, lse, t, valid)
+        ctx.save_for_backward(e, s, lse, t, valid)
         ctx.in_dtype = logits.dtype
         return ce_sum, z_sum
 
     @staticmethod
     def backward(ctx, g_ce, g_z):
-        p, lse, t, valid = ctx.saved_tensors
+        e, s, lse, t, valid = ctx.saved_tensors
         coef = torch.where(valid, g_ce + 2.0 * g_z * lse, torch.zeros((), dtype=lse.dtype, device=lse.device))
-        grad = p.mul_(coef.unsqueeze(-1))
+        grad = e.mul_(coef.unsqueeze(-1) / s)  # in place: the backward of this node runs once
         grad.scatter_add_(-1, t, torch.where(valid, -g_ce, 0.0).to(grad.dtype).expand(t.shape[:-1]).unsqueeze(-1).contiguous())
         return grad.to(ctx.in_dtype), None
 
