@@ -213,3 +213,13 @@ def test_sigterm_writes_checkpoint_that_resumes(manifest, tmp_path):
     with pytest.raises(Preempted, match=f"stopped at step {k + 2}"):
         train(spec, manifest, tmp_path, progress=False, stop_after=k + 2)
     assert [r["step"] for r in records(tmp_path)] == list(range(1, k + 3))
+
+
+def test_code_change_starts_over(manifest, tmp_path, monkeypatch):
+    with pytest.raises(Preempted):
+        train(make_spec(steps=3), manifest, tmp_path, progress=False, stop_after=1)
+    monkeypatch.setattr(loop, "code_fingerprint", lambda: "other")
+    with pytest.raises(ResumeMismatch, match="other training code"):
+        train(make_spec(steps=3), manifest, tmp_path, progress=False, resume="must")
+    res = train(make_spec(steps=3, val={"final": False}), manifest, tmp_path, progress=False)
+    assert not res["resumed"] and [r["step"] for r in records(tmp_path)] == [1, 2, 3]

@@ -23,8 +23,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--spec", required=True, help="the run's settings as a JSON object, or @file.json")
     p.add_argument("--data", required=True, help="data manifest (manifest.json of prepare-data)")
     p.add_argument("--out", required=True, help="run folder (spec.json, metrics.jsonl, checkpoint.pt, model.pt, result.json)")
-    p.add_argument("--resume", choices=("auto", "never", "must"), default="auto",
-                   help="auto: continue from <out>/checkpoint.pt when present (default)")
+    p.add_argument("--resume", choices=("auto", "never", "must", "force"), default="auto",
+                   help="auto (default): continue from <out>/checkpoint.pt when present and written by the same "
+                        "training code, else start over; never: start over; must: fail unless it can continue; "
+                        "force: continue even if the training code changed")
     p.add_argument("--stop-after", type=int, default=None, help="checkpoint and exit 75 after this many updates")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (CPU)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")

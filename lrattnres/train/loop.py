@@ -27,6 +27,7 @@ import json
 import math
 import os
 import signal
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -143,6 +144,20 @@ def file_sha256(path: str | os.PathLike) -> str:
     return h.hexdigest()
 
 
+_REPO = Path(__file__).resolve().parent.parent.parent
+CODE_FILES = ("lrattnres/train/*.py", "lrattnres/model.py", "lrattnres/routing.py", "lrattnres/attention.py",
+              "lrattnres/presets.py", "lrattnres/data/loader.py", "kernels/*.py")
+
+
+def code_fingerprint() -> str:
+    """sha256 over the source of the training stack (a resumed run must not mix two versions)."""
+    h = hashlib.sha256()
+    for pattern in CODE_FILES:
+        for f in sorted(_REPO.glob(pattern)):
+            h.update(f.relative_to(_REPO).as_posix().encode() + b"\0" + f.read_bytes() + b"\0")
+    return h.hexdigest()
+
+
 def resolve_model_config(model_spec: dict, vocab_size: int, seq_len: int):
     """The ModelConfig of a run: the spec's model fields plus the manifest's vocabulary size."""
     from lrattnres.model import model_config
@@ -198,8 +213,10 @@ class _StopFlag:
 def train(spec: dict, data: str | os.PathLike, out: str | os.PathLike, **kw) -> dict[str, Any]:
     """Train one run; returns the result dict (also written to ``<out>/result.json`` by rank 0).
 
-    Keywords: ``resume``: ``auto`` (continue from ``<out>/checkpoint.pt`` if present), ``never``
-    (start over, ignoring a checkpoint), ``must`` (fail without one).  ``stop_after``: stop after
+    Keywords: ``resume``: ``auto`` (continue from ``<out>/checkpoint.pt`` if present and written by
+    the same training code, else start over), ``never`` (start over, ignoring a checkpoint),
+    ``must`` (fail without a checkpoint of the same code), ``force`` (continue even if the code
+    changed).  The spec, architecture, data and world size must match in every mode.  ``stop_after``: stop after
     that many total updates, writing a checkpoint as on preemption (for tests and time-sliced jobs;
     raises :class:`Preempted`).  ``progress``: show the tqdm bar.  SIGTERM/SIGINT are caught from
     the start (a signal during start-up still stops at the first step boundary with a checkpoint).
@@ -233,7 +250,6 @@ def _train(
         dist.init_process_group(backend=backend)
     master = rank == 0
     device = _device(s["device"], local_rank)
-    say = log or (lambda msg: print(msg, file=__import__("sys").stderr, flush=True))
 
     from lrattnres.data import TokenLoader, iter_eval_batches, load_manifest
 
@@ -258,13 +274,26 @@ def _train(
     # ---- resume -------------------------------------------------------------------------------
     step, tokens, train_s, grad_norms, wall_prev, cpu_prev = 0, 0, 0.0, [], 0.0, 0.0
     ck_path = out / "checkpoint.pt"
-    if resume not in ("auto", "never", "must"):
-        raise ValueError(f"resume must be auto, never or must, got {resume!r}")
-    if resume == "must" and not ck_path.exists():
+    say = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
+    if resume not in ("auto", "never", "must", "force"):
+        raise ValueError(f"resume must be auto, never, must or force, got {resume!r}")
+    if resume in ("must", "force") and not ck_path.exists():
         raise FileNotFoundError(f"{ck_path}: --resume must, but there is no checkpoint")
     resumed = False
+    fingerprint = code_fingerprint()
     if resume != "never" and ck_path.exists():
         st = ckpt.load(ck_path, map_location="cpu")
+        if st.get("code_sha256") != fingerprint and resume != "force":
+            msg = (f"{ck_path} was written by other training code (code sha256 {str(st.get('code_sha256'))[:12]} "
+                   f"!= {fingerprint[:12]})")
+            if resume == "must":
+                raise ResumeMismatch(f"refusing to resume: {msg}")
+            say(f"[train] {msg}: starting over (a run must not mix two code versions; "
+                "--resume force continues anyway, --resume must refuses)")
+            st = None
+    else:
+        st = None
+    if st is not None:
         problems = []
         keys = spec_mod.diff_keys(st["spec"], s)
         if keys:
@@ -333,7 +362,7 @@ def _train(
                 "wall_s": wall_prev + time.perf_counter() - t_process,
                 "cpu_s": cpu_prev + time.process_time() - cpu_process,
                 "rng": rngs, "loader": loader_states, "world_size": world, "spec": s,
-                "manifest_sha256": manifest_sha,
+                "manifest_sha256": manifest_sha, "code_sha256": fingerprint,
             }, ck_path)
 
     bar = progress_bar(steps_total, step, enabled=master and progress, desc=out.name or "train")
