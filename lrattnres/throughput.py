@@ -116,6 +116,7 @@ DEFAULTS: dict[str, Any] = {
     "deadline_s": None,  # start no new repeat after this many seconds from the start (number, or {preset: s})
     "threads": "auto",  # torch.set_num_threads; auto: 1 on the CPU (steadier timing on a shared machine), untouched on CUDA
     "published": None,  # path of published.yaml (claim ids); default: reports/published.yaml of the repo
+    "claims": True,  # false: produce no claims (a second recorded result of the same sizes)
 }
 
 SMALL_VOCAB = 512
@@ -192,6 +193,7 @@ def resolve_spec(spec: dict | None) -> dict:
     _check(s["threads"] in (None, "auto") or (_is_int(s["threads"]) and s["threads"] >= 1), "threads",
            "'auto', null or an int >= 1", s["threads"])
     _check(s["published"] is None or isinstance(s["published"], str), "published", "null or a path", s["published"])
+    _check(isinstance(s["claims"], bool), "claims", "a bool", s["claims"])
     for p in s["presets"]:
         ml = PRESETS[p]["max_seq_len"]
         _check(s["seq_len"] <= ml, "seq_len", f"at most preset {p!r}'s max_seq_len={ml}", s["seq_len"])
@@ -380,7 +382,9 @@ def fla_router(compile_safe: bool = False) -> Callable:
         key = (query.device, query.dtype, d)
         if key not in ones:
             ones[key] = torch.ones(d, device=query.device, dtype=query.dtype)
-        return fused_attnres(query, list(sources), ones[key], rms_eps=eps)
+        dt = sources[0].dtype  # FLA wants same-dtype sources (the model writes them in the embedding's dtype)
+        srcs = [x if x.dtype == dt else x.to(dt) for x in sources]
+        return fused_attnres(query, srcs, ones[key], rms_eps=eps)
 
     return torch.compiler.disable(route) if compile_safe else route
 
@@ -719,7 +723,7 @@ def paper_gpu(device_name: str) -> str | None:
 
 def claims_for(result: dict, s: dict, ids: set[str] | None = None) -> dict[str, dict]:
     """Claims of a (partial) result: only for the paper's shapes on a GPU (see the module docstring)."""
-    if result.get("device_type") != "cuda":
+    if result.get("device_type") != "cuda" or not s.get("claims", True):
         return {}
     ids = published_ids(s.get("published")) if ids is None else ids
     gpu = paper_gpu(result.get("device", ""))

@@ -281,7 +281,7 @@ def test_section_with_recorded(cpu_result):
     res["_path"] = "benchmarks/results/throughput_h200.json"
     ctx = _ctx({"throughput": [dict(cpu_result, _path="t.json")]}, {"throughput_gpu": res})
     html = sec.build(ctx)
-    assert "Recorded GPU result (NVIDIA H200)" in html and "2026-11-29T12:00:00" in html
+    assert "Recorded GPU result (NVIDIA H200, eager)" in html and "2026-11-29T12:00:00" in html
     assert "benchmarks/results/throughput_h200.json" in html
     assert "48,150 ±" in html  # ours r = d/4 mean
     assert "sec4.9.rank_gain_positive.1b" in html and "reproduced" in html
@@ -310,7 +310,52 @@ def test_gpu_script_spec_resolves():
     import re
 
     text = (ROOT / "benchmarks" / "throughput_gpu.sh").read_text()
-    spec = json.loads(re.search(r"SPEC='(.*?)'", text, re.S).group(1))
-    s = tp.resolve_spec(spec)
+    specs = [tp.resolve_spec(json.loads(m)) for m in re.findall(r"SPEC='(.*?)'", text, re.S)]
+    s = specs[0]
     assert s["presets"] == ["1B", "4B"] and s["device"] == "cuda" and s["compile"] is False
-    assert "--out \"$OUT/throughput_h200.json\"" in text and "PYTHONUNBUFFERED=1" in text
+    assert len(specs) == 2 and specs[1]["compile"] is True
+    assert "--out \"$OUT/$NAME.json\"" in text and "NAME=throughput_h200\n" in text and "PYTHONUNBUFFERED=1" in text
+
+
+def test_fla_adapter_wiring_with_a_stand_in(monkeypatch):
+    """The FLA router is wired into the model through the adapter (rms_weight = ones, r = d); a stand-in
+    fused_attnres with FLA's signature and semantics gives the reference router's logits."""
+    import sys
+    import types
+
+    import torch
+
+    from lrattnres.routing import rms_norm
+
+    calls = []
+
+    def fused_attnres(query, residuals, rms_weight, output_rms_weight=None, rms_eps=1e-6, **kw):
+        calls.append(rms_weight)
+        v = torch.stack(list(residuals))
+        logits = (rms_norm(v, rms_eps) * rms_weight * query).sum(-1)
+        return (logits.softmax(0).unsqueeze(-1) * v).sum(0)
+
+    mod = types.ModuleType("fla.ops.attnres")
+    mod.fused_attnres = fused_attnres
+    for name in ("fla", "fla.ops"):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    monkeypatch.setitem(sys.modules, "fla.ops.attnres", mod)
+    monkeypatch.setattr(tp, "fla_available", lambda device_type: (True, "stand-in"))
+
+    s = tp.resolve_spec({"presets": ["smoke"], "seq_len": 32})
+    dev = torch.device("cpu")
+    shared = tp.shared_backbone("smoke", s, 97, 0, dev)
+    fla = tp.matched_model("smoke", "fla-rd", s, 97, shared, dev)
+    ref = tp.matched_model("smoke", "fused-rd", s, 97, shared, dev)
+    torch.manual_seed(1)
+    q = torch.randn_like(fla.queries) * 0.5
+    with torch.no_grad():
+        fla.queries.copy_(q)
+        ref.queries.copy_(q)
+    x = torch.randint(0, 97, (2, 32))
+    out = fla(x)
+    assert calls and all(torch.equal(w, torch.ones(32)) for w in calls)
+    torch.testing.assert_close(out, ref(x), rtol=1e-5, atol=1e-5)
+    route = tp.fla_router()
+    with pytest.raises(ValueError, match="r = d"):
+        route([torch.zeros(2, 32)], torch.zeros(8))
