@@ -139,7 +139,8 @@ def run_config(name, a, device):
     spec = resolve({"model": m, "steps": 1, "micro_batch": a.micro_batch, "seq_len": a.seq_len,
                     "grad_accum": a.grad_accum, "precision": "bf16" if device.type == "cuda" else "fp32"})
     torch.manual_seed(a.seed)
-    model = build_model(m).to(device)
+    with torch.device(device):  # initialise on the GPU: same seed, same backbone weights in every config
+        model = build_model(m)
     n_params = model.num_parameters()
     opts = build_optimizers(model, spec["optim"], device.type)
     params = [p for p in model.parameters() if p.requires_grad]
@@ -228,6 +229,19 @@ def main(argv=None) -> int:
         "goal": {"lr_fused_vs_baseline_min": 0.90, "lr_fused_tokens_per_s_min": 62000, "applies_to": "1B on one H200"},
         "rows": [], "skipped": [],
     }
+    try:
+        from lrattnres.attention import resolve_backend
+
+        doc["attention_backend_eager"] = resolve_backend(a.attention, device, torch.bfloat16)
+        doc["attention_note"] = "under torch.compile, 'auto' resolves when traced (see lrattnres.attention)"
+    except Exception as e:  # pragma: no cover
+        doc["attention_backend_eager"] = f"unknown ({e})"
+    try:
+        import kernels  # noqa: F401
+
+        doc["kernels_import"] = True
+    except Exception as e:
+        doc["kernels_import"] = f"{type(e).__name__}: {e}"
 
     def write():
         base = next((r for r in doc["rows"] if r["config"] == "baseline" and "error" not in r), None)

@@ -265,7 +265,11 @@ def _train(
     _seed_all(s["seed"])
     from lrattnres.model import build_model
 
-    model = build_model(mcfg).to(device)
+    if device.type == "cuda":
+        with torch.device(device):  # initialise on the GPU (a 4B model takes long on the CPU)
+            model = build_model(mcfg)
+    else:
+        model = build_model(mcfg)
     optimizers = build_optimizers(model, s["optim"], device.type)
     lrs = base_lrs(s["optim"])
     params = [p for p in model.parameters() if p.requires_grad]
