@@ -508,8 +508,10 @@ def time_method(model, batches: list, s: dict, device, precision: str, log=None)
         if stop:
             break
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+    wdtype = str(next(model.parameters()).dtype).replace("torch.", "")
     del optimizers, fwd, lm
-    return {"times_s": times, "warmup_s": warm_s, "stopped": why, "final_ce": ce, "peak_mem_gib": peak}
+    return {"times_s": times, "warmup_s": warm_s, "stopped": why, "final_ce": ce, "peak_mem_gib": peak,
+            "weights_dtype": wdtype}
 
 
 def _free(device) -> None:
