@@ -48,6 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     from lrattnres.train.loop import EXIT_NONFINITE, EXIT_PREEMPTED, NonFiniteLoss, Preempted, ResumeMismatch, train
+    from lrattnres.data import ManifestError
     from lrattnres.train.spec import SpecError
 
     try:
@@ -58,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     except NonFiniteLoss as e:
         print(f"train: {e}", file=sys.stderr)
         return EXIT_NONFINITE
-    except (SpecError, ResumeMismatch, FileNotFoundError) as e:
+    except (SpecError, ResumeMismatch, ManifestError, FileNotFoundError) as e:
         print(f"train: {e}", file=sys.stderr)
         return 2
     finally:
