@@ -17,7 +17,7 @@
 #   most of the call; the paper times fullgraph-compiled models), 3 warm-up updates, 8-30 measured updates
 #   with the paper's stopping rule (two six-update windows, CV <= 1%, drift <= 0.5%), rotated method order,
 #   synthetic tokens (vocabulary 100,277, log-normal documents of median 512 tokens, document masking on).
-#   No new 1B repeat starts after 270 s, no new 4B repeat after 430 s; the Python process is stopped at 545 s.
+#   No new 1B repeat starts after 260 s, no new 4B repeat after 410 s; the Python process is stopped at 520 s.
 # FLA: fla-core is installed from .whl/ (carry it: it is git-ignored); without it FLA is skipped with a note.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -44,7 +44,7 @@ SPEC='{"presets": ["1B", "4B"], "micro_batch": 2, "seq_len": 2048, "grad_accum":
  "methods_by_preset": {"4B": ["fla-rd", "fused-rd", "fused-rd4"]},
  "warmup": 3, "min_updates": 8, "max_updates": 30, "window": 6, "stride": 2, "cv": 0.01, "drift": 0.005,
  "blocks": 8, "device": "cuda", "precision": "bf16", "compile": false, "doc_len_median": 512,
- "deadline_s": {"1B": 270, "4B": 430}}'
+ "deadline_s": {"1B": 260, "4B": 410}}'
 
 # MODE=compiled: a second, optional call -- 1B only, torch.compile(dynamic=False) as in production training,
 # ours r = d and r = d/4 and the plain backbone (FLA is left out: under compile it would run behind a graph
@@ -56,10 +56,10 @@ if [ "${MODE:-eager}" = compiled ]; then
   SPEC='{"presets": ["1B"], "micro_batch": 2, "seq_len": 2048, "grad_accum": 4, "repeats": 5,
  "methods": ["fused-rd", "fused-rd4", "baseline"], "warmup": 3, "min_updates": 8, "max_updates": 30,
  "window": 6, "stride": 2, "cv": 0.01, "drift": 0.005, "blocks": 8, "device": "cuda", "precision": "bf16",
- "compile": true, "doc_len_median": 512, "deadline_s": 430, "claims": false}'
+ "compile": true, "doc_len_median": 512, "deadline_s": 410, "claims": false}'
 fi
 
-timeout --signal=TERM --kill-after=10 545 \
+timeout --signal=TERM --kill-after=10 520 \
   $PY -m lrattnres throughput --spec "$SPEC" --out "$OUT/$NAME.json" 2>&1 | tee -a "$OUT/$NAME.log"
 rc=${PIPESTATUS[0]}
 echo "throughput exit code $rc" | tee -a "$OUT/$NAME.log"
