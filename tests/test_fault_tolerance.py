@@ -140,10 +140,14 @@ def _slurm_job_of(run: str) -> str | None:
 
 @pytest.mark.slurm
 @pytest.mark.slow
-def test_requeued_training_job_resumes_with_identical_weights(slurm_cluster, tmp_path):
-    """`scontrol requeue` of a running training job (what preemption with PreemptMode=REQUEUE does:
-    SIGTERM, then back to the queue): the trainer checkpoints and exits, Slurm starts the job again,
-    it resumes, and the final weights equal those of an uninterrupted run, bit for bit."""
+def test_training_job_stopped_then_requeued_resumes_with_identical_weights(slurm_cluster, tmp_path):
+    """A training job submitted through the Slurm profile is interrupted twice while it runs:
+    1. `scancel --signal=TERM` (what `--signal=TERM@300` does before the time limit): the trainer
+       checkpoints and exits 75, the Slurm job fails, Snakemake submits it again (retries) and the
+       new job resumes;
+    2. `scontrol requeue` of that new job (what preemption with PreemptMode=REQUEUE does: SIGTERM,
+       then back to the queue): Slurm starts the same job again and it resumes.
+    The final weights equal those of an uninterrupted run, bit for bit."""
     import torch
 
     from lrattnres.config import load_and_resolve
@@ -152,22 +156,29 @@ def test_requeued_training_job_resumes_with_identical_weights(slurm_cluster, tmp
     work = copy_repo(tmp_path / "repo")
     if "train" not in snakemake(work, "--list-rules").stdout.split():
         pytest.skip("the workflow has no train rule yet")
-    overrides = {"steps": 120, "checkpoint": {"every": 5}}
+    overrides = {"steps": 300, "checkpoint": {"every": 5}}
     overrides_file = tmp_path / "longer_training.yaml"
     overrides_file.write_text(json.dumps({"scale": "smoke", "train": overrides}))
     config = ["--configfile", "config.yaml", str(overrides_file)]
     runs = plan(load_and_resolve(work / "config.yaml", {"scale": "smoke", "train": overrides}))
     run = next((r.run_id for r in runs if r.method == "lr"), runs[0].run_id)
     rundir = work / "results" / "smoke" / "runs" / run
+    train_log = work / "results" / "smoke" / "logs" / "train" / f"{run}.log"
     proc = _popen_snakemake(work, f"results/smoke/runs/{run}/model.pt", "--profile", PROFILE, *config, *cluster_flags(jobs=2))
     t0 = time.time()
+    resumed = lambda: re.findall(r"resumed at step (\d+)", train_log.read_text()) if train_log.exists() else []  # noqa: E731
     try:
-        _wait_for(lambda: (rundir / "checkpoint.pt").exists(), 300, proc, f"the first checkpoint of {run}")
-        jid = None
-        _wait_for(lambda: (jid := _slurm_job_of(run)) is not None, 30, proc, "the running training job")
-        jid = _slurm_job_of(run)
+        # 1. SIGTERM to the running job once it has written a checkpoint
+        _wait_for(lambda: (rundir / "checkpoint.pt").exists() and _slurm_job_of(run), 300, proc, f"the first checkpoint of {run}")
+        first = _slurm_job_of(run)
+        assert not (rundir / "model.pt").exists(), "training finished before it could be stopped: raise its steps"
+        subprocess.run(["scancel", "--signal=TERM", first], check=True, capture_output=True, text=True)
+        # 2. requeue the resubmitted job once it has resumed
+        _wait_for(lambda: resumed() and (_slurm_job_of(run) or first) != first, 300, proc, "the resubmitted job to resume")
+        second = _slurm_job_of(run)
+        step1 = int(resumed()[0])
         assert not (rundir / "model.pt").exists(), "training finished before it could be requeued: raise its steps"
-        subprocess.run(["scontrol", "requeue", jid], check=True, capture_output=True, text=True)
+        subprocess.run(["scontrol", "requeue", second], check=True, capture_output=True, text=True)
         t_requeue = time.time()
         out, _ = proc.communicate(timeout=480)
     finally:
@@ -175,14 +186,17 @@ def test_requeued_training_job_resumes_with_identical_weights(slurm_cluster, tmp
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
     assert proc.returncode == 0, f"{out[-6000:]}\n{slurm_logs(work)}"
-    shown = subprocess.run(["scontrol", "show", "job", jid], capture_output=True, text=True).stdout
-    restarts = int(re.search(r"Restarts=(\d+)", shown).group(1))
-    assert restarts >= 1, shown
-    # Snakemake submitted the job once: Slurm itself ran it again
-    assert len(re.findall(r"has been submitted with SLURM jobid", out)) == 2, out[-4000:]  # data + train
-    log = (work / "results" / "smoke" / "logs" / "train" / f"{run}.log").read_text()
-    m = re.search(r"resumed at step (\d+)", log)
-    assert m and 0 < int(m.group(1)) < overrides["steps"], log[-3000:]
+    # Snakemake submitted data + train, then train again after the SIGTERM; Slurm restarted the
+    # second train job itself after the requeue
+    ids = re.findall(r"has been submitted with SLURM jobid (\d+)", out)
+    assert len(ids) == 3 and first in ids and second in ids, out[-4000:]
+    shown = subprocess.run(["scontrol", "show", "job", second], capture_output=True, text=True).stdout
+    assert int(re.search(r"Restarts=(\d+)", shown).group(1)) >= 1, shown
+    step2 = int(resumed()[-1])
+    assert 0 < step1 < step2 < overrides["steps"], (step1, step2)
+    # the requeued job appended to its Slurm log (--open-mode=append of the profile): both starts
+    second_log = next((work / "results" / "slurm").rglob(f"{second}.log")).read_text()
+    assert second_log.count("Building DAG of jobs") >= 2, second_log[-3000:]
 
     # the same run without interruption, by hand, from the spec the run recorded
     recorded = json.loads((rundir / "spec.json").read_text())
@@ -199,5 +213,6 @@ def test_requeued_training_job_resumes_with_identical_weights(slurm_cluster, tmp
     assert a["model"].keys() == b["model"].keys()
     differ = [k for k in a["model"] if not torch.equal(a["model"][k], b["model"][k])]
     assert not differ, f"weights differ after resume: {differ[:5]}"
-    print(f"requeue of Slurm job {jid} at step {m.group(1)}/{overrides['steps']}: resumed, identical weights; "
-          f"{time.time() - t0:.0f} s (after requeue {time.time() - t_requeue:.0f} s)")
+    print(f"SIGTERM to Slurm job {first} (resumed at step {step1}), requeue of job {second} (resumed at step "
+          f"{step2}) of {overrides['steps']}: identical weights; {time.time() - t0:.0f} s "
+          f"(after the requeue {time.time() - t_requeue:.0f} s)")

@@ -55,7 +55,7 @@ def slurm_cluster() -> str:
     return subprocess.run(["hostname", "-s"], capture_output=True, text=True, check=True).stdout.strip()
 
 
-def cluster_flags(jobs: int = 4) -> list[str]:
+def cluster_flags(jobs: int = 8) -> list[str]:
     """What a user's own profile would add for this cluster (no accounting database, quick polls)."""
     return [
         "--slurm-no-account",

@@ -7,8 +7,10 @@
 # by hand:  sudo scripts/slurm/start.sh && snakemake --profile workflow/profiles/slurm \
 #             --slurm-no-account --slurm-status-command squeue --config scale=smoke reports/paper.html
 #
-# Environment: SLURM_FAKE_GPUS (default 2): GPUs the node advertises (GRES without devices: jobs
-# that ask for GPUs get scheduled, nothing more). SLURM_KILL_WAIT (default 30): seconds between
+# Environment: SLURM_FAKE_GPUS (default 8): GPUs the node advertises (GRES without devices: jobs
+# that ask for GPUs get scheduled, nothing more). SLURM_CPUS (default: 4 per core, at least 8): CPUs
+# the node advertises; more than the machine has, so that short jobs (mostly Python start-up) run
+# side by side instead of queueing behind each other. SLURM_KILL_WAIT (default 30): seconds between
 # SIGTERM and SIGKILL when a job is cancelled, requeued or preempted (Slurm's KillWait).
 # Exit codes: 0 up; 77 not root; 78 packages missing; 1 the cluster did not come up (logs named).
 set -euo pipefail
@@ -26,9 +28,10 @@ fi
 export PATH="/usr/sbin:/sbin:$PATH"
 
 HOST=$(hostname -s)
-GPUS=${SLURM_FAKE_GPUS:-2}
+GPUS=${SLURM_FAKE_GPUS:-8}
 KILL_WAIT=${SLURM_KILL_WAIT:-30}
-CPUS=$(nproc)
+CORES=$(nproc)
+CPUS=${SLURM_CPUS:-$((4 * CORES > 8 ? 4 * CORES : 8))}
 # Leave 1 GiB of the machine to the daemons and the submitting Snakemake.
 MEM=$(slurmd -C | sed -n 's/.*RealMemory=\([0-9]*\).*/\1/p')
 MEM=$((MEM > 2048 ? MEM - 1024 : MEM))
@@ -80,7 +83,9 @@ ReturnToService=2
 MpiDefault=none
 SchedulerParameters=sched_interval=2
 GresTypes=gpu
-NodeName=$HOST CPUs=$CPUS RealMemory=$MEM Gres=gpu:$GPUS State=UNKNOWN
+# The node's CPUs as configured here, not as detected (oversubscribed on purpose, see SLURM_CPUS).
+SlurmdParameters=config_overrides
+NodeName=$HOST CPUs=$CPUS Sockets=1 CoresPerSocket=$CPUS ThreadsPerCore=1 RealMemory=$MEM Gres=gpu:$GPUS State=UNKNOWN
 PartitionName=debug Nodes=$HOST Default=YES MaxTime=INFINITE State=UP
 CONF
 # Fake GPUs: character devices equal to /dev/null stand in for the device files (no cgroups here, so
@@ -109,7 +114,9 @@ if [ "$changed" = 1 ]; then
 fi
 
 # --- daemons -------------------------------------------------------------------------------------
-running /run/slurm/slurmctld.pid || slurmctld
+# A fresh controller forgets the jobs of an earlier cluster (-c): after a reboot or a killed session
+# they would otherwise be requeued, in folders that may be gone.
+running /run/slurm/slurmctld.pid || slurmctld -c
 for _ in $(seq 100); do scontrol ping 2>/dev/null | grep -q UP && break; sleep 0.2; done
 scontrol ping | grep -q UP || { log "slurmctld did not start (see /var/log/slurm/slurmctld.log)"; exit 1; }
 running /run/slurm/slurmd.pid || slurmd
@@ -131,4 +138,4 @@ case "$state" in
   idle*|mixed*|allocated*|completing*) ;;
   *) log "node $HOST is '$state' (see /var/log/slurm/slurmd.log, slurmctld.log)"; exit 1 ;;
 esac
-log "up: node $HOST, $CPUS CPUs, $MEM MB, gpu:$GPUS, partition debug ($state)"
+log "up: node $HOST, $CPUS CPUs (on $CORES cores), $MEM MB, gpu:$GPUS, partition debug ($state)"
