@@ -18,6 +18,7 @@ include: "workflow/rules/convert.smk"
 include: "workflow/rules/evaluate.smk"
 include: "workflow/rules/diagnostics.smk"
 include: "workflow/rules/throughput.smk"
+include: "workflow/rules/kernel.smk"
 include: "workflow/rules/report.smk"  # last: it reads every stage's REPORT_INPUTS
 
 

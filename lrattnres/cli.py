@@ -18,6 +18,7 @@ STAGES: dict[str, tuple[str, str]] = {
     "convert": ("lrattnres.convert", "convert a standard AttnRes checkpoint to LR-AttnRes"),
     "evaluate": ("lrattnres.evaluate.cli", "zero-shot downstream evaluation with lm-eval"),
     "evaluate-pairs": ("lrattnres.evaluate.pairs", "the size-pair accuracy claims from the evaluations"),
+    "kernel-check": ("lrattnres.kernel_check", "the fused routing kernel against the reference"),
     "throughput": ("lrattnres.throughput", "training-step throughput with the paper's protocol"),
     "diagnostics": ("lrattnres.diagnostics", "routing diagnostics: N_eff, heatmaps, grad norms"),
     "report": ("lrattnres.report", "render reports/paper.html and reports/paper.json"),

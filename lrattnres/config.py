@@ -35,6 +35,7 @@ SECTIONS = (
     "evaluate",
     "throughput",
     "diagnostics",
+    "kernel_check",
 )
 
 

@@ -1,0 +1,24 @@
+# Appendix I: the fused kernel against the reference (bf16 on a GPU, the Triton interpreter in fp32 on
+# a CPU), and the explainer's four-number example through both.
+
+
+rule kernel_check:
+    input:
+        src=stage_sources("lrattnres.kernel_check", "kernels"),
+    output:
+        f"{R}/kernel_check.json",
+    log:
+        f"{LOGS}/kernel_check.log",
+    conda:
+        "../../envs/lrattnres.yaml"
+    resources:
+        mem_mb=res("kernel_check", "mem_mb", 2000),
+        runtime=res("kernel_check", "runtime", 10),
+        gpu=res("kernel_check", "gpu", 0),
+    params:
+        spec=lambda wc: spec(S.get("kernel_check", {})),
+    shell:
+        "python -m lrattnres kernel-check --spec {params.spec:q} --out {output} > {log} 2>&1"
+
+
+REPORT_INPUTS.append(rules.kernel_check.output[0])
