@@ -47,6 +47,9 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
+from collections import namedtuple  # noqa: E402
+
+Batch = namedtuple("Batch", "inputs targets doc_ids")  # the fields the trainer reads (lrattnres.data.Batch)
 
 CONFIGS = {
     "baseline": {"method": "baseline", "router": "reference"},
@@ -113,8 +116,6 @@ def _git() -> dict:
 
 def _batches(n, B, T, V, mean_doc, gen):
     """Random tokens [B, T+1]; doc_ids from geometric document lengths (new doc after each 'EOT')."""
-    from lrattnres.data import Batch
-
     out = []
     for _ in range(n):
         x = torch.randint(0, V, (B, T + 1), generator=gen)
