@@ -6,7 +6,9 @@ stopped by SIGTERM/SIGINT or ``--stop-after`` after writing ``checkpoint.pt``: r
 command to resume (Slurm: ``--requeue``; Snakemake: ``--retries``).
 
 Data-parallel: ``torchrun --nproc-per-node K -m lrattnres train ...`` (NCCL on GPUs, gloo on CPUs);
-the global batch is ``micro_batch x seq_len x grad_accum x K`` tokens.
+the global batch is ``micro_batch x seq_len x grad_accum x K`` tokens.  torchrun forwards SIGTERM to
+its workers, which agree on the step, write one checkpoint (every rank's loader and RNG state) and
+exit 75; torchrun itself then exits 1 (its own convention).  Rerunning the same command resumes.
 """
 
 from __future__ import annotations
