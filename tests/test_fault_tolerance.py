@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
+import yaml
 from conftest import copy_repo, snakemake
 from test_slurm import PROFILE, cluster_flags, slurm_cluster, slurm_logs  # noqa: F401  (fixture)
 
@@ -147,7 +148,9 @@ def test_training_job_stopped_then_requeued_resumes_with_identical_weights(slurm
        new job resumes;
     2. `scontrol requeue` of that new job (what preemption with PreemptMode=REQUEUE does: SIGTERM,
        then back to the queue): Slurm starts the same job again and it resumes.
-    The final weights equal those of an uninterrupted run, bit for bit."""
+    The job asks for 2 (fake) GPUs, so it runs 2 data-parallel ranks under torchrun, as the paper
+    scale's 8-GPU jobs do (gloo on this CPU machine). The final weights equal those of an
+    uninterrupted run, bit for bit."""
     import torch
 
     from lrattnres.config import load_and_resolve
@@ -164,7 +167,12 @@ def test_training_job_stopped_then_requeued_resumes_with_identical_weights(slurm
     run = next((r.run_id for r in runs if r.method == "lr"), runs[0].run_id)
     rundir = work / "results" / "smoke" / "runs" / run
     train_log = work / "results" / "smoke" / "logs" / "train" / f"{run}.log"
-    proc = _popen_snakemake(work, f"results/smoke/runs/{run}/model.pt", "--profile", PROFILE, *config, *cluster_flags(jobs=2))
+    prof = yaml.safe_load((work / PROFILE / "config.yaml").read_text())
+    extra = [f"train:{k}={v}" for k, v in (prof.get("set-resources") or {}).get("train", {}).items()]
+    gpus = ["--set-resources", "train:gpu=2", "train:cpus_per_gpu=1", *extra]
+    proc = _popen_snakemake(
+        work, f"results/smoke/runs/{run}/model.pt", "--profile", PROFILE, *config, *cluster_flags(jobs=2), *gpus
+    )
     t0 = time.time()
     resumed = lambda: re.findall(r"resumed at step (\d+)", train_log.read_text()) if train_log.exists() else []  # noqa: E731
     try:
@@ -192,7 +200,9 @@ def test_training_job_stopped_then_requeued_resumes_with_identical_weights(slurm
     assert len(ids) == 3 and first in ids and second in ids, out[-4000:]
     shown = subprocess.run(["scontrol", "show", "job", second], capture_output=True, text=True).stdout
     assert int(re.search(r"Restarts=(\d+)", shown).group(1)) >= 1, shown
+    assert re.search(r"gpu[:=]2", shown), shown  # Slurm gave the job its 2 GPUs
     step2 = int(resumed()[-1])
+    assert "world 2" in train_log.read_text()
     assert 0 < step1 < step2 < overrides["steps"], (step1, step2)
     # the requeued job appended to its Slurm log (--open-mode=append of the profile): both starts
     second_log = next((work / "results" / "slurm").rglob(f"{second}.log")).read_text()
@@ -202,7 +212,8 @@ def test_training_job_stopped_then_requeued_resumes_with_identical_weights(slurm
     recorded = json.loads((rundir / "spec.json").read_text())
     ref = tmp_path / "reference"
     subprocess.run(
-        [sys.executable, "-m", "lrattnres", "train", "--spec", json.dumps(recorded["spec"]),
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         "-m", "lrattnres", "train", "--spec", json.dumps(recorded["spec"]),
          "--data", str(work / "results" / "smoke" / "data" / "manifest.json"), "--out", str(ref),
          "--threads", "1", "--no-progress"],
         cwd=work, env=dict(os.environ, PYTHONPATH=str(work)), check=True, capture_output=True, timeout=600,

@@ -127,3 +127,4 @@ def test_smoke_dag_through_the_slurm_profile(slurm_cluster, tmp_path):
         shown = subprocess.run(["scontrol", "show", "job", gpu_jobs[-1]], capture_output=True, text=True).stdout
         assert "gpu" in shown, shown
     print(f"smoke DAG on Slurm: {elapsed:.0f} s, {len(submitted)} Slurm jobs")
+
