@@ -103,7 +103,13 @@ install -m 644 "$new" /etc/slurm/slurm.conf
 install -m 644 "$newgres" /etc/slurm/gres.conf
 rm -f "$new" "$newgres"
 
-running() { [ -s "$1" ] && kill -0 "$(cat "$1")" 2>/dev/null; }
+# A daemon runs if its pid file names a live process of that name (a stale file after a reboot may
+# name another process).
+running() {
+  local pid
+  pid=$(cat "$1" 2>/dev/null) || return 1
+  [ -n "$pid" ] && [ "$(cat "/proc/$pid/comm" 2>/dev/null)" = "$(basename "$1" .pid)" ]
+}
 if [ "$changed" = 1 ]; then
   for pf in /run/slurm/slurmd.pid /run/slurm/slurmctld.pid; do
     if running "$pf"; then
