@@ -185,23 +185,10 @@ def total_params(L: int, d: int, m: int, vocab: int | None, method: str, r: int 
 
 
 def resolve_rank(rank: int | str, d: int) -> int:
-    """128 -> 128; "d" -> d; "d/8" -> d // 8 (must divide exactly)."""
-    if isinstance(rank, int) and not isinstance(rank, bool):
-        if not 1 <= rank <= d:
-            raise ValueError(f"rank {rank} outside [1, d={d}]")
-        return rank
-    if isinstance(rank, str) and rank.strip() == "d":
-        return d
-    if isinstance(rank, str) and rank.startswith("d/"):
-        try:
-            k = int(rank[2:])
-        except ValueError:
-            k = 0
-        if k >= 1:
-            if d % k:
-                raise ValueError(f"rank {rank!r}: d={d} is not divisible by {k}")
-            return d // k
-    raise ValueError(f"rank {rank!r}: expected an integer or 'd' or 'd/<k>'")
+    """128 -> 128; "d" -> d; "d/8" -> d // 8 (must divide exactly); the config's own rule."""
+    from lrattnres.config import resolve_rank as _resolve
+
+    return _resolve(rank, d, where="accounting spec")
 
 
 def _arch_from_spec(name: str, value: Any) -> dict[str, Any]:

@@ -16,7 +16,6 @@ import json
 import re
 import sys
 from pathlib import Path
-from typing import Any
 
 import yaml
 

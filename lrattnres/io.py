@@ -65,6 +65,16 @@ def read_json(path: str | os.PathLike) -> Any:
         raise ValueError(f"{path}: not valid JSON ({e})") from None
 
 
+def read_spec_arg(text: str) -> Any:
+    """A stage's ``--spec``: inline JSON, or ``@path`` to a JSON file. ValueError names what is wrong."""
+    if text.startswith("@"):
+        text = Path(text[1:]).read_text(encoding="utf-8")
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--spec is not valid JSON ({e})") from None
+
+
 def _json_default(o: Any):
     try:
         import numpy as np

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
-from pathlib import Path
+
+from lrattnres.io import read_spec_arg
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -14,13 +14,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", required=True, help="output folder (manifest.json + shards)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     args = p.parse_args(argv)
-    text = args.spec
-    if text.startswith("@"):
-        text = Path(text[1:]).read_text(encoding="utf-8")
     try:
-        spec = json.loads(text)
-    except json.JSONDecodeError as e:
-        print(f"prepare-data: --spec is not valid JSON ({e})", file=sys.stderr)
+        spec = read_spec_arg(args.spec)
+    except ValueError as e:
+        print(f"prepare-data: {e}", file=sys.stderr)
         return 2
     from .shards import prepare
     from .spec import SpecError

@@ -14,9 +14,9 @@ exit 75; torchrun itself then exits 1 (its own convention).  Rerunning the same 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
-from pathlib import Path
+
+from lrattnres.io import read_spec_arg
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -59,13 +59,10 @@ def _keep_freed_memory() -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    text = args.spec
-    if text.startswith("@"):
-        text = Path(text[1:]).read_text(encoding="utf-8")
     try:
-        spec = json.loads(text)
-    except json.JSONDecodeError as e:
-        print(f"train: --spec is not valid JSON ({e})", file=sys.stderr)
+        spec = read_spec_arg(args.spec)
+    except ValueError as e:
+        print(f"train: {e}", file=sys.stderr)
         return 2
     import torch
 

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import json
 import math
 import os
 import signal
@@ -44,7 +43,7 @@ from lrattnres.train import spec as spec_mod
 from lrattnres.train.metrics import MetricsWriter, grad_norm_summary, memory_stats, progress_bar
 from lrattnres.train.optim import base_lrs, build_optimizers
 from lrattnres.train.schedule import apply_lr, lr_multiplier
-from lrattnres.train.val import IGNORE_INDEX, autocast_ctx, evaluate, loss_sums
+from lrattnres.train.val import IGNORE_INDEX, evaluate, loss_sums
 
 EXIT_PREEMPTED = 75
 EXIT_NONFINITE = 3

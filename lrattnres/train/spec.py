@@ -7,9 +7,10 @@ Unknown keys and wrong types stop the run with a message naming the key.
 
 from __future__ import annotations
 
-import copy
 import math
 from typing import Any
+
+from lrattnres.config import deep_merge
 
 
 class SpecError(ValueError):
@@ -45,16 +46,6 @@ _MODEL_KEYS = {
 }
 
 
-def _merge(base: dict, over: dict) -> dict:
-    out = copy.deepcopy(base)
-    for k, v in over.items():
-        if isinstance(v, dict) and isinstance(out.get(k), dict):
-            out[k] = _merge(out[k], v)
-        else:
-            out[k] = copy.deepcopy(v)
-    return out
-
-
 def _is_int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
@@ -81,7 +72,7 @@ def resolve(spec: dict) -> dict:
         raise SpecError(f"spec: expected a JSON object, got {type(spec).__name__}")
     allowed_top = set(DEFAULTS) | {"model", "steps", "tokens", "micro_batch", "seq_len"}
     _check_known(spec, allowed_top, "")
-    s = _merge(DEFAULTS, spec)
+    s = deep_merge(DEFAULTS, spec)
 
     for k in ("model", "micro_batch", "seq_len"):
         if k not in s:

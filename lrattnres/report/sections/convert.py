@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from lrattnres.report.html import badge, claims_table, esc, figure, fmt, table
+from lrattnres.report.html import badge, claims_table, esc, figure, table
 
 TITLE = "Checkpoint conversion (Section 4.8, Appendix B, Table 2)"
 ORDER = 40
