@@ -40,6 +40,16 @@ def _res_base(hb32):
 
 
 @triton.jit
+def _add2(a0, b0, a1, b1):
+    return a0 + a1, b0 + b1
+
+
+@triton.jit
+def _add3(a0, b0, c0, a1, b1, c1):
+    return a0 + a1, b0 + b1, c0 + c1
+
+
+@triton.jit
 def _load_src(src0_ptr, src_offs, src_strides, j, S, rows, rows64, offs, mask, ALIGN: tl.constexpr):
     """Raw [BLOCK_T, BLOCK_D] tile of source j (zeros when j >= S)."""
     jj = tl.minimum(j, S - 1)
@@ -101,18 +111,20 @@ def _attnres_fwd_kernel(
             x_n1 = x_n2
             x_n2 = _load_src(src0_ptr, src_offs, src_strides, i + 2, S, rows, rows64, offs, mask, ALIGN)
         if SLICE:
-            ss = tl.sum(tl.where(tail[None, :], x * x, 0.0), axis=1)
+            sq = tl.where(tail[None, :], x * x, 0.0)
         else:
-            ss = tl.sum(x * x, axis=1)
+            sq = x * x
+        # one fused reduction (one shared-memory round) for both row sums
+        ss, qk = tl.reduce((sq, x * q[None, :]), 1, _add2)
         rinv = tl.rsqrt(ss * inv_n + eps)
-        z = tl.sum(x * q[None, :], axis=1) * rinv
+        z = qk * rinv
         m_new = tl.maximum(m, z)
         alpha = tl.exp(m - m_new)
         p = tl.exp(z - m_new)
         acc = acc * alpha[:, None] + p[:, None] * x
         l = l * alpha + p
         m = m_new
-    h = acc / l[:, None]
+    h = acc * (1.0 / l)[:, None]
     hb = h.to(dtype)
     tl.store(out_ptr + rows64[:, None] * d + offs[None, :], hb, mask=mask)
     if HAS_RES:
@@ -178,7 +190,8 @@ def _attnres_bwd_kernel(
             code = tl.load(res_ptr + rows64[:, None] * d + offs[None, :], mask=mask, other=0).to(tl.float32)
             base, ok = _res_base(hh)
             hh = tl.where(ok, hh + code * (base * RES_STEP), hh)
-        gh = tl.sum(g * hh, axis=1)
+        # g.h through the same reduction tree as g.o_i below: with one dominant source they cancel
+        _u0, _u1, gh = tl.reduce((g * hh, g * hh, g * hh), 1, _add3)
         lse = tl.load(lse_ptr + rows, mask=row_ok, other=0.0)
         if PREFETCH >= 1:
             x_n1 = _load_src(src0_ptr, src_offs, src_strides, 0, S, rows, rows64, offs, mask, ALIGN)
@@ -199,11 +212,10 @@ def _attnres_bwd_kernel(
                 k = tl.where(tail[None, :], x, 0.0)
             else:
                 k = x
-            ss = tl.sum(k * k, axis=1)
+            ss, qk, go = tl.reduce((k * k, x * q[None, :], g * x), 1, _add3)
             rinv = tl.rsqrt(ss * inv_n + eps)
-            z = tl.sum(x * q[None, :], axis=1) * rinv
+            z = qk * rinv
             w = tl.exp(z - lse)
-            go = tl.sum(g * x, axis=1)
             c = w * (go - gh) * rinv  # dL/dz_i * rinv_i
             coef = z * rinv * inv_n
             grad = w[:, None] * g + c[:, None] * (q[None, :] - coef[:, None] * k)

@@ -11,13 +11,19 @@ reference math in torch, unless the Triton path is forced (``TRITON_INTERPRET=1`
 same Triton kernels through Triton's interpreter (used by the tests).
 
 Saved for backward: the sources (kept by autograd anyway), the query, the output h (the next
-sub-layer's input, so kept anyway in a model) and one fp32 logsumexp per token.  The backward
-never builds an [S, tokens, d] temporary.
+sub-layer's input, so kept anyway in a model), one fp32 logsumexp per token, and for bf16/fp16 an
+int8 residual per element (the mantissa bits that rounding h dropped; the backward's g.h needs
+them, see kernels/_triton.py).  The backward never builds an [S, tokens, d] temporary.
+
+Environment: KERNELS_AUTOTUNE=0 turns autotuning off (first candidate configuration);
+KERNELS_CPU_TRITON=1 sends CPU tensors to the Triton interpreter; KERNELS_POISON=1 fills outputs
+with NaN before the kernels write them (tests).
 """
 
 from __future__ import annotations
 
 import os
+from collections import OrderedDict
 from collections.abc import Sequence
 
 import torch
@@ -28,8 +34,8 @@ _CPU_TRITON = os.environ.get("KERNELS_CPU_TRITON", "0") == "1"
 # Tests set this to fill every freshly allocated output with NaN before the kernels run, so that an
 # unwritten element shows up.
 POISON = os.environ.get("KERNELS_POISON", "0") == "1"
-# Launch configuration overrides, for tuning: {"fwd": (BLOCK_T, num_warps), "bwd": (BLOCK_T,
-# num_warps, programs_per_sm)}.
+# Launch configuration overrides: {"fwd": {BLOCK_T, num_warps, PREFETCH}, "bwd": {BLOCK_T,
+# num_warps, PREFETCH, DQ2D}}.
 CONFIG_OVERRIDE: dict = {}
 
 
@@ -84,11 +90,42 @@ def _rows(t: torch.Tensor, d: int, dtype: torch.dtype) -> torch.Tensor:
     return t2
 
 
+_TABLE_CACHE: "OrderedDict[tuple, torch.Tensor]" = OrderedDict()
+_TABLE_CACHE_SIZE = 256
+
+
 def _table(rows: list[list[int]], device: torch.device) -> torch.Tensor:
+    """int64 [len(rows), S] table on ``device``.
+
+    Cached by content: a table holds only offsets (relative to the anchor) and strides, so a cached
+    one is right for any tensors at the same relative addresses (the caching allocator hands the
+    same addresses out step after step).  A miss costs one pinned host-to-device copy, off the
+    host's critical path.  Under CUDA-graph capture the tables a graph uses are kept alive.
+    """
+    key = (device, tuple(tuple(r) for r in rows))
+    capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    t = _TABLE_CACHE.get(key)
+    if t is not None:
+        _TABLE_CACHE.move_to_end(key)
+        if capturing:  # a captured graph reads this tensor on every replay: never free it
+            _CAPTURED.append(t)
+        return t
     cpu = torch.tensor(rows, dtype=torch.int64)
     if device.type == "cpu":
-        return cpu
-    return cpu.pin_memory().to(device, non_blocking=True)
+        t = cpu
+    else:
+        pinned = cpu.pin_memory()
+        t = pinned.to(device, non_blocking=True)
+        if capturing:  # the graph copies from this host buffer on every replay: keep it alive
+            _CAPTURED.append((pinned, t))
+    _TABLE_CACHE[key] = t
+    if len(_TABLE_CACHE) > _TABLE_CACHE_SIZE:
+        _TABLE_CACHE.popitem(last=False)
+    return t
+
+
+# Tables (and their pinned host copies) referenced by captured CUDA graphs.
+_CAPTURED: list = []
 
 
 _SM_COUNT: dict = {}
@@ -231,6 +268,9 @@ def _bwd_triton(sources, query, h, lse, res, g, norm: str, eps: float):
     n_tok = rows[0].shape[0]
     dev = sources[0].device
     has_res = dtype in _MANT and res.numel() > 0
+    if len(sources) == 1:
+        # one source: w = 1, h = o, dz = 0 exactly; the query gets no gradient
+        return [g.to(dtype).contiguous().view(sources[0].shape)], torch.zeros_like(query)
     grads = [_empty(o.shape, dtype, dev) for o in sources]
     if n_tok == 0:
         return grads, torch.zeros_like(query)
