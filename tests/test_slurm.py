@@ -26,7 +26,10 @@ START = REPO / "scripts" / "slurm" / "start.sh"
 PROFILE = "workflow/profiles/slurm"
 DAEMONS = ("munged", "slurmctld", "slurmd", "sbatch", "squeue", "scontrol", "sinfo")
 # Rules that run on GPUs at the paper scale (config.yaml, scales.paper.resources).
-GPU_RULES = ("train", "evaluate", "convert", "diagnostics", "throughput")
+GPU_RULES = tuple(
+    rule for rule, r in (yaml.safe_load((REPO / "config.yaml").read_text())["scales"]["paper"].get("resources") or {}).items()
+    if (r or {}).get("gpu", 0) > 0
+)
 
 
 def _which(name: str) -> str | None:
