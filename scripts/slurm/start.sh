@@ -12,7 +12,9 @@
 # the node advertises; more than the machine has, so that short jobs (mostly Python start-up) run
 # side by side instead of queueing behind each other. SLURM_KILL_WAIT (default 30): seconds between
 # SIGTERM and SIGKILL when a job is cancelled, requeued or preempted (Slurm's KillWait).
-# Exit codes: 0 up; 77 not root; 78 packages missing; 1 the cluster did not come up (logs named).
+# Exit codes: 0 up; 77 not root; 78 packages missing; 79 /etc/slurm/slurm.conf exists and is not
+# ours (a real cluster's node: left alone unless SLURM_TEST_CLUSTER_FORCE=1); 1 the cluster did not
+# come up (logs named).
 set -euo pipefail
 
 log() { echo "slurm/start.sh: $*" >&2; }
@@ -26,6 +28,11 @@ if [ ${#missing[@]} -gt 0 ]; then
   exit 78
 fi
 export PATH="/usr/sbin:/sbin:$PATH"
+MARK="# Written by scripts/slurm/start.sh"
+if [ -s /etc/slurm/slurm.conf ] && ! head -1 /etc/slurm/slurm.conf | grep -qF "$MARK" && [ "${SLURM_TEST_CLUSTER_FORCE:-0}" != 1 ]; then
+  log "/etc/slurm/slurm.conf exists and was not written by this script: not touching this machine's Slurm"
+  exit 79
+fi
 
 HOST=$(hostname -s)
 GPUS=${SLURM_FAKE_GPUS:-8}
@@ -51,7 +58,7 @@ fi
 mkdir -p /etc/slurm /var/spool/slurmctld /var/spool/slurmd /var/log/slurm /run/slurm
 new=$(mktemp)
 cat >"$new" <<CONF
-# Written by scripts/slurm/start.sh: a one-node test cluster ($HOST).
+$MARK: a one-node test cluster ($HOST).
 ClusterName=lrattnres
 SlurmctldHost=$HOST
 SlurmUser=root
