@@ -22,6 +22,16 @@ include: "workflow/rules/kernel.smk"
 include: "workflow/rules/report.smk"  # last: it reads every stage's REPORT_INPUTS
 
 
+# Bookkeeping rules run where Snakemake runs, not as cluster jobs.
+localrules:
+    all,
+    settings,
+    grid_summary,
+    convert_all,
+    evaluate_pairs,
+    report,
+
+
 rule all:
     default_target: True
     input:

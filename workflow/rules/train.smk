@@ -37,7 +37,7 @@ rule train:
         ),
     shell:
         "{params.launcher} train --spec {params.spec:q} --data {input.data} --out {params.out} "
-        "--threads {threads} --no-progress > {log} 2>&1"
+        "--threads {threads} --no-progress >> {log} 2>&1"
 
 
 rule grid_summary:
