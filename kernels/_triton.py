@@ -81,6 +81,7 @@ def _attnres_fwd_kernel(
     BLOCK_T: tl.constexpr,
     BLOCK_D: tl.constexpr,
     PREFETCH: tl.constexpr,  # how many sources ahead to load (0, 1, 2)
+    FUSED: tl.constexpr,  # multi-operand row reductions (GPU); separate tl.sum (interpreter)
 ):
     pid = tl.program_id(0)
     dtype = out_ptr.dtype.element_ty
@@ -114,8 +115,11 @@ def _attnres_fwd_kernel(
             sq = tl.where(tail[None, :], x * x, 0.0)
         else:
             sq = x * x
-        # one fused reduction (one shared-memory round) for both row sums
-        ss, qk = tl.reduce((sq, x * q[None, :]), 1, _add2)
+        if FUSED:  # one fused reduction (one shared-memory round) for both row sums
+            ss, qk = tl.reduce((sq, x * q[None, :]), 1, _add2)
+        else:  # separate sums (the interpreter runs tl.reduce with a Python combine: slow)
+            ss = tl.sum(sq, axis=1)
+            qk = tl.sum(x * q[None, :], axis=1)
         rinv = tl.rsqrt(ss * inv_n + eps)
         z = qk * rinv
         m_new = tl.maximum(m, z)
@@ -166,6 +170,7 @@ def _attnres_bwd_kernel(
     BLOCK_D: tl.constexpr,
     PREFETCH: tl.constexpr,  # how many sources ahead to load (0, 1, 2)
     DQ2D: tl.constexpr,
+    FUSED: tl.constexpr,
 ):
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
@@ -191,7 +196,10 @@ def _attnres_bwd_kernel(
             base, ok = _res_base(hh)
             hh = tl.where(ok, hh + code * (base * RES_STEP), hh)
         # g.h through the same reduction tree as g.o_i below: with one dominant source they cancel
-        _u0, _u1, gh = tl.reduce((g * hh, g * hh, g * hh), 1, _add3)
+        if FUSED:
+            _u0, _u1, gh = tl.reduce((g * hh, g * hh, g * hh), 1, _add3)
+        else:
+            gh = tl.sum(g * hh, axis=1)
         lse = tl.load(lse_ptr + rows, mask=row_ok, other=0.0)
         if PREFETCH >= 1:
             x_n1 = _load_src(src0_ptr, src_offs, src_strides, 0, S, rows, rows64, offs, mask, ALIGN)
@@ -212,7 +220,12 @@ def _attnres_bwd_kernel(
                 k = tl.where(tail[None, :], x, 0.0)
             else:
                 k = x
-            ss, qk, go = tl.reduce((k * k, x * q[None, :], g * x), 1, _add3)
+            if FUSED:
+                ss, qk, go = tl.reduce((k * k, x * q[None, :], g * x), 1, _add3)
+            else:
+                ss = tl.sum(k * k, axis=1)
+                qk = tl.sum(x * q[None, :], axis=1)
+                go = tl.sum(g * x, axis=1)
             rinv = tl.rsqrt(ss * inv_n + eps)
             z = qk * rinv
             w = tl.exp(z - lse)

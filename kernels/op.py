@@ -256,7 +256,7 @@ def _fwd_triton(sources: Sequence[torch.Tensor], query: torch.Tensor, norm: str,
             rows[0], table[0], table[1], query.contiguous(), out, res if has_res else out, lse,
             n_tok, len(rows), d, r, 1.0 / (r if norm == "slice" else d), float(eps),
             SLICE=(norm == "slice"), HAS_RES=has_res, RES_STEP=_res_step(dtype), ALIGN=align,
-            BLOCK_D=block_d, **cfg,
+            BLOCK_D=block_d, FUSED=_fused(dev), **cfg,
         )
     return out.view(*lead, d), lse.view(lead), (res.view(*lead, d) if has_res else res)
 
@@ -291,10 +291,18 @@ def _bwd_triton(sources, query, h, lse, res, g, norm: str, eps: float):
         rows[0], table[0], table[1], grad_rows[0], table[2], query.contiguous(), h2, res2, g2, lse2, part,
         n_tok, len(rows), d, r, g2.stride(0), 1.0 / (r if norm == "slice" else d), float(eps),
         SLICE=(norm == "slice"), HAS_RES=has_res, RES_STEP=_res_step(dtype), ALIGN=align, GALIGN=galign,
-        BLOCK_D=block_d, **(cfg or {}),
+        BLOCK_D=block_d, FUSED=_fused(dev), **(cfg or {}),
     )
     dq = part.sum(0).to(query.dtype)
     return grads, dq
+
+
+# Multi-operand row reductions: None = on CUDA only (the interpreter runs them slowly).
+FUSED_REDUCTIONS = None
+
+
+def _fused(dev: torch.device) -> bool:
+    return dev.type == "cuda" if FUSED_REDUCTIONS is None else bool(FUSED_REDUCTIONS)
 
 
 def triton_cdiv(a: int, b: int) -> int:

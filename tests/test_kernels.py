@@ -134,6 +134,14 @@ def test_triton_matches_reference_fp32(d, r, S, norm, layout):
     torch.testing.assert_close(gq, gq_ref, rtol=1e-3, atol=2e-3 * max(1.0, gq_ref.abs().max().item()))
 
 
+@needs_triton
+def test_triton_fused_reductions(monkeypatch):
+    """The GPU's multi-operand row reductions (the interpreter defaults to separate sums)."""
+    monkeypatch.setattr(op, "FUSED_REDUCTIONS", True)
+    test_triton_matches_reference_fp32(64, 7, 5, "slice", "mixed")
+    test_triton_matches_reference_fp32(48, 48, 3, "full", "contig")
+
+
 @pytest.mark.parametrize("norm", ["slice", "full"])
 def test_cpu_fallback_matches_reference(norm):
     """Without the Triton switch, CPU tensors take the torch path of the custom op."""
