@@ -18,12 +18,20 @@ def test_every_scale_resolves(scale):
     s = resolve(dict(RAW, scale=scale))
     assert s["scale"] == scale
     assert s["results"] == f"results/{scale}"
-    assert s["recipe"]["optim"]["muon"]["lr"] == 0.001
+    assert s["recipe"]["optim"]["muon"]["momentum"] == 0.95  # the shared recipe under any scale override
     assert s["recipe"]["z_loss"] == 1e-5
+    if scale == "paper":
+        assert s["recipe"]["optim"]["muon"]["lr"] == 0.001 and s["recipe"]["optim"]["adam"]["lr"] == 0.0003
 
 
 def test_default_scale_is_tiny():
     assert resolve(RAW)["scale"] == "tiny"
+
+
+def test_scale_recipe_refines_the_shared_recipe():
+    s = resolve(RAW)
+    assert s["recipe"]["optim"]["muon"] == {"lr": 0.02, "momentum": 0.95, "weight_decay": 0.1}
+    assert s["recipe"]["optim"]["adam"]["betas"] == [0.9, 0.95]
 
 
 def test_top_level_section_overrides_scale_key_by_key():
