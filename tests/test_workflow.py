@@ -99,7 +99,7 @@ def _planned(workdir: Path) -> dict[str, int]:
 def test_smoke_dag_end_to_end_and_reruns_follow_code(tmp_path):
     work = copy_repo(tmp_path / "repo")
     t0 = time.time()
-    snakemake(work, "--cores", "2", "--config", "scale=smoke", "reports/paper.html")
+    snakemake(work, "reports/paper.html", "--cores", "2", "--config", "scale=smoke")
     elapsed = time.time() - t0
     paper = json.loads((work / "reports" / "paper.json").read_text())
     assert paper["scale"] == "smoke"
@@ -128,7 +128,7 @@ def test_smoke_dag_end_to_end_and_reruns_follow_code(tmp_path):
     acc = work / "lrattnres" / "accounting.py"
     acc.write_text(acc.read_text() + "\n# a change\n")
     assert set(_planned(work)) == {"accounting", "report", "all"}
-    snakemake(work, "--cores", "2", "--config", "scale=smoke", "reports/paper.html")
+    snakemake(work, "reports/paper.html", "--cores", "2", "--config", "scale=smoke")
 
     # a change of the model reruns the training runs and what reads them, not data or accounting
     model = work / "lrattnres" / "model.py"
