@@ -124,10 +124,16 @@ def test_smoke_dag_end_to_end_and_reruns_follow_code(tmp_path):
     os.utime(work / "lrattnres" / "accounting.py")
     assert _planned(work) == {}
 
-    # a real change of the accounting module reruns the accounting and the report, nothing else
+    # a real change of one report section reruns the report only
+    sec = work / "lrattnres" / "report" / "sections" / "kernel.py"
+    sec.write_text(sec.read_text() + "\n# a change\n")
+    assert set(_planned(work)) == {"report", "all"}
+
+    # a real change of the accounting module reruns the accounting, the stages that import it (the
+    # grid summary uses its FLOP counts, the diagnostics the grid's run list) and the report
     acc = work / "lrattnres" / "accounting.py"
     acc.write_text(acc.read_text() + "\n# a change\n")
-    assert set(_planned(work)) == {"accounting", "report", "all"}
+    assert set(_planned(work)) == {"accounting", "grid_summary", "diagnostics", "report", "all"}
     snakemake(work, "reports/paper.html", "--cores", "2", "--config", "scale=smoke")
 
     # a change of the model reruns the training runs and what reads them, not data or accounting
