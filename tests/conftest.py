@@ -43,6 +43,17 @@ def copy_repo(dest: Path) -> Path:
     return dest
 
 
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """Tiny models run fastest on one thread; oversubscribed threads on a busy CPU are 10x slower."""
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 @pytest.fixture
 def repo_copy(tmp_path) -> Path:
     return copy_repo(tmp_path / "repo")

@@ -14,15 +14,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 pytest.importorskip("lm_eval")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models run fastest on one thread; oversubscribed threads on a busy CPU are 10x slower."""
-    import torch
-
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _olmo_eval():
