@@ -30,7 +30,6 @@ This module must not import torch: the stage starts in well under a second.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import math
 import sys
@@ -409,7 +408,7 @@ def run(spec: dict) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from lrattnres.io import atomic_write_json
+    from lrattnres.io import atomic_write_json, read_spec_arg
     from lrattnres.provenance import now, provenance
 
     p = argparse.ArgumentParser(prog="python -m lrattnres accounting", description=__doc__.split("\n")[0])
@@ -420,9 +419,9 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stderr)
     started = now()
     try:
-        spec = json.loads(args.spec)
-    except json.JSONDecodeError as e:
-        print(f"accounting: --spec is not valid JSON ({e})", file=sys.stderr)
+        spec = read_spec_arg(args.spec)
+    except ValueError as e:
+        print(f"accounting: {e}", file=sys.stderr)
         return 2
     try:
         result = run(spec)

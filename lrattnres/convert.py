@@ -762,9 +762,8 @@ def run(checkpoint: str | Path, data: str | Path, spec: dict, save: str | Path |
 
 
 def main(argv: list[str] | None = None) -> int:
-    import json
 
-    from lrattnres.io import atomic_write_json, read_json
+    from lrattnres.io import atomic_write_json, read_json, read_spec_arg
 
     p = argparse.ArgumentParser(prog="python -m lrattnres convert",
                                 description="convert a standard AttnRes checkpoint to full-width-RMS LR-AttnRes "
@@ -798,10 +797,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("checkpoint", "data", "spec"):
         if getattr(args, name) is None:
             p.error(f"--{name} is required (or use --aggregate)")
-    try:
-        spec = json.loads(args.spec)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"--spec: not valid JSON ({e})") from None
+    spec = read_spec_arg(args.spec)
     try:
         result = run(args.checkpoint, args.data, spec, save=args.save, published=args.published,
                      progress=not args.no_progress)

@@ -16,7 +16,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import math
 import os
@@ -165,9 +164,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s: %(message)s")
+    from lrattnres.io import read_spec_arg
+
     try:
-        spec = validate_spec(json.loads(args.spec))
-    except (ValueError, json.JSONDecodeError) as e:
+        spec = validate_spec(read_spec_arg(args.spec))
+    except (ValueError, OSError) as e:
         print(f"kernel-check: {e}", file=sys.stderr)
         return 2
     import torch

@@ -60,7 +60,6 @@ import argparse
 import copy
 import functools
 import gc
-import json
 import math
 import statistics
 import sys
@@ -778,12 +777,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--data", default=None, help="data manifest: time on its first training batches (else synthetic tokens)")
     p.add_argument("--out", required=True, help="result JSON (rewritten after every repeat)")
     args = p.parse_args(argv)
-    from lrattnres.io import atomic_write_json
+    from lrattnres.io import atomic_write_json, read_spec_arg
 
     try:
-        spec = json.loads(args.spec)
-    except json.JSONDecodeError as e:
-        print(f"--spec: not valid JSON ({e})", file=sys.stderr)
+        spec = read_spec_arg(args.spec)
+    except ValueError as e:
+        print(f"throughput: {e}", file=sys.stderr)
         return 2
     try:
         resolve_spec(spec)

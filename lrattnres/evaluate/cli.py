@@ -27,7 +27,6 @@ Output JSON: {"stage": "evaluate", "run_id", "size", "method", "claim_size", "ta
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import sys
@@ -154,12 +153,17 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stderr)
 
+    from lrattnres.io import read_spec_arg
+
     try:
-        spec = validate_spec(json.loads(args.spec))
-    except json.JSONDecodeError as e:
-        print(f"evaluate --spec: not valid JSON ({e})", file=sys.stderr)
-        return 2
+        spec = validate_spec(read_spec_arg(args.spec))
     except SpecError as e:
+        print(str(e), file=sys.stderr)
+        return 2
+    except ValueError as e:
+        print(f"evaluate: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:
         print(str(e), file=sys.stderr)
         return 2
     if spec["source"] == "offline":
