@@ -5,7 +5,9 @@ the eager reference and torch.compile of the reference.
     python benchmarks/kernel_bench.py --quick --out DIR    # a few shapes
 
 Every row: median microseconds of triton.testing.do_bench (which clears the L2 before each call) for the
-forward and for forward+backward, and the fraction of the copy bandwidth measured in the same run,
+forward and for forward+backward, called eagerly as a user would (host-side dispatch counts where it
+outlasts the L2 flush); the same two as CUDA-graph replays (GPU time alone, no dispatch; None where an
+implementation cannot be captured); and the fraction of the copy bandwidth measured in the same run,
 with roofline bytes forward (S+1)*tokens*d*2 and forward+backward (3S+2)*tokens*d*2.  The bf16
 correctness check (|x - ref| <= 0.05 + 0.05|ref|) runs first.  Writes kernel_bench.json and
 kernel_bench.md to --out, rewritten after every row so a cut-off run keeps
@@ -28,7 +30,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import triton  # noqa: E402
-from triton.testing import do_bench  # noqa: E402
+from triton.testing import do_bench, do_bench_cudagraph  # noqa: E402
 
 import kernels  # noqa: E402
 import kernels.op as kop  # noqa: E402
@@ -40,6 +42,19 @@ EPS = 1e-6
 
 def _bench(fn, warmup=5, rep=25):
     return do_bench(fn, warmup=warmup, rep=rep, return_mode="median") * 1e3  # us
+
+
+def _bench_graph(fn):
+    """Median us of CUDA-graph replays of ``fn``: GPU time without host-side dispatch, None if ``fn``
+    cannot be captured (a host sync inside, say)."""
+    try:
+        fn()
+        torch.cuda.synchronize()
+        return do_bench_cudagraph(fn, rep=25, return_mode="median") * 1e3
+    except Exception as e:  # pragma: no cover - depends on the implementation
+        print(f"  (graph capture failed: {type(e).__name__}: {str(e)[:120]})", flush=True)
+        torch.cuda.synchronize()
+        return None
 
 
 def copy_bandwidth() -> float:
@@ -108,15 +123,16 @@ def time_kernels_only(srcs, q, g):
         return kop._bwd_triton(srcs, q, h, lse, res, g, "slice", EPS)
 
     fb()
-    return t_f, _bench(fb)
+    return t_f, _bench(fb), _bench_graph(lambda: kop._fwd_triton(srcs, q, "slice", EPS)), _bench_graph(fb)
 
 
 def time_impl(fn, S, N, d, r, srcs, q, g):
-    """(fwd us, fwd+bwd us) for one implementation, None where it cannot run."""
+    """(fwd us, fwd+bwd us, the same two as CUDA-graph replays) for one implementation, None where it
+    cannot run."""
     if fn == "kernels-only":
         return time_kernels_only(srcs, q, g)
     if fn(srcs, q, d) is None:
-        return None, None
+        return None, None, None, None
     t_f = _bench(lambda: fn(srcs, q, d))
     srcs_g = [s.detach().requires_grad_() for s in srcs]
     q_g = q.detach().requires_grad_()
@@ -128,7 +144,7 @@ def time_impl(fn, S, N, d, r, srcs, q, g):
 
     fb()
     t_fb = _bench(fb)
-    return t_f, t_fb
+    return t_f, t_fb, _bench_graph(lambda: fn(srcs, q, d)), _bench_graph(fb)
 
 
 # ---------------------------------------------------------------------------------------- check
@@ -214,13 +230,16 @@ def _md(payload):
                          f"{c['src_grad_rel_l2']:.2e} | {c['query_grad_rel_l2']:.2e} |")
         lines.append("")
     lines += ["## Timings", "",
-              "| tokens | d | S | r | impl | fwd us | fwd % | fwd+bwd us | fwd+bwd % | ours speedup fwd+bwd |",
-              "|---|---|---|---|---|---|---|---|---|---|"]
+              "| tokens | d | S | r | impl | fwd us | fwd % | fwd+bwd us | fwd+bwd % | ours speedup fwd+bwd "
+              "| graph fwd us | graph fwd % | graph fwd+bwd us | graph fwd+bwd % | ours speedup graph fwd+bwd |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for row in payload["rows"]:
         def f(x, p=0):
             return "-" if x is None else f"{x:.{p}f}"
         lines.append(f"| {row['tokens']} | {row['d']} | {row['S']} | {row['r']} | {row['impl']} | {f(row['fwd_us'])} | "
-                     f"{f(row['fwd_pct'])} | {f(row['fwdbwd_us'])} | {f(row['fwdbwd_pct'])} | {f(row.get('ours_speedup_fwdbwd'), 2)} |")
+                     f"{f(row['fwd_pct'])} | {f(row['fwdbwd_us'])} | {f(row['fwdbwd_pct'])} | {f(row.get('ours_speedup_fwdbwd'), 2)} | "
+                     f"{f(row.get('fwd_graph_us'))} | {f(row.get('fwd_graph_pct'))} | {f(row.get('fwdbwd_graph_us'))} | "
+                     f"{f(row.get('fwdbwd_graph_pct'))} | {f(row.get('ours_speedup_fwdbwd_graph'), 2)} |")
     return "\n".join(lines) + "\n"
 
 
@@ -246,7 +265,7 @@ def run_grid(args):
         compile_at = {(8192, 1536, 9, 384)}
     else:
         # the shapes the goals name first, so a cut-off run keeps them
-        grid = [(N, d, S, r) for N in (8192, 4096) for S in (9, 25, 49, 5, 2) for d in (1536, 1024, 2560)
+        grid = [(N, d, S, r) for N in args.tokens for S in (9, 25, 49, 5, 2) for d in (1536, 1024, 2560)
                 for r in (d, d // 4, d // 8)]
         compile_at = {(8192, 1536, 9, 384)}
     impls = _impls(want_compile=not args.no_compile)
@@ -263,38 +282,51 @@ def run_grid(args):
             if name == "eager" and not args.eager_all and (N == 4096 or r != d // 4):
                 continue
             try:
-                t_f, t_fb = time_impl(fn, S, N, d, r, srcs, q, g)
+                t_f, t_fb, tg_f, tg_fb = time_impl(fn, S, N, d, r, srcs, q, g)
             except Exception as e:
                 print(f"{name} failed at N={N} d={d} S={S} r={r}: {e!r}", flush=True)
                 traceback.print_exc(limit=2)
                 continue
             if t_f is None:
                 continue
-            res[name] = (t_f, t_fb)
+            res[name] = (t_f, t_fb, tg_f, tg_fb)
         fwd_bytes = (S + 1) * N * d * 2
         fb_bytes = (3 * S + 2) * N * d * 2
-        for name, (t_f, t_fb) in res.items():
+        def pct(nbytes, t):
+            return None if t is None else 100 * nbytes / (t * 1e-6 * bw)
+
+        def ratio(a, b):
+            return None if a is None or b is None else a / b
+
+        for name, (t_f, t_fb, tg_f, tg_fb) in res.items():
             row = {
                 "tokens": N, "d": d, "S": S, "r": r, "impl": name,
-                "fwd_us": t_f, "fwdbwd_us": t_fb,
-                "fwd_pct": 100 * fwd_bytes / (t_f * 1e-6 * bw), "fwdbwd_pct": 100 * fb_bytes / (t_fb * 1e-6 * bw),
+                "fwd_us": t_f, "fwdbwd_us": t_fb, "fwd_pct": pct(fwd_bytes, t_f), "fwdbwd_pct": pct(fb_bytes, t_fb),
+                "fwd_graph_us": tg_f, "fwdbwd_graph_us": tg_fb,
+                "fwd_graph_pct": pct(fwd_bytes, tg_f), "fwdbwd_graph_pct": pct(fb_bytes, tg_fb),
                 "fwd_bytes": fwd_bytes, "fwdbwd_bytes": fb_bytes,
             }
             if name != "ours" and "ours" in res:
-                row["ours_speedup_fwd"] = t_f / res["ours"][0]
-                row["ours_speedup_fwdbwd"] = t_fb / res["ours"][1]
+                o = res["ours"]
+                row["ours_speedup_fwd"] = ratio(t_f, o[0])
+                row["ours_speedup_fwdbwd"] = ratio(t_fb, o[1])
+                row["ours_speedup_fwd_graph"] = ratio(tg_f, o[2])
+                row["ours_speedup_fwdbwd_graph"] = ratio(tg_fb, o[3])
             payload["rows"].append(row)
-        line = " ".join(f"{k}={v[0]:.0f}/{v[1]:.0f}" for k, v in res.items())
+        def us(x):
+            return "-" if x is None else f"{x:.0f}"
+
+        line = " ".join(f"{k}={us(v[0])}/{us(v[1])} (graph {us(v[2])}/{us(v[3])})" for k, v in res.items())
         if "ours" in res:
             o = payload["rows"][-len(res)]
-            line += f"  ours {o['fwd_pct']:.0f}%/{o['fwdbwd_pct']:.0f}%"
+            line += f"  ours {us(o['fwd_pct'])}%/{us(o['fwdbwd_pct'])}% (graph {us(o['fwd_graph_pct'])}%/{us(o['fwdbwd_graph_pct'])}%)"
         print(f"[{time.time() - t0:.0f}s] N={N} d={d} S={S} r={r}: {line}", flush=True)
         payload["tuned_configs"] = kop.tuned_configs()
-        _write(args.out, "kernel_bench", payload, _md(payload))
+        _write(args.out, args.stem, payload, _md(payload))
         del srcs, q, g
     payload["elapsed_s"] = time.time() - t0
     payload["tuned_configs"] = kop.tuned_configs()
-    _write(args.out, "kernel_bench", payload, _md(payload))
+    _write(args.out, args.stem, payload, _md(payload))
 
 
 def main(argv=None):
@@ -305,6 +337,9 @@ def main(argv=None):
     p.add_argument("--no-compile", action="store_true")
     p.add_argument("--eager-all", action="store_true", help="also time the eager reference at 4096 tokens for S > 9")
     p.add_argument("--budget-s", type=float, default=480.0)
+    p.add_argument("--tokens", type=lambda x: [int(v) for v in x.split(",")], default=[8192, 4096],
+                   help="token counts of the full grid, in order (split a run across GPUs with this)")
+    p.add_argument("--stem", default="kernel_bench", help="output file name stem")
     args = p.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     if not torch.cuda.is_available():

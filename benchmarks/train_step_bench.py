@@ -80,6 +80,10 @@ def _args(argv=None):
     p.add_argument("--force-compile", action="store_true", help="compile on the CPU too (to check the compiled path)")
     p.add_argument("--fullgraph", action="store_true", help="torch.compile(fullgraph=True), as the paper")
     p.add_argument("--budget-s", type=float, default=450.0, help="start no new config after this many seconds")
+    p.add_argument("--profile", default="baseline,lr-fused",
+                   help="configs to profile for one extra update after timing (torch.profiler; '' for none): "
+                        "where the time goes, as the top kernels by device time")
+    p.add_argument("--profile-top", type=int, default=25)
     p.add_argument("--device", default="auto")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=os.environ.get("OUT", str(REPO / "benchmarks" / "results")))
@@ -123,6 +127,28 @@ def _batches(n, B, T, V, mean_doc, gen):
         doc = torch.cumsum(ends.int(), dim=1, dtype=torch.int32) - ends.int()
         out.append(Batch(x[:, :-1].contiguous(), x[:, 1:].contiguous(), doc.contiguous()))
     return out
+
+
+def _names(csv: str) -> list[str]:
+    return [n.strip() for n in csv.split(",") if n.strip()]
+
+
+def _profile(update, device, top: int) -> dict:
+    """One more update under torch.profiler: the top kernels (or CPU ops) by self device time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=acts) as prof:
+        update()
+    attr = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    events = [e for e in prof.key_averages() if getattr(e, attr, 0) > 0]
+    total = sum(getattr(e, attr) for e in events)
+    events.sort(key=lambda e: getattr(e, attr), reverse=True)
+    return {
+        "by": attr, "total_ms": total / 1e3,
+        "top": [{"name": e.key[:160], "ms": getattr(e, attr) / 1e3, "share": getattr(e, attr) / max(total, 1e-9),
+                 "calls": e.count} for e in events[:top]],
+    }
 
 
 def run_config(name, a, device):
@@ -177,6 +203,7 @@ def run_config(name, a, device):
         ce, zl, gn = update()
         times.append(time.perf_counter() - t)
         losses.append(ce + zl)
+    profile = _profile(update, device, a.profile_top) if name in _names(a.profile) else None
     tok = a.grad_accum * a.micro_batch * a.seq_len
     mean_t = sum(times) / len(times)
     sd = math.sqrt(sum((x - mean_t) ** 2 for x in times) / max(1, len(times) - 1))
@@ -189,6 +216,8 @@ def run_config(name, a, device):
         "optimizer_s_mean": sum(x[1] for x in split[-a.updates:]) / a.updates, "loss_first": first[0] + first[1],
         "loss_last": losses[-1], "finite": all(math.isfinite(x) for x in losses),
     }
+    if profile is not None:
+        row["profile"] = profile
     if device.type == "cuda":
         row["peak_allocated_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
         row["peak_reserved_gib"] = torch.cuda.max_memory_reserved(device) / 2**30
@@ -214,6 +243,15 @@ def _table(rows) -> str:
             f"{r['tokens_per_s']:,.0f} | {rel} | {r['update_s_mean']:.3f} ({100 * r['update_s_cv']:.1f}%) | "
             f"{r['optimizer_s_mean']:.3f} | "
             f"{r.get('peak_allocated_gib', float('nan')):.1f} | {r['first_update_s']:.1f} |")
+    for r in rows:
+        prof = r.get("profile")
+        if not prof:
+            continue
+        lines += ["", f"Where one update of {r['config']} spends device time ({prof['total_ms']:.1f} ms, "
+                  f"{prof['by']}, top {min(10, len(prof['top']))}):", "", "| kernel / op | ms | share | calls |",
+                  "|---|---|---|---|"]
+        for e in prof["top"][:10]:
+            lines.append(f"| {e['name'][:90].replace('|', '/')} | {e['ms']:.2f} | {100 * e['share']:.1f}% | {e['calls']} |")
     return "\n".join(lines) + "\n"
 
 
@@ -229,7 +267,7 @@ def main(argv=None) -> int:
         torch.backends.cudnn.allow_tf32 = True
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    names = [n.strip() for n in a.configs.split(",") if n.strip()]
+    names = _names(a.configs)
     for n in names:
         if n not in CONFIGS:
             print(f"unknown config {n!r}; expected some of {list(CONFIGS)}", file=sys.stderr)

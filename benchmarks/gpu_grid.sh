@@ -1,0 +1,69 @@
+#!/usr/bin/env bash
+# As much of the gpu scale as fits a deadline, on one GPU, through the Snakefile: proves the GPU path
+# end to end (compiled model, bf16, kernels.attnres) on the same rules a user runs.
+#
+#   OUT=/some/dir DEADLINE_S=540 bash benchmarks/gpu_grid.sh
+#
+# The runs are asked for one `snakemake` call each, in the order below (the comparisons that matter
+# most first), and a run starts only while at least RUN_S seconds (default 100) are left.  The data
+# stage's output may be carried in from another machine (results/gpu/data): it is then marked up to
+# date with --touch instead of rebuilt, because the embedded corpus is read from the installed
+# packages and would differ on a machine with other packages.  Writes $OUT/gpu_grid.json (every run's
+# result.json, with the call's timings), $OUT/runs/<run>/{result.json,metrics.jsonl,train.log} and
+# $OUT/snakemake.log.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/gpu_grid}
+DEADLINE=${DEADLINE_S:-540}
+RUN_S=${RUN_S:-100}
+PY=${PYTHON:-python3}
+SMK=(${SNAKEMAKE:-$PY -m snakemake})
+# targets go before --config (snakemake reads every word after --config as a config entry)
+OPTS=(--cores all --scheduler greedy --nolock ${GRID_OPTS:-} --config scale=gpu)
+T0=$(date +%s)
+mkdir -p "$OUT/runs"
+log="$OUT/snakemake.log"
+
+RUNS=(
+  gpu-small-baseline-s0
+  gpu-small-lr-n8-r48-s0
+  gpu-small-attnres-n8-r384-s0
+  gpu-small-lr-n8-r96-s0
+  gpu-small-lr-n8-r24-s0
+  gpu-small-lr-fullrms-n8-r48-s0
+  gpu-small-lr-n8-r192-s0
+  gpu-small-plr-n8-r12-s0
+  gpu-small-lr-n8-r48-s1
+  gpu-small-attnres-n8-r384-s1
+)
+
+if [ -f results/gpu/data/manifest.json ]; then
+  "${SMK[@]}" results/gpu/data/manifest.json --touch "${OPTS[@]}" >> "$log" 2>&1
+fi
+for run in "${RUNS[@]}"; do
+  left=$(( DEADLINE - ($(date +%s) - T0) ))
+  if [ "$left" -lt "$RUN_S" ]; then
+    echo "[gpu_grid] $run not started: ${left}s left" | tee -a "$log"
+    continue
+  fi
+  t=$(date +%s)
+  echo "[gpu_grid] $run (${left}s left)" | tee -a "$log"
+  timeout --signal=TERM --kill-after=20 $(( left - 10 )) "${SMK[@]}" "results/gpu/runs/$run/result.json" "${OPTS[@]}" >> "$log" 2>&1
+  echo "[gpu_grid] $run exit $? after $(( $(date +%s) - t ))s" | tee -a "$log"
+  mkdir -p "$OUT/runs/$run"
+  for f in result.json metrics.jsonl spec.json; do
+    [ -f "results/gpu/runs/$run/$f" ] && cp "results/gpu/runs/$run/$f" "$OUT/runs/$run/"
+  done
+  [ -f "results/gpu/logs/train/$run.log" ] && cp "results/gpu/logs/train/$run.log" "$OUT/runs/$run/train.log"
+done
+$PY - "$OUT" <<'EOF'
+import json, sys, pathlib
+out = pathlib.Path(sys.argv[1])
+runs = {}
+for p in sorted((out / "runs").glob("*/result.json")):
+    runs[p.parent.name] = json.loads(p.read_text())
+(out / "gpu_grid.json").write_text(json.dumps({"runs": runs}, indent=1) + "\n")
+for k, v in runs.items():
+    print(k, {x: v.get(x) for x in ("val_ce", "final_val_ce", "tokens_per_s", "train_s") if x in v})
+EOF
+echo "[gpu_grid] done at $(( $(date +%s) - T0 ))s"

@@ -1,0 +1,87 @@
+#!/usr/bin/env bash
+# One device call on a GPU machine: runs up to two "lanes" at once, one per GPU, each under its own
+# deadline, then packs each lane's folder into $OUT/<lane>.tgz (the device tool returns at most 8 files).
+#
+#   OUT=/some/dir bash benchmarks/h200_call.sh kernel+train     # lanes "kernel" (GPU 0) and "train" (GPU 1)
+#   OUT=/some/dir bash benchmarks/h200_call.sh throughput+grid
+#   OUT=/some/dir bash benchmarks/h200_call.sh kernel4096
+#
+# Lanes (each writes its results and a log.txt into its folder):
+#   kernel      tests/test_kernels.py on the GPU, then benchmarks/kernel_bench.py at 8192 tokens
+#   kernel4096  benchmarks/kernel_bench.py at 4096 tokens (no check), then benchmarks/kernel_sweep.py
+#   train       benchmarks/train_step_bench.py (1B), then benchmarks/kernel_sweep.py
+#   throughput  benchmarks/throughput_gpu.sh (Table 3 at 1B and 4B)
+#   grid        as much of the gpu scale as fits, through the Snakefile (benchmarks/gpu_grid.sh)
+# With one GPU visible the lanes run one after the other, each with its own deadline.
+# Wheels: .whl/ (fla-core, fast-attnres) and .whl_smk/ (snakemake and its needs) are installed into
+# /tmp/site when present; carry them (they are git-ignored).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:?set OUT}
+PART=${1:?name the lanes, e.g. kernel+train}
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PYTHON=${PYTHON:-python3}
+T0=$(date +%s)
+LANES=/tmp/lanes
+mkdir -p "$LANES" "$OUT"
+
+for dir in .whl .whl_smk; do
+  if compgen -G "$dir/*.whl" > /dev/null; then
+    $PYTHON -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site $dir/*.whl \
+      > "$OUT/pip_$dir.log" 2>&1 || echo "pip install of $dir failed" >> "$OUT/pip_$dir.log"
+  fi
+done
+export PYTHONPATH="/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export PATH="/tmp/site/bin:$PATH"
+NGPU=$($PYTHON -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0)
+{ date -u; nvidia-smi; $PYTHON -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'; nproc; } \
+  > "$OUT/machine.txt" 2>&1
+echo "GPUs: $NGPU; part $PART"
+
+left() { echo $(( $1 - ($(date +%s) - T0) )); }  # seconds left before absolute deadline $1 (from T0)
+
+lane_kernel() {
+  timeout 150 $PYTHON -m pytest -q -x -p no:cacheprovider tests/test_kernels.py -m gpu 2>&1 | tail -25
+  $PYTHON benchmarks/kernel_bench.py --out "$L" --tokens 8192 --budget-s "$(left 500)"
+}
+lane_kernel4096() {
+  $PYTHON benchmarks/kernel_bench.py --out "$L" --tokens 4096 --no-check --stem kernel_bench_4096 --budget-s "$(left 380)"
+  $PYTHON benchmarks/kernel_sweep.py --out "$L" --budget-s "$(left 520)"
+}
+lane_train() {
+  TORCHINDUCTOR_COMPILE_THREADS=16 $PYTHON benchmarks/train_step_bench.py --out "$L" --budget-s "$(left 380)"
+  $PYTHON benchmarks/kernel_sweep.py --out "$L" --budget-s "$(left 530)"
+}
+lane_throughput() { OUT="$L" PYTHON=$PYTHON bash benchmarks/throughput_gpu.sh; }
+lane_grid() { OUT="$L" DEADLINE_S=$(left 540) bash benchmarks/gpu_grid.sh; }
+export -f left lane_kernel lane_kernel4096 lane_train lane_throughput lane_grid
+export T0
+
+run_lane() {  # name gpu-list cpu-list
+  local name=$1 gpus=$2 cpus=$3
+  local dir=$LANES/$name
+  mkdir -p "$dir"
+  local pin=()
+  if [ -n "$cpus" ] && taskset -c "$cpus" true 2> /dev/null; then pin=(taskset -c "$cpus"); fi
+  CUDA_VISIBLE_DEVICES=$gpus L=$dir timeout --signal=TERM --kill-after=15 "$(left 575)" "${pin[@]}" bash -c "lane_$name" \
+    > "$dir/log.txt" 2>&1
+  echo "lane $name exit $? at $(( $(date +%s) - T0 ))s" | tee -a "$dir/log.txt"
+}
+
+IFS=+ read -r -a names <<< "$PART"
+half=$(( $(nproc) / 2 ))
+if [ "${#names[@]}" -eq 2 ] && [ "$NGPU" -ge 2 ]; then
+  run_lane "${names[0]}" 0 "0-$((half - 1))" &
+  run_lane "${names[1]}" 1 "$half-$(( $(nproc) - 1 ))" &
+  wait
+else
+  for n in "${names[@]}"; do run_lane "$n" 0 ""; done
+fi
+
+for n in "${names[@]}"; do
+  tar -C "$LANES" -czf "$OUT/$n.tgz" "$n"
+  echo "=== $n: tail of log"
+  tail -n 30 "$LANES/$n/log.txt"
+done
+ls -la "$OUT"
+echo "call done at $(( $(date +%s) - T0 ))s"

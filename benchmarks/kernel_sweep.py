@@ -1,0 +1,172 @@
+"""Launch-configuration sweep of this project's two Triton kernels, kernel time only.
+
+    python benchmarks/kernel_sweep.py --out DIR [--budget-s 120]
+
+For a few shapes (8192 tokens, d in {1024, 1536, 2560}, S = 9, r = d/4) it times the forward kernel
+and the backward kernel separately under every candidate launch configuration (BLOCK_T, num_warps,
+PREFETCH depth; DQ2D for the backward), through ``kernels.op.CONFIG_OVERRIDE``.  Each timing replays
+a CUDA graph of the launch (no host-side dispatch in the number; the inputs are several times the L2,
+so the cache helps little), median of ``triton.testing.do_bench_cudagraph``.  Every row also gives
+the fraction of the measured copy bandwidth for the bytes this design moves:
+forward S + 1.5 units of N*d*2 bytes (sources, h, int8 residual), backward 2S + 2.5 (g, h, residual,
+sources, source gradients).  Why: the autotuner only says which candidate won; this says by how much,
+and whether any candidate reaches the bandwidth, which is what decides the next kernel change.
+
+Writes kernel_sweep.json and kernel_sweep.md to --out, rewritten after every shape.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import os
+import sys
+import time
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import triton  # noqa: E402
+from triton.testing import do_bench_cudagraph  # noqa: E402
+
+import kernels.op as kop  # noqa: E402
+
+EPS = 1e-6
+
+
+def _fwd_candidates(block_d: int) -> list[dict]:
+    out = []
+    for bt in (1, 2, 4):
+        for nw in (2, 4, 8, 16):
+            for pf in (1, 2):
+                per_thread = bt * block_d // (32 * nw)
+                if 4 <= per_thread <= 64:
+                    out.append(dict(BLOCK_T=bt, num_warps=nw, PREFETCH=pf))
+    return out
+
+
+def _bwd_candidates(block_d: int) -> list[dict]:
+    out = []
+    for bt in (1, 2):
+        for nw in (4, 8, 16):
+            for pf in (1, 2):
+                per_thread = bt * block_d // (32 * nw)
+                if 4 <= per_thread <= 64:
+                    out.append(dict(BLOCK_T=bt, num_warps=nw, PREFETCH=pf, DQ2D=bt > 1))
+    return out
+
+
+def _time(fn) -> float:
+    fn()
+    torch.cuda.synchronize()
+    return do_bench_cudagraph(fn, rep=40, return_mode="median") * 1e3  # us
+
+
+def copy_bandwidth() -> float:
+    n = 1 << 30
+    a = torch.empty(n, dtype=torch.bfloat16, device="cuda").normal_()
+    b = torch.empty_like(a)
+    t = do_bench_cudagraph(lambda: b.copy_(a), rep=100, return_mode="median") * 1e-3
+    del a, b
+    torch.cuda.empty_cache()
+    return 2 * n * 2 / t
+
+
+def sweep_shape(N, d, S, r, bw, budget_end):
+    gen = torch.Generator(device="cuda").manual_seed(d + S + r)
+    srcs = [torch.randn(N, d, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(S)]
+    q = (torch.randn(r, device="cuda", generator=gen) * 0.5).to(torch.bfloat16)
+    g = torch.randn(N, d, device="cuda", generator=gen).to(torch.bfloat16)
+    unit = N * d * 2
+    block_d = kop._next_pow2(d)
+    rows = []
+    kop.CONFIG_OVERRIDE.clear()
+    for cfg in _fwd_candidates(block_d):
+        if time.time() > budget_end:
+            break
+        kop.CONFIG_OVERRIDE["fwd"] = cfg
+        try:
+            t = _time(lambda: kop._fwd_triton(srcs, q, "slice", EPS))
+        except Exception as e:  # a configuration that does not compile (registers, shared memory)
+            rows.append({"kernel": "fwd", **cfg, "error": repr(e)[:200]})
+            continue
+        rows.append({"kernel": "fwd", **cfg, "us": t, "pct_design": 100 * (S + 1.5) * unit / (t * 1e-6 * bw),
+                     "pct_formula": 100 * (S + 1) * unit / (t * 1e-6 * bw)})
+    kop.CONFIG_OVERRIDE.clear()
+    h, lse, res = kop._fwd_triton(srcs, q, "slice", EPS)
+    for cfg in _bwd_candidates(block_d):
+        if time.time() > budget_end:
+            break
+        kop.CONFIG_OVERRIDE["bwd"] = cfg
+        try:
+            t = _time(lambda: kop._bwd_triton(srcs, q, h, lse, res, g, "slice", EPS))
+        except Exception as e:
+            rows.append({"kernel": "bwd", **cfg, "error": repr(e)[:200]})
+            continue
+        rows.append({"kernel": "bwd", **cfg, "us": t, "pct_design": 100 * (2 * S + 2.5) * unit / (t * 1e-6 * bw),
+                     "pct_formula": 100 * (2 * S + 1) * unit / (t * 1e-6 * bw)})
+    kop.CONFIG_OVERRIDE.clear()
+    return {"tokens": N, "d": d, "S": S, "r": r, "rows": rows}
+
+
+def _md(doc) -> str:
+    e = doc["env"]
+    lines = [f"# Kernel launch-configuration sweep: {e['device']}, torch {e['torch']}, triton {e['triton']}, {e['date']}",
+             "", f"Copy bandwidth {doc['copy_bw_TBps']:.2f} TB/s. CUDA-graph replay, median. % design = bytes this "
+             "design moves (fwd S+1.5, bwd 2S+2.5 units of N d 2) / (time x copy bandwidth); % formula = the "
+             "issue's bytes (fwd S+1, bwd 2S+1).", ""]
+    for shp in doc["shapes"]:
+        lines += [f"## {shp['tokens']} tokens, d={shp['d']}, S={shp['S']}, r={shp['r']}", "",
+                  "| kernel | BLOCK_T | warps | prefetch | DQ2D | us | % design | % formula |", "|---|---|---|---|---|---|---|---|"]
+        for r in sorted(shp["rows"], key=lambda x: (x["kernel"] != "fwd", x.get("us", 1e9))):
+            if "error" in r:
+                lines.append(f"| {r['kernel']} | {r['BLOCK_T']} | {r['num_warps']} | {r['PREFETCH']} | {r.get('DQ2D', '-')} | "
+                             f"error | | |")
+            else:
+                lines.append(f"| {r['kernel']} | {r['BLOCK_T']} | {r['num_warps']} | {r['PREFETCH']} | {r.get('DQ2D', '-')} | "
+                             f"{r['us']:.1f} | {r['pct_design']:.0f} | {r['pct_formula']:.0f} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
+    p.add_argument("--budget-s", type=float, default=150.0)
+    p.add_argument("--shapes", default="8192x1536x9x384,8192x1024x9x256,8192x2560x9x640",
+                   help="comma-separated NxdxSxr")
+    a = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("kernel_sweep needs a CUDA GPU", file=sys.stderr)
+        return 1
+    t0 = time.time()
+    end = t0 + a.budget_s
+    doc = {"env": {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+                   "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")},
+           "shapes": []}
+    bw = copy_bandwidth()
+    doc["copy_bw_TBps"] = bw / 1e12
+    os.makedirs(a.out, exist_ok=True)
+    for spec in a.shapes.split(","):
+        N, d, S, r = (int(x) for x in spec.split("x"))
+        if time.time() > end:
+            break
+        doc["shapes"].append(sweep_shape(N, d, S, r, bw, end))
+        best = {k: min((x for x in doc["shapes"][-1]["rows"] if x["kernel"] == k and "us" in x),
+                       key=lambda x: x["us"], default=None) for k in ("fwd", "bwd")}
+        print(f"[{time.time() - t0:.0f}s] {spec}: " + "  ".join(
+            f"{k} best {v['us']:.0f}us ({v['pct_design']:.0f}% design) {v}" for k, v in best.items() if v), flush=True)
+        doc["elapsed_s"] = time.time() - t0
+        for ext, text in (("json", json.dumps(doc, indent=1)), ("md", _md(doc))):
+            path = os.path.join(a.out, f"kernel_sweep.{ext}")
+            with open(path + ".tmp", "w") as f:
+                f.write(text)
+            os.replace(path + ".tmp", path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
