@@ -269,8 +269,10 @@ def _bwd_triton(sources, query, h, lse, res, g, norm: str, eps: float):
     dev = sources[0].device
     has_res = dtype in _MANT and res.numel() > 0
     if len(sources) == 1:
-        # one source: w = 1, h = o, dz = 0 exactly; the query gets no gradient
-        return [g.to(dtype).contiguous().view(sources[0].shape)], torch.zeros_like(query)
+        # one source: w = 1, h = o, dz = 0 exactly; the query gets no gradient.  A copy, never g
+        # itself: a custom op's output may not alias its input (torch.library refuses it)
+        grad = g.to(dtype=dtype, memory_format=torch.contiguous_format, copy=True)
+        return [grad.view(sources[0].shape)], torch.zeros_like(query)
     grads = [_empty(o.shape, dtype, dev) for o in sources]
     if n_tok == 0:
         return grads, torch.zeros_like(query)

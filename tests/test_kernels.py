@@ -142,6 +142,30 @@ def test_triton_fused_reductions(monkeypatch):
     test_triton_matches_reference_fp32(48, 48, 3, "full", "contig")
 
 
+@needs_triton
+@pytest.mark.parametrize("S", [1, 2])
+def test_custom_op_triton_path(S):
+    """The custom op and its registered autograd on the Triton path (CPU: the interpreter).  S = 1
+    takes a host-side backward whose output once aliased the upstream gradient, which torch.library
+    refuses (seen on the H200, 2026-11-29)."""
+    device = "cuda" if HAS_CUDA else "cpu"
+    gen = torch.Generator(device=device).manual_seed(11 + S)
+    sources = _make_sources(S, (2, 5), 40, torch.float32, device, "contig", gen)
+    query = torch.randn(9, generator=gen, device=device).requires_grad_()
+    g = torch.randn(2, 5, 40, generator=gen, device=device)
+    op.set_cpu_triton(not HAS_CUDA)
+    try:
+        h, gs, gq = _run(kernels.attnres, sources, query, g, "slice")
+    finally:
+        op.set_cpu_triton(False)
+    h_ref, gs_ref, gq_ref = _run(route, sources, query, g, "slice")
+    torch.testing.assert_close(h, h_ref, rtol=1e-4, atol=1e-4)
+    for a, b in zip(gs, gs_ref):
+        torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-3)
+        assert a.data_ptr() != g.data_ptr()
+    torch.testing.assert_close(gq, gq_ref, rtol=1e-3, atol=2e-3)
+
+
 @pytest.mark.parametrize("norm", ["slice", "full"])
 def test_cpu_fallback_matches_reference(norm):
     """Without the Triton switch, CPU tensors take the torch path of the custom op."""
