@@ -2,17 +2,19 @@
 # One device call on a GPU machine: runs up to two "lanes" at once, one per GPU, each under its own
 # deadline, then packs each lane's folder into $OUT/<lane>.tgz (the device tool returns at most 8 files).
 #
-#   OUT=/some/dir bash benchmarks/h200_call.sh kernel+train     # lanes "kernel" (GPU 0) and "train" (GPU 1)
-#   OUT=/some/dir bash benchmarks/h200_call.sh throughput+grid
-#   OUT=/some/dir bash benchmarks/h200_call.sh kernel4096
+#   OUT=/some/dir bash benchmarks/h200_call.sh kernel:540                 # one lane, 540 s
+#   OUT=/some/dir bash benchmarks/h200_call.sh throughput:540+grid:540     # two lanes (two GPUs, or in turn)
 #
-# Lanes (each writes its results and a log.txt into its folder):
-#   kernel      tests/test_kernels.py on the GPU, then benchmarks/kernel_bench.py at 8192 tokens
+# A part is LANE:SECONDS[+LANE:SECONDS]; each lane runs under its own time limit (SECONDS, from its
+# start) and writes its results and a log.txt into its folder.  Two lanes run at once, one per GPU,
+# when two GPUs are visible; otherwise one after the other.
+#   kernel      tests/test_kernels.py -m gpu, then benchmarks/kernel_bench.py at 8192 tokens
 #   kernel4096  benchmarks/kernel_bench.py at 4096 tokens (no check), then benchmarks/kernel_sweep.py
-#   train       benchmarks/train_step_bench.py (1B), then benchmarks/kernel_sweep.py
-#   throughput  benchmarks/throughput_gpu.sh (Table 3 at 1B and 4B)
-#   grid        as much of the gpu scale as fits, through the Snakefile (benchmarks/gpu_grid.sh)
-# With one GPU visible the lanes run one after the other, each with its own deadline.
+#   sweep       benchmarks/kernel_sweep.py
+#   train       benchmarks/train_step_bench.py (1B)
+#   traingrid   train, then as much of the gpu scale as fits (benchmarks/gpu_grid.sh)
+#   grid        benchmarks/gpu_grid.sh alone
+#   throughput  benchmarks/throughput_gpu.sh (Table 3 at 1B and 4B; needs about 530 s)
 # Wheels: .whl/ (fla-core, fast-attnres) and .whl_smk/ (snakemake and its needs) are installed into
 # /tmp/site when present; carry them (they are git-ignored).
 set -uo pipefail
@@ -38,33 +40,36 @@ NGPU=$($PYTHON -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null |
   > "$OUT/machine.txt" 2>&1
 echo "GPUs: $NGPU; part $PART"
 
-left() { echo $(( $1 - ($(date +%s) - T0) )); }  # seconds left before absolute deadline $1 (from T0)
+left() { echo $(( $1 - ($(date +%s) - LT0) )); }  # seconds left until $1 seconds after the lane's start
 
 lane_kernel() {
   timeout 150 $PYTHON -m pytest -q -x -p no:cacheprovider tests/test_kernels.py -m gpu 2>&1 | tail -25
-  $PYTHON benchmarks/kernel_bench.py --out "$L" --tokens 8192 --budget-s "$(left 500)"
+  $PYTHON benchmarks/kernel_bench.py --out "$L" --tokens 8192 --budget-s "$(left $((DUR - 70)))"
 }
 lane_kernel4096() {
-  $PYTHON benchmarks/kernel_bench.py --out "$L" --tokens 4096 --no-check --stem kernel_bench_4096 --budget-s "$(left 380)"
-  $PYTHON benchmarks/kernel_sweep.py --out "$L" --budget-s "$(left 520)"
+  $PYTHON benchmarks/kernel_bench.py --out "$L" --tokens 4096 --no-check --stem kernel_bench_4096 --budget-s "$(left $((DUR - 150)))"
+  $PYTHON benchmarks/kernel_sweep.py --out "$L" --budget-s "$(left $((DUR - 20)))"
 }
+lane_sweep() { $PYTHON benchmarks/kernel_sweep.py --out "$L" --budget-s "$(left $((DUR - 20)))"; }
 lane_train() {
-  TORCHINDUCTOR_COMPILE_THREADS=16 $PYTHON benchmarks/train_step_bench.py --out "$L" --budget-s "$(left 380)"
-  $PYTHON benchmarks/kernel_sweep.py --out "$L" --budget-s "$(left 530)"
+  TORCHINDUCTOR_COMPILE_THREADS=16 $PYTHON benchmarks/train_step_bench.py --out "$L" --budget-s "$(left $((DUR - 60)))"
 }
+lane_traingrid() {
+  TORCHINDUCTOR_COMPILE_THREADS=16 $PYTHON benchmarks/train_step_bench.py --out "$L" --grad-accum 8 --budget-s "${TRAIN_S:-300}"
+  OUT="$L/grid" DEADLINE_S=$(left $((DUR - 15))) PYTHON=$PYTHON bash benchmarks/gpu_grid.sh
+}
+lane_grid() { OUT="$L" DEADLINE_S=$(left $((DUR - 15))) PYTHON=$PYTHON bash benchmarks/gpu_grid.sh; }
 lane_throughput() { OUT="$L" PYTHON=$PYTHON bash benchmarks/throughput_gpu.sh; }
-lane_grid() { OUT="$L" DEADLINE_S=$(left 540) bash benchmarks/gpu_grid.sh; }
-export -f left lane_kernel lane_kernel4096 lane_train lane_throughput lane_grid
-export T0
+export -f left lane_kernel lane_kernel4096 lane_sweep lane_train lane_traingrid lane_grid lane_throughput
 
-run_lane() {  # name gpu-list cpu-list
-  local name=$1 gpus=$2 cpus=$3
+run_lane() {  # name:seconds gpu-list cpu-list
+  local name=${1%%:*} dur=${1##*:} gpus=$2 cpus=$3
   local dir=$LANES/$name
   mkdir -p "$dir"
   local pin=()
   if [ -n "$cpus" ] && taskset -c "$cpus" true 2> /dev/null; then pin=(taskset -c "$cpus"); fi
-  CUDA_VISIBLE_DEVICES=$gpus L=$dir timeout --signal=TERM --kill-after=15 "$(left 575)" "${pin[@]}" bash -c "lane_$name" \
-    > "$dir/log.txt" 2>&1
+  CUDA_VISIBLE_DEVICES=$gpus L=$dir DUR=$dur LT0=$(date +%s) \
+    timeout --signal=TERM --kill-after=15 "$dur" "${pin[@]}" bash -c "lane_$name" > "$dir/log.txt" 2>&1
   echo "lane $name exit $? at $(( $(date +%s) - T0 ))s" | tee -a "$dir/log.txt"
 }
 
@@ -79,6 +84,7 @@ else
 fi
 
 for n in "${names[@]}"; do
+  n=${n%%:*}
   tar -C "$LANES" -czf "$OUT/$n.tgz" "$n"
   echo "=== $n: tail of log"
   tail -n 30 "$LANES/$n/log.txt"

@@ -142,6 +142,11 @@ def _profile(update, device, top: int) -> dict:
         update()
     attr = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
     events = [e for e in prof.key_averages() if getattr(e, attr, 0) > 0]
+    if device.type == "cuda":
+        # device kernels only: an operator's self device time repeats its kernels' (counted twice)
+        from torch.autograd import DeviceType
+
+        events = [e for e in events if e.device_type == DeviceType.CUDA]
     total = sum(getattr(e, attr) for e in events)
     events.sort(key=lambda e: getattr(e, attr), reverse=True)
     return {

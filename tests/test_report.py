@@ -108,3 +108,32 @@ def test_page_renders_in_headless_chromium(built_report, tmp_path):
     shot = tmp_path / "page.png"
     proc = subprocess.run([*common, f"--screenshot={shot}", "--window-size=1280,2000", url], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and shot.stat().st_size > 10_000
+
+
+def test_recorded_train_step_table():
+    """The training-step benchmark recorded on a GPU: rows, ratio to the baseline and the goal line."""
+    from lrattnres.report.sections.throughput import train_step_table
+
+    doc = {"benchmark": "train_step", "device": "GPU X", "date": "2026-01-01", "git": {"commit": "abc"},
+           "settings": {"preset": "1B", "micro_batch": 2, "seq_len": 2048, "grad_accum": 8, "updates": 5, "warmup": 2},
+           "rows": [{"config": "baseline", "router": None, "rank": None, "tokens_per_s": 1000.0, "vs_baseline": 1.0,
+                     "update_s_mean": 1.0, "update_s_cv": 0.01, "peak_allocated_gib": 2.0},
+                    {"config": "lr-fused", "router": "fused", "rank": 4, "tokens_per_s": 850.0, "vs_baseline": 0.85,
+                     "update_s_mean": 1.2, "update_s_cv": 0.02, "peak_allocated_gib": 2.1},
+                    {"config": "lr-ref", "error": "RuntimeError: boom"}],
+           "goal": {"met": False, "lr_fused_vs_baseline": 0.85, "lr_fused_tokens_per_s": 850.0},
+           "skipped": [{"config": "attnres-ref", "why": "budget"}]}
+    html = train_step_table(doc)
+    assert "85.0%" in html and "Goal missed" in html and "attnres-ref" in html and "boom" in html
+
+
+def test_recorded_gpu_grid_runs():
+    from types import SimpleNamespace
+
+    from lrattnres.report.sections.grid import _recorded_runs
+
+    run = {"steps": 10, "tokens": 1000, "final_val_ce": 5.25, "tokens_per_s": 123.0, "train_s": 4.0,
+           "memory": {"cuda_max_allocated_mib": 2048}, "provenance": {"device": "cuda: GPU X", "finished": "t"}}
+    html = _recorded_runs(SimpleNamespace(recorded={"gpu_grid": {"_path": "x.json", "runs": {"r0": run}}}))
+    assert "r0" in html and "5.2500" in html and "2.0" in html and "x.json" in html
+    assert _recorded_runs(SimpleNamespace(recorded={})) == ""

@@ -6,6 +6,8 @@ rule report:
         settings=rules.settings.output[0],
         published="reports/published.yaml",
         results=REPORT_INPUTS,
+        # result files measured elsewhere (config `recorded`): a new recording reruns the report
+        recorded=[p for p in config.get("recorded", {}).values() if os.path.exists(p)],
         src=stage_sources(
             "lrattnres.report",
             "lrattnres.claims",

@@ -88,6 +88,26 @@ def _seed_figure(at: dict, lr: dict, pub_at: list, pub_lr: list) -> str:
     return figure(fig, "Figure 2: seed replication of the headline pair (mean ± sample SD, dots are seeds).", fig_id="figure-2")
 
 
+def _recorded_runs(ctx) -> str:
+    """Training runs recorded on another machine (config ``recorded.gpu_grid``): the GPU path proven
+    through the same rules, shown as measured, without verdicts."""
+    rec = (getattr(ctx, "recorded", None) or {}).get("gpu_grid")
+    if not isinstance(rec, dict) or not rec.get("runs"):
+        return ""
+    rows = []
+    for run_id, r in sorted(rec["runs"].items()):
+        prov = r.get("provenance", {})
+        mem = (r.get("memory") or {}).get("cuda_max_allocated_mib")
+        rows.append([run_id, r.get("steps"), f"{r.get('tokens', 0):,}", f"{r['final_val_ce']:.4f}",
+                     f"{r.get('tokens_per_s') or 0:,.0f}", f"{r.get('train_s', 0):.0f}",
+                     "–" if mem is None else f"{mem / 1024:.1f}", prov.get("device"), prov.get("finished")])
+    return (f"<h3>Recorded runs of the gpu scale (file <code>{esc(rec.get('_path'))}</code>)</h3>"
+            "<p>Run through this Snakefile on a GPU (<code>benchmarks/gpu_grid.sh</code>), compiled, bf16. "
+            "Too few runs for any claim; shown to prove the GPU path.</p>"
+            + table(["run", "steps", "tokens", "final val. CE", "tokens/s", "train s", "peak GiB", "device", "finished"],
+                    rows, "Recorded gpu-scale runs"))
+
+
 def build(ctx) -> str:
     grids = ctx.results("grid")
     pub5 = _published_table5(ctx)
@@ -98,6 +118,7 @@ def build(ctx) -> str:
                            [[METHOD_LABEL.get(p["method"], p["method"]), p["N"], p["r"], p.get("added_flops_pct"), p.get("val_loss")] for p in pub5],
                            "Table 5 (published)"))
         parts.append(claims_table([c for c in ctx.claims.values() if ctx.published[c["id"]]["stage"] == "grid"], "Claims of the training sections"))
+        parts.append(_recorded_runs(ctx))
         return "\n".join(parts)
 
     grid = grids[0]
@@ -169,4 +190,5 @@ def build(ctx) -> str:
                        [[r["run_id"], ", ".join(r["roles"]), r["final_val_ce"], r["steps"], r["tokens"], r["wall_s"], r["tokens_per_s"]] for r in runs]))
     parts.append("</details>")
     parts.append(claims_table([c for c in ctx.claims.values() if ctx.published[c["id"]]["stage"] == "grid"], "Claims of the training sections"))
+    parts.append(_recorded_runs(ctx))
     return "\n".join(parts)

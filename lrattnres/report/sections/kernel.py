@@ -53,9 +53,13 @@ def build(ctx) -> str:
                                "bf16 check on the GPU (|x − ref| ≤ 0.05 + 0.05|ref|)"))
         rows = bench.get("rows", [])
         if rows:
-            parts.append(table(["tokens", "d", "S", "r", "impl", "fwd µs", "fwd %", "fwd+bwd µs", "fwd+bwd %"],
-                               [[r["tokens"], r["d"], r["S"], r["r"], r["impl"], r.get("fwd_us"), r.get("fwd_pct"), r.get("fwdbwd_us"), r.get("fwdbwd_pct")] for r in rows],
-                               "Timings (median of triton do_bench)"))
+            parts.append(table(["tokens", "d", "S", "r", "impl", "fwd µs", "fwd %", "fwd+bwd µs", "fwd+bwd %",
+                                "graph fwd µs", "graph fwd %", "graph fwd+bwd µs", "graph fwd+bwd %"],
+                               [[r["tokens"], r["d"], r["S"], r["r"], r["impl"], r.get("fwd_us"), r.get("fwd_pct"),
+                                 r.get("fwdbwd_us"), r.get("fwdbwd_pct"), r.get("fwd_graph_us"), r.get("fwd_graph_pct"),
+                                 r.get("fwdbwd_graph_us"), r.get("fwdbwd_graph_pct")] for r in rows],
+                               "Timings: called eagerly (median of triton do_bench, L2 flushed; host-side dispatch "
+                               "counts where it outlasts the flush) and as CUDA-graph replays (GPU time alone)"))
     else:
         parts.append('<p class="notrun">No GPU kernel benchmark is recorded (config <code>recorded.kernel</code>).</p>')
     parts.append(claims_table([c for c in ctx.claims.values() if ctx.published[c["id"]]["stage"] == "kernel"], "Kernel claims"))

@@ -186,6 +186,9 @@ def build(ctx) -> str:
                    "Different hardware from Table 3 unless the device is an H100 or B200; see the settings line "
                    "for the accumulation and compilation used.</p>")
         out.append(result_tables(res, f"recorded, {dev}, {mode}"))
+    step = rec_all.get("train_step")
+    if isinstance(step, dict) and step.get("benchmark") == "train_step":
+        out.append(train_step_table(step))
     claims = ctx.claims_with_prefix("table3.") + ctx.claims_with_prefix("sec4.9.")
     if claims:
         out.append(claims_table(claims, "Claims of Table 3 and Section 4.9 (the tokens/s values are claimed only "
@@ -194,4 +197,39 @@ def build(ctx) -> str:
     return "\n".join(out)
 
 
-__all__ = ["TITLE", "ORDER", "build", "published_table", "result_tables"]
+def train_step_table(doc: dict) -> str:
+    """The recorded production-step benchmark (benchmarks/train_step_bench.py): compiled, one config
+    after another, not the paired protocol above; the speed goal of the training issue."""
+    st = doc.get("settings", {})
+    git = doc.get("git") or {}
+    head = (f"<h3>Recorded training-step benchmark ({esc(doc.get('device'))}, compiled)</h3>"
+            f"<p>{esc(st.get('preset'))}, micro-batch {esc(st.get('micro_batch'))} × {esc(st.get('seq_len'))}, "
+            f"accumulation {esc(st.get('grad_accum'))}, {esc(st.get('updates'))} timed updates after "
+            f"{esc(st.get('warmup'))} warm-up; {esc(doc.get('date'))}, commit {esc((git.get('commit') or '?')[:10])}, "
+            f"file <code>{esc(doc.get('_path'))}</code>. Goal: LR-AttnRes (fused, r = d/4) at ≥ 90% of the "
+            "baseline's tokens/s and ≥ 62,000 tokens/s.</p>")
+    rows = []
+    for r in doc.get("rows", []):
+        if "error" in r:
+            rows.append([r["config"], "error", r["error"][:80], "", "", "", ""])
+            continue
+        rows.append([r["config"], r.get("router") or "–", r.get("rank") or "–", f"{r['tokens_per_s']:,.0f}",
+                     f"{100 * r['vs_baseline']:.1f}%" if r.get("vs_baseline") else "–",
+                     f"{r['update_s_mean']:.3f} ({100 * r['update_s_cv']:.1f}%)",
+                     fmt_gib(r.get("peak_allocated_gib"))])
+    goal = doc.get("goal", {})
+    met = goal.get("met")
+    tail = "" if met is None else (f"<p>Goal {'met' if met else 'missed'}: {100 * goal['lr_fused_vs_baseline']:.1f}% of "
+                                   f"the baseline, {goal['lr_fused_tokens_per_s']:,.0f} tokens/s.</p>")
+    skipped = ", ".join(x["config"] for x in doc.get("skipped", []))
+    if skipped:
+        tail += f"<p>Not timed (the call's time budget): {esc(skipped)}.</p>"
+    return head + table(["config", "router", "r", "tokens/s", "vs baseline", "update s (CV)", "peak GiB"], rows,
+                        "Training-step throughput, one H200") + tail
+
+
+def fmt_gib(x) -> str:
+    return "–" if x is None else f"{x:.1f}"
+
+
+__all__ = ["TITLE", "ORDER", "build", "published_table", "result_tables", "train_step_table"]
