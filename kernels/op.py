@@ -17,7 +17,8 @@ them, see kernels/_triton.py).  The backward never builds an [S, tokens, d] temp
 
 Environment: KERNELS_AUTOTUNE=0 turns autotuning off (first candidate configuration);
 KERNELS_CPU_TRITON=1 sends CPU tensors to the Triton interpreter; KERNELS_POISON=1 fills outputs
-with NaN before the kernels write them (tests).
+with NaN before the kernels write them (tests); KERNELS_EAGER_FUNCTION=0 sends eager calls through the
+custom op too (by default they take a plain autograd.Function over the same kernels: less host time).
 """
 
 from __future__ import annotations
@@ -438,8 +439,18 @@ def _backward(ctx, grad_h, grad_lse, grad_res):
 attnres_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
+# Eager calls on the Triton path go through a plain autograd.Function (same kernels, same saved
+# tensors) instead of the custom op: the custom op's eager dispatch (schema checks, pytree
+# flattening of the source list, redispatch, autograd wrapper, twice per forward+backward) cost more
+# host time than the launchers themselves (benchmarks/host_overhead.py).  torch.compile traces the
+# custom op, so compiled graphs keep an opaque, fake-tensor-checked node.  False: always the op.
+EAGER_FUNCTION = os.environ.get("KERNELS_EAGER_FUNCTION", "1") == "1"
+
+
 def attnres(sources: Sequence[torch.Tensor], query: torch.Tensor, *, norm: str = "slice", eps: float = 1e-6) -> torch.Tensor:
     """Fused depth routing: ``sum_i softmax_i(q . RMSNorm(key_i)) o_i`` (see module docstring)."""
+    if EAGER_FUNCTION and not torch.compiler.is_compiling() and len(sources) > 0 and _triton_ok(sources[0]):
+        return _AttnResTriton.apply(query, norm, float(eps), *sources)
     h, _, _ = attnres_fwd(list(sources), query, norm, float(eps))
     return h
 

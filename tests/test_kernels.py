@@ -143,11 +143,17 @@ def test_triton_fused_reductions(monkeypatch):
 
 
 @needs_triton
+@pytest.mark.parametrize("eager_function", [False, True], ids=["custom-op", "function"])
 @pytest.mark.parametrize("S", [1, 2])
-def test_custom_op_triton_path(S):
-    """The custom op and its registered autograd on the Triton path (CPU: the interpreter).  S = 1
-    takes a host-side backward whose output once aliased the upstream gradient, which torch.library
-    refuses (seen on the H200, 2026-11-29)."""
+def test_custom_op_triton_path(S, eager_function, monkeypatch):
+    """``kernels.attnres`` on the Triton path (CPU: the interpreter), through the custom op with its
+    registered autograd and through the eager autograd.Function.  S = 1 takes a host-side backward
+    whose output once aliased the upstream gradient, which torch.library refuses (seen on the H200,
+    2026-11-29)."""
+    monkeypatch.setattr(op, "EAGER_FUNCTION", eager_function)
+    calls = []
+    real = op._AttnResTriton.apply
+    monkeypatch.setattr(op._AttnResTriton, "apply", lambda *a: calls.append(1) or real(*a))
     device = "cuda" if HAS_CUDA else "cpu"
     gen = torch.Generator(device=device).manual_seed(11 + S)
     sources = _make_sources(S, (2, 5), 40, torch.float32, device, "contig", gen)
@@ -158,6 +164,7 @@ def test_custom_op_triton_path(S):
         h, gs, gq = _run(kernels.attnres, sources, query, g, "slice")
     finally:
         op.set_cpu_triton(False)
+    assert bool(calls) == eager_function  # the path asked for was taken
     h_ref, gs_ref, gq_ref = _run(route, sources, query, g, "slice")
     torch.testing.assert_close(h, h_ref, rtol=1e-4, atol=1e-4)
     for a, b in zip(gs, gs_ref):

@@ -1,0 +1,126 @@
+"""Host time per call of ``kernels.attnres``: how much the Python side costs around the two kernels.
+
+    python benchmarks/host_overhead.py [--out DIR] [--S 9 --d 1536 --r 384 --tokens 64]
+
+Why: called eagerly (no torch.compile, or a model whose step the host cannot run ahead of), the
+time of one read is max(host time, GPU time).  The H200 run of 2026-11-29 measured eager
+forward+backward at 1.2-1.7 ms against 0.3 ms of GPU time (CUDA-graph replay) at d=1536, S=9:
+host-bound (docs/kernel_notes.md).
+
+It times, per forward+backward (and per forward), a loop of calls at a token count so small that the
+GPU work is negligible:
+  op        the torch.library custom op with its registered autograd (what torch.compile traces)
+  function  the eager path of ``kernels.attnres``: a plain autograd.Function over the same kernels
+  launchers ``kernels.op._fwd_triton`` + ``_bwd_triton`` alone (no autograd)
+On a CUDA machine the kernels launch for real; on a CPU the two Triton launches are replaced by
+no-ops (the Triton interpreter would time the interpreter), so the CPU numbers are the Python and
+dispatch cost only, without Triton's own launch cost.  Writes host_overhead.json to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import torch  # noqa: E402
+
+import kernels  # noqa: E402
+import kernels.op as kop  # noqa: E402
+
+
+class _NoLaunch:
+    """Stands in for a Triton kernel on a CPU: ``kernel[grid](*args)`` does nothing."""
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: None
+
+
+def _stub_launches() -> None:
+    fwd = kop._fwd_configs(2048)[0]
+    bwd = kop._bwd_configs(2048)[0]
+    kop._launcher = lambda kind, block_d, dev: (_NoLaunch(), dict(fwd if kind == "fwd" else bwd))
+    kop.set_cpu_triton(True)
+
+
+def _time_per_call(fn, sync, n: int, rounds: int) -> dict:
+    for _ in range(20):
+        fn()
+    sync()
+    per = []
+    for _ in range(rounds):
+        t = time.perf_counter()
+        for _ in range(n):
+            fn()
+        sync()
+        per.append((time.perf_counter() - t) / n * 1e6)
+    return {"median_us": statistics.median(per), "min_us": min(per), "rounds_us": per}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default=None)
+    p.add_argument("--S", type=int, default=9)
+    p.add_argument("--d", type=int, default=1536)
+    p.add_argument("--r", type=int, default=384)
+    p.add_argument("--tokens", type=int, default=64)
+    p.add_argument("--calls", type=int, default=200)
+    p.add_argument("--rounds", type=int, default=5)
+    a = p.parse_args(argv)
+    cuda = torch.cuda.is_available()
+    dev = "cuda" if cuda else "cpu"
+    if not cuda:
+        _stub_launches()
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    gen = torch.Generator(device=dev).manual_seed(0)
+    srcs = [torch.randn(a.tokens, a.d, device=dev, generator=gen).to(torch.bfloat16).requires_grad_() for _ in range(a.S)]
+    q = torch.randn(a.r, device=dev, generator=gen).to(torch.bfloat16).requires_grad_()
+    g = torch.randn(a.tokens, a.d, device=dev, generator=gen).to(torch.bfloat16)
+    leaves = srcs + [q]
+
+    def op_fwd():
+        return kop.attnres_fwd(srcs, q, "slice", 1e-6)[0]
+
+    def fn_fwd():
+        return kop._AttnResTriton.apply(q, "slice", 1e-6, *srcs)
+
+    def op_fb():
+        return torch.autograd.grad(op_fwd(), leaves, g)
+
+    def fn_fb():
+        return torch.autograd.grad(fn_fwd(), leaves, g)
+
+    def launch_fb():
+        h, lse, res = kop._fwd_triton(srcs, q, "slice", 1e-6)
+        return kop._bwd_triton(srcs, q, h, lse, res, g, "slice", 1e-6)
+
+    rows = {}
+    for name, fn in (("op fwd", op_fwd), ("function fwd", fn_fwd), ("op fwd+bwd", op_fb),
+                     ("function fwd+bwd", fn_fb), ("launchers fwd+bwd", launch_fb)):
+        rows[name] = _time_per_call(fn, sync, a.calls, a.rounds)
+        print(f"{name:>18}: {rows[name]['median_us']:8.1f} us per call (median of {a.rounds} rounds)", flush=True)
+    doc = {
+        "benchmark": "host_overhead", "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "device": torch.cuda.get_device_name() if cuda else f"cpu: {platform.processor() or platform.machine()}",
+        "launches": "real" if cuda else "stubbed (no-op): Python and dispatch cost only",
+        "torch": torch.__version__, "settings": vars(a), "rows": rows,
+    }
+    if a.out:
+        os.makedirs(a.out, exist_ok=True)
+        path = os.path.join(a.out, "host_overhead.json")
+        with open(path + ".tmp", "w") as f:
+            json.dump(doc, f, indent=1)
+        os.replace(path + ".tmp", path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
