@@ -14,7 +14,8 @@
 #   train       benchmarks/train_step_bench.py (1B)
 #   traingrid   train, then as much of the gpu scale as fits (benchmarks/gpu_grid.sh)
 #   grid        benchmarks/gpu_grid.sh alone
-#   throughput  benchmarks/throughput_gpu.sh (Table 3 at 1B and 4B; needs about 530 s)
+#   throughput  benchmarks/throughput_gpu.sh (Table 3 at 1B and 4B; needs about 530 s; MODE=1B or MODE=4B in
+#               the environment runs one size with every repeat of the protocol)
 # Wheels: .whl/ (fla-core, fast-attnres) and .whl_smk/ (snakemake and its needs) are installed into
 # /tmp/site when present; carry them (they are git-ignored).
 set -uo pipefail
