@@ -198,11 +198,12 @@ def build(ctx) -> str:
 
 
 def train_step_table(doc: dict) -> str:
-    """The recorded production-step benchmark (benchmarks/train_step_bench.py): compiled, one config
-    after another, not the paired protocol above; the speed goal of the training issue."""
+    """The recorded production-step benchmark (benchmarks/train_step_bench.py): one config after
+    another, not the paired protocol above; the speed goal of the training issue."""
     st = doc.get("settings", {})
     git = doc.get("git") or {}
-    head = (f"<h3>Recorded training-step benchmark ({esc(doc.get('device'))}, compiled)</h3>"
+    mode = "eager" if st.get("no_compile") else "compiled"
+    head = (f"<h3>Recorded training-step benchmark ({esc(doc.get('device'))}, {mode})</h3>"
             f"<p>{esc(st.get('preset'))}, micro-batch {esc(st.get('micro_batch'))} × {esc(st.get('seq_len'))}, "
             f"accumulation {esc(st.get('grad_accum'))}, {esc(st.get('updates'))} timed updates after "
             f"{esc(st.get('warmup'))} warm-up; {esc(doc.get('date'))}, commit {esc((git.get('commit') or '?')[:10])}, "
