@@ -33,6 +33,7 @@ import triton  # noqa: E402
 from triton.testing import do_bench_cudagraph  # noqa: E402
 
 import kernels.op as kop  # noqa: E402
+from kernel_bench import copy_bandwidth  # noqa: E402  (the same ceiling as the side-by-side benchmark)
 
 EPS = 1e-6
 
@@ -63,16 +64,6 @@ def _time(fn) -> float:
     fn()
     torch.cuda.synchronize()
     return do_bench_cudagraph(fn, rep=40, return_mode="median") * 1e3  # us
-
-
-def copy_bandwidth() -> float:
-    n = 1 << 30
-    a = torch.empty(n, dtype=torch.bfloat16, device="cuda").normal_()
-    b = torch.empty_like(a)
-    t = do_bench_cudagraph(lambda: b.copy_(a), rep=100, return_mode="median") * 1e-3
-    del a, b
-    torch.cuda.empty_cache()
-    return 2 * n * 2 / t
 
 
 def sweep_shape(N, d, S, r, bw, budget_end):
