@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from lrattnres.report.html import claims_table, esc, table
+from lrattnres.report.html import claims_table, esc, fmt, table
 
 TITLE = "Training throughput (Section 4.9, Table 3, Appendix I)"
 ORDER = 70
@@ -217,7 +217,7 @@ def train_step_table(doc: dict) -> str:
         rows.append([r["config"], r.get("router") or "–", r.get("rank") or "–", f"{r['tokens_per_s']:,.0f}",
                      f"{100 * r['vs_baseline']:.1f}%" if r.get("vs_baseline") else "–",
                      f"{r['update_s_mean']:.3f} ({100 * r['update_s_cv']:.1f}%)",
-                     fmt_gib(r.get("peak_allocated_gib"))])
+                     fmt(r.get("peak_allocated_gib"), 3)])
     goal = doc.get("goal", {})
     met = goal.get("met")
     tail = "" if met is None else (f"<p>Goal {'met' if met else 'missed'}: {100 * goal['lr_fused_vs_baseline']:.1f}% of "
@@ -227,10 +227,6 @@ def train_step_table(doc: dict) -> str:
         tail += f"<p>Not timed (the call's time budget): {esc(skipped)}.</p>"
     return head + table(["config", "router", "r", "tokens/s", "vs baseline", "update s (CV)", "peak GiB"], rows,
                         "Training-step throughput, one H200") + tail
-
-
-def fmt_gib(x) -> str:
-    return "–" if x is None else f"{x:.1f}"
 
 
 __all__ = ["TITLE", "ORDER", "build", "published_table", "result_tables", "train_step_table"]
