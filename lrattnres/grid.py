@@ -193,6 +193,7 @@ def summarize(settings: dict, run_dirs: dict[str, Path], known_ids=None) -> dict
             "final_val_ce": result["final_val_ce"],
             "steps": result.get("steps"),
             "tokens": result.get("tokens"),
+            "data_epochs": result.get("data_epochs"),
             "wall_s": result.get("wall_s"),
             "tokens_per_s": result.get("tokens_per_s"),
             "grad_norm": result.get("grad_norm"),

@@ -68,6 +68,7 @@ def test_outputs_and_metrics(full_run):
     r = json.loads((out / "result.json").read_text())
     assert r["stage"] == "train" and r["run_id"] == "full" and r["steps"] == 6
     assert r["tokens"] == 6 * 4 * 2 * 32 and r["val_tokens"] > 0 and r["final_val_ce"] > 0
+    assert r["train_split_tokens"] > 0 and r["data_epochs"] == pytest.approx(r["tokens"] / r["train_split_tokens"])
     assert set(r["grad_norm"]) >= {"mean", "var", "above_clip_pct"} and "provenance" in r
     recs = records(out)
     assert [x["step"] for x in recs] == list(range(1, 7))

@@ -260,6 +260,7 @@ def _train(
     mcfg_dict = ckpt.model_config_dict(mcfg)
     steps_total = spec_mod.total_steps(s, world)
     tokens_per_step = s["micro_batch"] * s["seq_len"] * s["grad_accum"] * world
+    train_split_tokens = int(manifest["splits"]["train"]["tokens"])
 
     _seed_all(s["seed"])
     from lrattnres.model import build_model
@@ -296,6 +297,11 @@ def _train(
             st = None
     else:
         st = None
+    planned_epochs = steps_total * tokens_per_step / max(train_split_tokens, 1)
+    if master and planned_epochs > 1:
+        say(f"[train] warning: {steps_total} updates of {tokens_per_step:,} tokens read the {train_split_tokens:,}-token "
+            f"training split {planned_epochs:.1f} times; past one epoch the validation loss measures memorisation "
+            "as well as modelling (point the scale's data stage at a larger corpus)")
     if st is not None:
         problems = []
         keys = spec_mod.diff_keys(st["spec"], s)
@@ -441,6 +447,8 @@ def _train(
         "val_tokens": final["tokens"],
         "steps": step,
         "tokens": tokens,
+        "train_split_tokens": train_split_tokens,
+        "data_epochs": tokens / max(train_split_tokens, 1),  # > 1: the run saw its training data more than once
         "wall_s": wall_prev + time.perf_counter() - t_process,  # all processes of the run, start-up included
         "train_s": train_s,  # time inside optimiser steps (no start-up, validation or checkpoints)
         "cpu_s": cpu_prev + time.process_time() - cpu_process,  # process CPU time (rank 0)
