@@ -8,8 +8,9 @@
 # most first), and a run starts only while at least RUN_S seconds (default 100) are left.  The data
 # stage's output may be carried in from another machine (results/gpu/data): it is then marked up to
 # date with --touch instead of rebuilt, because the embedded corpus is read from the installed
-# packages and would differ on a machine with other packages.  Writes $OUT/gpu_grid.json (every run's
-# result.json, with the call's timings), $OUT/runs/<run>/{result.json,metrics.jsonl,train.log} and
+# packages and would differ on a machine with other packages.  Writes $OUT/gpu_grid.json
+# (benchmarks/gpu_grid_collect.py: every finished run's result.json with its curves, the unfinished
+# runs, the call's timings), $OUT/runs/<run>/{result.json,metrics.jsonl,train.log} and
 # $OUT/snakemake.log.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -56,14 +57,5 @@ for run in "${RUNS[@]}"; do
   done
   [ -f "results/gpu/logs/train/$run.log" ] && cp "results/gpu/logs/train/$run.log" "$OUT/runs/$run/train.log"
 done
-$PY - "$OUT" <<'EOF'
-import json, sys, pathlib
-out = pathlib.Path(sys.argv[1])
-runs = {}
-for p in sorted((out / "runs").glob("*/result.json")):
-    runs[p.parent.name] = json.loads(p.read_text())
-(out / "gpu_grid.json").write_text(json.dumps({"runs": runs}, indent=1) + "\n")
-for k, v in runs.items():
-    print(k, {x: v.get(x) for x in ("val_ce", "final_val_ce", "tokens_per_s", "train_s") if x in v})
-EOF
+$PY benchmarks/gpu_grid_collect.py "$OUT" --manifest results/gpu/data/manifest.json
 echo "[gpu_grid] done at $(( $(date +%s) - T0 ))s"
