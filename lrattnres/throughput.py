@@ -746,9 +746,11 @@ def claims_for(result: dict, s: dict, ids: set[str] | None = None) -> dict[str, 
         rank = gains.get("rank")
         if rank and rank["n"] >= 2:
             ci = rank["ci95"]
+            sign = ("the interval includes 0, so the sign is not established at this n" if ci[0] <= 0 <= ci[1]
+                    else "the interval excludes 0")
             put(f"sec4.9.rank_gain_positive.{size}", bool(rank["mean"] > 0),
-                f"paired mean rank gain {rank['mean']:+.3f}% (95% CI [{ci[0]:+.3f}, {ci[1]:+.3f}], n = {rank['n']}); "
-                f"this project's kernel in place of Fast-AttnRes; {where}")
+                f"paired mean rank gain {rank['mean']:+.3f}% (95% CI [{ci[0]:+.3f}, {ci[1]:+.3f}], n = {rank['n']}; "
+                f"{sign}); this project's kernel in place of Fast-AttnRes; {where}")
         if gpu is None:
             continue
         for name, impl, rk in (("fla-rd", "fla", "rd"), ("fused-rd", "fast", "rd"), ("fused-rd4", "fast", "rd4")):

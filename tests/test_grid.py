@@ -81,7 +81,8 @@ def _fake_runs(tmp_path, s, loss_of):
         d = tmp_path / run.run_id
         d.mkdir(parents=True)
         loss = loss_of(run)
-        (d / "result.json").write_text(json.dumps({"stage": "train", "final_val_ce": loss, "steps": 4, "tokens": 100}))
+        (d / "result.json").write_text(json.dumps({"stage": "train", "final_val_ce": loss, "steps": 4, "tokens": 100,
+                                                     "data_epochs": 0.25}))
         lines = [{"kind": "train", "step": i, "tokens": 10 * i, "grad_norm": 0.5 + i, "ce": 9.0} for i in range(1, 5)]
         lines += [{"kind": "val", "step": 2, "tokens": 20, "val_ce": loss + 0.1}, {"kind": "final_val", "step": 4, "tokens": 40, "val_ce": loss}]
         (d / "metrics.jsonl").write_text("\n".join(json.dumps(x) for x in lines) + "\n")
@@ -115,6 +116,7 @@ def test_summary_claims_on_a_synthetic_grid(tmp_path):
     assert all("tiny scale" in v["note"] for v in c.values())
     run = next(r for r in out["runs"] if r["run_id"] == "tiny-lr-n4-r8-s0")
     assert run["added_flops_pct"] > 0 and run["grad_norm_trace"] == [1.5, 2.5, 3.5, 4.5]
+    assert run["data_epochs"] == 0.25  # carried for the report's over-one-epoch warning
     assert [p["ce"] for p in run["val_curve"]] == [pytest.approx(3.05), pytest.approx(2.95)]
 
 

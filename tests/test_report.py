@@ -136,4 +136,17 @@ def test_recorded_gpu_grid_runs():
            "memory": {"cuda_max_allocated_mib": 2048}, "provenance": {"device": "cuda: GPU X", "finished": "t"}}
     html = _recorded_runs(SimpleNamespace(recorded={"gpu_grid": {"_path": "x.json", "runs": {"r0": run}}}))
     assert "r0" in html and "5.2500" in html and "2.0" in html and "x.json" in html
+    assert "Read with care" not in html and "<img" not in html  # no epoch count, no curve: neither is shown
     assert _recorded_runs(SimpleNamespace(recorded={})) == ""
+
+    # a baseline and a routed run past one epoch, with curves, and a run cut off by the deadline
+    curve = [{"step": 5, "tokens": 500, "ce": 6.0}, {"step": 10, "tokens": 1000, "ce": 5.5}]
+    base = dict(run, final_val_ce=5.5, method="baseline", data_epochs=3.2, train_split_tokens=312, val_curve=curve)
+    routed = dict(run, final_val_ce=5.25, method="lr", data_epochs=3.2, val_curve=curve)
+    rec = {"_path": "x.json", "runs": {"b": base, "l": routed},
+           "incomplete": {"cut": {"last_step": 7, "steps_planned": 10}}}
+    html = _recorded_runs(SimpleNamespace(recorded={"gpu_grid": rec}))
+    assert "-0.2500" in html  # the routed run's distance from the baseline
+    assert "Read with care" in html and "3.2 times" in html
+    assert "cut" in html and "update 7 of 10" in html
+    assert "<img" in html and "figure-gpu-recorded" in html

@@ -207,9 +207,9 @@ def test_cpu_run_json_shape(cpu_result):
 # ------------------------------------------------------------------------------ claims
 
 
-def _fake_gpu_result(device: str) -> dict:
+def _fake_gpu_result(device: str, rd4: tuple = (48100, 48200, 48150)) -> dict:
     s = tp.resolve_spec({"presets": ["1B", "4B"], "micro_batch": 2, "seq_len": 2048, "grad_accum": 4})
-    per = {"fla-rd": [47000, 47100, 47050], "fused-rd": [47800, 47900, 47850], "fused-rd4": [48100, 48200, 48150],
+    per = {"fla-rd": [47000, 47100, 47050], "fused-rd": [47800, 47900, 47850], "fused-rd4": list(rd4),
            "baseline": [60000, 60100, 60050]}
     rows = []
     for preset in ("1B", "4B"):
@@ -233,6 +233,12 @@ def test_claims_only_for_paper_shapes_and_gpus():
     c = tp.claims_for(res, s)
     assert set(c) == {"sec4.9.rank_gain_positive.1b", "sec4.9.rank_gain_positive.4b"}
     assert c["sec4.9.rank_gain_positive.1b"]["reproduced"] is True
+    assert "interval excludes 0" in c["sec4.9.rank_gain_positive.1b"]["note"]
+    # a positive mean whose interval straddles 0: the claim (a positive mean) holds, the note says the sign is open
+    res, s = _fake_gpu_result("NVIDIA H200", rd4=(48500, 47300, 48000))
+    c = tp.claims_for(res, s)
+    assert c["sec4.9.rank_gain_positive.1b"]["reproduced"] is True
+    assert "includes 0, so the sign is not established" in c["sec4.9.rank_gain_positive.1b"]["note"]
     res, s = _fake_gpu_result("NVIDIA H100 80GB HBM3")
     c = tp.claims_for(res, s)
     assert set(c) <= ids
@@ -286,6 +292,10 @@ def test_section_with_recorded(cpu_result):
     assert "48,150 ±" in html  # ours r = d/4 mean
     assert "sec4.9.rank_gain_positive.1b" in html and "reproduced" in html
     assert ctx.claims["sec4.9.rank_gain_positive.1b"]["verdict"] == "reproduced"
+    # the CPU run's measurements: how many met the stopping rule, how many ran to the cap
+    n = sum(1 for r in cpu_result["runs"] if r["preset"] == "smoke")
+    met = sum(1 for r in cpu_result["runs"] if r["preset"] == "smoke" and r["stopped"] == "converged")
+    assert f"smoke: {met} of {n} measurements met the stopping rule" in html
 
 
 def test_failing_method_is_dropped_and_deadline_cuts(tmp_path, monkeypatch):

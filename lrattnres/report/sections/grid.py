@@ -89,23 +89,49 @@ def _seed_figure(at: dict, lr: dict, pub_at: list, pub_lr: list) -> str:
 
 
 def _recorded_runs(ctx) -> str:
-    """Training runs recorded on another machine (config ``recorded.gpu_grid``): the GPU path proven
-    through the same rules, shown as measured, without verdicts."""
+    """Training runs recorded on another machine (config ``recorded.gpu_grid``, written by
+    benchmarks/gpu_grid_collect.py): the GPU path proven through the same rules, shown as measured,
+    without verdicts, with each run's distance from the baseline, its epochs over the training split
+    and its validation curve."""
     rec = (getattr(ctx, "recorded", None) or {}).get("gpu_grid")
     if not isinstance(rec, dict) or not rec.get("runs"):
         return ""
+    runs = rec["runs"]
+    base = next((r["final_val_ce"] for k, r in runs.items() if (r.get("method") or r.get("model_config", {}).get("method")) == "baseline"), None)
     rows = []
-    for run_id, r in sorted(rec["runs"].items()):
+    for run_id, r in sorted(runs.items()):
         prov = r.get("provenance", {})
         mem = (r.get("memory") or {}).get("cuda_max_allocated_mib")
-        rows.append([run_id, r.get("steps"), f"{r.get('tokens', 0):,}", f"{r['final_val_ce']:.4f}",
+        delta = "–" if base is None else f"{r['final_val_ce'] - base:+.4f}"
+        rows.append([run_id, r.get("steps"), f"{r.get('tokens', 0):,}", f"{r['final_val_ce']:.4f}", delta,
+                     fmt(r.get("train_ce_tail")), fmt(r.get("data_epochs")),
                      f"{r.get('tokens_per_s') or 0:,.0f}", f"{r.get('train_s', 0):.0f}",
-                     "–" if mem is None else f"{mem / 1024:.1f}", prov.get("device"), prov.get("finished")])
-    return (f"<h3>Recorded runs of the gpu scale (file <code>{esc(rec.get('_path'))}</code>)</h3>"
-            "<p>Run through this Snakefile on a GPU (<code>benchmarks/gpu_grid.sh</code>), compiled, bf16. "
-            "Too few runs for any claim; shown to prove the GPU path.</p>"
-            + table(["run", "steps", "tokens", "final val. CE", "tokens/s", "train s", "peak GiB", "device", "finished"],
-                    rows, "Recorded gpu-scale runs"))
+                     "–" if mem is None else f"{mem / 1024:.1f}", prov.get("device"), prov.get("commit", "")[:8]])
+    parts = [f"<h3>Recorded runs of the gpu scale (file <code>{esc(rec.get('_path'))}</code>)</h3>",
+             "<p>Run through this Snakefile on a GPU (<code>benchmarks/gpu_grid.sh</code>): compiled, bf16, the "
+             "routed runs through the fused kernel. Too few runs for any claim; they prove the GPU path and are "
+             "shown as measured. &Delta; is the final validation loss minus the baseline's; train CE is the mean "
+             "training cross-entropy of the last updates.</p>",
+             table(["run", "steps", "tokens", "final val. CE", "Δ vs baseline", "train CE (end)", "epochs",
+                    "tokens/s", "train s", "peak GiB", "device", "commit"], rows, "Recorded gpu-scale runs")]
+    epochs = [r["data_epochs"] for r in runs.values() if r.get("data_epochs")]
+    if epochs and max(epochs) > 1:
+        parts.append(f'<p class="notrun"><b>Read with care:</b> these runs read their training split '
+                     f"{max(epochs):.1f} times (the gpu scale's embedded corpus holds "
+                     f"{fmt(rec.get('train_split_tokens') or next(iter(runs.values())).get('train_split_tokens'))} "
+                     "training tokens). Past one epoch the validation loss measures memorisation as well as "
+                     "modelling; the gap between training and validation loss shows it. Point the gpu scale's "
+                     "data stage at a larger local corpus (README, \"Data\") before reading trends from it.</p>")
+    incomplete = rec.get("incomplete") or {}
+    if incomplete:
+        items = ", ".join(f"<code>{esc(k)}</code> (stopped at update {v.get('last_step')} of {v.get('steps_planned')})"
+                          for k, v in sorted(incomplete.items()))
+        parts.append(f"<p>Started but cut off by the call's deadline, so left out of the table: {items}.</p>")
+    curves = [{**r, "run_id": k, "method": r.get("method") or r.get("model_config", {}).get("method")}
+              for k, r in sorted(runs.items()) if r.get("val_curve")]
+    if curves:
+        parts.append(_curves(curves, "Validation loss during the recorded gpu-scale runs.", "figure-gpu-recorded"))
+    return "\n".join(parts)
 
 
 def build(ctx) -> str:
@@ -126,6 +152,11 @@ def build(ctx) -> str:
     main = ctx.settings.get("presets", {}).get("main")
     seed0 = [r for r in runs if r["preset"] == main and r["seed"] == 0]
     pub_by_row = {f"{p['method']}.n{p['N']}.r{p['r']}" if p["method"] != "baseline" else "baseline": p for p in pub5}
+    epochs = [r["data_epochs"] for r in runs if r.get("data_epochs")]
+    if epochs and max(epochs) > 1:
+        parts.append(f'<p class="notrun"><b>Read with care:</b> runs of this scale read their training split up to '
+                     f"{max(epochs):.1f} times. Past one epoch the validation loss measures memorisation as well as "
+                     "modelling; point the data stage at a larger corpus (README, \"Data\").</p>")
 
     # Table 5 beside the published rows
     rows = []

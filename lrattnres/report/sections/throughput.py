@@ -1,7 +1,7 @@
 """Report section: training-step throughput (Section 4.9, Table 3, Appendix I).
 
 Shows the published Table 3 (H100 and B200), this run's throughput result (the scale's presets on
-this run's device) and, when present, the recorded GPU result (``ctx.recorded["throughput_gpu"]``,
+this run's device) and, when present, the recorded GPU results (every ``ctx.recorded["throughput_gpu*"]``,
 measured on another machine), each labelled with its device, date and commit.
 """
 
@@ -106,6 +106,22 @@ def _presets(res: dict) -> list[str]:
     return out
 
 
+def _stopping_notes(res: dict) -> list[str]:
+    """Per preset, how many measurements met the stopping rule and how many ran to the update cap: a
+    measurement at the cap is noisier than the rule asks for, and the reader should know."""
+    spec = res.get("spec") or {}
+    out = []
+    for p in _presets(res):
+        runs = [r for r in res.get("runs", []) if r.get("preset") == p and r.get("stopped")]
+        if not runs:
+            continue
+        met = sum(r["stopped"] == "converged" for r in runs)
+        out.append(f"{p}: {met} of {len(runs)} measurements met the stopping rule (two {spec.get('window', '?')}-update "
+                   f"windows with CV <= {spec.get('cv', '?')} and drift <= {spec.get('drift', '?')}); the rest ran to "
+                   f"the cap of {spec.get('max_updates', '?')} updates")
+    return out
+
+
 def result_tables(res: dict, label: str) -> str:
     """Table 3 layout, every configuration, and the paired gains of one throughput result."""
     out = [_provenance_line(res, label)]
@@ -149,6 +165,7 @@ def result_tables(res: dict, label: str) -> str:
                          f"{label}: paired gains g_j = 100 (v_j^A / v_j^B - 1), 95% CI mean ± t(0.975, n-1) s/sqrt(n)"))
     skipped = res.get("skipped") or []
     notes = list(res.get("notes") or []) + [f"{s['preset']}: {s['method']} skipped ({s['why']})" for s in skipped]
+    notes += _stopping_notes(res)
     if notes:
         out.append("<ul>" + "".join(f"<li>{esc(n)}</li>" for n in notes) + "</ul>")
     return "\n".join(out)
@@ -172,7 +189,7 @@ def build(ctx) -> str:
                 and isinstance(rec_all[k], dict) and rec_all[k].get("stage") == "throughput"]
     if not local and not recorded:
         out.append("<p><b>Not run:</b> the throughput stage has produced no result at this scale, and no "
-                   "recorded GPU result is configured (config.yaml <code>recorded.throughput_gpu</code>).</p>")
+                   "recorded GPU result is configured (config.yaml <code>recorded.throughput_gpu*</code>).</p>")
     for res in local:
         out.append(f"<h3>This run (scale {esc(ctx.scale)})</h3>")
         out.append("<p>Different scale and hardware from Table 3: the numbers show the protocol and the "
