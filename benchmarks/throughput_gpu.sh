@@ -5,8 +5,9 @@
 #
 # Writes $OUT/throughput_h200.json (the stage's result JSON, rewritten after every repeat, so a run cut off
 # by the call's time limit still leaves the finished repeats), $OUT/throughput_h200.log, $OUT/pip.log and
-# $OUT/nvidia-smi.txt.  Copy throughput_h200.json to benchmarks/results/ and config.yaml's
-# recorded.throughput_gpu points the report at it.
+# $OUT/nvidia-smi.txt.  Copy the JSON to benchmarks/results/ and point a config.yaml key
+# recorded.throughput_gpu<suffix> at it (the report shows every recorded.throughput_gpu* file; the
+# 2026-11-29 recordings are throughput_h200_1b.json and throughput_h200_4b.json, from MODE=1B and MODE=4B).
 #
 # Settings, chosen to fit one call of at most 9 minutes (see the deadlines):
 #   1B: micro-batch 2 x 2048, 4 accumulation steps (16,384 tokens per update; the paper uses 64 steps,
