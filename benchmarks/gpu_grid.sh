@@ -38,6 +38,8 @@ RUNS=(
   gpu-small-lr-n8-r48-s1
   gpu-small-attnres-n8-r384-s1
 )
+# GRID_RUNS="run1 run2 ..." replaces the list (e.g. to continue where a recorded call stopped)
+if [ -n "${GRID_RUNS:-}" ]; then read -r -a RUNS <<< "$GRID_RUNS"; fi
 
 if [ -f results/gpu/data/manifest.json ]; then
   "${SMK[@]}" results/gpu/data/manifest.json --touch "${OPTS[@]}" >> "$log" 2>&1
