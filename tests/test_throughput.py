@@ -369,3 +369,18 @@ def test_fla_adapter_wiring_with_a_stand_in(monkeypatch):
     route = tp.fla_router()
     with pytest.raises(ValueError, match="r = d"):
         route([torch.zeros(2, 32)], torch.zeros(8))
+
+
+def test_recorded_claims_are_derived_again_by_this_code():
+    """A recorded file keeps its measurements; its claims (and notes) come from the current rules."""
+    if not PUBLISHED.exists():
+        pytest.skip("reports/published.yaml not present")
+    from lrattnres import report
+
+    res, s = _fake_gpu_result("NVIDIA H200")
+    res["spec"] = s
+    res["claims"] = {"sec4.9.rank_gain_positive.1b": {"reproduced": False, "note": "stale"}}
+    report.rederive_claims({"throughput_gpu_1b": res, "kernel": {"stage": "kernel", "claims": {"x": 1}}},
+                           tp.published_ids(str(PUBLISHED)))
+    assert res["claims"]["sec4.9.rank_gain_positive.1b"]["reproduced"] is True
+    assert "interval excludes 0" in res["claims"]["sec4.9.rank_gain_positive.1b"]["note"]

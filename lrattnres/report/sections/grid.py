@@ -130,7 +130,8 @@ def _recorded_runs(ctx) -> str:
     curves = [{**r, "run_id": k, "method": r.get("method") or r.get("model_config", {}).get("method")}
               for k, r in sorted(runs.items()) if r.get("val_curve")]
     if curves:
-        parts.append(_curves(curves, "Validation loss during the recorded gpu-scale runs.", "figure-gpu-recorded"))
+        parts.append(_curves(curves, "Validation loss during the recorded gpu-scale runs (periodic points over a part of the "
+                                  "held-out split; the last point over all of it).", "figure-gpu-recorded"))
     return "\n".join(parts)
 
 
