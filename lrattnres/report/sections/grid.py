@@ -106,7 +106,7 @@ def _recorded_runs(ctx) -> str:
         rows.append([run_id, r.get("steps"), f"{r.get('tokens', 0):,}", f"{r['final_val_ce']:.4f}", delta,
                      fmt(r.get("train_ce_tail")), fmt(r.get("data_epochs")),
                      f"{r.get('tokens_per_s') or 0:,.0f}", f"{r.get('train_s', 0):.0f}",
-                     "–" if mem is None else f"{mem / 1024:.1f}", prov.get("device"), prov.get("commit", "")[:8]])
+                     "–" if mem is None else f"{mem / 1024:.1f}", prov.get("device"), (prov.get("commit") or "")[:8]])
     parts = [f"<h3>Recorded runs of the gpu scale (file <code>{esc(rec.get('_path'))}</code>)</h3>",
              "<p>Run through this Snakefile on a GPU (<code>benchmarks/gpu_grid.sh</code>): compiled, bf16, the "
              "routed runs through the fused kernel. Too few runs for any claim; they prove the GPU path and are "
