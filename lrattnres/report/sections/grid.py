@@ -88,6 +88,18 @@ def _seed_figure(at: dict, lr: dict, pub_at: list, pub_lr: list) -> str:
     return figure(fig, "Figure 2: seed replication of the headline pair (mean ± sample SD, dots are seeds).", fig_id="figure-2")
 
 
+def _epoch_warning(runs, split_tokens: int | None = None) -> str:
+    """A warning paragraph when any run read its training split more than once ('' otherwise)."""
+    epochs = [r["data_epochs"] for r in runs if r.get("data_epochs")]
+    if not epochs or max(epochs) <= 1:
+        return ""
+    held = f" (it holds {fmt(split_tokens)} tokens)" if split_tokens else ""
+    return (f'<p class="notrun"><b>Read with care:</b> these runs read their training split up to {max(epochs):.1f} '
+            f"times{held}. Past one epoch the validation loss measures memorisation as well as modelling; the gap "
+            "between training and validation loss shows it. Point the scale's data stage at a larger corpus "
+            '(README, "Data") before reading trends from it.</p>')
+
+
 def _recorded_runs(ctx) -> str:
     """Training runs recorded on another machine (config ``recorded.gpu_grid``, written by
     benchmarks/gpu_grid_collect.py): the GPU path proven through the same rules, shown as measured,
@@ -96,8 +108,9 @@ def _recorded_runs(ctx) -> str:
     rec = (getattr(ctx, "recorded", None) or {}).get("gpu_grid")
     if not isinstance(rec, dict) or not rec.get("runs"):
         return ""
-    runs = rec["runs"]
-    base = next((r["final_val_ce"] for k, r in runs.items() if (r.get("method") or r.get("model_config", {}).get("method")) == "baseline"), None)
+    # older recordings name the method only in model_config
+    runs = {k: {**r, "method": r.get("method") or r.get("model_config", {}).get("method")} for k, r in rec["runs"].items()}
+    base = next((r["final_val_ce"] for r in runs.values() if r["method"] == "baseline"), None)
     rows = []
     for run_id, r in sorted(runs.items()):
         prov = r.get("provenance", {})
@@ -114,21 +127,13 @@ def _recorded_runs(ctx) -> str:
              "training cross-entropy of the last updates.</p>",
              table(["run", "steps", "tokens", "final val. CE", "Δ vs baseline", "train CE (end)", "epochs",
                     "tokens/s", "train s", "peak GiB", "device", "commit"], rows, "Recorded gpu-scale runs")]
-    epochs = [r["data_epochs"] for r in runs.values() if r.get("data_epochs")]
-    if epochs and max(epochs) > 1:
-        parts.append(f'<p class="notrun"><b>Read with care:</b> these runs read their training split '
-                     f"{max(epochs):.1f} times (the gpu scale's embedded corpus holds "
-                     f"{fmt(rec.get('train_split_tokens') or next(iter(runs.values())).get('train_split_tokens'))} "
-                     "training tokens). Past one epoch the validation loss measures memorisation as well as "
-                     "modelling; the gap between training and validation loss shows it. Point the gpu scale's "
-                     "data stage at a larger local corpus (README, \"Data\") before reading trends from it.</p>")
+    parts.append(_epoch_warning(runs.values(), rec.get("train_split_tokens")))
     incomplete = rec.get("incomplete") or {}
     if incomplete:
         items = ", ".join(f"<code>{esc(k)}</code> (stopped at update {v.get('last_step')} of {v.get('steps_planned')})"
                           for k, v in sorted(incomplete.items()))
         parts.append(f"<p>Started but cut off by the call's deadline, so left out of the table: {items}.</p>")
-    curves = [{**r, "run_id": k, "method": r.get("method") or r.get("model_config", {}).get("method")}
-              for k, r in sorted(runs.items()) if r.get("val_curve")]
+    curves = [{**r, "run_id": k} for k, r in sorted(runs.items()) if r.get("val_curve")]
     if curves:
         parts.append(_curves(curves, "Validation loss during the recorded gpu-scale runs (periodic points over a part of the "
                                   "held-out split; the last point over all of it).", "figure-gpu-recorded"))
@@ -153,11 +158,7 @@ def build(ctx) -> str:
     main = ctx.settings.get("presets", {}).get("main")
     seed0 = [r for r in runs if r["preset"] == main and r["seed"] == 0]
     pub_by_row = {f"{p['method']}.n{p['N']}.r{p['r']}" if p["method"] != "baseline" else "baseline": p for p in pub5}
-    epochs = [r["data_epochs"] for r in runs if r.get("data_epochs")]
-    if epochs and max(epochs) > 1:
-        parts.append(f'<p class="notrun"><b>Read with care:</b> runs of this scale read their training split up to '
-                     f"{max(epochs):.1f} times. Past one epoch the validation loss measures memorisation as well as "
-                     "modelling; point the data stage at a larger corpus (README, \"Data\").</p>")
+    parts.append(_epoch_warning(runs))
 
     # Table 5 beside the published rows
     rows = []
