@@ -12,6 +12,9 @@
 #   kernel4096  benchmarks/kernel_bench.py at 4096 tokens (no check), then benchmarks/kernel_sweep.py
 #   sweep       benchmarks/kernel_sweep.py
 #   train       benchmarks/train_step_bench.py (1B)
+#   trainflex   the 1B step with flex document masking (ATTN=sdpa for the dense mask): baseline, LR and
+#               AttnRes with the fused kernel, then the reference routers with what time is left
+#   sweeptrain  kernel_sweep.py at the 1B step's shapes (4096 tokens, S 3-9), then kernel_bench at 4096 tokens
 #   traingrid   train, then as much of the gpu scale as fits (benchmarks/gpu_grid.sh)
 #   grid        benchmarks/gpu_grid.sh alone
 #   throughput  benchmarks/throughput_gpu.sh (Table 3 at 1B and 4B; needs about 530 s; MODE=1B or MODE=4B in
@@ -59,9 +62,20 @@ lane_traingrid() {
   TORCHINDUCTOR_COMPILE_THREADS=16 $PYTHON benchmarks/train_step_bench.py --out "$L" --grad-accum 8 --budget-s "${TRAIN_S:-300}"
   OUT="$L/grid" DEADLINE_S=$(left $((DUR - 15))) PYTHON=$PYTHON bash benchmarks/gpu_grid.sh
 }
+lane_trainflex() {  # the 1B step with flex document masking (ATTN=sdpa to compare), then the reference routers
+  TORCHINDUCTOR_COMPILE_THREADS=16 $PYTHON benchmarks/train_step_bench.py --out "$L" --stem train_step_bench_${ATTN:-flex} \
+    --attention "${ATTN:-flex}" --grad-accum 8 --configs baseline,lr-fused,attnres-fused --budget-s "$(left $((DUR - 300)))"
+  TORCHINDUCTOR_COMPILE_THREADS=16 $PYTHON benchmarks/train_step_bench.py --out "$L" --stem train_step_bench_${ATTN:-flex}_ref \
+    --attention "${ATTN:-flex}" --grad-accum 8 --configs attnres-ref,lr-ref --profile '' --budget-s "$(left $((DUR - 290)))"
+}
+lane_sweeptrain() {  # launch configurations at the 1B step's shapes (4096 tokens, S 3-9), then the 4096-token grid
+  $PYTHON benchmarks/kernel_sweep.py --out "$L" --budget-s "$(left 260)" \
+    --shapes 4096x1536x9x384,4096x1536x6x384,4096x1536x3x384,4096x1536x9x1536,4096x1536x6x1536,8192x1536x9x384
+  $PYTHON benchmarks/kernel_bench.py --out "$L" --tokens 4096 --no-check --stem kernel_bench_4096 --budget-s "$(left $((DUR - 30)))"
+}
 lane_grid() { OUT="$L" DEADLINE_S=$(left $((DUR - 15))) PYTHON=$PYTHON bash benchmarks/gpu_grid.sh; }
 lane_throughput() { OUT="$L" PYTHON=$PYTHON bash benchmarks/throughput_gpu.sh; }
-export -f left lane_kernel lane_kernel4096 lane_sweep lane_train lane_traingrid lane_grid lane_throughput
+export -f left lane_kernel lane_kernel4096 lane_sweep lane_train lane_trainflex lane_sweeptrain lane_traingrid lane_grid lane_throughput
 
 run_lane() {  # name:seconds gpu-list cpu-list
   local name=${1%%:*} dur=${1##*:} gpus=$2 cpus=$3

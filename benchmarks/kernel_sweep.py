@@ -2,9 +2,9 @@
 
     python benchmarks/kernel_sweep.py --out DIR [--budget-s 120]
 
-For a few shapes (8192 tokens, d in {1024, 1536, 2560}, S = 9, r = d/4) it times the forward kernel
+For a few shapes (default: 8192 tokens, d in {1024, 1536, 2560}, S = 9, r = d/4; ``--shapes``) it times the forward kernel
 and the backward kernel separately under every candidate launch configuration (BLOCK_T, num_warps,
-PREFETCH depth; DQ2D for the backward), through ``kernels.op.CONFIG_OVERRIDE``.  Each timing replays
+PREFETCH depth; DQ2D and, for the two best, the persistent grid's programs per SM for the backward), through ``kernels.op.CONFIG_OVERRIDE``.  Each timing replays
 a CUDA graph of the launch (no host-side dispatch in the number; the inputs are several times the L2,
 so the cache helps little), median of ``triton.testing.do_bench_cudagraph``.  Every row also gives
 the fraction of the measured copy bandwidth for the bytes this design moves:
@@ -60,6 +60,9 @@ def _bwd_candidates(block_d: int) -> list[dict]:
     return out
 
 
+PROGRAMS_PER_SM = (2, 3, 4, 6, 12, 16)  # the backward's persistent grid, tried for the best configurations
+
+
 def _time(fn) -> float:
     fn()
     torch.cuda.synchronize()
@@ -97,8 +100,26 @@ def sweep_shape(N, d, S, r, bw, budget_end):
         except Exception as e:
             rows.append({"kernel": "bwd", **cfg, "error": repr(e)[:200]})
             continue
-        rows.append({"kernel": "bwd", **cfg, "us": t, "pct_design": 100 * (2 * S + 2.5) * unit / (t * 1e-6 * bw),
+        rows.append({"kernel": "bwd", **cfg, "programs_per_sm": kop.BWD_PROGRAMS_PER_SM, "us": t,
+                     "pct_design": 100 * (2 * S + 2.5) * unit / (t * 1e-6 * bw),
                      "pct_formula": 100 * (2 * S + 1) * unit / (t * 1e-6 * bw)})
+    # the persistent backward's grid: the two best configurations again at other program counts per SM
+    default_ppsm = kop.BWD_PROGRAMS_PER_SM
+    best = sorted((x for x in rows if x["kernel"] == "bwd" and "us" in x), key=lambda x: x["us"])[:2]
+    try:
+        for b in best:
+            cfg = {k: b[k] for k in ("BLOCK_T", "num_warps", "PREFETCH", "DQ2D")}
+            kop.CONFIG_OVERRIDE["bwd"] = cfg
+            for ppsm in PROGRAMS_PER_SM:
+                if ppsm == default_ppsm or time.time() > budget_end:
+                    continue
+                kop.BWD_PROGRAMS_PER_SM = ppsm
+                t = _time(lambda: kop._bwd_triton(srcs, q, h, lse, res, g, "slice", EPS))
+                rows.append({"kernel": "bwd", **cfg, "programs_per_sm": ppsm, "us": t,
+                             "pct_design": 100 * (2 * S + 2.5) * unit / (t * 1e-6 * bw),
+                             "pct_formula": 100 * (2 * S + 1) * unit / (t * 1e-6 * bw)})
+    finally:
+        kop.BWD_PROGRAMS_PER_SM = default_ppsm
     kop.CONFIG_OVERRIDE.clear()
     return {"tokens": N, "d": d, "S": S, "r": r, "rows": rows}
 
@@ -111,14 +132,15 @@ def _md(doc) -> str:
              "issue's bytes (fwd S+1, bwd 2S+1).", ""]
     for shp in doc["shapes"]:
         lines += [f"## {shp['tokens']} tokens, d={shp['d']}, S={shp['S']}, r={shp['r']}", "",
-                  "| kernel | BLOCK_T | warps | prefetch | DQ2D | us | % design | % formula |", "|---|---|---|---|---|---|---|---|"]
+                  "| kernel | BLOCK_T | warps | prefetch | DQ2D | programs/SM | us | % design | % formula |",
+                  "|---|---|---|---|---|---|---|---|---|"]
         for r in sorted(shp["rows"], key=lambda x: (x["kernel"] != "fwd", x.get("us", 1e9))):
             if "error" in r:
                 lines.append(f"| {r['kernel']} | {r['BLOCK_T']} | {r['num_warps']} | {r['PREFETCH']} | {r.get('DQ2D', '-')} | "
-                             f"error | | |")
+                             f"{r.get('programs_per_sm', '-')} | error | | |")
             else:
                 lines.append(f"| {r['kernel']} | {r['BLOCK_T']} | {r['num_warps']} | {r['PREFETCH']} | {r.get('DQ2D', '-')} | "
-                             f"{r['us']:.1f} | {r['pct_design']:.0f} | {r['pct_formula']:.0f} |")
+                             f"{r.get('programs_per_sm', '-')} | {r['us']:.1f} | {r['pct_design']:.0f} | {r['pct_formula']:.0f} |")
         lines.append("")
     return "\n".join(lines)
 

@@ -88,6 +88,7 @@ def _args(argv=None):
     p.add_argument("--device", default="auto")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=os.environ.get("OUT", str(REPO / "benchmarks" / "results")))
+    p.add_argument("--stem", default="train_step_bench", help="output file name stem")
     a = p.parse_args(argv)
     if a.smoke:
         a.preset, a.vocab, a.seq_len, a.micro_batch, a.grad_accum = "smoke", 1000, 64, 2, 2
@@ -134,13 +135,43 @@ def _names(csv: str) -> list[str]:
     return [n.strip() for n in csv.split(",") if n.strip()]
 
 
+# Kernel-name classes for the profile's summary, first match wins (lower-case substrings).
+CATEGORIES = (
+    ("routing kernel", ("_attnres_",)),
+    ("attention", ("flash", "cudnn", "sdpa", "flex", "fmha", "attention")),
+    ("matmul", ("nvjet", "gemm", "cutlass", "xmma", "cublas", "wgmma", "sm90_", "splitk")),
+    ("inductor fused", ("triton_",)),
+    ("optimizer", ("muon", "adam", "foreach", "multi_tensor")),
+    ("torch elementwise/reduce", ("at::native", "elementwise", "reduce_kernel")),
+)
+
+
+def _category(name: str) -> str:
+    low = name.lower()
+    return next((cat for cat, keys in CATEGORIES if any(k in low for k in keys)), "other")
+
+
 def _profile(update, device, top: int) -> dict:
-    """One more update under torch.profiler: the top kernels (or CPU ops) by self device time."""
+    """One more update under torch.profiler: the top kernels (or CPU ops) by self device time,
+    device time per kernel class (CATEGORIES), and the routing kernels' launch shapes."""
+    from collections import Counter
+
     from torch.profiler import ProfilerActivity, profile
 
+    try:
+        import kernels.op as kop
+    except ImportError:  # pragma: no cover
+        kop = None
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    with profile(activities=acts) as prof:
-        update()
+    if kop is not None:
+        kop.STATS = Counter()
+    try:
+        with profile(activities=acts) as prof:
+            update()
+    finally:
+        stats = kop.STATS if kop is not None else None
+        if kop is not None:
+            kop.STATS = None
     attr = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
     events = [e for e in prof.key_averages() if getattr(e, attr, 0) > 0]
     if device.type == "cuda":
@@ -150,8 +181,17 @@ def _profile(update, device, top: int) -> dict:
         events = [e for e in events if e.device_type == DeviceType.CUDA]
     total = sum(getattr(e, attr) for e in events)
     events.sort(key=lambda e: getattr(e, attr), reverse=True)
+    cats: dict = {}
+    for e in events:
+        c = cats.setdefault(_category(e.key), {"ms": 0.0, "calls": 0})
+        c["ms"] += getattr(e, attr) / 1e3
+        c["calls"] += e.count
+    launches = [{"kind": k[0], "S": k[1], "tokens": k[2], "d": k[3], "r": k[4], "align": k[5], "count": n}
+                for k, n in sorted((stats or {}).items())]
     return {
         "by": attr, "total_ms": total / 1e3,
+        "categories": dict(sorted(cats.items(), key=lambda kv: -kv[1]["ms"])),
+        "routing_launches": launches,
         "top": [{"name": e.key[:160], "ms": getattr(e, attr) / 1e3, "share": getattr(e, attr) / max(total, 1e-9),
                  "calls": e.count} for e in events[:top]],
     }
@@ -224,6 +264,13 @@ def run_config(name, a, device):
     }
     if profile is not None:
         row["profile"] = profile
+    if c["router"] == "fused" and c["method"] != "baseline":
+        try:
+            import kernels.op as kop
+
+            row["kernel_configs"] = kop.tuned_configs()
+        except ImportError:  # pragma: no cover
+            pass
     if device.type == "cuda":
         row["peak_allocated_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
         row["peak_reserved_gib"] = torch.cuda.max_memory_reserved(device) / 2**30
@@ -258,6 +305,10 @@ def _table(rows) -> str:
                   "|---|---|---|---|"]
         for e in prof["top"][:10]:
             lines.append(f"| {e['name'][:90].replace('|', '/')} | {e['ms']:.2f} | {100 * e['share']:.1f}% | {e['calls']} |")
+        if prof.get("categories"):
+            lines += ["", f"By kernel class ({r['config']}):", "", "| class | ms | calls |", "|---|---|---|"]
+            for cat, v in prof["categories"].items():
+                lines.append(f"| {cat} | {v['ms']:.2f} | {v['calls']} |")
     return "\n".join(lines) + "\n"
 
 
@@ -311,7 +362,7 @@ def main(argv=None) -> int:
             doc["goal"]["lr_fused_tokens_per_s"] = lr["tokens_per_s"]
             doc["goal"]["met"] = bool(lr["vs_baseline"] >= 0.90 and lr["tokens_per_s"] >= 62000)
         doc["wall_s"] = time.perf_counter() - t_start
-        stem = "train_step_bench_smoke" if a.smoke else "train_step_bench"
+        stem = a.stem + ("_smoke" if a.smoke else "")
         (out / f"{stem}.json").write_text(json.dumps(doc, indent=2) + "\n")
         (out / f"{stem}.md").write_text(
             f"# Training-step throughput ({doc['device']}, {a.preset}, mb {a.micro_batch} x {a.seq_len}, "

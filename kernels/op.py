@@ -38,6 +38,10 @@ POISON = os.environ.get("KERNELS_POISON", "0") == "1"
 # Launch configuration overrides: {"fwd": {BLOCK_T, num_warps, PREFETCH}, "bwd": {BLOCK_T,
 # num_warps, PREFETCH, DQ2D}}.
 CONFIG_OVERRIDE: dict = {}
+# Call statistics for benchmarks: set to a collections.Counter and every Triton launch adds one
+# count under (kind, S, tokens, d, r, align) with align the vector width the tables allowed (a
+# benchmark reads it to see which shapes a model sends and whether they load 16-byte vectors).
+STATS = None
 
 
 def set_cpu_triton(flag: bool) -> None:
@@ -247,6 +251,8 @@ def _fwd_triton(sources: Sequence[torch.Tensor], query: torch.Tensor, norm: str,
         offs, align = _anchor_table(rows, strides)
         table = _table([offs, strides], dev)
         block_d = _next_pow2(d)
+        if STATS is not None:
+            STATS[("fwd", len(rows), n_tok, d, r, align)] += 1
         fn, cfg = _launcher("fwd", block_d, dev)
         if cfg is None:
             grid = lambda meta: (triton_cdiv(n_tok, meta["BLOCK_T"]),)  # noqa: E731
@@ -289,6 +295,8 @@ def _bwd_triton(sources, query, h, lse, res, g, norm: str, eps: float):
     grad_rows = [gr.view(-1, d) for gr in grads]
     goffs, galign = _anchor_table(grad_rows, [d])
     table = _table([offs, strides, goffs], dev)
+    if STATS is not None:
+        STATS[("bwd", len(rows), n_tok, d, r, min(align, galign))] += 1
     fn, cfg = _launcher("bwd", block_d, dev)
     fn[(nprog,)](
         rows[0], table[0], table[1], grad_rows[0], table[2], query.contiguous(), h2, res2, g2, lse2, part,

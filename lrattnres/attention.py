@@ -91,16 +91,65 @@ def _flex_fn(device_type: str):
     return torch.compile(flex_attention, dynamic=False) if device_type == "cuda" else flex_attention
 
 
-def _flex_attention(doc_ids: torch.Tensor) -> Attend:
-    from torch.nn.attention.flex_attention import create_block_mask
+FLEX_BLOCK = 128  # flex_attention's default tile; the block mask below is built at this granularity
+
+
+def document_block_mask(doc_ids: torch.Tensor, block: int = FLEX_BLOCK):
+    """flex_attention's BlockMask for causal attention within documents, from tensor ops alone.
+
+    ``create_block_mask`` evaluates the mask function over every (q, kv) pair through vmap; traced
+    inside an outer ``torch.compile`` on torch 2.11 that path ended in an illegal memory access.
+    This builds the same block structure from per-block document ranges (as modded-nanogpt does):
+    a kv block is needed by a q block when it is not in the future and their document ranges
+    overlap, and is *full* (no per-element mask) when both lie wholly inside one document and the
+    kv block is strictly earlier.  Documents are renumbered as runs, so any labelling works.
+    """
+    from torch.nn.attention.flex_attention import BlockMask
 
     B, T = doc_ids.shape
+    change = torch.ones_like(doc_ids, dtype=torch.int32)
+    change[:, 0] = 0
+    change[:, 1:] = (doc_ids[:, 1:] != doc_ids[:, :-1]).to(torch.int32)
+    runs = change.cumsum(1, dtype=torch.int32)  # [B, T], non-decreasing along the row
+    nb = -(-T // block)
+    pad = nb * block - T
+    if pad:  # the last block's range: its real tokens only (repeat the last id)
+        runs_p = torch.cat([runs, runs[:, -1:].expand(B, pad)], dim=1)
+    else:
+        runs_p = runs
+    per_block = runs_p.view(B, nb, block)
+    lo, hi = per_block[:, :, 0], per_block[:, :, -1]  # [B, nb] (runs are sorted within a row)
+    idx = torch.arange(nb, device=doc_ids.device)
+    causal = idx[:, None] >= idx[None, :]  # q block i, kv block j <= i
+    overlap = (lo[:, None, :] <= hi[:, :, None]) & (hi[:, None, :] >= lo[:, :, None])  # [B, i, j]
+    any_ = causal[None] & overlap
+    one_doc = lo == hi
+    if pad:  # a block holding padding positions is partial, as create_block_mask makes it
+        one_doc[:, -1] = False
+    full = (idx[:, None] > idx[None, :])[None] & one_doc[:, :, None] & one_doc[:, None, :] & (lo[:, :, None] == lo[:, None, :])
+    partial = any_ & ~full
+
+    def ordered(m):  # [B, nb, nb] bool -> counts [B, 1, nb], indices [B, 1, nb, nb] (needed blocks first)
+        counts = m.sum(-1, dtype=torch.int32)
+        order = torch.argsort((~m).to(torch.int8), dim=-1, stable=True).to(torch.int32)
+        return counts[:, None].contiguous(), order[:, None].contiguous()
 
     def document_causal(b, h, q_idx, kv_idx):
-        return (q_idx >= kv_idx) & (doc_ids[b, q_idx] == doc_ids[b, kv_idx])
+        return (q_idx >= kv_idx) & (runs[b, q_idx] == runs[b, kv_idx])
 
-    block_mask = create_block_mask(document_causal, B, None, T, T, device=doc_ids.device)
-    flex = _flex_fn(doc_ids.device.type)
+    kv_num, kv_idx = ordered(partial)
+    full_num, full_idx = ordered(full)
+    return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=block,
+                                    mask_mod=document_causal, seq_lengths=(T, T))
+
+
+def _flex_attention(doc_ids: torch.Tensor) -> Attend:
+    from torch.nn.attention.flex_attention import flex_attention
+
+    block_mask = document_block_mask(doc_ids)
+    # Inside an outer torch.compile, flex_attention is traced into the model's graph; called eagerly
+    # on a GPU it needs its own compiled wrapper (eager flex materialises the scores).
+    flex = flex_attention if torch.compiler.is_compiling() else _flex_fn(doc_ids.device.type)
     return lambda q, k, v: flex(q, k, v, block_mask=block_mask)
 
 

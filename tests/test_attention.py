@@ -110,3 +110,40 @@ def test_bad_doc_ids_shape():
     q, k, v = _qkv()
     with pytest.raises(ValueError, match="doc_ids must be"):
         causal_attention(q, k, v, DOC_IDS[:, :8])
+
+
+@pytest.mark.parametrize("T", [2048, 300, 128, 77])
+def test_document_block_mask_equals_create_block_mask(T):
+    """The tensor-op block mask (used inside torch.compile) has exactly create_block_mask's blocks:
+    the same partial and full block counts per (row, q block) and the same kv block sets."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    from lrattnres.attention import document_block_mask
+
+    g = torch.Generator().manual_seed(T)
+    doc = (torch.rand(3, T, generator=g) < 1 / 150).int().cumsum(1)
+    doc[1] = 7  # one document over the whole row
+    doc[2] = (torch.arange(T) // 37) % 2  # labels that repeat: runs, not ids, define documents
+    runs = torch.cat([torch.zeros(3, 1, dtype=torch.int32), (doc[:, 1:] != doc[:, :-1]).int()], 1).cumsum(1)
+    ref = create_block_mask(lambda b, h, q, kv: (q >= kv) & (runs[b, q] == runs[b, kv]), 3, None, T, T, device="cpu")
+    ours = document_block_mask(doc)
+
+    def blocks(num, idx):
+        return [sorted(idx[b, 0, i, : num[b, 0, i]].tolist()) for b in range(3) for i in range(num.shape[2])]
+
+    assert torch.equal(ours.kv_num_blocks, ref.kv_num_blocks)
+    assert torch.equal(ours.full_kv_num_blocks, ref.full_kv_num_blocks)
+    assert blocks(ours.kv_num_blocks, ours.kv_indices) == blocks(ref.kv_num_blocks, ref.kv_indices)
+    assert blocks(ours.full_kv_num_blocks, ours.full_kv_indices) == blocks(ref.full_kv_num_blocks, ref.full_kv_indices)
+    assert torch.equal(ours.to_dense(), ref.to_dense())
+
+
+def test_flex_inside_torch_compile_matches_sdpa():
+    """flex with the tensor-op block mask traces into one graph (fullgraph) and computes the
+    masked attention (forward only: flex has no CPU backward)."""
+    g = torch.Generator().manual_seed(1)
+    T = 200  # not a multiple of flex's 128-token block
+    doc = (torch.rand(2, T, generator=g) < 1 / 60).int().cumsum(1)
+    q, k, v = (torch.randn(2, 2, T, 16, generator=g) for _ in range(3))
+    compiled = torch.compile(lambda q, k, v, d: causal_attention(q, k, v, d, backend="flex"), fullgraph=True, dynamic=False)
+    torch.testing.assert_close(compiled(q, k, v, doc), causal_attention(q, k, v, doc, backend="sdpa"), atol=1e-5, rtol=1e-5)
