@@ -6,12 +6,16 @@ backends compute the same function:
 
 * ``flash``: flash-attn's varlen kernel over the documents cut out of the rows (the author's
   choice); used by ``auto`` when flash-attn imports and the inputs are CUDA fp16/bf16;
-* ``flex``: PyTorch's flex_attention with a document block mask (compiled on CUDA); ``auto``'s
-  choice on CUDA otherwise;
-* ``sdpa``: scaled_dot_product_attention with an explicit boolean [B, 1, T, T] mask; ``auto``'s
-  choice on the CPU, and on CUDA inside an outer ``torch.compile`` (torch 2.11 on an H200: flex
-  traced inside a compiled model hit an illegal memory access; eager flex and compiled masked SDPA
-  both matched an fp64 reference).  flex needs a head width of at least 16 on CUDA.
+* ``flex``: PyTorch's flex_attention with a document block mask, skipping the blocks the mask
+  empties (compiled on CUDA); ``auto``'s choice on CUDA outside ``torch.compile``.  The block mask
+  is built from tensor ops (``document_block_mask``, equal to ``create_block_mask``'s), so it also
+  traces into an outer ``torch.compile`` with no graph break.  But on an H200 (torch 2.11) the 1B
+  training step compiled that way reached a NaN loss within 8 updates where masked SDPA stayed
+  finite (and ``create_block_mask`` traced inside the model had hit an illegal memory access), so
+  ``auto`` does not choose it there.  It was fast: 66,500 tokens/s against 54,028
+  (benchmarks/results/train_step_bench_flex.md).  flex needs a head width of at least 16 on CUDA;
+* ``sdpa``: scaled_dot_product_attention with an explicit boolean [B, 1, T, T] mask (every score
+  computed); ``auto``'s choice on the CPU, and on CUDA inside an outer ``torch.compile``.
 
 Without ``doc_ids`` every backend is plain causal SDPA (one document per row).  RoPE positions
 count from the start of the row, not of the document: RoPE scores depend only on the distance

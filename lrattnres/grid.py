@@ -116,7 +116,7 @@ def train_spec(settings: dict, run: Run) -> dict:
     """The training spec of one run: the recipe, the scale's training settings, the run's model."""
     recipe = dict(settings["recipe"])
     model = run.model()
-    for key in ("router", "attention", "norm_eps"):
+    for key in ("router", "attention", "norm_eps", "stream_dtype"):
         if key in recipe:
             model[key] = recipe.pop(key)
     spec = deep_merge(recipe, settings["train"])

@@ -34,8 +34,11 @@ Parameter names (stable; the conversion stage rotates them):
     layers.{i}.attn.route_key.weight  [r, d]    plr: W^K of write 2i+1
     layers.{i}.mlp.route_key.weight   [r, m]    plr: W^K of write 2i+2
 
-Precision: routing runs in fp32 (fp64 for an fp64 model).  Under autocast every write is cast to the
-embedding's dtype, so all sources of a read share one dtype, as the baseline's residual sum does.
+Precision: routing runs in fp32 (fp64 for an fp64 model).  Under autocast the residual stream (the
+baseline's running sum; the routed methods' sources) is stored in the autocast dtype
+(``stream_dtype="autocast"``, the default: bf16 sources, as in the paper and as the published kernels
+require), or in the embedding's dtype (``"param"``: fp32 sources, twice the bytes per routing read).
+Every write is cast to the stream's dtype, so all sources of a read share one dtype.
 
 Router: ``reference`` mixes with ``routing.route``; ``fused`` with ``kernels.attnres`` (imported on
 first use); ``auto`` = fused on CUDA when ``kernels`` imports, reference otherwise.  ``plr`` scores
@@ -59,6 +62,7 @@ from lrattnres.routing import SourceBank, rms_norm, route, route_keys
 
 METHODS = ("baseline", "attnres", "lr", "lr-fullrms", "plr")
 ROUTERS = ("auto", "reference", "fused")
+STREAM_DTYPES = ("autocast", "param")
 KEY_NORM = {"attnres": "slice", "lr": "slice", "lr-fullrms": "full"}  # plr normalises its own keys
 
 
@@ -80,6 +84,7 @@ class ModelConfig:
     init_std: float = 0.02
     router: str = "auto"
     attention: str = "auto"
+    stream_dtype: str = "autocast"  # residual stream / sources under autocast: "autocast" or "param"
 
     def __post_init__(self):
         def bad(field, expected):
@@ -99,6 +104,8 @@ class ModelConfig:
             bad("router", f"one of {ROUTERS}")
         if self.attention not in BACKENDS:
             bad("attention", f"one of {BACKENDS}")
+        if self.stream_dtype not in STREAM_DTYPES:
+            bad("stream_dtype", f"one of {STREAM_DTYPES}")
         if not self.norm_eps >= 0:
             bad("norm_eps", "a float >= 0")
         if self.method == "baseline":
@@ -268,6 +275,8 @@ class LRAttnResLM(nn.Module):
         x = self.embed(input_ids)
         dev = x.device.type
         dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
+        if cfg.stream_dtype == "autocast":
+            x = x.to(dtype)  # the residual stream in the autocast dtype (a no-op without autocast)
         attend = make_attention(doc_ids, seq_len=T, device=x.device, dtype=dtype, backend=cfg.attention)
         sub_args = (self.rope_cos[:T], self.rope_sin[:T], attend)
 
@@ -285,7 +294,7 @@ class LRAttnResLM(nn.Module):
         h, routing = x, []
         for t, sub in enumerate(self.sublayers()):
             o, k = sub(norm(h), *sub_args)
-            values.write(o.to(x.dtype))  # under autocast: sources share the embedding's dtype
+            values.write(o.to(x.dtype))  # under autocast: every source in the stream's dtype
             query = self.queries[t]
             if keys is not None:
                 keys.write(k)

@@ -357,14 +357,22 @@ def test_too_long_input():
         build_model(smoke())(torch.zeros(1, 65, dtype=torch.long))
 
 
-def test_autocast_sources_share_one_dtype(fake_kernels, monkeypatch):
-    """Under bf16 autocast the writes are cast to the embedding's dtype, so a fused kernel gets one dtype."""
+@pytest.mark.parametrize("stream_dtype,expected", [("autocast", torch.bfloat16), ("param", torch.float32)])
+def test_autocast_sources_share_one_dtype(fake_kernels, monkeypatch, stream_dtype, expected):
+    """Under bf16 autocast every source of a read has the stream's dtype (bf16 by default, as the
+    paper and the published kernels have it; fp32 with stream_dtype="param"), so a fused kernel
+    gets one dtype."""
     import kernels
 
     seen = []
     inner = kernels.attnres
     monkeypatch.setattr(kernels, "attnres", lambda s, q, **kw: seen.append({x.dtype for x in s}) or inner(s, q, **kw))
-    model = build_model(smoke("lr", blocks=3, router="fused"))
+    model = build_model(smoke("lr", blocks=3, router="fused", stream_dtype=stream_dtype))
     with torch.autocast("cpu", dtype=torch.bfloat16):
         model(tokens()).float().mean().backward()
-    assert seen and all(s == {torch.float32} for s in seen)
+    assert seen and all(s == {expected} for s in seen)
+
+
+def test_stream_dtype_is_checked():
+    with pytest.raises(ValueError, match="ModelConfig.stream_dtype='fp16': expected one of"):
+        smoke("lr", blocks=3, stream_dtype="fp16")

@@ -42,7 +42,7 @@ RESUMABLE_CHANGES = ("device", "compile", "val", "checkpoint")
 
 _MODEL_KEYS = {
     "preset", "vocab_size", "n_layers", "d_model", "n_heads", "d_ff", "max_seq_len", "method", "blocks",
-    "rank", "norm_eps", "rope_base", "init_std", "router", "attention",
+    "rank", "norm_eps", "rope_base", "init_std", "router", "attention", "stream_dtype",
 }
 
 
