@@ -231,7 +231,8 @@ def train_step_table(doc: dict) -> str:
         if "error" in r:
             rows.append([r["config"], "error", r["error"][:80], "", "", "", ""])
             continue
-        rows.append([r["config"], r.get("router") or "–", r.get("rank") or "–", f"{r['tokens_per_s']:,.0f}",
+        name = r["config"] + ("" if r.get("finite", True) else " (loss not finite)")
+        rows.append([name, r.get("router") or "–", r.get("rank") or "–", f"{r['tokens_per_s']:,.0f}",
                      f"{100 * r['vs_baseline']:.1f}%" if r.get("vs_baseline") else "–",
                      f"{r['update_s_mean']:.3f} ({100 * r['update_s_cv']:.1f}%)",
                      fmt(r.get("peak_allocated_gib"), 3)])
