@@ -148,12 +148,21 @@ def document_block_mask(doc_ids: torch.Tensor, block: int = FLEX_BLOCK):
 
 
 def _flex_attention(doc_ids: torch.Tensor) -> Attend:
-    from torch.nn.attention.flex_attention import flex_attention
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-    block_mask = document_block_mask(doc_ids)
-    # Inside an outer torch.compile, flex_attention is traced into the model's graph; called eagerly
-    # on a GPU it needs its own compiled wrapper (eager flex materialises the scores).
-    flex = flex_attention if torch.compiler.is_compiling() else _flex_fn(doc_ids.device.type)
+    if torch.compiler.is_compiling():
+        # traced into the model's graph, with the tensor-op block mask (see the module docstring)
+        block_mask, flex = document_block_mask(doc_ids), flex_attention
+    else:
+        # eager: create_block_mask (the path checked on the H200) and flex's own compiled wrapper
+        # on a GPU (eager flex materialises the scores)
+        B, T = doc_ids.shape
+
+        def document_causal(b, h, q_idx, kv_idx):
+            return (q_idx >= kv_idx) & (doc_ids[b, q_idx] == doc_ids[b, kv_idx])
+
+        block_mask = create_block_mask(document_causal, B, None, T, T, device=doc_ids.device)
+        flex = _flex_fn(doc_ids.device.type)
     return lambda q, k, v: flex(q, k, v, block_mask=block_mask)
 
 
