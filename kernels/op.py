@@ -192,8 +192,15 @@ _TUNED: dict = {}
 BWD_PROGRAMS_PER_SM = 8
 
 
-def _launcher(kind: str, block_d: int, device: torch.device):
-    """(kernel to launch, fixed config or None when the kernel is autotuned)."""
+# The autotuner's choice per (kind, BLOCK_D, autotune key, dtypes), once made: later calls launch the
+# plain kernel with it, skipping the autotuner's per-call argument dictionary and key (host time on
+# every read of a model whose step the host must keep ahead of).
+_CHOSEN: dict = {}
+
+
+def _launcher(kind: str, block_d: int, device: torch.device, key: tuple = ()):
+    """(kernel to launch, fixed config or None when the kernel is autotuned); ``key`` extends the
+    autotuner's own key (d, norm, residual, dtypes) to look up a choice already made."""
     from . import _triton as K
 
     raw = K._attnres_fwd_kernel if kind == "fwd" else K._attnres_bwd_kernel
@@ -202,13 +209,23 @@ def _launcher(kind: str, block_d: int, device: torch.device):
     cfgs = _fwd_configs(block_d) if kind == "fwd" else _bwd_configs(block_d)
     if device.type != "cuda" or not AUTOTUNE:
         return raw, dict(cfgs[0])
-    key = (kind, block_d)
-    if key not in _TUNED:
+    chosen = _CHOSEN.get((kind, block_d) + key)
+    if chosen is not None:
+        return raw, chosen
+    tk = (kind, block_d)
+    if tk not in _TUNED:
         import triton
 
         configs = [triton.Config({k: v for k, v in c.items() if k != "num_warps"}, num_warps=c["num_warps"]) for c in cfgs]
-        _TUNED[key] = triton.autotune(configs=configs, key=["d", "SLICE", "HAS_RES"])(raw)
-    return _TUNED[key], None
+        _TUNED[tk] = triton.autotune(configs=configs, key=["d", "SLICE", "HAS_RES"])(raw)
+    return _TUNED[tk], None
+
+
+def _remember(kind: str, block_d: int, key: tuple, tuned) -> None:
+    """Record the configuration the autotuner used for this key (see _CHOSEN)."""
+    best = getattr(tuned, "best_config", None)
+    if best is not None:
+        _CHOSEN[(kind, block_d) + key] = dict(best.all_kwargs())
 
 
 def tuned_configs() -> dict:
@@ -233,77 +250,121 @@ def _anchor_table(tensors: list[torch.Tensor], strides: list[int] | None):
 
 # ----------------------------------------------------------------------------------------------
 # Triton launchers (also run on CPU tensors under TRITON_INTERPRET=1)
+#
+# They run twice per routing read (768 times per update of the 1B step), and a compiled step whose
+# GPU work is short waits for them (docs/kernel_notes.md, third session): so no per-source views or
+# copies where the tensors can be read in place, outputs allocated in their final shape, and the
+# autotuner bypassed once it has chosen.
+
+
+def _row_stride(t: torch.Tensor, d: int) -> int | None:
+    """Row stride of ``t`` read in place as [tokens, d], or None when that needs a copy (a feature
+    stride other than 1, or leading dimensions that do not flatten into one)."""
+    if t.is_contiguous():
+        return d
+    st = t.stride()
+    if t.dim() == 0 or st[-1] != 1:
+        return None
+    rs = None
+    span = 0
+    for size, stride in zip(reversed(t.shape[:-1]), reversed(st[:-1])):
+        if size == 1:
+            continue
+        if rs is None:
+            rs = stride
+        elif stride != span:
+            return None
+        span = stride * size
+    return d if rs is None else rs
+
+
+def _as_rows(ts: Sequence[torch.Tensor], d: int, dtype: torch.dtype) -> tuple[list[torch.Tensor], list[int]]:
+    """The tensors to address as [tokens, d] rows of ``dtype``, and their row strides (a copy only
+    for a tensor that cannot be read in place)."""
+    out, strides = [], []
+    for t in ts:
+        rs = _row_stride(t, d) if t.dtype == dtype else None
+        if rs is None:
+            t = _rows(t, d, dtype)
+            rs = t.stride(0) if t.shape[0] > 1 else d
+        out.append(t)
+        strides.append(rs)
+    return out, strides
 
 
 def _fwd_triton(sources: Sequence[torch.Tensor], query: torch.Tensor, norm: str, eps: float):
     d, r = _check(sources, query, norm)
-    dtype = sources[0].dtype
-    lead = sources[0].shape[:-1]
-    rows = [_rows(o, d, dtype) for o in sources]
-    n_tok = rows[0].shape[0]
-    dev = sources[0].device
+    s0 = sources[0]
+    dtype, dev, lead = s0.dtype, s0.device, tuple(s0.shape[:-1])
+    n_tok = s0.numel() // d
     has_res = dtype in _MANT
-    out = _empty((n_tok, d), dtype, dev)
-    lse = _empty((n_tok,), torch.float32, dev)
-    res = _empty((n_tok, d) if has_res else (0,), torch.int8, dev)
+    out = _empty(lead + (d,), dtype, dev)
+    lse = _empty(lead, torch.float32, dev)
+    res = _empty(lead + (d,) if has_res else (0,), torch.int8, dev)
     if n_tok > 0:
-        strides = [o.stride(0) for o in rows]
+        rows, strides = _as_rows(sources, d, dtype)
         offs, align = _anchor_table(rows, strides)
         table = _table([offs, strides], dev)
         block_d = _next_pow2(d)
         if STATS is not None:
             STATS[("fwd", len(rows), n_tok, d, r, align)] += 1
-        fn, cfg = _launcher("fwd", block_d, dev)
+        key = (d, norm == "slice", has_res, dtype, query.dtype)
+        fn, cfg = _launcher("fwd", block_d, dev, key)
         if cfg is None:
             grid = lambda meta: (triton_cdiv(n_tok, meta["BLOCK_T"]),)  # noqa: E731
-            cfg = {}
         else:
             grid = (triton_cdiv(n_tok, cfg["BLOCK_T"]),)
         fn[grid](
             rows[0], table[0], table[1], query.contiguous(), out, res if has_res else out, lse,
             n_tok, len(rows), d, r, 1.0 / (r if norm == "slice" else d), float(eps),
             SLICE=(norm == "slice"), HAS_RES=has_res, RES_STEP=_res_step(dtype), ALIGN=align,
-            BLOCK_D=block_d, FUSED=_fused(dev), **cfg,
+            BLOCK_D=block_d, FUSED=_fused(dev), **(cfg or {}),
         )
-    return out.view(*lead, d), lse.view(lead), (res.view(*lead, d) if has_res else res)
+        if cfg is None:
+            _remember("fwd", block_d, key, fn)
+    return out, lse, res
 
 
 def _bwd_triton(sources, query, h, lse, res, g, norm: str, eps: float):
     d, r = _check(sources, query, norm)
-    dtype = sources[0].dtype
-    rows = [_rows(o, d, dtype) for o in sources]
-    n_tok = rows[0].shape[0]
-    dev = sources[0].device
+    s0 = sources[0]
+    dtype, dev = s0.dtype, s0.device
+    n_tok = s0.numel() // d
     has_res = dtype in _MANT and res.numel() > 0
     if len(sources) == 1:
         # one source: w = 1, h = o, dz = 0 exactly; the query gets no gradient.  A copy, never g
         # itself: a custom op's output may not alias its input (torch.library refuses it)
         grad = g.to(dtype=dtype, memory_format=torch.contiguous_format, copy=True)
-        return [grad.view(sources[0].shape)], torch.zeros_like(query)
+        return [grad.view(s0.shape)], torch.zeros_like(query)
     grads = [_empty(o.shape, dtype, dev) for o in sources]
     if n_tok == 0:
         return grads, torch.zeros_like(query)
-    h2 = _rows(h, d, dtype).contiguous()
-    res2 = res.reshape(-1, d).contiguous() if has_res else h2
-    g2 = _rows(g, d, g.dtype)
-    lse2 = lse.reshape(-1).contiguous()
+    h2 = h if (h.dtype == dtype and h.is_contiguous()) else _rows(h, d, dtype).contiguous()
+    res2 = res.contiguous() if has_res else h2
+    gs = _row_stride(g, d)
+    if gs is None:
+        g = _rows(g, d, g.dtype)
+        gs = g.stride(0) if g.shape[0] > 1 else d
+    lse2 = lse.contiguous()
     block_d = _next_pow2(d)
     nprog = max(1, min(n_tok, BWD_PROGRAMS_PER_SM * _num_sms(dev)))
     part = _empty((nprog, r), torch.float32, dev)
-    strides = [o.stride(0) for o in rows]
+    rows, strides = _as_rows(sources, d, dtype)
     offs, align = _anchor_table(rows, strides)
-    grad_rows = [gr.view(-1, d) for gr in grads]
-    goffs, galign = _anchor_table(grad_rows, [d])
+    goffs, galign = _anchor_table(grads, [d])
     table = _table([offs, strides, goffs], dev)
     if STATS is not None:
         STATS[("bwd", len(rows), n_tok, d, r, min(align, galign))] += 1
-    fn, cfg = _launcher("bwd", block_d, dev)
+    key = (d, norm == "slice", has_res, dtype, query.dtype, g.dtype)
+    fn, cfg = _launcher("bwd", block_d, dev, key)
     fn[(nprog,)](
-        rows[0], table[0], table[1], grad_rows[0], table[2], query.contiguous(), h2, res2, g2, lse2, part,
-        n_tok, len(rows), d, r, g2.stride(0), 1.0 / (r if norm == "slice" else d), float(eps),
+        rows[0], table[0], table[1], grads[0], table[2], query.contiguous(), h2, res2, g, lse2, part,
+        n_tok, len(rows), d, r, gs, 1.0 / (r if norm == "slice" else d), float(eps),
         SLICE=(norm == "slice"), HAS_RES=has_res, RES_STEP=_res_step(dtype), ALIGN=align, GALIGN=galign,
         BLOCK_D=block_d, FUSED=_fused(dev), **(cfg or {}),
     )
+    if cfg is None:
+        _remember("bwd", block_d, key, fn)
     dq = part.sum(0).to(query.dtype)
     return grads, dq
 

@@ -323,3 +323,24 @@ def test_gpu_other_dtypes(dtype):
 @needs_cuda
 def test_compile_fullgraph_gpu():
     _compile_check("cuda", torch.float32, "inductor", 1e-4)
+
+
+def test_row_stride_reads_in_place_only_when_rows_flatten():
+    """The launchers address a source in place when its leading dims flatten into rows of unit
+    feature stride, and copy it otherwise; the copy and the in-place read give the same rows."""
+    from kernels.op import _as_rows, _row_stride
+
+    base = torch.randn(4, 6, 10)
+    assert _row_stride(base, 10) == 10  # contiguous
+    assert _row_stride(base[:, :, 2:7], 5) == 10  # column slice: rows 10 apart
+    assert _row_stride(base[:, 1:4, :], 10) is None  # rows of the middle dim skip: no single stride
+    assert _row_stride(base[1:2, 1:4, :], 10) == 10  # a size-1 leading dim does not matter
+    assert _row_stride(base.transpose(0, 1), 10) is None  # leading dims out of order
+    assert _row_stride(base.transpose(1, 2), 6) is None  # feature stride != 1
+    assert _row_stride(torch.randn(7), 7) == 7  # one row
+    srcs = [base[:, :, 2:7], base[:, 1:4, 2:7], base.transpose(0, 1)[:, :, :5]]
+    rows, strides = _as_rows(srcs, 5, torch.float32)
+    for src, t, rs in zip(srcs, rows, strides):
+        n = src.numel() // 5
+        got = torch.as_strided(t, (n, 5), (rs, 1))
+        torch.testing.assert_close(got, src.reshape(n, 5))
