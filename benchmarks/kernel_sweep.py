@@ -2,9 +2,10 @@
 
     python benchmarks/kernel_sweep.py --out DIR [--budget-s 120]
 
-For a few shapes (default: 8192 tokens, d in {1024, 1536, 2560}, S = 9, r = d/4; ``--shapes``) it times the forward kernel
-and the backward kernel separately under every candidate launch configuration (BLOCK_T, num_warps,
-PREFETCH depth; DQ2D and, for the two best, the persistent grid's programs per SM for the backward), through ``kernels.op.CONFIG_OVERRIDE``.  Each timing replays
+For a few shapes (default: 8192 tokens, d in {1024, 1536, 2560}, S = 9, r = d/4; ``--shapes``) it
+times the forward kernel and the backward kernel separately under every candidate launch
+configuration (BLOCK_T, num_warps, PREFETCH depth; for the backward DQ2D and, for its two best
+configurations, the persistent grid's programs per SM), through ``kernels.op.CONFIG_OVERRIDE``.  Each timing replays
 a CUDA graph of the launch (no host-side dispatch in the number; the inputs are several times the L2,
 so the cache helps little), median of ``triton.testing.do_bench_cudagraph``.  Every row also gives
 the fraction of the measured copy bandwidth for the bytes this design moves:
