@@ -115,7 +115,7 @@ def test_bad_doc_ids_shape():
 @pytest.mark.parametrize("T", [2048, 300, 128, 77])
 def test_document_block_mask_equals_create_block_mask(T):
     """The tensor-op block mask (used inside torch.compile) has exactly create_block_mask's blocks:
-    the same partial and full block counts per (row, q block) and the same kv block sets."""
+    the same partial and full block counts and block sets, per q block and per kv block."""
     from torch.nn.attention.flex_attention import create_block_mask
 
     from lrattnres.attention import document_block_mask
@@ -136,6 +136,11 @@ def test_document_block_mask_equals_create_block_mask(T):
     assert blocks(ours.kv_num_blocks, ours.kv_indices) == blocks(ref.kv_num_blocks, ref.kv_indices)
     assert blocks(ours.full_kv_num_blocks, ours.full_kv_indices) == blocks(ref.full_kv_num_blocks, ref.full_kv_indices)
     assert torch.equal(ours.to_dense(), ref.to_dense())
+    # the transposed (q-direction) blocks that flex's backward reads
+    assert torch.equal(ours.q_num_blocks, ref.q_num_blocks)
+    assert torch.equal(ours.full_q_num_blocks, ref.full_q_num_blocks)
+    assert blocks(ours.q_num_blocks, ours.q_indices) == blocks(ref.q_num_blocks, ref.q_indices)
+    assert blocks(ours.full_q_num_blocks, ours.full_q_indices) == blocks(ref.full_q_num_blocks, ref.full_q_indices)
 
 
 def test_flex_inside_torch_compile_matches_sdpa():
