@@ -15,6 +15,7 @@
 #   trainflex   the 1B step with flex document masking (ATTN=sdpa for the dense mask): baseline, LR and
 #               AttnRes with the fused kernel, then the reference routers with what time is left
 #   sweeptrain  kernel_sweep.py at the 1B step's shapes (4096 tokens, S 3-9), then kernel_bench at 4096 tokens
+#   hostprof    host_overhead.py --cprofile, then baseline and LR-AttnRes 1B updates under cProfile
 #   traingrid   train, then as much of the gpu scale as fits (benchmarks/gpu_grid.sh)
 #   grid        benchmarks/gpu_grid.sh alone
 #   throughput  benchmarks/throughput_gpu.sh (Table 3 at 1B and 4B; needs about 530 s; MODE=1B or MODE=4B in
@@ -73,9 +74,15 @@ lane_sweeptrain() {  # launch configurations at the 1B step's shapes (4096 token
     --shapes 4096x1536x9x384,4096x1536x6x384,4096x1536x3x384,4096x1536x9x1536,4096x1536x6x1536,8192x1536x9x384
   $PYTHON benchmarks/kernel_bench.py --out "$L" --tokens 4096 --no-check --stem kernel_bench_4096 --budget-s "$(left $((DUR - 30)))"
 }
+lane_hostprof() {  # where the host's time goes: the launchers under cProfile, then the 1B step's updates
+  $PYTHON benchmarks/host_overhead.py --out "$L" --S 6 --tokens 4096 --cprofile
+  TORCHINDUCTOR_COMPILE_THREADS=16 $PYTHON benchmarks/train_step_bench.py --out "$L" --stem train_step_bench_hostprof \
+    --attention "${ATTN:-sdpa}" --grad-accum 8 --configs baseline,lr-fused --profile '' \
+    --host-profile baseline,lr-fused --budget-s "$(left $((DUR - 100)))"
+}
 lane_grid() { OUT="$L" DEADLINE_S=$(left $((DUR - 15))) PYTHON=$PYTHON bash benchmarks/gpu_grid.sh; }
 lane_throughput() { OUT="$L" PYTHON=$PYTHON bash benchmarks/throughput_gpu.sh; }
-export -f left lane_kernel lane_kernel4096 lane_sweep lane_train lane_trainflex lane_sweeptrain lane_traingrid lane_grid lane_throughput
+export -f left lane_kernel lane_kernel4096 lane_sweep lane_train lane_trainflex lane_sweeptrain lane_hostprof lane_traingrid lane_grid lane_throughput
 
 run_lane() {  # name:seconds gpu-list cpu-list
   local name=${1%%:*} dur=${1##*:} gpus=$2 cpus=$3

@@ -1,6 +1,6 @@
 """Host time per call of ``kernels.attnres``: how much the Python side costs around the two kernels.
 
-    python benchmarks/host_overhead.py [--out DIR] [--S 9 --d 1536 --r 384 --tokens 64]
+    python benchmarks/host_overhead.py [--out DIR] [--S 9 --d 1536 --r 384 --tokens 64] [--cprofile]
 
 Why: called eagerly (no torch.compile, or a model whose step the host cannot run ahead of), the
 time of one read is max(host time, GPU time).  The H200 run of 2026-11-29 measured eager
@@ -14,7 +14,9 @@ GPU work is negligible:
   launchers ``kernels.op._fwd_triton`` + ``_bwd_triton`` alone (no autograd)
 On a CUDA machine the kernels launch for real; on a CPU the two Triton launches are replaced by
 no-ops (the Triton interpreter would time the interpreter), so the CPU numbers are the Python and
-dispatch cost only, without Triton's own launch cost.  Writes host_overhead.json to --out.
+dispatch cost only, without Triton's own launch cost.  With --cprofile it also lists, for the launchers
+and for the op, the functions with the most own time per call (cProfile).  Writes host_overhead.json
+to --out.
 """
 
 from __future__ import annotations
@@ -65,6 +67,24 @@ def _time_per_call(fn, sync, n: int, rounds: int) -> dict:
     return {"median_us": statistics.median(per), "min_us": min(per), "rounds_us": per}
 
 
+def cprofile_top(fn, calls: int, top: int = 25) -> list[dict]:
+    """``fn`` called ``calls`` times under cProfile: the functions with the most own time, per call
+    of ``fn`` (us) -- where the host time of a launch goes (our Python, torch's dispatch, Triton's
+    launcher, the CUDA driver)."""
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(calls):
+        fn()
+    prof.disable()
+    stats = pstats.Stats(prof).stats  # {(file, line, name): (primitive calls, calls, tottime, cumtime, callers)}
+    rows = sorted(stats.items(), key=lambda kv: -kv[1][2])[:top]
+    return [{"function": f"{os.path.basename(k[0])}:{k[1]}({k[2]})", "calls_per_call": v[1] / calls,
+             "own_us_per_call": v[2] / calls * 1e6, "cumulative_us_per_call": v[3] / calls * 1e6} for k, v in rows]
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default=None)
@@ -74,6 +94,7 @@ def main(argv=None) -> int:
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--calls", type=int, default=200)
     p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--cprofile", action="store_true", help="also profile the launchers and the op under cProfile")
     a = p.parse_args(argv)
     cuda = torch.cuda.is_available()
     dev = "cuda" if cuda else "cpu"
@@ -107,12 +128,21 @@ def main(argv=None) -> int:
                      ("function fwd+bwd", fn_fb), ("launchers fwd+bwd", launch_fb)):
         rows[name] = _time_per_call(fn, sync, a.calls, a.rounds)
         print(f"{name:>18}: {rows[name]['median_us']:8.1f} us per call (median of {a.rounds} rounds)", flush=True)
+    profiles = {}
+    if a.cprofile:
+        for name, fn in (("launchers fwd+bwd", launch_fb), ("op fwd+bwd", op_fb)):
+            profiles[name] = cprofile_top(fn, a.calls)
+            sync()
+            print(f"cProfile, {name}: " + "; ".join(f"{r['function']} {r['own_us_per_call']:.1f} us"
+                                                    for r in profiles[name][:8]), flush=True)
     doc = {
         "benchmark": "host_overhead", "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "device": torch.cuda.get_device_name() if cuda else f"cpu: {platform.processor() or platform.machine()}",
         "launches": "real" if cuda else "stubbed (no-op): Python and dispatch cost only",
         "torch": torch.__version__, "settings": vars(a), "rows": rows,
     }
+    if profiles:
+        doc["cprofile"] = profiles
     if a.out:
         os.makedirs(a.out, exist_ok=True)
         path = os.path.join(a.out, "host_overhead.json")

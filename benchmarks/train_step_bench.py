@@ -85,6 +85,9 @@ def _args(argv=None):
                         "where the time goes, as the top kernels by device time (attnres-fused: its 2026-11-29 "
                         "update took 0.21 s longer than lr-fused's although the kernel times the same at r = d and d/4)")
     p.add_argument("--profile-top", type=int, default=25)
+    p.add_argument("--host-profile", default="",
+                   help="configs to run for one more update under cProfile: where the host's time goes "
+                        "(the Python launch path of a step the host cannot keep ahead of)")
     p.add_argument("--device", default="auto")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=os.environ.get("OUT", str(REPO / "benchmarks" / "results")))
@@ -250,6 +253,11 @@ def run_config(name, a, device):
         times.append(time.perf_counter() - t)
         losses.append(ce + zl)
     profile = _profile(update, device, a.profile_top) if name in _names(a.profile) else None
+    host_profile = None
+    if name in _names(a.host_profile):
+        from host_overhead import cprofile_top  # benchmarks/host_overhead.py, beside this script
+
+        host_profile = cprofile_top(update, 1, top=30)
     tok = a.grad_accum * a.micro_batch * a.seq_len
     mean_t = sum(times) / len(times)
     sd = math.sqrt(sum((x - mean_t) ** 2 for x in times) / max(1, len(times) - 1))
@@ -264,6 +272,8 @@ def run_config(name, a, device):
     }
     if profile is not None:
         row["profile"] = profile
+    if host_profile is not None:
+        row["host_profile"] = host_profile
     if c["router"] == "fused" and c["method"] != "baseline":
         try:
             import kernels.op as kop
