@@ -92,6 +92,11 @@ def sweep_shape(N, d, S, r, bw, budget_end):
                      "pct_formula": 100 * (S + 1) * unit / (t * 1e-6 * bw)})
     kop.CONFIG_OVERRIDE.clear()
     h, lse, res = kop._fwd_triton(srcs, q, "slice", EPS)
+
+    def bwd_row(cfg, ppsm, t):
+        return {"kernel": "bwd", **cfg, "programs_per_sm": ppsm, "us": t,
+                "pct_design": 100 * (2 * S + 2.5) * unit / (t * 1e-6 * bw),
+                "pct_formula": 100 * (2 * S + 1) * unit / (t * 1e-6 * bw)}
     for cfg in _bwd_candidates(block_d):
         if time.time() > budget_end:
             break
@@ -101,9 +106,7 @@ def sweep_shape(N, d, S, r, bw, budget_end):
         except Exception as e:
             rows.append({"kernel": "bwd", **cfg, "error": repr(e)[:200]})
             continue
-        rows.append({"kernel": "bwd", **cfg, "programs_per_sm": kop.BWD_PROGRAMS_PER_SM, "us": t,
-                     "pct_design": 100 * (2 * S + 2.5) * unit / (t * 1e-6 * bw),
-                     "pct_formula": 100 * (2 * S + 1) * unit / (t * 1e-6 * bw)})
+        rows.append(bwd_row(cfg, kop.BWD_PROGRAMS_PER_SM, t))
     # the persistent backward's grid: the two best configurations again at other program counts per SM
     default_ppsm = kop.BWD_PROGRAMS_PER_SM
     best = sorted((x for x in rows if x["kernel"] == "bwd" and "us" in x), key=lambda x: x["us"])[:2]
@@ -116,9 +119,7 @@ def sweep_shape(N, d, S, r, bw, budget_end):
                     continue
                 kop.BWD_PROGRAMS_PER_SM = ppsm
                 t = _time(lambda: kop._bwd_triton(srcs, q, h, lse, res, g, "slice", EPS))
-                rows.append({"kernel": "bwd", **cfg, "programs_per_sm": ppsm, "us": t,
-                             "pct_design": 100 * (2 * S + 2.5) * unit / (t * 1e-6 * bw),
-                             "pct_formula": 100 * (2 * S + 1) * unit / (t * 1e-6 * bw)})
+                rows.append(bwd_row(cfg, ppsm, t))
     finally:
         kop.BWD_PROGRAMS_PER_SM = default_ppsm
     kop.CONFIG_OVERRIDE.clear()

@@ -341,10 +341,7 @@ def _bwd_triton(sources, query, h, lse, res, g, norm: str, eps: float):
         return grads, torch.zeros_like(query)
     h2 = h if (h.dtype == dtype and h.is_contiguous()) else _rows(h, d, dtype).contiguous()
     res2 = res.contiguous() if has_res else h2
-    gs = _row_stride(g, d)
-    if gs is None:
-        g = _rows(g, d, g.dtype)
-        gs = g.stride(0) if g.shape[0] > 1 else d
+    (g,), (gs,) = _as_rows([g], d, g.dtype)
     lse2 = lse.contiguous()
     block_d = _next_pow2(d)
     nprog = max(1, min(n_tok, BWD_PROGRAMS_PER_SM * _num_sms(dev)))

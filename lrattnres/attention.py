@@ -111,8 +111,7 @@ def document_block_mask(doc_ids: torch.Tensor, block: int = FLEX_BLOCK):
     from torch.nn.attention.flex_attention import BlockMask
 
     B, T = doc_ids.shape
-    change = torch.ones_like(doc_ids, dtype=torch.int32)
-    change[:, 0] = 0
+    change = torch.zeros_like(doc_ids, dtype=torch.int32)  # 1 where a new document starts
     change[:, 1:] = (doc_ids[:, 1:] != doc_ids[:, :-1]).to(torch.int32)
     runs = change.cumsum(1, dtype=torch.int32)  # [B, T], non-decreasing along the row
     nb = -(-T // block)
