@@ -16,6 +16,8 @@
 #               AttnRes with the fused kernel, then the reference routers with what time is left
 #   sweeptrain  kernel_sweep.py at the 1B step's shapes (4096 tokens, S 3-9), then kernel_bench at 4096 tokens
 #   hostprof    host_overhead.py --cprofile, then baseline and LR-AttnRes 1B updates under cProfile
+#   argscheck   GPU tests of kernels and attention, flex_mask_check.py, kernel_sweep of both kernel pairs at 4096 tokens
+#   trainargs   the 1B step (masked SDPA): baseline, LR with the triton_op, LR with the custom op; then flex
 #   traingrid   train, then as much of the gpu scale as fits (benchmarks/gpu_grid.sh)
 #   grid        benchmarks/gpu_grid.sh alone
 #   throughput  benchmarks/throughput_gpu.sh (Table 3 at 1B and 4B; needs about 530 s; MODE=1B or MODE=4B in
@@ -80,9 +82,23 @@ lane_hostprof() {  # where the host's time goes: the launchers under cProfile, t
     --attention "${ATTN:-sdpa}" --grad-accum 8 --configs baseline,lr-fused --profile '' \
     --host-profile baseline,lr-fused --budget-s "$(left $((DUR - 100)))"
 }
+lane_argscheck() {  # GPU tests (kernels incl. the compiled triton_op path, attention), the flex mask check, sweep
+  timeout 240 $PYTHON -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_attention.py -m gpu -rA 2>&1 \
+    | grep -v "^PASSED" | tail -40
+  timeout 100 $PYTHON benchmarks/flex_mask_check.py --out "$L"
+  $PYTHON benchmarks/kernel_sweep.py --out "$L" --budget-s "$(left $((DUR - 20)))" \
+    --shapes 4096x1536x9x384:args,4096x1536x9x384:table,4096x1536x6x384:args,4096x1536x3x384:args
+}
+lane_trainargs() {  # the 1B step: compiled path through the triton_op against the custom op, then flex
+  TORCHINDUCTOR_COMPILE_THREADS=8 $PYTHON benchmarks/train_step_bench.py --out "$L" --stem train_step_bench_args \
+    --attention sdpa --grad-accum 8 --configs baseline,lr-fused,lr-fused-op --profile lr-fused \
+    --budget-s "$(left $((DUR - 200)))"
+  TORCHINDUCTOR_COMPILE_THREADS=8 $PYTHON benchmarks/train_step_bench.py --out "$L" --stem train_step_bench_args_flex \
+    --attention flex --grad-accum 8 --configs baseline,lr-fused --profile '' --budget-s "$(left $((DUR - 100)))"
+}
 lane_grid() { OUT="$L" DEADLINE_S=$(left $((DUR - 15))) PYTHON=$PYTHON bash benchmarks/gpu_grid.sh; }
 lane_throughput() { OUT="$L" PYTHON=$PYTHON bash benchmarks/throughput_gpu.sh; }
-export -f left lane_kernel lane_kernel4096 lane_sweep lane_train lane_trainflex lane_sweeptrain lane_hostprof lane_traingrid lane_grid lane_throughput
+export -f left lane_argscheck lane_trainargs lane_kernel lane_kernel4096 lane_sweep lane_train lane_trainflex lane_sweeptrain lane_hostprof lane_traingrid lane_grid lane_throughput
 
 run_lane() {  # name:seconds gpu-list cpu-list
   local name=${1%%:*} dur=${1##*:} gpus=$2 cpus=$3

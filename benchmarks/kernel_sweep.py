@@ -5,7 +5,8 @@
 For a few shapes (default: 8192 tokens, d in {1024, 1536, 2560}, S = 9, r = d/4; ``--shapes``) it
 times the forward kernel and the backward kernel separately under every candidate launch
 configuration (BLOCK_T, num_warps, PREFETCH depth; for the backward DQ2D and, for its two best
-configurations, the persistent grid's programs per SM), through ``kernels.op.CONFIG_OVERRIDE``.  Each timing replays
+configurations, the persistent grid's programs per SM), through ``kernels.op.CONFIG_OVERRIDE``, for
+either kernel pair (``:table``, ``:args`` after a shape; see PATHS).  Each timing replays
 a CUDA graph of the launch (no host-side dispatch in the number; the inputs are several times the L2,
 so the cache helps little), median of ``triton.testing.do_bench_cudagraph``.  Every row also gives
 the fraction of the measured copy bandwidth for the bytes this design moves:
@@ -43,7 +44,7 @@ def _fwd_candidates(block_d: int) -> list[dict]:
     out = []
     for bt in (1, 2, 4):
         for nw in (2, 4, 8, 16):
-            for pf in (1, 2):
+            for pf in (0, 1, 2):
                 per_thread = bt * block_d // (32 * nw)
                 if 4 <= per_thread <= 64:
                     out.append(dict(BLOCK_T=bt, num_warps=nw, PREFETCH=pf))
@@ -54,7 +55,7 @@ def _bwd_candidates(block_d: int) -> list[dict]:
     out = []
     for bt in (1, 2):
         for nw in (4, 8, 16):
-            for pf in (1, 2):
+            for pf in (0, 1, 2):
                 per_thread = bt * block_d // (32 * nw)
                 if 4 <= per_thread <= 64:
                     out.append(dict(BLOCK_T=bt, num_warps=nw, PREFETCH=pf, DQ2D=bt > 1))
@@ -70,7 +71,13 @@ def _time(fn) -> float:
     return do_bench_cudagraph(fn, rep=40, return_mode="median") * 1e3  # us
 
 
-def sweep_shape(N, d, S, r, bw, budget_end):
+# The two kernel pairs: "table" (sources through a device table; eager calls and S > 16) and "args" (one
+# pointer argument per source, S unrolled at compile time; what torch.compile launches, S <= 16).
+PATHS = {"table": (kop._fwd_triton, kop._bwd_triton), "args": (kop._fwd_args, kop._bwd_args)}
+
+
+def sweep_shape(N, d, S, r, bw, budget_end, path="table"):
+    fwd_fn, bwd_fn = PATHS[path]
     gen = torch.Generator(device="cuda").manual_seed(d + S + r)
     srcs = [torch.randn(N, d, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(S)]
     q = (torch.randn(r, device="cuda", generator=gen) * 0.5).to(torch.bfloat16)
@@ -84,7 +91,7 @@ def sweep_shape(N, d, S, r, bw, budget_end):
             break
         kop.CONFIG_OVERRIDE["fwd"] = cfg
         try:
-            t = _time(lambda: kop._fwd_triton(srcs, q, "slice", EPS))
+            t = _time(lambda: fwd_fn(srcs, q, "slice", EPS))
         except Exception as e:  # a configuration that does not compile (registers, shared memory)
             rows.append({"kernel": "fwd", **cfg, "error": repr(e)[:200]})
             continue
@@ -102,7 +109,7 @@ def sweep_shape(N, d, S, r, bw, budget_end):
             break
         kop.CONFIG_OVERRIDE["bwd"] = cfg
         try:
-            t = _time(lambda: kop._bwd_triton(srcs, q, h, lse, res, g, "slice", EPS))
+            t = _time(lambda: bwd_fn(srcs, q, h, lse, res, g, "slice", EPS))
         except Exception as e:
             rows.append({"kernel": "bwd", **cfg, "error": repr(e)[:200]})
             continue
@@ -118,12 +125,12 @@ def sweep_shape(N, d, S, r, bw, budget_end):
                 if ppsm == default_ppsm or time.time() > budget_end:
                     continue
                 kop.BWD_PROGRAMS_PER_SM = ppsm
-                t = _time(lambda: kop._bwd_triton(srcs, q, h, lse, res, g, "slice", EPS))
+                t = _time(lambda: bwd_fn(srcs, q, h, lse, res, g, "slice", EPS))
                 rows.append(bwd_row(cfg, ppsm, t))
     finally:
         kop.BWD_PROGRAMS_PER_SM = default_ppsm
     kop.CONFIG_OVERRIDE.clear()
-    return {"tokens": N, "d": d, "S": S, "r": r, "rows": rows}
+    return {"tokens": N, "d": d, "S": S, "r": r, "kernels": path, "rows": rows}
 
 
 def _md(doc) -> str:
@@ -133,7 +140,7 @@ def _md(doc) -> str:
              "design moves (fwd S+1.5, bwd 2S+2.5 units of N d 2) / (time x copy bandwidth); % formula = the "
              "issue's bytes (fwd S+1, bwd 2S+1).", ""]
     for shp in doc["shapes"]:
-        lines += [f"## {shp['tokens']} tokens, d={shp['d']}, S={shp['S']}, r={shp['r']}", "",
+        lines += [f"## {shp.get('kernels', 'table')} kernels: {shp['tokens']} tokens, d={shp['d']}, S={shp['S']}, r={shp['r']}", "",
                   "| kernel | BLOCK_T | warps | prefetch | DQ2D | programs/SM | us | % design | % formula |",
                   "|---|---|---|---|---|---|---|---|---|"]
         for r in sorted(shp["rows"], key=lambda x: (x["kernel"] != "fwd", x.get("us", 1e9))):
@@ -152,7 +159,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
     p.add_argument("--budget-s", type=float, default=150.0)
     p.add_argument("--shapes", default="8192x1536x9x384,8192x1024x9x256,8192x2560x9x640",
-                   help="comma-separated NxdxSxr")
+                   help="comma-separated NxdxSxr, each optionally suffixed :table or :args (default :table)")
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("kernel_sweep needs a CUDA GPU", file=sys.stderr)
@@ -166,10 +173,11 @@ def main(argv=None) -> int:
     doc["copy_bw_TBps"] = bw / 1e12
     os.makedirs(a.out, exist_ok=True)
     for spec in a.shapes.split(","):
-        N, d, S, r = (int(x) for x in spec.split("x"))
+        shape, _, path = spec.partition(":")
+        N, d, S, r = (int(x) for x in shape.split("x"))
         if time.time() > end:
             break
-        doc["shapes"].append(sweep_shape(N, d, S, r, bw, end))
+        doc["shapes"].append(sweep_shape(N, d, S, r, bw, end, path or "table"))
         best = {k: min((x for x in doc["shapes"][-1]["rows"] if x["kernel"] == k and "us" in x),
                        key=lambda x: x["us"], default=None) for k in ("fwd", "bwd")}
         print(f"[{time.time() - t0:.0f}s] {spec}: " + "  ".join(

@@ -10,10 +10,12 @@ same seed, so the shared backbone weights are identical.
 
 Configs (``--configs``, in this order by default):
   baseline         the same backbone, PreNorm residual sum, no routing
-  lr-fused         LR-AttnRes, N = --blocks, r = d/4, kernels.attnres
+  lr-fused         LR-AttnRes, N = --blocks, r = d/4, kernels.attnres (compiled: the triton_op that
+                   Inductor launches from its own code)
   attnres-fused    AttnRes, N = --blocks, r = d, kernels.attnres
   lr-ref           LR-AttnRes with the reference router (lrattnres.routing.route)
   attnres-ref      AttnRes with the reference router
+  lr-fused-op, attnres-fused-op   the fused kernels behind the opaque custom op (KERNELS_COMPILED_PATH=op)
 
 Goal (issue 6): on one H200 with the 1B preset, lr-fused >= 90% of baseline tokens/s and >= 62,000
 tokens/s.
@@ -57,6 +59,9 @@ CONFIGS = {
     "attnres-fused": {"method": "attnres", "router": "fused", "rank": "d"},
     "lr-ref": {"method": "lr", "router": "reference", "rank": "d/4"},
     "attnres-ref": {"method": "attnres", "router": "reference", "rank": "d"},
+    # the fused kernels behind the opaque custom op in the compiled graph (the earlier compiled path)
+    "lr-fused-op": {"method": "lr", "router": "fused", "rank": "d/4", "compiled_path": "op"},
+    "attnres-fused-op": {"method": "attnres", "router": "fused", "rank": "d", "compiled_path": "op"},
 }
 
 
@@ -225,6 +230,11 @@ def run_config(name, a, device):
     params = [p for p in model.parameters() if p.requires_grad]
     lm = LossModule(model, spec["precision"])
     compile_ = (device.type == "cuda" or a.force_compile) and not a.no_compile
+    kop = None
+    if c["router"] == "fused":
+        import kernels.op as kop
+
+        kop.COMPILED_PATH = c.get("compiled_path", "triton_op")
     fwd = torch.compile(lm, dynamic=False, fullgraph=a.fullgraph) if compile_ else lm
     gen = torch.Generator().manual_seed(a.seed + 1)
 
@@ -274,13 +284,12 @@ def run_config(name, a, device):
         row["profile"] = profile
     if host_profile is not None:
         row["host_profile"] = host_profile
-    if c["router"] == "fused" and c["method"] != "baseline":
-        try:
-            import kernels.op as kop
-
-            row["kernel_configs"] = kop.tuned_configs()
-        except ImportError:  # pragma: no cover
-            pass
+    if kop is not None:
+        row["compiled_path"] = kop.COMPILED_PATH if compile_ else None
+        row["kernel_configs"] = kop.tuned_configs()  # the table kernels' autotuned choices
+        block_d = kop._next_pow2(d)
+        row["args_kernel_configs"] = {k: kop._args_config(k, block_d) for k in ("fwd", "bwd")}
+        kop.COMPILED_PATH = "triton_op"
     if device.type == "cuda":
         row["peak_allocated_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
         row["peak_reserved_gib"] = torch.cuda.max_memory_reserved(device) / 2**30
@@ -290,6 +299,13 @@ def run_config(name, a, device):
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return row
+
+
+def _router(row) -> str:
+    """The router, and for the fused one how a compiled graph reaches the kernels."""
+    if not row["router"]:
+        return "-"
+    return row["router"] + (f" ({row['compiled_path']})" if row.get("compiled_path") else "")
 
 
 def _table(rows) -> str:
@@ -302,7 +318,7 @@ def _table(rows) -> str:
             continue
         rel = f"{100 * r['vs_baseline']:.1f}%" if r.get("vs_baseline") else "-"
         lines.append(
-            f"| {r['config']} | {r['method']} | {r['router'] or '-'} | {r['rank'] or '-'} | {r['blocks'] or '-'} | "
+            f"| {r['config']} | {r['method']} | {_router(r)} | {r['rank'] or '-'} | {r['blocks'] or '-'} | "
             f"{r['tokens_per_s']:,.0f} | {rel} | {r['update_s_mean']:.3f} ({100 * r['update_s_cv']:.1f}%) | "
             f"{r['optimizer_s_mean']:.3f} | "
             f"{r.get('peak_allocated_gib', float('nan')):.1f} | {r['first_update_s']:.1f} |")

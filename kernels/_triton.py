@@ -50,6 +50,86 @@ def _add3(a0, b0, c0, a1, b1, c1):
 
 
 @triton.jit
+def _fwd_source(x, q, tail, m, l, acc, inv_n, eps, SLICE: tl.constexpr, FUSED: tl.constexpr):
+    """Online-softmax update of (max, sum, fp32 mix) by one fp32 source tile x [BLOCK_T, BLOCK_D]."""
+    if SLICE:
+        sq = tl.where(tail[None, :], x * x, 0.0)
+    else:
+        sq = x * x
+    if FUSED:  # one fused reduction (one shared-memory round) for both row sums
+        ss, qk = tl.reduce((sq, x * q[None, :]), 1, _add2)
+    else:  # separate sums (the interpreter runs tl.reduce with a Python combine: slow)
+        ss = tl.sum(sq, axis=1)
+        qk = tl.sum(x * q[None, :], axis=1)
+    rinv = tl.rsqrt(ss * inv_n + eps)
+    z = qk * rinv
+    m_new = tl.maximum(m, z)
+    alpha = tl.exp(m - m_new)
+    p = tl.exp(z - m_new)
+    acc = acc * alpha[:, None] + p[:, None] * x
+    l = l * alpha + p
+    return m_new, l, acc
+
+
+@triton.jit
+def _fwd_store(acc, m, l, out_ptr, res_ptr, lse_ptr, rows, rows64, offs, row_ok, mask, d,
+               HAS_RES: tl.constexpr, RES_STEP: tl.constexpr):
+    """Write the mix in the output dtype, its int8 rounding residual and the logsumexp."""
+    h = acc * (1.0 / l)[:, None]
+    hb = h.to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + rows64[:, None] * d + offs[None, :], hb, mask=mask)
+    if HAS_RES:
+        hb32 = hb.to(tl.float32)
+        base, ok = _res_base(hb32)
+        step = tl.where(ok, base * RES_STEP, 1.0)
+        code = tl.floor((h - hb32) / step + 0.5)
+        code = tl.where(ok, tl.minimum(tl.maximum(code, -127.0), 127.0), 0.0)
+        tl.store(res_ptr + rows64[:, None] * d + offs[None, :], code.to(tl.int8), mask=mask)
+    tl.store(lse_ptr + rows, m + tl.log(l), mask=row_ok)
+
+
+@triton.jit
+def _bwd_rows(g_ptr, h_ptr, res_ptr, lse_ptr, rows, rows64, offs, row_ok, mask, d, stride_g,
+              HAS_RES: tl.constexpr, RES_STEP: tl.constexpr, FUSED: tl.constexpr):
+    """Per token block: the upstream gradient g, g.h at fp32 accuracy, and the logsumexp."""
+    g = tl.load(g_ptr + rows64[:, None] * stride_g + offs[None, :], mask=mask, other=0.0).to(tl.float32)
+    hh = tl.load(h_ptr + rows64[:, None] * d + offs[None, :], mask=mask, other=0.0).to(tl.float32)
+    if HAS_RES:
+        code = tl.load(res_ptr + rows64[:, None] * d + offs[None, :], mask=mask, other=0).to(tl.float32)
+        base, ok = _res_base(hh)
+        hh = tl.where(ok, hh + code * (base * RES_STEP), hh)
+    # g.h through the same reduction tree as g.o_i below: with one dominant source they cancel
+    if FUSED:
+        _u0, _u1, gh = tl.reduce((g * hh, g * hh, g * hh), 1, _add3)
+    else:
+        gh = tl.sum(g * hh, axis=1)
+    lse = tl.load(lse_ptr + rows, mask=row_ok, other=0.0)
+    return g, gh, lse
+
+
+@triton.jit
+def _bwd_source(x, g, gh, lse, q, tail, inv_n, eps, SLICE: tl.constexpr, FUSED: tl.constexpr):
+    """One source's gradient tile, and c = dL/dz * rinv per token (the query gradient's weight)."""
+    if SLICE:
+        k = tl.where(tail[None, :], x, 0.0)
+    else:
+        k = x
+    if FUSED:
+        ss, qk, go = tl.reduce((k * k, x * q[None, :], g * x), 1, _add3)
+    else:
+        ss = tl.sum(k * k, axis=1)
+        qk = tl.sum(x * q[None, :], axis=1)
+        go = tl.sum(g * x, axis=1)
+    rinv = tl.rsqrt(ss * inv_n + eps)
+    z = qk * rinv
+    w = tl.exp(z - lse)
+    c = w * (go - gh) * rinv  # dL/dz_i * rinv_i
+    coef = z * rinv * inv_n
+    grad = w[:, None] * g + c[:, None] * (q[None, :] - coef[:, None] * k)
+    return grad, c
+
+
+@triton.jit
 def _load_src(src0_ptr, src_offs, src_strides, j, S, rows, rows64, offs, mask, ALIGN: tl.constexpr):
     """Raw [BLOCK_T, BLOCK_D] tile of source j (zeros when j >= S)."""
     jj = tl.minimum(j, S - 1)
@@ -84,7 +164,6 @@ def _attnres_fwd_kernel(
     FUSED: tl.constexpr,  # multi-operand row reductions (GPU); separate tl.sum (interpreter)
 ):
     pid = tl.program_id(0)
-    dtype = out_ptr.dtype.element_ty
     rows = pid * BLOCK_T + tl.arange(0, BLOCK_T)
     offs = tl.arange(0, BLOCK_D)
     row_ok = rows < N
@@ -111,34 +190,8 @@ def _attnres_fwd_kernel(
             x = x_n1.to(tl.float32)
             x_n1 = x_n2
             x_n2 = _load_src(src0_ptr, src_offs, src_strides, i + 2, S, rows, rows64, offs, mask, ALIGN)
-        if SLICE:
-            sq = tl.where(tail[None, :], x * x, 0.0)
-        else:
-            sq = x * x
-        if FUSED:  # one fused reduction (one shared-memory round) for both row sums
-            ss, qk = tl.reduce((sq, x * q[None, :]), 1, _add2)
-        else:  # separate sums (the interpreter runs tl.reduce with a Python combine: slow)
-            ss = tl.sum(sq, axis=1)
-            qk = tl.sum(x * q[None, :], axis=1)
-        rinv = tl.rsqrt(ss * inv_n + eps)
-        z = qk * rinv
-        m_new = tl.maximum(m, z)
-        alpha = tl.exp(m - m_new)
-        p = tl.exp(z - m_new)
-        acc = acc * alpha[:, None] + p[:, None] * x
-        l = l * alpha + p
-        m = m_new
-    h = acc * (1.0 / l)[:, None]
-    hb = h.to(dtype)
-    tl.store(out_ptr + rows64[:, None] * d + offs[None, :], hb, mask=mask)
-    if HAS_RES:
-        hb32 = hb.to(tl.float32)
-        base, ok = _res_base(hb32)
-        step = tl.where(ok, base * RES_STEP, 1.0)
-        code = tl.floor((h - hb32) / step + 0.5)
-        code = tl.where(ok, tl.minimum(tl.maximum(code, -127.0), 127.0), 0.0)
-        tl.store(res_ptr + rows64[:, None] * d + offs[None, :], code.to(tl.int8), mask=mask)
-    tl.store(lse_ptr + rows, m + tl.log(l), mask=row_ok)
+        m, l, acc = _fwd_source(x, q, tail, m, l, acc, inv_n, eps, SLICE, FUSED)
+    _fwd_store(acc, m, l, out_ptr, res_ptr, lse_ptr, rows, rows64, offs, row_ok, mask, d, HAS_RES, RES_STEP)
 
 
 @triton.jit
@@ -174,7 +227,6 @@ def _attnres_bwd_kernel(
 ):
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
-    dtype = h_ptr.dtype.element_ty
     offs = tl.arange(0, BLOCK_D)
     col_ok = offs < d
     tail = (offs >= d - r) & col_ok
@@ -189,18 +241,8 @@ def _attnres_bwd_kernel(
         row_ok = rows < N
         rows64 = rows.to(tl.int64)
         mask = row_ok[:, None] & col_ok[None, :]
-        g = tl.load(g_ptr + rows64[:, None] * stride_g + offs[None, :], mask=mask, other=0.0).to(tl.float32)
-        hh = tl.load(h_ptr + rows64[:, None] * d + offs[None, :], mask=mask, other=0.0).to(tl.float32)
-        if HAS_RES:
-            code = tl.load(res_ptr + rows64[:, None] * d + offs[None, :], mask=mask, other=0).to(tl.float32)
-            base, ok = _res_base(hh)
-            hh = tl.where(ok, hh + code * (base * RES_STEP), hh)
-        # g.h through the same reduction tree as g.o_i below: with one dominant source they cancel
-        if FUSED:
-            _u0, _u1, gh = tl.reduce((g * hh, g * hh, g * hh), 1, _add3)
-        else:
-            gh = tl.sum(g * hh, axis=1)
-        lse = tl.load(lse_ptr + rows, mask=row_ok, other=0.0)
+        g, gh, lse = _bwd_rows(g_ptr, h_ptr, res_ptr, lse_ptr, rows, rows64, offs, row_ok, mask, d, stride_g,
+                               HAS_RES, RES_STEP, FUSED)
         if PREFETCH >= 1:
             x_n1 = _load_src(src0_ptr, src_offs, src_strides, 0, S, rows, rows64, offs, mask, ALIGN)
         if PREFETCH >= 2:
@@ -216,23 +258,234 @@ def _attnres_bwd_kernel(
                 x = x_n1.to(tl.float32)
                 x_n1 = x_n2
                 x_n2 = _load_src(src0_ptr, src_offs, src_strides, i + 2, S, rows, rows64, offs, mask, ALIGN)
-            if SLICE:
-                k = tl.where(tail[None, :], x, 0.0)
+            grad, c = _bwd_source(x, g, gh, lse, q, tail, inv_n, eps, SLICE, FUSED)
+            gp = grad0_ptr + goff
+            tl.store(gp + rows64[:, None] * d + offs[None, :], grad.to(grad0_ptr.dtype.element_ty), mask=mask)
+            if DQ2D:
+                dq2 += c[:, None] * x
             else:
-                k = x
-            if FUSED:
-                ss, qk, go = tl.reduce((k * k, x * q[None, :], g * x), 1, _add3)
+                dq += tl.sum(c[:, None] * x, axis=0)
+    if DQ2D:
+        dq = tl.sum(dq2, axis=0)
+    tl.store(dq_part_ptr + pid.to(tl.int64) * r + (offs - (d - r)), dq, mask=tail)
+
+
+# ----------------------------------------------------------------------------------------------
+# Per-argument kernels: up to 16 sources, each its own pointer argument, S a compile-time constant.
+#
+# torch.compile launches these from its generated code (kernels.op wraps them in a
+# torch.library.triton_op), so no host tables: a table needs data pointers, which a traced graph
+# does not have.  Triton's argument specialisation sees each pointer's and each row stride's
+# 16-byte divisibility, which is what ALIGN tells the table kernels.  The loop over sources is
+# unrolled (static_range), so a pointer is picked at compile time; unused slots are None.
+
+MAX_ARG_SOURCES = tl.constexpr(16)
+
+
+@triton.jit
+def _pick(i: tl.constexpr, a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11, a12, a13, a14, a15):
+    """Argument a_i (i known at compile time)."""
+    v = a0
+    if i == 1:
+        v = a1
+    if i == 2:
+        v = a2
+    if i == 3:
+        v = a3
+    if i == 4:
+        v = a4
+    if i == 5:
+        v = a5
+    if i == 6:
+        v = a6
+    if i == 7:
+        v = a7
+    if i == 8:
+        v = a8
+    if i == 9:
+        v = a9
+    if i == 10:
+        v = a10
+    if i == 11:
+        v = a11
+    if i == 12:
+        v = a12
+    if i == 13:
+        v = a13
+    if i == 14:
+        v = a14
+    if i == 15:
+        v = a15
+    return v
+
+
+@triton.jit
+def _load_arg(i: tl.constexpr, x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
+              xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7, xs8, xs9, xs10, xs11, xs12, xs13, xs14, xs15,
+              rows64, offs, mask):
+    """Raw [BLOCK_T, BLOCK_D] tile of source i."""
+    ptr = _pick(i, x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15)
+    stride = _pick(i, xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7, xs8, xs9, xs10, xs11, xs12, xs13, xs14, xs15)
+    return tl.load(ptr + rows64[:, None] * stride + offs[None, :], mask=mask, other=0.0)
+
+
+@triton.jit
+def _attnres_fwd_args_kernel(
+    # sources (None past S)
+    x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
+    # their row strides (elements)
+    xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7, xs8, xs9, xs10, xs11, xs12, xs13, xs14, xs15,
+    q_ptr,  # [r]
+    out_ptr,  # [N, d] contiguous, source dtype
+    res_ptr,  # int8 [N, d] contiguous (None unless HAS_RES)
+    lse_ptr,  # fp32 [N]
+    N,
+    d,
+    r,
+    inv_n,
+    eps,
+    S: tl.constexpr,
+    SLICE: tl.constexpr,
+    HAS_RES: tl.constexpr,
+    RES_STEP: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    PREFETCH: tl.constexpr,
+    FUSED: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs = tl.arange(0, BLOCK_D)
+    row_ok = rows < N
+    col_ok = offs < d
+    tail = (offs >= d - r) & col_ok
+    mask = row_ok[:, None] & col_ok[None, :]
+    q = tl.load(q_ptr + (offs - (d - r)), mask=tail, other=0.0).to(tl.float32)
+    rows64 = rows.to(tl.int64)
+
+    m = tl.full([BLOCK_T], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_T], tl.float32)
+    acc = tl.zeros([BLOCK_T, BLOCK_D], tl.float32)
+    if PREFETCH >= 1:
+        x_n1 = _load_arg(0, x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
+                         xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7, xs8, xs9, xs10, xs11, xs12, xs13,
+                         xs14, xs15,
+                         rows64, offs, mask)
+    if PREFETCH >= 2:
+        if S > 1:
+            x_n2 = _load_arg(1, x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
+                             xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7, xs8, xs9, xs10, xs11, xs12,
+                             xs13, xs14, xs15,
+                             rows64, offs, mask)
+    for i in tl.static_range(S):
+        if PREFETCH == 0:
+            x = _load_arg(i, x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
+                          xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7, xs8, xs9, xs10, xs11, xs12, xs13,
+                          xs14, xs15,
+                          rows64, offs, mask).to(tl.float32)
+        else:
+            x = x_n1.to(tl.float32)
+            if PREFETCH == 1:
+                if i + 1 < S:
+                    x_n1 = _load_arg(i + 1, x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
+                                     xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7, xs8, xs9, xs10, xs11,
+                                     xs12, xs13, xs14, xs15,
+                                     rows64, offs, mask)
             else:
-                ss = tl.sum(k * k, axis=1)
-                qk = tl.sum(x * q[None, :], axis=1)
-                go = tl.sum(g * x, axis=1)
-            rinv = tl.rsqrt(ss * inv_n + eps)
-            z = qk * rinv
-            w = tl.exp(z - lse)
-            c = w * (go - gh) * rinv  # dL/dz_i * rinv_i
-            coef = z * rinv * inv_n
-            grad = w[:, None] * g + c[:, None] * (q[None, :] - coef[:, None] * k)
-            tl.store(grad0_ptr + goff + rows64[:, None] * d + offs[None, :], grad.to(dtype), mask=mask)
+                if i + 1 < S:
+                    x_n1 = x_n2
+                if i + 2 < S:
+                    x_n2 = _load_arg(i + 2, x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
+                                     xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7, xs8, xs9, xs10, xs11,
+                                     xs12, xs13, xs14, xs15,
+                                     rows64, offs, mask)
+        m, l, acc = _fwd_source(x, q, tail, m, l, acc, inv_n, eps, SLICE, FUSED)
+    _fwd_store(acc, m, l, out_ptr, res_ptr, lse_ptr, rows, rows64, offs, row_ok, mask, d, HAS_RES, RES_STEP)
+
+
+@triton.jit
+def _attnres_bwd_args_kernel(
+    # sources (None past S)
+    x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
+    xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7, xs8, xs9, xs10, xs11, xs12, xs13, xs14, xs15,  # their row strides
+    # source gradients, contiguous [N, d] (None past S)
+    dx0, dx1, dx2, dx3, dx4, dx5, dx6, dx7, dx8, dx9, dx10, dx11, dx12, dx13, dx14, dx15,
+    q_ptr,  # [r]
+    h_ptr,  # [N, d] saved output, row stride d
+    res_ptr,  # int8 [N, d] saved residual (None unless HAS_RES)
+    g_ptr,  # [N, d] upstream gradient, row stride stride_g
+    lse_ptr,  # fp32 [N]
+    dq_part_ptr,  # fp32 [programs, r]
+    N,
+    d,
+    r,
+    stride_g,
+    inv_n,
+    eps,
+    S: tl.constexpr,
+    SLICE: tl.constexpr,
+    HAS_RES: tl.constexpr,
+    RES_STEP: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    PREFETCH: tl.constexpr,
+    DQ2D: tl.constexpr,
+    FUSED: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    offs = tl.arange(0, BLOCK_D)
+    col_ok = offs < d
+    tail = (offs >= d - r) & col_ok
+    q = tl.load(q_ptr + (offs - (d - r)), mask=tail, other=0.0).to(tl.float32)
+    if DQ2D:
+        dq2 = tl.zeros([BLOCK_T, BLOCK_D], tl.float32)
+    else:
+        dq = tl.zeros([BLOCK_D], tl.float32)
+    nblk = tl.cdiv(N, BLOCK_T)
+    for blk in range(pid, nblk, nprog):
+        rows = blk * BLOCK_T + tl.arange(0, BLOCK_T)
+        row_ok = rows < N
+        rows64 = rows.to(tl.int64)
+        mask = row_ok[:, None] & col_ok[None, :]
+        g, gh, lse = _bwd_rows(g_ptr, h_ptr, res_ptr, lse_ptr, rows, rows64, offs, row_ok, mask, d, stride_g,
+                               HAS_RES, RES_STEP, FUSED)
+        if PREFETCH >= 1:
+            x_n1 = _load_arg(0, x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
+                             xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7, xs8, xs9, xs10, xs11, xs12,
+                             xs13, xs14, xs15,
+                             rows64, offs, mask)
+        if PREFETCH >= 2:
+            if S > 1:
+                x_n2 = _load_arg(1, x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
+                                 xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7, xs8, xs9, xs10, xs11,
+                                 xs12, xs13, xs14, xs15,
+                                 rows64, offs, mask)
+        for i in tl.static_range(S):
+            if PREFETCH == 0:
+                x = _load_arg(i, x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
+                              xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7, xs8, xs9, xs10, xs11, xs12,
+                              xs13, xs14, xs15,
+                              rows64, offs, mask).to(tl.float32)
+            else:
+                x = x_n1.to(tl.float32)
+                if PREFETCH == 1:
+                    if i + 1 < S:
+                        x_n1 = _load_arg(i + 1, x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
+                                         xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7, xs8, xs9, xs10,
+                                         xs11, xs12, xs13, xs14, xs15,
+                                         rows64, offs, mask)
+                else:
+                    if i + 1 < S:
+                        x_n1 = x_n2
+                    if i + 2 < S:
+                        x_n2 = _load_arg(i + 2, x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
+                                         xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7, xs8, xs9, xs10,
+                                         xs11, xs12, xs13, xs14, xs15,
+                                         rows64, offs, mask)
+            grad, c = _bwd_source(x, g, gh, lse, q, tail, inv_n, eps, SLICE, FUSED)
+            gp = _pick(i, dx0, dx1, dx2, dx3, dx4, dx5, dx6, dx7, dx8, dx9, dx10, dx11, dx12, dx13, dx14, dx15)
+            tl.store(gp + rows64[:, None] * d + offs[None, :], grad.to(gp.dtype.element_ty), mask=mask)
             if DQ2D:
                 dq2 += c[:, None] * x
             else:

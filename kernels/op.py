@@ -18,7 +18,9 @@ them, see kernels/_triton.py).  The backward never builds an [S, tokens, d] temp
 Environment: KERNELS_AUTOTUNE=0 turns autotuning off (first candidate configuration);
 KERNELS_CPU_TRITON=1 sends CPU tensors to the Triton interpreter; KERNELS_POISON=1 fills outputs
 with NaN before the kernels write them (tests); KERNELS_EAGER_FUNCTION=0 sends eager calls through the
-custom op too (by default they take a plain autograd.Function over the same kernels: less host time).
+custom op too (by default they take a plain autograd.Function over the same kernels: less host time);
+KERNELS_COMPILED_PATH=op sends compiled CUDA calls to the opaque custom op instead of the triton_op
+that Inductor traces (see "Compiled path" below).
 """
 
 from __future__ import annotations
@@ -505,6 +507,142 @@ def _backward(ctx, grad_h, grad_lse, grad_res):
 attnres_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
+# ----------------------------------------------------------------------------------------------
+# Compiled path: torch.library.triton_op over the per-argument kernels
+#
+# Inside torch.compile a custom op is opaque: every call goes back to Python, through the
+# dispatcher and the launchers above (about 1.6 ms of host time per read on the H200's host,
+# benchmarks/results/host_overhead_h200_2026-11-29.json), and the 1B step makes 384 reads per
+# update, so the GPU waits for the host.  A triton_op instead lets Inductor trace the body (the
+# allocations and the Triton launches) into its own generated code.  The body must be traceable:
+# no data pointers, hence one pointer argument per source (at most MAX_ARG_SOURCES) and no
+# tables.  Larger S keeps the custom op.  KERNELS_COMPILED_PATH=op sends compiled calls to the
+# custom op too (for comparison).
+
+MAX_ARG_SOURCES = 16
+COMPILED_PATH = os.environ.get("KERNELS_COMPILED_PATH", "triton_op")
+# The launch configurations of the per-argument kernels (Inductor launches them with no
+# autotuner): index into _fwd_configs / _bwd_configs.  Index 1 is what autotuning chose at the 1B
+# step's shapes (BLOCK_D 2048; benchmarks/results/train_step_bench_bf16.json, kernel_configs).
+ARGS_FWD_CONFIG = 1
+ARGS_BWD_CONFIG = 1
+
+
+def _args_config(kind: str, block_d: int) -> dict:
+    if kind in CONFIG_OVERRIDE:
+        return dict(CONFIG_OVERRIDE[kind])
+    cfgs = _fwd_configs(block_d) if kind == "fwd" else _bwd_configs(block_d)
+    return dict(cfgs[min(ARGS_FWD_CONFIG if kind == "fwd" else ARGS_BWD_CONFIG, len(cfgs) - 1)])
+
+
+def _slots(ts: Sequence, fill=None) -> list:
+    """``ts`` padded with ``fill`` to MAX_ARG_SOURCES kernel arguments."""
+    return list(ts) + [fill] * (MAX_ARG_SOURCES - len(ts))
+
+
+def _launch(kernel, grid, *args, **kwargs) -> None:
+    """Launch through torch.library.wrap_triton, so that a trace records the kernel."""
+    torch.library.wrap_triton(kernel)[grid](*args, **kwargs)
+
+
+def _fwd_args(sources: Sequence[torch.Tensor], query: torch.Tensor, norm: str, eps: float):
+    from . import _triton as K
+
+    d, r = _check(sources, query, norm)
+    s0 = sources[0]
+    dtype, dev, lead = s0.dtype, s0.device, tuple(s0.shape[:-1])
+    n_tok = s0.numel() // d
+    has_res = dtype in _MANT
+    out = _empty(lead + (d,), dtype, dev)
+    lse = _empty(lead, torch.float32, dev)
+    res = _empty(lead + (d,) if has_res else (0,), torch.int8, dev)
+    if n_tok > 0:
+        rows, strides = _as_rows(sources, d, dtype)
+        block_d = _next_pow2(d)
+        cfg = _args_config("fwd", block_d)
+        if STATS is not None:
+            STATS[("fwd-args", len(rows), n_tok, d, r)] += 1
+        _launch(
+            K._attnres_fwd_args_kernel, (triton_cdiv(n_tok, cfg["BLOCK_T"]),),
+            *_slots(rows), *_slots(strides), query.contiguous(), out, res if has_res else None, lse,
+            n_tok, d, r, 1.0 / (r if norm == "slice" else d), float(eps),
+            S=len(rows), SLICE=(norm == "slice"), HAS_RES=has_res, RES_STEP=_res_step(dtype),
+            BLOCK_D=block_d, FUSED=_fused(dev), **cfg,
+        )
+    return out, lse, res
+
+
+def _bwd_args(sources, query, h, lse, res, g, norm: str, eps: float):
+    from . import _triton as K
+
+    d, r = _check(sources, query, norm)
+    s0 = sources[0]
+    dtype, dev = s0.dtype, s0.device
+    n_tok = s0.numel() // d
+    has_res = dtype in _MANT and res.numel() > 0
+    if len(sources) == 1:  # see _bwd_triton
+        grad = g.to(dtype=dtype, memory_format=torch.contiguous_format, copy=True)
+        return [grad.view(s0.shape)], torch.zeros_like(query)
+    grads = [_empty(o.shape, dtype, dev) for o in sources]
+    if n_tok == 0:
+        return grads, torch.zeros_like(query)
+    h2 = h if (h.dtype == dtype and h.is_contiguous()) else _rows(h, d, dtype).contiguous()
+    (g,), (gs,) = _as_rows([g], d, g.dtype)
+    block_d = _next_pow2(d)
+    nprog = max(1, min(n_tok, BWD_PROGRAMS_PER_SM * _num_sms(dev)))
+    part = _empty((nprog, r), torch.float32, dev)
+    rows, strides = _as_rows(sources, d, dtype)
+    cfg = _args_config("bwd", block_d)
+    if STATS is not None:
+        STATS[("bwd-args", len(rows), n_tok, d, r)] += 1
+    _launch(
+        K._attnres_bwd_args_kernel, (nprog,),
+        *_slots(rows), *_slots(strides), *_slots(grads), query.contiguous(), h2,
+        res.contiguous() if has_res else None, g, lse.contiguous(), part,
+        n_tok, d, r, gs, 1.0 / (r if norm == "slice" else d), float(eps),
+        S=len(rows), SLICE=(norm == "slice"), HAS_RES=has_res, RES_STEP=_res_step(dtype),
+        BLOCK_D=block_d, FUSED=_fused(dev), **cfg,
+    )
+    return grads, part.sum(0).to(query.dtype)
+
+
+@torch.library.triton_op("lrattnres_kernels::attnres_fwd_args", mutates_args=())
+def attnres_fwd_args(sources: list[torch.Tensor], query: torch.Tensor, norm: str, eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """attnres_fwd for at most MAX_ARG_SOURCES sources, traceable into a compiled graph."""
+    if _triton_ok(sources[0]) and len(sources) <= MAX_ARG_SOURCES:
+        return _fwd_args(sources, query, norm, eps)
+    return _fwd_torch(sources, query, norm, eps)
+
+
+@torch.library.triton_op("lrattnres_kernels::attnres_bwd_args", mutates_args=())
+def attnres_bwd_args(
+    sources: list[torch.Tensor], query: torch.Tensor, h: torch.Tensor, lse: torch.Tensor, res: torch.Tensor,
+    g: torch.Tensor, norm: str, eps: float,
+) -> list[torch.Tensor]:
+    """attnres_bwd for at most MAX_ARG_SOURCES sources, traceable into a compiled graph."""
+    if _triton_ok(sources[0]) and len(sources) <= MAX_ARG_SOURCES:
+        grads, dq = _bwd_args(sources, query, h, lse, res, g, norm, eps)
+    else:
+        grads, dq = _bwd_torch(sources, query, h, lse, res, g, norm, eps)
+    return list(grads) + [dq]
+
+
+def _backward_args(ctx, grad_h, grad_lse, grad_res):
+    query, h, lse, res, *sources = ctx.saved_tensors
+    if grad_h is None:
+        grad_h = torch.zeros_like(h)
+    out = attnres_bwd_args(list(sources), query, h, lse, res, grad_h, ctx.norm, ctx.eps)
+    return list(out[:-1]), out[-1], None, None
+
+
+attnres_fwd_args.register_autograd(_backward_args, setup_context=_setup_context)
+
+
+def _compiled_args_path(sources: Sequence[torch.Tensor]) -> bool:
+    return (COMPILED_PATH == "triton_op" and 0 < len(sources) <= MAX_ARG_SOURCES
+            and sources[0].is_cuda and sources[0].dtype in TRITON_DTYPES)
+
+
 # Eager calls on the Triton path go through a plain autograd.Function (same kernels, same saved
 # tensors) instead of the custom op: the custom op's eager dispatch (schema checks, pytree
 # flattening of the source list, redispatch, autograd wrapper, twice per forward+backward) cost more
@@ -515,8 +653,12 @@ EAGER_FUNCTION = os.environ.get("KERNELS_EAGER_FUNCTION", "1") == "1"
 
 def attnres(sources: Sequence[torch.Tensor], query: torch.Tensor, *, norm: str = "slice", eps: float = 1e-6) -> torch.Tensor:
     """Fused depth routing: ``sum_i softmax_i(q . RMSNorm(key_i)) o_i`` (see module docstring)."""
-    if EAGER_FUNCTION and not torch.compiler.is_compiling() and len(sources) > 0 and _triton_ok(sources[0]):
+    compiling = torch.compiler.is_compiling()
+    if EAGER_FUNCTION and not compiling and len(sources) > 0 and _triton_ok(sources[0]):
         return _AttnResTriton.apply(query, norm, float(eps), *sources)
+    if compiling and _compiled_args_path(sources):
+        h, _, _ = attnres_fwd_args(list(sources), query, norm, float(eps))
+        return h
     h, _, _ = attnres_fwd(list(sources), query, norm, float(eps))
     return h
 

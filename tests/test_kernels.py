@@ -325,6 +325,38 @@ def test_compile_fullgraph_gpu():
     _compile_check("cuda", torch.float32, "inductor", 1e-4)
 
 
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("layers,inlined", [(15, True), (16, False)], ids=["S<=16", "S=17"])
+def test_compile_inlines_kernels_gpu(layers, inlined):
+    """Under torch.compile, reads of at most MAX_ARG_SOURCES sources become Triton launches in
+    Inductor's own code (no call back into the custom op); a read of more keeps the custom op.
+    bf16, the paper's criterion against the eager model."""
+    from torch._inductor.utils import run_and_get_code
+
+    torch.manual_seed(0)
+    m = _Tiny(256, 64, layers).to(device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(2, 300, 256, device="cuda", dtype=torch.bfloat16)
+    torch._dynamo.reset()
+    mc = torch.compile(m, fullgraph=True)
+
+    def step():
+        y = mc(x)
+        y.float().square().mean().backward()
+        return y
+
+    y, codes = run_and_get_code(step)
+    code = "\n".join(codes)
+    gq = m.queries.grad.clone()
+    m.zero_grad()
+    y_ref = m(x)
+    y_ref.float().square().mean().backward()
+    _paper_check("compiled output", y, y_ref)
+    _paper_check("compiled query gradient", gq, m.queries.grad)
+    assert ("_attnres_fwd_args_kernel" in code) and ("_attnres_bwd_args_kernel" in code)
+    assert ("lrattnres_kernels.attnres_fwd.default" in code) == (not inlined), "custom op called back"
+
+
 def test_row_stride_reads_in_place_only_when_rows_flatten():
     """The launchers address a source in place when its leading dims flatten into rows of unit
     feature stride, and copy it otherwise; the copy and the in-place read give the same rows."""
@@ -344,3 +376,98 @@ def test_row_stride_reads_in_place_only_when_rows_flatten():
         n = src.numel() // 5
         got = torch.as_strided(t, (n, 5), (rs, 1))
         torch.testing.assert_close(got, src.reshape(n, 5))
+
+
+# --------------------------------------------------------------------- per-argument (compiled) path
+
+ARGS_CASES = [
+    # d, r, S, norm, layout, (fwd config index, bwd config index): every PREFETCH depth and DQ2D
+    (64, 1, 1, "slice", "contig", (0, 0)),
+    (64, 7, 2, "full", "mixed", (1, 2)),
+    (513, 64, 3, "slice", "rowpad", (4, 3)),
+    (513, 513, 9, "full", "mixed", (1, 1)),
+    (1536, 192, 16, "slice", "contig", (1, 4)),
+]
+
+
+def _attnres_args(sources, query, norm):
+    """The triton_op pair with its registered autograd, called eagerly."""
+    h, _, _ = op.attnres_fwd_args(list(sources), query, norm, 1e-6)
+    return h
+
+
+@needs_triton
+@pytest.mark.parametrize("d,r,S,norm,layout,cfg", ARGS_CASES)
+def test_args_kernels_match_reference(d, r, S, norm, layout, cfg, monkeypatch):
+    """The per-argument kernels (the triton_op torch.compile traces) against the reference: S as a
+    compile-time constant from 1 to MAX_ARG_SOURCES, strided inputs, each prefetch depth."""
+    monkeypatch.setattr(op, "ARGS_FWD_CONFIG", cfg[0])
+    monkeypatch.setattr(op, "ARGS_BWD_CONFIG", cfg[1])
+    device = "cuda" if HAS_CUDA else "cpu"
+    gen = torch.Generator(device=device).manual_seed(d + r + S)
+    sources = _make_sources(S, (3, 7), d, torch.float32, device, layout, gen)
+    query = torch.randn(r, generator=gen, device=device).requires_grad_()
+    g = torch.randn(3, 7, d, generator=gen, device=device)
+    op.set_cpu_triton(not HAS_CUDA)
+    try:
+        h, gs, gq = _run(lambda s, q, norm: _attnres_args(s, q, norm), sources, query, g, norm)
+    finally:
+        op.set_cpu_triton(False)
+    h_ref, gs_ref, gq_ref = _run(route, sources, query, g, norm)
+    torch.testing.assert_close(h, h_ref, rtol=1e-4, atol=1e-4)
+    for a, b in zip(gs, gs_ref):
+        torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-3)
+    torch.testing.assert_close(gq, gq_ref, rtol=1e-3, atol=2e-3 * max(1.0, gq_ref.abs().max().item()))
+
+
+def test_args_path_traces_to_kernels(tmp_path):
+    """The triton_op's body traces into Triton kernel launches (no opaque op, no data pointers), as
+    torch.compile needs; run in a fresh interpreter without TRITON_INTERPRET (whose kernels cannot
+    be traced), tracing only, so no GPU is needed."""
+    import subprocess
+
+    code = r'''
+import torch
+from torch._functorch.aot_autograd import aot_function
+import kernels.op as op
+op.set_cpu_triton(True)
+graphs = []
+class Traced(Exception):
+    pass
+def capture(gm, inputs):  # AOTAutograd's functionalized graph, as Inductor would receive it
+    graphs.append(gm.code)
+    raise Traced
+def step(a, b, c, q, g):
+    h, lse, res = op.attnres_fwd_args([a, b, c], q, "slice", 1e-6)
+    return h, op.attnres_bwd_args([a, b, c], q, h, lse, res, g, "slice", 1e-6)
+x = [torch.randn(2, 5, 64) for _ in range(3)]
+try:
+    aot_function(step, fw_compiler=capture)(*x, torch.randn(16), torch.randn(2, 5, 64))
+except Traced:
+    pass
+text = graphs[0]
+print(text)
+assert text.count("higher_order.triton_kernel_wrapper_functional(") == 2, "expected one forward and one backward launch"
+assert "attnres_fwd_args" not in text and "attnres_bwd_args" not in text
+'''
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+
+
+@needs_triton
+def test_compiled_calls_pick_the_args_path(monkeypatch):
+    """Compiled CUDA calls with S <= MAX_ARG_SOURCES take the triton_op; more sources, CPU tensors
+    or KERNELS_COMPILED_PATH=op take the custom op."""
+
+    class _Fake:  # what the choice reads of a source
+        def __init__(self, is_cuda, dtype=torch.bfloat16):
+            self.is_cuda, self.dtype = is_cuda, dtype
+
+    assert op._compiled_args_path([_Fake(True)] * 16)
+    assert not op._compiled_args_path([_Fake(True)] * 17)
+    assert not op._compiled_args_path([_Fake(False)] * 3)
+    assert not op._compiled_args_path([_Fake(True, torch.float64)] * 3)
+    monkeypatch.setattr(op, "COMPILED_PATH", "op")
+    assert not op._compiled_args_path([_Fake(True)] * 3)
