@@ -17,7 +17,7 @@
 #   sweeptrain  kernel_sweep.py at the 1B step's shapes (4096 tokens, S 3-9), then kernel_bench at 4096 tokens
 #   hostprof    host_overhead.py --cprofile, then baseline and LR-AttnRes 1B updates under cProfile
 #   argscheck   GPU tests of kernels and attention, flex_mask_check.py, kernel_sweep of both kernel pairs at 4096 tokens
-#   trainargs   the 1B step (masked SDPA): baseline, LR with the triton_op, LR with the custom op; then flex
+#   trainargs   the 1B step (ATTN, default flex): baseline, LR via the triton_op and via the custom op, AttnRes
 #   traingrid   train, then as much of the gpu scale as fits (benchmarks/gpu_grid.sh)
 #   grid        benchmarks/gpu_grid.sh alone
 #   throughput  benchmarks/throughput_gpu.sh (Table 3 at 1B and 4B; needs about 530 s; MODE=1B or MODE=4B in
@@ -89,12 +89,10 @@ lane_argscheck() {  # GPU tests (kernels incl. the compiled triton_op path, atte
   $PYTHON benchmarks/kernel_sweep.py --out "$L" --budget-s "$(left $((DUR - 20)))" \
     --shapes 4096x1536x9x384:args,4096x1536x9x384:table,4096x1536x6x384:args,4096x1536x3x384:args
 }
-lane_trainargs() {  # the 1B step: compiled path through the triton_op against the custom op, then flex
-  TORCHINDUCTOR_COMPILE_THREADS=8 $PYTHON benchmarks/train_step_bench.py --out "$L" --stem train_step_bench_args \
-    --attention sdpa --grad-accum 8 --configs baseline,lr-fused,lr-fused-op --profile lr-fused \
-    --budget-s "$(left $((DUR - 200)))"
-  TORCHINDUCTOR_COMPILE_THREADS=8 $PYTHON benchmarks/train_step_bench.py --out "$L" --stem train_step_bench_args_flex \
-    --attention flex --grad-accum 8 --configs baseline,lr-fused --profile '' --budget-s "$(left $((DUR - 100)))"
+lane_trainargs() {  # the 1B step: LR through the triton_op and through the custom op, AttnRes, baseline (ATTN, CONFIGS)
+  TORCHINDUCTOR_COMPILE_THREADS=8 $PYTHON benchmarks/train_step_bench.py --out "$L" --stem train_step_bench_args_${ATTN:-flex} \
+    --attention "${ATTN:-flex}" --grad-accum 8 --configs "${CONFIGS:-baseline,lr-fused,lr-fused-op,attnres-fused}" \
+    --profile lr-fused --budget-s "$(left $((DUR - 100)))"
 }
 lane_grid() { OUT="$L" DEADLINE_S=$(left $((DUR - 15))) PYTHON=$PYTHON bash benchmarks/gpu_grid.sh; }
 lane_throughput() { OUT="$L" PYTHON=$PYTHON bash benchmarks/throughput_gpu.sh; }

@@ -271,67 +271,73 @@ def _attnres_bwd_kernel(
 
 
 # ----------------------------------------------------------------------------------------------
-# Per-argument kernels: up to 16 sources, each its own pointer argument, S a compile-time constant.
+# Per-argument kernels: up to 16 sources, each its own pointer argument.
 #
 # torch.compile launches these from its generated code (kernels.op wraps them in a
-# torch.library.triton_op), so no host tables: a table needs data pointers, which a traced graph
-# does not have.  Triton's argument specialisation sees each pointer's and each row stride's
-# 16-byte divisibility, which is what ALIGN tells the table kernels.  The loop over sources is
-# unrolled (static_range), so a pointer is picked at compile time; unused slots are None.
+# torch.library.triton_op), so there are no host tables: a table needs data pointers, which a
+# traced graph does not have.  Triton's argument specialisation sees each pointer's and each row
+# stride's 16-byte divisibility, which is what ALIGN tells the table kernels.  The loop over sources
+# is a runtime loop, as in the table kernels, and picks source i's pointer with a chain of scalar
+# selects over the NSLOT arguments given (unused slots are None).  Unrolling the loop over a
+# compile-time S instead ran 27-33% slower on the H200 (2026-11-29, kernel_sweep "args" rows at
+# 4096 tokens: registers went up).  No float arguments: Inductor passes Python floats as fp64, which
+# would turn the fp32 math into fp64 (EPS is a compile-time constant, 1/n is computed here).
 
 MAX_ARG_SOURCES = tl.constexpr(16)
 
 
 @triton.jit
-def _pick(i: tl.constexpr, a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11, a12, a13, a14, a15):
-    """Argument a_i (i known at compile time)."""
+def _select(i, NSLOT: tl.constexpr, a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11, a12, a13, a14, a15):
+    """Argument a_i for a runtime i < NSLOT (scalar selects; a_0 when i is out of range)."""
     v = a0
-    if i == 1:
-        v = a1
-    if i == 2:
-        v = a2
-    if i == 3:
-        v = a3
-    if i == 4:
-        v = a4
-    if i == 5:
-        v = a5
-    if i == 6:
-        v = a6
-    if i == 7:
-        v = a7
-    if i == 8:
-        v = a8
-    if i == 9:
-        v = a9
-    if i == 10:
-        v = a10
-    if i == 11:
-        v = a11
-    if i == 12:
-        v = a12
-    if i == 13:
-        v = a13
-    if i == 14:
-        v = a14
-    if i == 15:
-        v = a15
+    if NSLOT > 1:
+        v = tl.where(i == 1, a1, v)
+    if NSLOT > 2:
+        v = tl.where(i == 2, a2, v)
+    if NSLOT > 3:
+        v = tl.where(i == 3, a3, v)
+    if NSLOT > 4:
+        v = tl.where(i == 4, a4, v)
+    if NSLOT > 5:
+        v = tl.where(i == 5, a5, v)
+    if NSLOT > 6:
+        v = tl.where(i == 6, a6, v)
+    if NSLOT > 7:
+        v = tl.where(i == 7, a7, v)
+    if NSLOT > 8:
+        v = tl.where(i == 8, a8, v)
+    if NSLOT > 9:
+        v = tl.where(i == 9, a9, v)
+    if NSLOT > 10:
+        v = tl.where(i == 10, a10, v)
+    if NSLOT > 11:
+        v = tl.where(i == 11, a11, v)
+    if NSLOT > 12:
+        v = tl.where(i == 12, a12, v)
+    if NSLOT > 13:
+        v = tl.where(i == 13, a13, v)
+    if NSLOT > 14:
+        v = tl.where(i == 14, a14, v)
+    if NSLOT > 15:
+        v = tl.where(i == 15, a15, v)
     return v
 
 
 @triton.jit
-def _load_arg(i: tl.constexpr, x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
+def _load_arg(i, S, NSLOT: tl.constexpr, x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
               xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7, xs8, xs9, xs10, xs11, xs12, xs13, xs14, xs15,
-              rows64, offs, mask):
-    """Raw [BLOCK_T, BLOCK_D] tile of source i."""
-    ptr = _pick(i, x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15)
-    stride = _pick(i, xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7, xs8, xs9, xs10, xs11, xs12, xs13, xs14, xs15)
-    return tl.load(ptr + rows64[:, None] * stride + offs[None, :], mask=mask, other=0.0)
+              rows, rows64, offs, mask):
+    """Raw [BLOCK_T, BLOCK_D] tile of source i (zeros when i >= S)."""
+    jj = tl.minimum(i, S - 1)
+    ptr = _select(jj, NSLOT, x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15)
+    stride = _select(jj, NSLOT, xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7, xs8, xs9, xs10, xs11, xs12, xs13, xs14, xs15)
+    ok = mask & ((rows * 0 + i) < S)[:, None]
+    return tl.load(ptr + rows64[:, None] * stride + offs[None, :], mask=ok, other=0.0)
 
 
 @triton.jit
 def _attnres_fwd_args_kernel(
-    # sources (None past S)
+    # sources (None past NSLOT)
     x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
     # their row strides (elements)
     xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7, xs8, xs9, xs10, xs11, xs12, xs13, xs14, xs15,
@@ -340,11 +346,11 @@ def _attnres_fwd_args_kernel(
     res_ptr,  # int8 [N, d] contiguous (None unless HAS_RES)
     lse_ptr,  # fp32 [N]
     N,
+    S,
     d,
     r,
-    inv_n,
-    eps,
-    S: tl.constexpr,
+    NSLOT: tl.constexpr,  # source arguments given (= S)
+    EPS: tl.constexpr,
     SLICE: tl.constexpr,
     HAS_RES: tl.constexpr,
     RES_STEP: tl.constexpr,
@@ -362,53 +368,54 @@ def _attnres_fwd_args_kernel(
     mask = row_ok[:, None] & col_ok[None, :]
     q = tl.load(q_ptr + (offs - (d - r)), mask=tail, other=0.0).to(tl.float32)
     rows64 = rows.to(tl.int64)
+    if SLICE:
+        inv_n = 1.0 / (r * 1.0)  # r may arrive as a compile-time 1
+    else:
+        inv_n = 1.0 / (d * 1.0)
 
     m = tl.full([BLOCK_T], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_T], tl.float32)
     acc = tl.zeros([BLOCK_T, BLOCK_D], tl.float32)
     if PREFETCH >= 1:
-        x_n1 = _load_arg(0, x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
+        x_n1 = _load_arg(0, S, NSLOT, x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
                          xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7, xs8, xs9, xs10, xs11, xs12, xs13,
                          xs14, xs15,
-                         rows64, offs, mask)
+                         rows, rows64, offs, mask)
     if PREFETCH >= 2:
-        if S > 1:
-            x_n2 = _load_arg(1, x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
-                             xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7, xs8, xs9, xs10, xs11, xs12,
-                             xs13, xs14, xs15,
-                             rows64, offs, mask)
-    for i in tl.static_range(S):
+        x_n2 = _load_arg(1, S, NSLOT, x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
+                         xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7, xs8, xs9, xs10, xs11, xs12, xs13,
+                         xs14, xs15,
+                         rows, rows64, offs, mask)
+    for i in range(S):
         if PREFETCH == 0:
-            x = _load_arg(i, x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
+            x = _load_arg(i, S, NSLOT, x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
                           xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7, xs8, xs9, xs10, xs11, xs12, xs13,
                           xs14, xs15,
-                          rows64, offs, mask).to(tl.float32)
+                          rows, rows64, offs, mask).to(tl.float32)
+        elif PREFETCH == 1:
+            x = x_n1.to(tl.float32)
+            x_n1 = _load_arg(i + 1, S, NSLOT, x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
+                             xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7, xs8, xs9, xs10, xs11, xs12,
+                             xs13, xs14, xs15,
+                             rows, rows64, offs, mask)
         else:
             x = x_n1.to(tl.float32)
-            if PREFETCH == 1:
-                if i + 1 < S:
-                    x_n1 = _load_arg(i + 1, x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
-                                     xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7, xs8, xs9, xs10, xs11,
-                                     xs12, xs13, xs14, xs15,
-                                     rows64, offs, mask)
-            else:
-                if i + 1 < S:
-                    x_n1 = x_n2
-                if i + 2 < S:
-                    x_n2 = _load_arg(i + 2, x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
-                                     xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7, xs8, xs9, xs10, xs11,
-                                     xs12, xs13, xs14, xs15,
-                                     rows64, offs, mask)
-        m, l, acc = _fwd_source(x, q, tail, m, l, acc, inv_n, eps, SLICE, FUSED)
+            x_n1 = x_n2
+            x_n2 = _load_arg(i + 2, S, NSLOT, x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
+                             xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7, xs8, xs9, xs10, xs11, xs12,
+                             xs13, xs14, xs15,
+                             rows, rows64, offs, mask)
+        m, l, acc = _fwd_source(x, q, tail, m, l, acc, inv_n, EPS, SLICE, FUSED)
     _fwd_store(acc, m, l, out_ptr, res_ptr, lse_ptr, rows, rows64, offs, row_ok, mask, d, HAS_RES, RES_STEP)
 
 
 @triton.jit
 def _attnres_bwd_args_kernel(
-    # sources (None past S)
+    # sources (None past NSLOT)
     x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
-    xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7, xs8, xs9, xs10, xs11, xs12, xs13, xs14, xs15,  # their row strides
-    # source gradients, contiguous [N, d] (None past S)
+    # their row strides
+    xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7, xs8, xs9, xs10, xs11, xs12, xs13, xs14, xs15,
+    # source gradients, contiguous [N, d] (None past NSLOT)
     dx0, dx1, dx2, dx3, dx4, dx5, dx6, dx7, dx8, dx9, dx10, dx11, dx12, dx13, dx14, dx15,
     q_ptr,  # [r]
     h_ptr,  # [N, d] saved output, row stride d
@@ -417,12 +424,12 @@ def _attnres_bwd_args_kernel(
     lse_ptr,  # fp32 [N]
     dq_part_ptr,  # fp32 [programs, r]
     N,
+    S,
     d,
     r,
     stride_g,
-    inv_n,
-    eps,
-    S: tl.constexpr,
+    NSLOT: tl.constexpr,
+    EPS: tl.constexpr,
     SLICE: tl.constexpr,
     HAS_RES: tl.constexpr,
     RES_STEP: tl.constexpr,
@@ -438,6 +445,10 @@ def _attnres_bwd_args_kernel(
     col_ok = offs < d
     tail = (offs >= d - r) & col_ok
     q = tl.load(q_ptr + (offs - (d - r)), mask=tail, other=0.0).to(tl.float32)
+    if SLICE:
+        inv_n = 1.0 / (r * 1.0)  # r may arrive as a compile-time 1
+    else:
+        inv_n = 1.0 / (d * 1.0)
     if DQ2D:
         dq2 = tl.zeros([BLOCK_T, BLOCK_D], tl.float32)
     else:
@@ -451,40 +462,36 @@ def _attnres_bwd_args_kernel(
         g, gh, lse = _bwd_rows(g_ptr, h_ptr, res_ptr, lse_ptr, rows, rows64, offs, row_ok, mask, d, stride_g,
                                HAS_RES, RES_STEP, FUSED)
         if PREFETCH >= 1:
-            x_n1 = _load_arg(0, x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
+            x_n1 = _load_arg(0, S, NSLOT, x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
                              xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7, xs8, xs9, xs10, xs11, xs12,
                              xs13, xs14, xs15,
-                             rows64, offs, mask)
+                             rows, rows64, offs, mask)
         if PREFETCH >= 2:
-            if S > 1:
-                x_n2 = _load_arg(1, x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
-                                 xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7, xs8, xs9, xs10, xs11,
-                                 xs12, xs13, xs14, xs15,
-                                 rows64, offs, mask)
-        for i in tl.static_range(S):
+            x_n2 = _load_arg(1, S, NSLOT, x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
+                             xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7, xs8, xs9, xs10, xs11, xs12,
+                             xs13, xs14, xs15,
+                             rows, rows64, offs, mask)
+        for i in range(S):
             if PREFETCH == 0:
-                x = _load_arg(i, x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
+                x = _load_arg(i, S, NSLOT, x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
                               xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7, xs8, xs9, xs10, xs11, xs12,
                               xs13, xs14, xs15,
-                              rows64, offs, mask).to(tl.float32)
+                              rows, rows64, offs, mask).to(tl.float32)
+            elif PREFETCH == 1:
+                x = x_n1.to(tl.float32)
+                x_n1 = _load_arg(i + 1, S, NSLOT, x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
+                                 xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7, xs8, xs9, xs10, xs11,
+                                 xs12, xs13, xs14, xs15,
+                                 rows, rows64, offs, mask)
             else:
                 x = x_n1.to(tl.float32)
-                if PREFETCH == 1:
-                    if i + 1 < S:
-                        x_n1 = _load_arg(i + 1, x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
-                                         xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7, xs8, xs9, xs10,
-                                         xs11, xs12, xs13, xs14, xs15,
-                                         rows64, offs, mask)
-                else:
-                    if i + 1 < S:
-                        x_n1 = x_n2
-                    if i + 2 < S:
-                        x_n2 = _load_arg(i + 2, x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
-                                         xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7, xs8, xs9, xs10,
-                                         xs11, xs12, xs13, xs14, xs15,
-                                         rows64, offs, mask)
-            grad, c = _bwd_source(x, g, gh, lse, q, tail, inv_n, eps, SLICE, FUSED)
-            gp = _pick(i, dx0, dx1, dx2, dx3, dx4, dx5, dx6, dx7, dx8, dx9, dx10, dx11, dx12, dx13, dx14, dx15)
+                x_n1 = x_n2
+                x_n2 = _load_arg(i + 2, S, NSLOT, x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
+                                 xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7, xs8, xs9, xs10, xs11,
+                                 xs12, xs13, xs14, xs15,
+                                 rows, rows64, offs, mask)
+            grad, c = _bwd_source(x, g, gh, lse, q, tail, inv_n, EPS, SLICE, FUSED)
+            gp = _select(i, NSLOT, dx0, dx1, dx2, dx3, dx4, dx5, dx6, dx7, dx8, dx9, dx10, dx11, dx12, dx13, dx14, dx15)
             tl.store(gp + rows64[:, None] * d + offs[None, :], grad.to(gp.dtype.element_ty), mask=mask)
             if DQ2D:
                 dq2 += c[:, None] * x

@@ -565,8 +565,8 @@ def _fwd_args(sources: Sequence[torch.Tensor], query: torch.Tensor, norm: str, e
         _launch(
             K._attnres_fwd_args_kernel, (triton_cdiv(n_tok, cfg["BLOCK_T"]),),
             *_slots(rows), *_slots(strides), query.contiguous(), out, res if has_res else None, lse,
-            n_tok, d, r, 1.0 / (r if norm == "slice" else d), float(eps),
-            S=len(rows), SLICE=(norm == "slice"), HAS_RES=has_res, RES_STEP=_res_step(dtype),
+            n_tok, len(rows), d, r,
+            NSLOT=len(rows), EPS=float(eps), SLICE=(norm == "slice"), HAS_RES=has_res, RES_STEP=_res_step(dtype),
             BLOCK_D=block_d, FUSED=_fused(dev), **cfg,
         )
     return out, lse, res
@@ -599,8 +599,8 @@ def _bwd_args(sources, query, h, lse, res, g, norm: str, eps: float):
         K._attnres_bwd_args_kernel, (nprog,),
         *_slots(rows), *_slots(strides), *_slots(grads), query.contiguous(), h2,
         res.contiguous() if has_res else None, g, lse.contiguous(), part,
-        n_tok, d, r, gs, 1.0 / (r if norm == "slice" else d), float(eps),
-        S=len(rows), SLICE=(norm == "slice"), HAS_RES=has_res, RES_STEP=_res_step(dtype),
+        n_tok, len(rows), d, r, gs,
+        NSLOT=len(rows), EPS=float(eps), SLICE=(norm == "slice"), HAS_RES=has_res, RES_STEP=_res_step(dtype),
         BLOCK_D=block_d, FUSED=_fused(dev), **cfg,
     )
     return grads, part.sum(0).to(query.dtype)
