@@ -18,6 +18,8 @@
 #   hostprof    host_overhead.py --cprofile, then baseline and LR-AttnRes 1B updates under cProfile
 #   argscheck   GPU tests of kernels and attention, flex_mask_check.py, kernel_sweep of both kernel pairs at 4096 tokens
 #   trainargs   the 1B step (ATTN, default flex): baseline, LR via the triton_op and via the custom op, AttnRes
+#   paper1      the 1B step under the paper's protocol (accumulation 64, flex): baseline and LR-AttnRes fused
+#   paper2      the same for AttnRes fused and both reference routers
 #   traingrid   train, then as much of the gpu scale as fits (benchmarks/gpu_grid.sh)
 #   grid        benchmarks/gpu_grid.sh alone
 #   throughput  benchmarks/throughput_gpu.sh (Table 3 at 1B and 4B; needs about 530 s; MODE=1B or MODE=4B in
@@ -94,9 +96,15 @@ lane_trainargs() {  # the 1B step: LR through the triton_op and through the cust
     --attention "${ATTN:-flex}" --grad-accum 8 --configs "${CONFIGS:-baseline,lr-fused,lr-fused-op,attnres-fused}" \
     --profile lr-fused --budget-s "$(left $((DUR - 100)))"
 }
+paper_step() {  # the paper's protocol (microbatch 2, 64 accumulation steps: 262,144 tokens per update), flex masking
+  TORCHINDUCTOR_COMPILE_THREADS=8 $PYTHON benchmarks/train_step_bench.py --out "$L" --stem "$1" --attention flex \
+    --grad-accum 64 --configs "$2" --profile '' --budget-s "$3"
+}
+lane_paper1() { paper_step train_step_bench_paper_main baseline,lr-fused "$(left 300)"; }
+lane_paper2() { paper_step train_step_bench_paper_other attnres-fused,lr-ref,attnres-ref "$(left 400)"; }
 lane_grid() { OUT="$L" DEADLINE_S=$(left $((DUR - 15))) PYTHON=$PYTHON bash benchmarks/gpu_grid.sh; }
 lane_throughput() { OUT="$L" PYTHON=$PYTHON bash benchmarks/throughput_gpu.sh; }
-export -f left lane_argscheck lane_trainargs lane_kernel lane_kernel4096 lane_sweep lane_train lane_trainflex lane_sweeptrain lane_hostprof lane_traingrid lane_grid lane_throughput
+export -f left paper_step lane_paper1 lane_paper2 lane_argscheck lane_trainargs lane_kernel lane_kernel4096 lane_sweep lane_train lane_trainflex lane_sweeptrain lane_hostprof lane_traingrid lane_grid lane_throughput
 
 run_lane() {  # name:seconds gpu-list cpu-list
   local name=${1%%:*} dur=${1##*:} gpus=$2 cpus=$3
