@@ -24,6 +24,8 @@
 #   grid        benchmarks/gpu_grid.sh alone
 #   throughput  benchmarks/throughput_gpu.sh (Table 3 at 1B and 4B; needs about 530 s; MODE=1B or MODE=4B in
 #               the environment runs one size with every repeat of the protocol)
+# Provenance: the device's copy of the tree may carry a stale .git, so name the commit in the command:
+#   LRATTNRES_COMMIT=<hash of HEAD here> OUT=$OUT bash benchmarks/h200_call.sh ...
 # Wheels: .whl/ (fla-core, fast-attnres) and .whl_smk/ (snakemake and its needs) are installed into
 # /tmp/site when present; carry them (they are git-ignored).
 set -uo pipefail

@@ -117,15 +117,9 @@ def _versions() -> dict:
 
 
 def _git() -> dict:
-    import subprocess
+    from lrattnres.provenance import git_state
 
-    def run(*a):
-        try:
-            return subprocess.run(["git", *a], cwd=REPO, capture_output=True, text=True, timeout=10).stdout.strip()
-        except Exception:
-            return None
-
-    return {"commit": run("rev-parse", "HEAD"), "dirty": bool(run("status", "--porcelain", "--untracked-files=no"))}
+    return git_state()
 
 
 def _batches(n, B, T, V, mean_doc, gen):

@@ -522,10 +522,14 @@ attnres_fwd.register_autograd(_backward, setup_context=_setup_context)
 MAX_ARG_SOURCES = 16
 COMPILED_PATH = os.environ.get("KERNELS_COMPILED_PATH", "triton_op")
 # The launch configurations of the per-argument kernels (Inductor launches them with no
-# autotuner): index into _fwd_configs / _bwd_configs.  Index 1 is what autotuning chose at the 1B
-# step's shapes (BLOCK_D 2048; benchmarks/results/train_step_bench_bf16.json, kernel_configs).
-ARGS_FWD_CONFIG = 1
-ARGS_BWD_CONFIG = 1
+# autotuner): index into _fwd_configs / _bwd_configs.  Index 2 (forward BLOCK_T 2, 4 warps,
+# prefetch 1; backward BLOCK_T 1, 4 warps, prefetch 2) was the fastest candidate of each sweep at
+# the 1B step's shapes (4096 tokens, d 1536, r 384, S 3/6/9: forward 27.6/39.0/50.6 us against
+# 30.8/48.5/67.2 for index 1, backward 56.8/80.7/106.5 against 56.1/86.7/122.5;
+# benchmarks/results/kernel_sweep_h200_2026-11-29_args.md).  The recorded training steps
+# (train_step_bench_paper_*, train_step_bench_args_flex) ran with index 1 for both.
+ARGS_FWD_CONFIG = 2
+ARGS_BWD_CONFIG = 2
 
 
 def _args_config(kind: str, block_d: int) -> dict:
@@ -560,7 +564,7 @@ def _fwd_args(sources: Sequence[torch.Tensor], query: torch.Tensor, norm: str, e
         rows, strides = _as_rows(sources, d, dtype)
         block_d = _next_pow2(d)
         cfg = _args_config("fwd", block_d)
-        if STATS is not None:
+        if STATS is not None:  # counted when traced, not per run, under torch.compile
             STATS[("fwd-args", len(rows), n_tok, d, r)] += 1
         _launch(
             K._attnres_fwd_args_kernel, (triton_cdiv(n_tok, cfg["BLOCK_T"]),),
@@ -593,7 +597,7 @@ def _bwd_args(sources, query, h, lse, res, g, norm: str, eps: float):
     part = _empty((nprog, r), torch.float32, dev)
     rows, strides = _as_rows(sources, d, dtype)
     cfg = _args_config("bwd", block_d)
-    if STATS is not None:
+    if STATS is not None:  # counted when traced, not per run, under torch.compile
         STATS[("bwd-args", len(rows), n_tok, d, r)] += 1
     _launch(
         K._attnres_bwd_args_kernel, (nprog,),

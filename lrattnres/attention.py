@@ -7,15 +7,19 @@ backends compute the same function:
 * ``flash``: flash-attn's varlen kernel over the documents cut out of the rows (the author's
   choice); used by ``auto`` when flash-attn imports and the inputs are CUDA fp16/bf16;
 * ``flex``: PyTorch's flex_attention with a document block mask, skipping the blocks the mask
-  empties (compiled on CUDA); ``auto``'s choice on CUDA outside ``torch.compile``.  The block mask
-  is built from tensor ops (``document_block_mask``, equal to ``create_block_mask``'s), so it also
-  traces into an outer ``torch.compile`` with no graph break.  But on an H200 (torch 2.11) the 1B
-  training step compiled that way reached a NaN loss within 8 updates where masked SDPA stayed
-  finite (and ``create_block_mask`` traced inside the model had hit an illegal memory access), so
-  ``auto`` does not choose it there.  It was fast: 66,500 tokens/s against 54,028
-  (benchmarks/results/train_step_bench_flex.md).  flex needs a head width of at least 16 on CUDA;
+  empties (compiled on CUDA); ``auto``'s choice on CUDA without flash-attn.  Inside an outer
+  ``torch.compile`` the block mask is built from tensor ops (``document_block_mask``, equal to
+  ``create_block_mask``'s), so it traces with no graph break.  An earlier build of that mask (index
+  lists ordered by ``BlockMask.from_kv_blocks``' argsort), with an fp32 residual stream, gave the
+  compiled 1B step a first loss 1.3e-3 off masked SDPA's and NaN within 8 updates on an H200
+  (torch 2.11); with this build and the bf16 stream it matches SDPA's first loss to 1e-5 and stayed
+  finite in every run since (benchmarks/results/train_step_bench_paper_*.md: 8 updates of 64
+  micro-batches per configuration).  Which of the two changes cured it is not isolated: in
+  isolation both mask builds match SDPA (benchmarks/results/flex_mask_check_h200_2026-11-29.json).
+  The 1B step runs 70,105 tokens/s with it against about 55,000 with masked SDPA.  flex needs a
+  head width of at least 16 on CUDA;
 * ``sdpa``: scaled_dot_product_attention with an explicit boolean [B, 1, T, T] mask (every score
-  computed); ``auto``'s choice on the CPU, and on CUDA inside an outer ``torch.compile``.
+  computed); ``auto``'s choice on the CPU.
 
 Without ``doc_ids`` every backend is plain causal SDPA (one document per row).  RoPE positions
 count from the start of the row, not of the document: RoPE scores depend only on the distance
@@ -52,7 +56,7 @@ def resolve_backend(backend: str, device: torch.device, dtype: torch.dtype) -> s
         return "sdpa"
     if dtype in (torch.float16, torch.bfloat16) and _has_flash_attn():
         return "flash"
-    return "sdpa" if torch.compiler.is_compiling() else "flex"
+    return "flex"
 
 
 def make_attention(
@@ -150,12 +154,12 @@ def _ordered_blocks(m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """[B, rows, cols] bool -> counts [B, 1, rows] and column indices [B, 1, rows, cols], each row's
     needed columns first, in order.
 
-    Without a sort: BlockMask.from_kv_blocks orders with torch.argsort, and with those indices
-    the compiled 1B step on the H200 (torch 2.11) had a first loss 1.3e-3 off masked SDPA's and NaN
-    within 8 updates; the suspect is that argsort compiled by Inductor (torch 2.13 keeps it out of
-    Inductor: fallback_to_eager).  Here each
-    column's slot is a count (needed columns before it, or the row's count plus the unneeded ones
-    before it) and the indices are a one-hot sum over slots: elementwise ops and sums only.
+    Without a sort (BlockMask.from_kv_blocks orders with torch.argsort, which torch 2.13 keeps out
+    of Inductor: fallback_to_eager): the compiled 1B step that reached NaN used that ordering (see
+    the module docstring; the cause is not isolated).  Each column's slot is a count (needed
+    columns before it, or the row's count plus the unneeded ones before it) and the indices are a
+    one-hot sum over slots: elementwise ops and sums only, [B, R, C, C] int32 (16^3 per row at
+    T = 2048).
     """
     B, R, C = m.shape
     mi = m.to(torch.int32)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime as _dt
 import hashlib
 import json
+import os
 import platform
 import subprocess
 import sys
@@ -37,6 +38,11 @@ def _git(*args: str) -> str | None:
 
 
 def git_state() -> dict[str, Any]:
+    """HEAD and whether tracked files differ from it.  LRATTNRES_COMMIT, when set, names the commit
+    instead: a working tree copied to another machine (a GPU host) may carry a stale .git."""
+    given = os.environ.get("LRATTNRES_COMMIT")
+    if given:
+        return {"commit": given, "dirty": None}
     commit = _git("rev-parse", "HEAD")
     status = _git("status", "--porcelain", "--untracked-files=no")
     return {"commit": commit, "dirty": bool(status) if status is not None else None}
