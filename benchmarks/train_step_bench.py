@@ -97,6 +97,9 @@ def _args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=os.environ.get("OUT", str(REPO / "benchmarks" / "results")))
     p.add_argument("--stem", default="train_step_bench", help="output file name stem")
+    p.add_argument("--merge", nargs="+", metavar="JSON",
+                   help="write one table (--stem in --out) from these recorded runs of equal settings; runs nothing")
+    p.add_argument("--merge-note", default="", help="with --merge: how the runs relate (recorded in the output)")
     a = p.parse_args(argv)
     if a.smoke:
         a.preset, a.vocab, a.seq_len, a.micro_batch, a.grad_accum = "smoke", 1000, 64, 2, 2
@@ -332,8 +335,67 @@ def _table(rows) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _finish(doc: dict) -> None:
+    """Ratios to the baseline row, and the goal of the training issue."""
+    base = next((r for r in doc["rows"] if r["config"] == "baseline" and "error" not in r), None)
+    for r in doc["rows"]:
+        r.pop("vs_baseline", None)
+        if base and "error" not in r:
+            r["vs_baseline"] = r["tokens_per_s"] / base["tokens_per_s"]
+    lr = next((r for r in doc["rows"] if r["config"] == "lr-fused" and "error" not in r), None)
+    if lr and base:
+        doc["goal"]["lr_fused_vs_baseline"] = lr["vs_baseline"]
+        doc["goal"]["lr_fused_tokens_per_s"] = lr["tokens_per_s"]
+        doc["goal"]["met"] = bool(lr["vs_baseline"] >= 0.90 and lr["tokens_per_s"] >= 62000)
+
+
+def _write(doc: dict, out: Path, stem: str) -> None:
+    """``stem``.json and ``stem``.md, each written atomically."""
+    _finish(doc)
+    st = doc["settings"]
+    md = (f"# Training-step throughput ({doc['device']}, {st['preset']}, mb {st['micro_batch']} x {st['seq_len']}, "
+          f"accum {st['grad_accum']}, attention {st['attention']}, {doc['date']})\n\n"
+          + ("Smoke run: checks that the script works; the numbers mean nothing.\n\n" if doc.get("smoke") else "")
+          + "".join(f"- rows {', '.join(m['configs'])}: {m['file']} ({m['date']}, {m['note']})\n"
+                    for m in doc.get("merged_from", []))
+          + ("\n" if doc.get("merged_from") else "")
+          + _table(doc["rows"]))
+    for name, text in ((f"{stem}.json", json.dumps(doc, indent=2) + "\n"), (f"{stem}.md", md)):
+        tmp = out / (name + ".tmp")
+        tmp.write_text(text)
+        os.replace(tmp, out / name)
+
+
+# Settings that may differ between merged runs (which configs, the budget, what was profiled).
+_MERGE_FREE = {"configs", "stem", "budget_s", "profile", "profile_top", "host_profile"}
+
+
+def merge(paths: list[str], out: Path, stem: str, note: str) -> dict:
+    """One table from runs of the same settings (e.g. two lanes of one call, one GPU each): rows in
+    order, ratios against the first file's baseline.  Refuses runs whose settings differ."""
+    docs = [json.loads(Path(p).read_text()) for p in paths]
+    ref = {k: v for k, v in docs[0]["settings"].items() if k not in _MERGE_FREE}
+    for p, d in zip(paths[1:], docs[1:]):
+        diff = {k for k in set(ref) | set(d["settings"]) if k not in _MERGE_FREE
+                and d["settings"].get(k) != ref.get(k)}
+        if diff:
+            raise SystemExit(f"{p}: settings differ from {paths[0]} in {sorted(diff)}")
+    doc = dict(docs[0])
+    doc["rows"] = [r for d in docs for r in d["rows"]]
+    doc["skipped"] = [x for d in docs for x in d.get("skipped", [])]
+    doc["merged_from"] = [{"file": os.path.basename(p), "date": d["date"], "git": d.get("git"), "note": note,
+                           "configs": [r["config"] for r in d["rows"]]} for p, d in zip(paths, docs)]
+    out.mkdir(parents=True, exist_ok=True)
+    _write(doc, out, stem)
+    return doc
+
+
 def main(argv=None) -> int:
     a = _args(argv)
+    if a.merge:
+        doc = merge(a.merge, Path(a.out), a.stem, a.merge_note)
+        print(_table(doc["rows"]))
+        return 0
     t_start = time.perf_counter()
     if a.device == "auto":
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -372,23 +434,8 @@ def main(argv=None) -> int:
         doc["kernels_import"] = f"{type(e).__name__}: {e}"
 
     def write():
-        base = next((r for r in doc["rows"] if r["config"] == "baseline" and "error" not in r), None)
-        for r in doc["rows"]:
-            if base and "error" not in r:
-                r["vs_baseline"] = r["tokens_per_s"] / base["tokens_per_s"]
-        lr = next((r for r in doc["rows"] if r["config"] == "lr-fused" and "error" not in r), None)
-        if lr and base:
-            doc["goal"]["lr_fused_vs_baseline"] = lr["vs_baseline"]
-            doc["goal"]["lr_fused_tokens_per_s"] = lr["tokens_per_s"]
-            doc["goal"]["met"] = bool(lr["vs_baseline"] >= 0.90 and lr["tokens_per_s"] >= 62000)
         doc["wall_s"] = time.perf_counter() - t_start
-        stem = a.stem + ("_smoke" if a.smoke else "")
-        (out / f"{stem}.json").write_text(json.dumps(doc, indent=2) + "\n")
-        (out / f"{stem}.md").write_text(
-            f"# Training-step throughput ({doc['device']}, {a.preset}, mb {a.micro_batch} x {a.seq_len}, "
-            f"accum {a.grad_accum}, {doc['date']})\n\n"
-            + ("Smoke run: checks that the script works; the numbers mean nothing.\n\n" if a.smoke else "")
-            + _table(doc["rows"]))
+        _write(doc, out, a.stem + ("_smoke" if a.smoke else ""))
 
     longest = 0.0
     for n in names:
