@@ -294,15 +294,21 @@ def _as_rows(ts: Sequence[torch.Tensor], d: int, dtype: torch.dtype) -> tuple[li
     return out, strides
 
 
-def _fwd_triton(sources: Sequence[torch.Tensor], query: torch.Tensor, norm: str, eps: float):
+def _fwd_outputs(sources: Sequence[torch.Tensor], query: torch.Tensor, norm: str):
+    """Checks, then (d, r, tokens, whether a rounding residual is kept, h, lse, residual)."""
     d, r = _check(sources, query, norm)
     s0 = sources[0]
     dtype, dev, lead = s0.dtype, s0.device, tuple(s0.shape[:-1])
-    n_tok = s0.numel() // d
     has_res = dtype in _MANT
     out = _empty(lead + (d,), dtype, dev)
     lse = _empty(lead, torch.float32, dev)
     res = _empty(lead + (d,) if has_res else (0,), torch.int8, dev)
+    return d, r, s0.numel() // d, has_res, out, lse, res
+
+
+def _fwd_triton(sources: Sequence[torch.Tensor], query: torch.Tensor, norm: str, eps: float):
+    d, r, n_tok, has_res, out, lse, res = _fwd_outputs(sources, query, norm)
+    dtype, dev = out.dtype, out.device
     if n_tok > 0:
         rows, strides = _as_rows(sources, d, dtype)
         offs, align = _anchor_table(rows, strides)
@@ -327,27 +333,39 @@ def _fwd_triton(sources: Sequence[torch.Tensor], query: torch.Tensor, norm: str,
     return out, lse, res
 
 
-def _bwd_triton(sources, query, h, lse, res, g, norm: str, eps: float):
+def _bwd_inputs(sources, query, h, res, g, norm: str):
+    """Checks and the backward's operands: (d, r, tokens, residual kept, source gradients, h and g
+    as rows, g's row stride, programs, query-gradient partials), or (None, gradients, query gradient)
+    when no kernel needs to run (one source, no tokens)."""
     d, r = _check(sources, query, norm)
     s0 = sources[0]
     dtype, dev = s0.dtype, s0.device
     n_tok = s0.numel() // d
-    has_res = dtype in _MANT and res.numel() > 0
     if len(sources) == 1:
         # one source: w = 1, h = o, dz = 0 exactly; the query gets no gradient.  A copy, never g
         # itself: a custom op's output may not alias its input (torch.library refuses it)
         grad = g.to(dtype=dtype, memory_format=torch.contiguous_format, copy=True)
-        return [grad.view(s0.shape)], torch.zeros_like(query)
+        return None, [grad.view(s0.shape)], torch.zeros_like(query)
     grads = [_empty(o.shape, dtype, dev) for o in sources]
     if n_tok == 0:
-        return grads, torch.zeros_like(query)
+        return None, grads, torch.zeros_like(query)
     h2 = h if (h.dtype == dtype and h.is_contiguous()) else _rows(h, d, dtype).contiguous()
-    res2 = res.contiguous() if has_res else h2
     (g,), (gs,) = _as_rows([g], d, g.dtype)
-    lse2 = lse.contiguous()
-    block_d = _next_pow2(d)
     nprog = max(1, min(n_tok, BWD_PROGRAMS_PER_SM * _num_sms(dev)))
     part = _empty((nprog, r), torch.float32, dev)
+    has_res = dtype in _MANT and res.numel() > 0
+    return (d, r, n_tok, has_res, grads, h2, g, gs, nprog, part), None, None
+
+
+def _bwd_triton(sources, query, h, lse, res, g, norm: str, eps: float):
+    ops, grads, dq = _bwd_inputs(sources, query, h, res, g, norm)
+    if ops is None:
+        return grads, dq
+    d, r, n_tok, has_res, grads, h2, g, gs, nprog, part = ops
+    dtype, dev = h2.dtype, h2.device
+    res2 = res.contiguous() if has_res else h2
+    lse2 = lse.contiguous()
+    block_d = _next_pow2(d)
     rows, strides = _as_rows(sources, d, dtype)
     offs, align = _anchor_table(rows, strides)
     goffs, galign = _anchor_table(grads, [d])
@@ -523,11 +541,11 @@ MAX_ARG_SOURCES = 16
 COMPILED_PATH = os.environ.get("KERNELS_COMPILED_PATH", "triton_op")
 # The launch configurations of the per-argument kernels (Inductor launches them with no
 # autotuner): index into _fwd_configs / _bwd_configs.  Index 2 (forward BLOCK_T 2, 4 warps,
-# prefetch 1; backward BLOCK_T 1, 4 warps, prefetch 2) was the fastest candidate of each sweep at
-# the 1B step's shapes (4096 tokens, d 1536, r 384, S 3/6/9: forward 27.6/39.0/50.6 us against
-# 30.8/48.5/67.2 for index 1, backward 56.8/80.7/106.5 against 56.1/86.7/122.5;
-# benchmarks/results/kernel_sweep_h200_2026-11-29_args.md).  The recorded training steps
-# (train_step_bench_paper_*, train_step_bench_args_flex) ran with index 1 for both.
+# prefetch 1; backward BLOCK_T 1, 4 warps, prefetch 2) was the fastest of the sweep's candidates at
+# the 1B step's shapes (4096 tokens, d 1536, r 384, S 3/6/9): forward 27.6/39.0/50.6 us against
+# 30.8/48.5/67.2 for index 1; backward 56.8/80.7/106.5 against 56.1/86.7/122.5 (1% behind at S 3)
+# (benchmarks/results/kernel_sweep_h200_2026-11-29_args.md).  The recorded training steps
+# (train_step_bench_paper*, train_step_bench_args_flex) ran with index 1 for both.
 ARGS_FWD_CONFIG = 2
 ARGS_BWD_CONFIG = 2
 
@@ -552,14 +570,8 @@ def _launch(kernel, grid, *args, **kwargs) -> None:
 def _fwd_args(sources: Sequence[torch.Tensor], query: torch.Tensor, norm: str, eps: float):
     from . import _triton as K
 
-    d, r = _check(sources, query, norm)
-    s0 = sources[0]
-    dtype, dev, lead = s0.dtype, s0.device, tuple(s0.shape[:-1])
-    n_tok = s0.numel() // d
-    has_res = dtype in _MANT
-    out = _empty(lead + (d,), dtype, dev)
-    lse = _empty(lead, torch.float32, dev)
-    res = _empty(lead + (d,) if has_res else (0,), torch.int8, dev)
+    d, r, n_tok, has_res, out, lse, res = _fwd_outputs(sources, query, norm)
+    dtype, dev = out.dtype, out.device
     if n_tok > 0:
         rows, strides = _as_rows(sources, d, dtype)
         block_d = _next_pow2(d)
@@ -579,22 +591,12 @@ def _fwd_args(sources: Sequence[torch.Tensor], query: torch.Tensor, norm: str, e
 def _bwd_args(sources, query, h, lse, res, g, norm: str, eps: float):
     from . import _triton as K
 
-    d, r = _check(sources, query, norm)
-    s0 = sources[0]
-    dtype, dev = s0.dtype, s0.device
-    n_tok = s0.numel() // d
-    has_res = dtype in _MANT and res.numel() > 0
-    if len(sources) == 1:  # see _bwd_triton
-        grad = g.to(dtype=dtype, memory_format=torch.contiguous_format, copy=True)
-        return [grad.view(s0.shape)], torch.zeros_like(query)
-    grads = [_empty(o.shape, dtype, dev) for o in sources]
-    if n_tok == 0:
-        return grads, torch.zeros_like(query)
-    h2 = h if (h.dtype == dtype and h.is_contiguous()) else _rows(h, d, dtype).contiguous()
-    (g,), (gs,) = _as_rows([g], d, g.dtype)
+    ops, grads, dq = _bwd_inputs(sources, query, h, res, g, norm)
+    if ops is None:
+        return grads, dq
+    d, r, n_tok, has_res, grads, h2, g, gs, nprog, part = ops
+    dtype, dev = h2.dtype, h2.device
     block_d = _next_pow2(d)
-    nprog = max(1, min(n_tok, BWD_PROGRAMS_PER_SM * _num_sms(dev)))
-    part = _empty((nprog, r), torch.float32, dev)
     rows, strides = _as_rows(sources, d, dtype)
     cfg = _args_config("bwd", block_d)
     if STATS is not None:  # counted when traced, not per run, under torch.compile
