@@ -100,6 +100,8 @@ def _args(argv=None):
     p.add_argument("--merge", nargs="+", metavar="JSON",
                    help="write one table (--stem in --out) from these recorded runs of equal settings; runs nothing")
     p.add_argument("--merge-note", default="", help="with --merge: how the runs relate (recorded in the output)")
+    p.add_argument("--merge-commit", default=None, help="with --merge: the commit the runs measured, where their "
+                   "own git field is wrong (each run's field is kept under merged_from)")
     a = p.parse_args(argv)
     if a.smoke:
         a.preset, a.vocab, a.seq_len, a.micro_batch, a.grad_accum = "smoke", 1000, 64, 2, 2
@@ -370,7 +372,7 @@ def _write(doc: dict, out: Path, stem: str) -> None:
 _MERGE_FREE = {"configs", "stem", "budget_s", "profile", "profile_top", "host_profile"}
 
 
-def merge(paths: list[str], out: Path, stem: str, note: str) -> dict:
+def merge(paths: list[str], out: Path, stem: str, note: str, commit: str | None = None) -> dict:
     """One table from runs of the same settings (e.g. two lanes of one call, one GPU each): rows in
     order, ratios against the first file's baseline.  Refuses runs whose settings differ."""
     docs = [json.loads(Path(p).read_text()) for p in paths]
@@ -385,6 +387,8 @@ def merge(paths: list[str], out: Path, stem: str, note: str) -> dict:
     doc["skipped"] = [x for d in docs for x in d.get("skipped", [])]
     doc["merged_from"] = [{"file": os.path.basename(p), "date": d["date"], "git": d.get("git"), "note": note,
                            "configs": [r["config"] for r in d["rows"]]} for p, d in zip(paths, docs)]
+    if commit:  # the runs' own git field may be wrong (a copied tree with a stale .git)
+        doc["git"] = {"commit": commit, "dirty": None, "named_by": "--merge-commit"}
     out.mkdir(parents=True, exist_ok=True)
     _write(doc, out, stem)
     return doc
@@ -393,7 +397,7 @@ def merge(paths: list[str], out: Path, stem: str, note: str) -> dict:
 def main(argv=None) -> int:
     a = _args(argv)
     if a.merge:
-        doc = merge(a.merge, Path(a.out), a.stem, a.merge_note)
+        doc = merge(a.merge, Path(a.out), a.stem, a.merge_note, a.merge_commit)
         print(_table(doc["rows"]))
         return 0
     t_start = time.perf_counter()

@@ -222,7 +222,8 @@ def train_step_table(doc: dict) -> str:
     mode = "eager" if st.get("no_compile") else "compiled"
     head = (f"<h3>Recorded training-step benchmark ({esc(doc.get('device'))}, {mode})</h3>"
             f"<p>{esc(st.get('preset'))}, micro-batch {esc(st.get('micro_batch'))} × {esc(st.get('seq_len'))}, "
-            f"accumulation {esc(st.get('grad_accum'))}, {esc(st.get('updates'))} timed updates after "
+            f"accumulation {esc(st.get('grad_accum'))}, attention {esc(st.get('attention'))}, "
+            f"{esc(st.get('updates'))} timed updates after "
             f"{esc(st.get('warmup'))} warm-up; {esc(doc.get('date'))}, commit {esc((git.get('commit') or '?')[:10])}, "
             f"file <code>{esc(doc.get('_path'))}</code>. Goal: LR-AttnRes (fused, r = d/4) at ≥ 90% of the "
             "baseline's tokens/s and ≥ 62,000 tokens/s.</p>")
@@ -240,6 +241,8 @@ def train_step_table(doc: dict) -> str:
     met = goal.get("met")
     tail = "" if met is None else (f"<p>Goal {'met' if met else 'missed'}: {100 * goal['lr_fused_vs_baseline']:.1f}% of "
                                    f"the baseline, {goal['lr_fused_tokens_per_s']:,.0f} tokens/s.</p>")
+    for m in doc.get("merged_from", []):
+        tail += f"<p>Rows {esc(', '.join(m['configs']))}: {esc(m['file'])} ({esc(m['note'])}).</p>"
     skipped = ", ".join(x["config"] for x in doc.get("skipped", []))
     if skipped:
         tail += f"<p>Not timed (the call's time budget): {esc(skipped)}.</p>"
