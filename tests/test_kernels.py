@@ -198,6 +198,9 @@ def test_opcheck():
     torch.library.opcheck(kernels.attnres_bwd, args)
     srcs16 = [s.detach().to(torch.bfloat16).requires_grad_() for s in srcs]
     torch.library.opcheck(kernels.attnres_fwd, (srcs16, q, "slice", 1e-6))
+    # the triton_op pair of the compiled path (its CPU body: the torch fallback)
+    torch.library.opcheck(op.attnres_fwd_args, (srcs, q, "slice", 1e-6))
+    torch.library.opcheck(op.attnres_bwd_args, args)
 
 
 def test_input_validation():
