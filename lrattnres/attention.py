@@ -16,8 +16,8 @@ backends compute the same function:
   finite in every run since (benchmarks/results/train_step_bench_paper_*.md: 8 updates of 64
   micro-batches per configuration).  Which of the two changes cured it is not isolated: in
   isolation both mask builds match SDPA (benchmarks/results/flex_mask_check_h200_2026-11-29.json).
-  The 1B step runs 70,105 tokens/s with it against about 55,000 with masked SDPA.  flex needs a
-  head width of at least 16 on CUDA;
+  At accumulation 8 the 1B baseline step ran 61,302-61,890 tokens/s with it against 54,206-55,218
+  with masked SDPA (separate runs).  flex needs a head width of at least 16 on CUDA;
 * ``sdpa``: scaled_dot_product_attention with an explicit boolean [B, 1, T, T] mask (every score
   computed); ``auto``'s choice on the CPU.
 
@@ -158,8 +158,8 @@ def _ordered_blocks(m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     of Inductor: fallback_to_eager): the compiled 1B step that reached NaN used that ordering (see
     the module docstring; the cause is not isolated).  Each column's slot is a count (needed
     columns before it, or the row's count plus the unneeded ones before it) and the indices are a
-    one-hot sum over slots: elementwise ops and sums only, [B, R, C, C] int32 (16^3 per row at
-    T = 2048).
+    one-hot sum over slots: elementwise ops and sums only, [B, R, C, C] int32 (16^3 per batch row
+    at T = 2048).
     """
     B, R, C = m.shape
     mi = m.to(torch.int32)
