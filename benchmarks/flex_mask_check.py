@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as _dt
-import json
 import os
 import sys
 
@@ -26,6 +25,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from lrattnres.attention import causal_attention, document_block_mask  # noqa: E402
+from lrattnres.io import atomic_write_json  # noqa: E402
 
 
 def _sorted_variant(doc_ids):
@@ -86,11 +86,7 @@ def main(argv=None) -> int:
     doc = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
            "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
            "shape": [B, H, T, hd], "rows": rows}
-    os.makedirs(a.out, exist_ok=True)
-    path = os.path.join(a.out, "flex_mask_check.json")
-    with open(path + ".tmp", "w") as f:
-        json.dump(doc, f, indent=1)
-    os.replace(path + ".tmp", path)
+    atomic_write_json(os.path.join(a.out, "flex_mask_check.json"), doc)
     return 0
 
 

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as _dt
-import json
 import os
 import platform
 import statistics
@@ -144,11 +143,9 @@ def main(argv=None) -> int:
     if profiles:
         doc["cprofile"] = profiles
     if a.out:
-        os.makedirs(a.out, exist_ok=True)
-        path = os.path.join(a.out, "host_overhead.json")
-        with open(path + ".tmp", "w") as f:
-            json.dump(doc, f, indent=1)
-        os.replace(path + ".tmp", path)
+        from lrattnres.io import atomic_write_json
+
+        atomic_write_json(os.path.join(a.out, "host_overhead.json"), doc)
     return 0
 
 

@@ -205,12 +205,10 @@ def _env():
 
 
 def _write(out_dir, stem, payload, md):
-    os.makedirs(out_dir, exist_ok=True)
+    from lrattnres.io import atomic_write_text
+
     for ext, text in (("json", json.dumps(payload, indent=1)), ("md", md)):
-        path = os.path.join(out_dir, f"{stem}.{ext}")
-        with open(path + ".tmp", "w") as f:
-            f.write(text)
-        os.replace(path + ".tmp", path)
+        atomic_write_text(os.path.join(out_dir, f"{stem}.{ext}"), text)
 
 
 def _md(payload):

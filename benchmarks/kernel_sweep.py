@@ -35,6 +35,7 @@ import triton  # noqa: E402
 from triton.testing import do_bench_cudagraph  # noqa: E402
 
 import kernels.op as kop  # noqa: E402
+from lrattnres.io import atomic_write_text  # noqa: E402
 from kernel_bench import copy_bandwidth  # noqa: E402  (the same ceiling as the side-by-side benchmark)
 
 EPS = 1e-6
@@ -171,7 +172,6 @@ def main(argv=None) -> int:
            "shapes": []}
     bw = copy_bandwidth()
     doc["copy_bw_TBps"] = bw / 1e12
-    os.makedirs(a.out, exist_ok=True)
     for spec in a.shapes.split(","):
         shape, _, path = spec.partition(":")
         N, d, S, r = (int(x) for x in shape.split("x"))
@@ -184,10 +184,7 @@ def main(argv=None) -> int:
             f"{k} best {v['us']:.0f}us ({v['pct_design']:.0f}% design) {v}" for k, v in best.items() if v), flush=True)
         doc["elapsed_s"] = time.time() - t0
         for ext, text in (("json", json.dumps(doc, indent=1)), ("md", _md(doc))):
-            path = os.path.join(a.out, f"kernel_sweep.{ext}")
-            with open(path + ".tmp", "w") as f:
-                f.write(text)
-            os.replace(path + ".tmp", path)
+            atomic_write_text(os.path.join(a.out, f"kernel_sweep.{ext}"), text)
     return 0
 
 

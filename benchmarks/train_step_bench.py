@@ -362,10 +362,10 @@ def _write(doc: dict, out: Path, stem: str) -> None:
                     for m in doc.get("merged_from", []))
           + ("\n" if doc.get("merged_from") else "")
           + _table(doc["rows"]))
+    from lrattnres.io import atomic_write_text
+
     for name, text in ((f"{stem}.json", json.dumps(doc, indent=2) + "\n"), (f"{stem}.md", md)):
-        tmp = out / (name + ".tmp")
-        tmp.write_text(text)
-        os.replace(tmp, out / name)
+        atomic_write_text(out / name, text)
 
 
 # Settings that may differ between merged runs (which configs, the budget, what was profiled).
