@@ -514,15 +514,21 @@ def _setup_context(ctx, inputs, output):
     ctx.eps = eps
 
 
-def _backward(ctx, grad_h, grad_lse, grad_res):
-    query, h, lse, res, *sources = ctx.saved_tensors
-    if grad_h is None:
-        grad_h = torch.zeros_like(h)
-    out = attnres_bwd(list(sources), query, h, lse, res, grad_h, ctx.norm, ctx.eps)
-    return list(out[:-1]), out[-1], None, None
+def _backward_through(bwd_op):
+    """The registered backward of a forward op whose saved tensors _setup_context chose: calls
+    ``bwd_op`` (the custom op or the triton_op backward)."""
+
+    def backward(ctx, grad_h, grad_lse, grad_res):
+        query, h, lse, res, *sources = ctx.saved_tensors
+        if grad_h is None:
+            grad_h = torch.zeros_like(h)
+        out = bwd_op(list(sources), query, h, lse, res, grad_h, ctx.norm, ctx.eps)
+        return list(out[:-1]), out[-1], None, None
+
+    return backward
 
 
-attnres_fwd.register_autograd(_backward, setup_context=_setup_context)
+attnres_fwd.register_autograd(_backward_through(attnres_bwd), setup_context=_setup_context)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -633,15 +639,7 @@ def attnres_bwd_args(
     return list(grads) + [dq]
 
 
-def _backward_args(ctx, grad_h, grad_lse, grad_res):
-    query, h, lse, res, *sources = ctx.saved_tensors
-    if grad_h is None:
-        grad_h = torch.zeros_like(h)
-    out = attnres_bwd_args(list(sources), query, h, lse, res, grad_h, ctx.norm, ctx.eps)
-    return list(out[:-1]), out[-1], None, None
-
-
-attnres_fwd_args.register_autograd(_backward_args, setup_context=_setup_context)
+attnres_fwd_args.register_autograd(_backward_through(attnres_bwd_args), setup_context=_setup_context)
 
 
 def _compiled_args_path(sources: Sequence[torch.Tensor]) -> bool:
