@@ -50,6 +50,54 @@ def _add3(a0, b0, c0, a1, b1, c1):
 
 
 @triton.jit
+def _query_cols(q_ptr, d, r, BLOCK_D: tl.constexpr):
+    """Column offsets of a row tile, which are real (< d), which are the key's (the last r), and
+    the query laid over those (fp32, zero elsewhere)."""
+    offs = tl.arange(0, BLOCK_D)
+    col_ok = offs < d
+    tail = (offs >= d - r) & col_ok
+    q = tl.load(q_ptr + (offs - (d - r)), mask=tail, other=0.0).to(tl.float32)
+    return offs, col_ok, tail, q
+
+
+@triton.jit
+def _token_rows(blk, N, col_ok, BLOCK_T: tl.constexpr):
+    """Token block ``blk``: its rows, which are real, the rows as int64, and the tile's mask."""
+    rows = blk * BLOCK_T + tl.arange(0, BLOCK_T)
+    row_ok = rows < N
+    return rows, row_ok, rows.to(tl.int64), row_ok[:, None] & col_ok[None, :]
+
+
+@triton.jit
+def _dq_zeros(BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, DQ2D: tl.constexpr):
+    """The query-gradient accumulator: [BLOCK_T, BLOCK_D] (summed over rows at the end) or [BLOCK_D]."""
+    if DQ2D:
+        acc = tl.zeros([BLOCK_T, BLOCK_D], tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_D], tl.float32)
+    return acc
+
+
+@triton.jit
+def _dq_add(acc, c, x, DQ2D: tl.constexpr):
+    if DQ2D:
+        acc += c[:, None] * x
+    else:
+        acc += tl.sum(c[:, None] * x, axis=0)
+    return acc
+
+
+@triton.jit
+def _dq_store(acc, dq_part_ptr, pid, r, d, offs, tail, DQ2D: tl.constexpr):
+    """This program's query-gradient partial, over the key columns."""
+    if DQ2D:
+        dq = tl.sum(acc, axis=0)
+    else:
+        dq = acc
+    tl.store(dq_part_ptr + pid.to(tl.int64) * r + (offs - (d - r)), dq, mask=tail)
+
+
+@triton.jit
 def _fwd_source(x, q, tail, m, l, acc, inv_n, eps, SLICE: tl.constexpr, FUSED: tl.constexpr):
     """Online-softmax update of (max, sum, fp32 mix) by one fp32 source tile x [BLOCK_T, BLOCK_D]."""
     if SLICE:
@@ -163,15 +211,8 @@ def _attnres_fwd_kernel(
     PREFETCH: tl.constexpr,  # how many sources ahead to load (0, 1, 2)
     FUSED: tl.constexpr,  # multi-operand row reductions (GPU); separate tl.sum (interpreter)
 ):
-    pid = tl.program_id(0)
-    rows = pid * BLOCK_T + tl.arange(0, BLOCK_T)
-    offs = tl.arange(0, BLOCK_D)
-    row_ok = rows < N
-    col_ok = offs < d
-    tail = (offs >= d - r) & col_ok
-    mask = row_ok[:, None] & col_ok[None, :]
-    q = tl.load(q_ptr + (offs - (d - r)), mask=tail, other=0.0).to(tl.float32)
-    rows64 = rows.to(tl.int64)
+    offs, col_ok, tail, q = _query_cols(q_ptr, d, r, BLOCK_D)
+    rows, row_ok, rows64, mask = _token_rows(tl.program_id(0), N, col_ok, BLOCK_T)
 
     m = tl.full([BLOCK_T], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_T], tl.float32)
@@ -227,20 +268,11 @@ def _attnres_bwd_kernel(
 ):
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
-    offs = tl.arange(0, BLOCK_D)
-    col_ok = offs < d
-    tail = (offs >= d - r) & col_ok
-    q = tl.load(q_ptr + (offs - (d - r)), mask=tail, other=0.0).to(tl.float32)
-    if DQ2D:
-        dq2 = tl.zeros([BLOCK_T, BLOCK_D], tl.float32)
-    else:
-        dq = tl.zeros([BLOCK_D], tl.float32)
+    offs, col_ok, tail, q = _query_cols(q_ptr, d, r, BLOCK_D)
+    dq = _dq_zeros(BLOCK_T, BLOCK_D, DQ2D)
     nblk = tl.cdiv(N, BLOCK_T)
     for blk in range(pid, nblk, nprog):
-        rows = blk * BLOCK_T + tl.arange(0, BLOCK_T)
-        row_ok = rows < N
-        rows64 = rows.to(tl.int64)
-        mask = row_ok[:, None] & col_ok[None, :]
+        rows, row_ok, rows64, mask = _token_rows(blk, N, col_ok, BLOCK_T)
         g, gh, lse = _bwd_rows(g_ptr, h_ptr, res_ptr, lse_ptr, rows, rows64, offs, row_ok, mask, d, stride_g,
                                HAS_RES, RES_STEP, FUSED)
         if PREFETCH >= 1:
@@ -261,13 +293,8 @@ def _attnres_bwd_kernel(
             grad, c = _bwd_source(x, g, gh, lse, q, tail, inv_n, eps, SLICE, FUSED)
             gp = grad0_ptr + goff
             tl.store(gp + rows64[:, None] * d + offs[None, :], grad.to(grad0_ptr.dtype.element_ty), mask=mask)
-            if DQ2D:
-                dq2 += c[:, None] * x
-            else:
-                dq += tl.sum(c[:, None] * x, axis=0)
-    if DQ2D:
-        dq = tl.sum(dq2, axis=0)
-    tl.store(dq_part_ptr + pid.to(tl.int64) * r + (offs - (d - r)), dq, mask=tail)
+            dq = _dq_add(dq, c, x, DQ2D)
+    _dq_store(dq, dq_part_ptr, pid, r, d, offs, tail, DQ2D)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -284,6 +311,16 @@ def _attnres_bwd_kernel(
 # would turn the fp32 math into fp64 (EPS is a compile-time constant, 1/n is computed here).
 
 MAX_ARG_SOURCES = tl.constexpr(16)
+
+
+@triton.jit
+def _inv_key_width(r, d, SLICE: tl.constexpr):
+    """1/n for the key's RMS: n = r ("slice") or d ("full"); r may arrive as a compile-time 1."""
+    if SLICE:
+        inv_n = 1.0 / (r * 1.0)
+    else:
+        inv_n = 1.0 / (d * 1.0)
+    return inv_n
 
 
 @triton.jit
@@ -359,19 +396,9 @@ def _attnres_fwd_args_kernel(
     PREFETCH: tl.constexpr,
     FUSED: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    rows = pid * BLOCK_T + tl.arange(0, BLOCK_T)
-    offs = tl.arange(0, BLOCK_D)
-    row_ok = rows < N
-    col_ok = offs < d
-    tail = (offs >= d - r) & col_ok
-    mask = row_ok[:, None] & col_ok[None, :]
-    q = tl.load(q_ptr + (offs - (d - r)), mask=tail, other=0.0).to(tl.float32)
-    rows64 = rows.to(tl.int64)
-    if SLICE:
-        inv_n = 1.0 / (r * 1.0)  # r may arrive as a compile-time 1
-    else:
-        inv_n = 1.0 / (d * 1.0)
+    offs, col_ok, tail, q = _query_cols(q_ptr, d, r, BLOCK_D)
+    rows, row_ok, rows64, mask = _token_rows(tl.program_id(0), N, col_ok, BLOCK_T)
+    inv_n = _inv_key_width(r, d, SLICE)
 
     m = tl.full([BLOCK_T], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_T], tl.float32)
@@ -441,24 +468,12 @@ def _attnres_bwd_args_kernel(
 ):
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
-    offs = tl.arange(0, BLOCK_D)
-    col_ok = offs < d
-    tail = (offs >= d - r) & col_ok
-    q = tl.load(q_ptr + (offs - (d - r)), mask=tail, other=0.0).to(tl.float32)
-    if SLICE:
-        inv_n = 1.0 / (r * 1.0)  # r may arrive as a compile-time 1
-    else:
-        inv_n = 1.0 / (d * 1.0)
-    if DQ2D:
-        dq2 = tl.zeros([BLOCK_T, BLOCK_D], tl.float32)
-    else:
-        dq = tl.zeros([BLOCK_D], tl.float32)
+    offs, col_ok, tail, q = _query_cols(q_ptr, d, r, BLOCK_D)
+    inv_n = _inv_key_width(r, d, SLICE)
+    dq = _dq_zeros(BLOCK_T, BLOCK_D, DQ2D)
     nblk = tl.cdiv(N, BLOCK_T)
     for blk in range(pid, nblk, nprog):
-        rows = blk * BLOCK_T + tl.arange(0, BLOCK_T)
-        row_ok = rows < N
-        rows64 = rows.to(tl.int64)
-        mask = row_ok[:, None] & col_ok[None, :]
+        rows, row_ok, rows64, mask = _token_rows(blk, N, col_ok, BLOCK_T)
         g, gh, lse = _bwd_rows(g_ptr, h_ptr, res_ptr, lse_ptr, rows, rows64, offs, row_ok, mask, d, stride_g,
                                HAS_RES, RES_STEP, FUSED)
         if PREFETCH >= 1:
@@ -493,10 +508,5 @@ def _attnres_bwd_args_kernel(
             grad, c = _bwd_source(x, g, gh, lse, q, tail, inv_n, EPS, SLICE, FUSED)
             gp = _select(i, NSLOT, dx0, dx1, dx2, dx3, dx4, dx5, dx6, dx7, dx8, dx9, dx10, dx11, dx12, dx13, dx14, dx15)
             tl.store(gp + rows64[:, None] * d + offs[None, :], grad.to(gp.dtype.element_ty), mask=mask)
-            if DQ2D:
-                dq2 += c[:, None] * x
-            else:
-                dq += tl.sum(c[:, None] * x, axis=0)
-    if DQ2D:
-        dq = tl.sum(dq2, axis=0)
-    tl.store(dq_part_ptr + pid.to(tl.int64) * r + (offs - (d - r)), dq, mask=tail)
+            dq = _dq_add(dq, c, x, DQ2D)
+    _dq_store(dq, dq_part_ptr, pid, r, d, offs, tail, DQ2D)
