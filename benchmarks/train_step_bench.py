@@ -121,12 +121,6 @@ def _versions() -> dict:
     return out
 
 
-def _git() -> dict:
-    from lrattnres.provenance import git_state
-
-    return git_state()
-
-
 def _batches(n, B, T, V, mean_doc, gen):
     """Random tokens [B, T+1]; doc_ids from geometric document lengths (new doc after each 'EOT')."""
     out = []
@@ -395,6 +389,8 @@ def merge(paths: list[str], out: Path, stem: str, note: str, commit: str | None 
 
 
 def main(argv=None) -> int:
+    from lrattnres.provenance import git_state
+
     a = _args(argv)
     if a.merge:
         doc = merge(a.merge, Path(a.out), a.stem, a.merge_note, a.merge_commit)
@@ -418,7 +414,7 @@ def main(argv=None) -> int:
     doc = {
         "benchmark": "train_step", "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu: {platform.machine()}",
-        "host": platform.node(), "versions": _versions(), "git": _git(), "smoke": a.smoke,
+        "host": platform.node(), "versions": _versions(), "git": git_state(), "smoke": a.smoke,
         "settings": {k: v for k, v in vars(a).items() if k != "out"},
         "goal": {"lr_fused_vs_baseline_min": 0.90, "lr_fused_tokens_per_s_min": 62000, "applies_to": "1B on one H200"},
         "rows": [], "skipped": [],

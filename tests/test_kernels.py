@@ -413,7 +413,7 @@ def test_args_kernels_match_reference(d, r, S, norm, layout, cfg, monkeypatch):
     g = torch.randn(3, 7, d, generator=gen, device=device)
     op.set_cpu_triton(not HAS_CUDA)
     try:
-        h, gs, gq = _run(lambda s, q, norm: _attnres_args(s, q, norm), sources, query, g, norm)
+        h, gs, gq = _run(_attnres_args, sources, query, g, norm)
     finally:
         op.set_cpu_triton(False)
     h_ref, gs_ref, gq_ref = _run(route, sources, query, g, norm)
