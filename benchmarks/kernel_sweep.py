@@ -63,6 +63,31 @@ def _bwd_candidates(block_d: int) -> list[dict]:
     return out
 
 
+def _quick(cands: list[dict], kind: str) -> list[dict]:
+    """The candidates worth timing for every kernel variant (--quick): 2-8 warps, prefetch 1-2."""
+    return [c for c in cands if c["PREFETCH"] >= 1 and 2 <= c["num_warps"] <= 8 and c["BLOCK_T"] <= 2]
+
+
+# Kernel variants (kernels.op.VARIANT), fwd and bwd switches; "+evict" after a name adds the
+# evict-first hint on the source reads.
+VARIANTS = {
+    "old": ({"TAIL": False, "SPLIT": False}, {"ZR": False, "TAIL": False, "SPLIT": False}),
+    "zr": ({"TAIL": False, "SPLIT": False}, {"ZR": True, "TAIL": False, "SPLIT": False}),
+    "tail": ({"TAIL": True, "SPLIT": False}, {"ZR": True, "TAIL": True, "SPLIT": False}),
+    "split": ({"TAIL": True, "SPLIT": True}, {"ZR": True, "TAIL": True, "SPLIT": True}),
+}
+
+
+def _variant(name: str) -> tuple[dict, dict]:
+    base, _, extra = name.partition("+")
+    fwd, bwd = (dict(v) for v in VARIANTS[base])
+    if extra == "evict":
+        fwd["EVICT"] = bwd["EVICT"] = True
+    elif extra:
+        raise ValueError(f"unknown variant suffix {extra!r} in {name!r}")
+    return fwd, bwd
+
+
 PROGRAMS_PER_SM = (2, 3, 4, 6, 12, 16)  # the backward's persistent grid, tried for the best configurations
 
 
@@ -77,8 +102,11 @@ def _time(fn) -> float:
 PATHS = {"table": (kop._fwd_triton, kop._bwd_triton), "args": (kop._fwd_args, kop._bwd_args)}
 
 
-def sweep_shape(N, d, S, r, bw, budget_end, path="table"):
+def sweep_shape(N, d, S, r, bw, budget_end, path="table", variant=None, quick=False, fwd_done=None):
+    """Time every candidate configuration of both kernels at one shape under one kernel variant
+    (None: the default policy).  ``fwd_done`` (a set) skips forward variants already timed."""
     fwd_fn, bwd_fn = PATHS[path]
+    vf, vb = _variant(variant) if variant else ({}, {})
     gen = torch.Generator(device="cuda").manual_seed(d + S + r)
     srcs = [torch.randn(N, d, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(S)]
     q = (torch.randn(r, device="cuda", generator=gen) * 0.5).to(torch.bfloat16)
@@ -87,7 +115,15 @@ def sweep_shape(N, d, S, r, bw, budget_end, path="table"):
     block_d = kop._next_pow2(d)
     rows = []
     kop.CONFIG_OVERRIDE.clear()
-    for cfg in _fwd_candidates(block_d):
+    kop.VARIANT.clear()
+    kop.VARIANT.update(vf)
+    fwd_key = (N, d, S, r, path, tuple(sorted(vf.items())))
+    fcands = _fwd_candidates(block_d)
+    if fwd_done is not None and fwd_key in fwd_done:
+        fcands = []
+    elif fwd_done is not None:
+        fwd_done.add(fwd_key)
+    for cfg in (_quick(fcands, "fwd") if quick else fcands):
         if time.time() > budget_end:
             break
         kop.CONFIG_OVERRIDE["fwd"] = cfg
@@ -100,12 +136,15 @@ def sweep_shape(N, d, S, r, bw, budget_end, path="table"):
                      "pct_formula": 100 * (S + 1) * unit / (t * 1e-6 * bw)})
     kop.CONFIG_OVERRIDE.clear()
     h, lse, res = kop._fwd_triton(srcs, q, "slice", EPS)
+    kop.VARIANT.clear()
+    kop.VARIANT.update(vb)
 
     def bwd_row(cfg, ppsm, t):
         return {"kernel": "bwd", **cfg, "programs_per_sm": ppsm, "us": t,
                 "pct_design": 100 * (2 * S + 2.5) * unit / (t * 1e-6 * bw),
                 "pct_formula": 100 * (2 * S + 1) * unit / (t * 1e-6 * bw)}
-    for cfg in _bwd_candidates(block_d):
+    bcands = _bwd_candidates(block_d)
+    for cfg in (_quick(bcands, "bwd") if quick else bcands):
         if time.time() > budget_end:
             break
         kop.CONFIG_OVERRIDE["bwd"] = cfg
@@ -117,7 +156,7 @@ def sweep_shape(N, d, S, r, bw, budget_end, path="table"):
         rows.append(bwd_row(cfg, kop.BWD_PROGRAMS_PER_SM, t))
     # the persistent backward's grid: the two best configurations again at other program counts per SM
     default_ppsm = kop.BWD_PROGRAMS_PER_SM
-    best = sorted((x for x in rows if x["kernel"] == "bwd" and "us" in x), key=lambda x: x["us"])[:2]
+    best = sorted((x for x in rows if x["kernel"] == "bwd" and "us" in x), key=lambda x: x["us"])[:0 if quick else 2]
     try:
         for b in best:
             cfg = {k: b[k] for k in ("BLOCK_T", "num_warps", "PREFETCH", "DQ2D")}
@@ -130,8 +169,10 @@ def sweep_shape(N, d, S, r, bw, budget_end, path="table"):
                 rows.append(bwd_row(cfg, ppsm, t))
     finally:
         kop.BWD_PROGRAMS_PER_SM = default_ppsm
+        kop.VARIANT.clear()
     kop.CONFIG_OVERRIDE.clear()
-    return {"tokens": N, "d": d, "S": S, "r": r, "kernels": path, "rows": rows}
+    return {"tokens": N, "d": d, "S": S, "r": r, "kernels": path, "variant": variant or "default",
+            "variant_fwd": vf, "variant_bwd": vb, "rows": rows}
 
 
 def _md(doc) -> str:
@@ -141,7 +182,8 @@ def _md(doc) -> str:
              "design moves (fwd S+1.5, bwd 2S+2.5 units of N d 2) / (time x copy bandwidth); % formula = the "
              "issue's bytes (fwd S+1, bwd 2S+1).", ""]
     for shp in doc["shapes"]:
-        lines += [f"## {shp.get('kernels', 'table')} kernels: {shp['tokens']} tokens, d={shp['d']}, S={shp['S']}, r={shp['r']}", "",
+        lines += [f"## {shp.get('kernels', 'table')} kernels, variant {shp.get('variant', 'default')}: {shp['tokens']} tokens, "
+                  f"d={shp['d']}, S={shp['S']}, r={shp['r']}", "",
                   "| kernel | BLOCK_T | warps | prefetch | DQ2D | programs/SM | us | % design | % formula |",
                   "|---|---|---|---|---|---|---|---|---|"]
         for r in sorted(shp["rows"], key=lambda x: (x["kernel"] != "fwd", x.get("us", 1e9))):
@@ -161,7 +203,16 @@ def main(argv=None) -> int:
     p.add_argument("--budget-s", type=float, default=150.0)
     p.add_argument("--shapes", default="8192x1536x9x384,8192x1024x9x256,8192x2560x9x640",
                    help="comma-separated NxdxSxr, each optionally suffixed :table or :args (default :table)")
+    p.add_argument("--variants", default="",
+                   help="comma-separated kernel variants to time at every shape (" + ", ".join(VARIANTS)
+                   + "; '+evict' after a name adds the cache hint); default: the default policy only")
+    p.add_argument("--stem", default="kernel_sweep", help="output file name stem")
+    p.add_argument("--quick", action="store_true", help="fewer candidate configurations (2-8 warps, prefetch 1-2)")
     a = p.parse_args(argv)
+    variants = [v for v in a.variants.split(",") if v] or [None]
+    for v in variants:
+        if v:
+            _variant(v)  # fail early on a bad name
     if not torch.cuda.is_available():
         print("kernel_sweep needs a CUDA GPU", file=sys.stderr)
         return 1
@@ -171,20 +222,24 @@ def main(argv=None) -> int:
                    "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")},
            "shapes": []}
     bw = copy_bandwidth()
+    fwd_done: set = set()
     doc["copy_bw_TBps"] = bw / 1e12
     for spec in a.shapes.split(","):
         shape, _, path = spec.partition(":")
         N, d, S, r = (int(x) for x in shape.split("x"))
         if time.time() > end:
             break
-        doc["shapes"].append(sweep_shape(N, d, S, r, bw, end, path or "table"))
-        best = {k: min((x for x in doc["shapes"][-1]["rows"] if x["kernel"] == k and "us" in x),
-                       key=lambda x: x["us"], default=None) for k in ("fwd", "bwd")}
-        print(f"[{time.time() - t0:.0f}s] {spec}: " + "  ".join(
-            f"{k} best {v['us']:.0f}us ({v['pct_design']:.0f}% design) {v}" for k, v in best.items() if v), flush=True)
-        doc["elapsed_s"] = time.time() - t0
-        for ext, text in (("json", json.dumps(doc, indent=1)), ("md", _md(doc))):
-            atomic_write_text(os.path.join(a.out, f"kernel_sweep.{ext}"), text)
+        for v in variants:
+            if time.time() > end:
+                break
+            doc["shapes"].append(sweep_shape(N, d, S, r, bw, end, path or "table", v, a.quick, fwd_done))
+            best = {k: min((x for x in doc["shapes"][-1]["rows"] if x["kernel"] == k and "us" in x),
+                           key=lambda x: x["us"], default=None) for k in ("fwd", "bwd")}
+            print(f"[{time.time() - t0:.0f}s] {spec} {v or 'default'}: " + "  ".join(
+                f"{k} best {x['us']:.0f}us ({x['pct_design']:.0f}% design) {x}" for k, x in best.items() if x), flush=True)
+            doc["elapsed_s"] = time.time() - t0
+            for ext, text in (("json", json.dumps(doc, indent=1)), ("md", _md(doc))):
+                atomic_write_text(os.path.join(a.out, f"{a.stem}.{ext}"), text)
     return 0
 
 

@@ -11,9 +11,11 @@ reference math in torch, unless the Triton path is forced (``TRITON_INTERPRET=1`
 same Triton kernels through Triton's interpreter (used by the tests).
 
 Saved for backward: the sources (kept by autograd anyway), the query, the output h (the next
-sub-layer's input, so kept anyway in a model), one fp32 logsumexp per token, and for bf16/fp16 an
-int8 residual per element (the mantissa bits that rounding h dropped; the backward's g.h needs
-them, see kernels/_triton.py).  The backward never builds an [S, tokens, d] temporary.
+sub-layer's input, so kept anyway in a model), per-token fp32 statistics [1 + 2S, tokens] (the
+logsumexp, each source's score and key 1/RMS: the backward then needs one row sum per source instead
+of three), and for bf16/fp16 an int8 residual per element (the mantissa bits that rounding h
+dropped; the backward's g.h needs them, see kernels/_triton.py).  The backward never builds an
+[S, tokens, d] temporary.
 
 Environment: KERNELS_AUTOTUNE=0 turns autotuning off (first candidate configuration);
 KERNELS_CPU_TRITON=1 sends CPU tensors to the Triton interpreter; KERNELS_POISON=1 fills outputs
@@ -40,6 +42,19 @@ POISON = os.environ.get("KERNELS_POISON", "0") == "1"
 # Launch configuration overrides: {"fwd": {BLOCK_T, num_warps, PREFETCH}, "bwd": {BLOCK_T,
 # num_warps, PREFETCH, DQ2D}}.
 CONFIG_OVERRIDE: dict = {}
+# Kernel variants (compile-time switches; benchmarks/kernel_sweep.py compares them):
+#   TAIL  the key's sums and gradient terms on a tile of the key columns alone ("slice" with
+#         next_pow2(r) < next_pow2(d)), instead of masked full-width rows;
+#   ZR    the backward reads the forward's saved scores and 1/RMS (one row sum per source, g.o_i)
+#         instead of recomputing them (three row sums);
+#   SPLIT two loops over the sources instead of one (needs TAIL, and ZR in the backward): the
+#         forward first scores every source from its key tile, then mixes the rows with the final
+#         weights (no online rescaling, no reduction in the mixing loop); the backward first reads
+#         the rows (g.o_i, and w g before the key columns), then the key tiles (the key terms and
+#         the query gradient).  The key columns are read twice; the second read hits the cache.
+#   EVICT evict-first cache hint on the source reads (each is read once per kernel).
+# None = the default policy (_variant); an entry here overrides it.
+VARIANT: dict = {}
 # Call statistics for benchmarks: set to a collections.Counter and every Triton launch adds one
 # count under (kind, S, tokens, d, r, align) with align the vector width the tables allowed (a
 # benchmark reads it to see which shapes a model sends and whether they load 16-byte vectors).
@@ -158,6 +173,28 @@ TRITON_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 def _res_step(dtype: torch.dtype) -> float:
     return 2.0 ** -(_MANT[dtype] + 8) if dtype in _MANT else 1.0
+
+
+def _variant(kind: str, norm: str, d: int, r: int) -> dict:
+    """Compile-time switches and the key tile's width for one launch (see VARIANT)."""
+    block_r = _next_pow2(r)
+    tail = norm == "slice" and block_r < _next_pow2(d)
+    out = {"TAIL": tail, "SPLIT": tail, "EVICT": False}
+    if kind == "bwd":
+        out["ZR"] = True
+    out.update({k: v for k, v in VARIANT.items() if k in out and v is not None})
+    if kind == "bwd" and not out["ZR"]:
+        out["TAIL"] = False  # the recomputing backward has no key-tile form
+    if norm != "slice" or block_r >= _next_pow2(d):
+        out["TAIL"] = False
+    out["SPLIT"] = out["SPLIT"] and out["TAIL"]
+    out["BLOCK_R"] = block_r if out["TAIL"] else 16  # unused unless TAIL
+    return out
+
+
+def _stats_shape(n_sources: int, lead: tuple) -> tuple:
+    """The forward's per-token statistics: logsumexp, then S scores, then S key 1/RMS."""
+    return (1 + 2 * n_sources,) + tuple(lead)
 
 
 def _fwd_configs(block_d: int) -> list[dict]:
@@ -295,19 +332,19 @@ def _as_rows(ts: Sequence[torch.Tensor], d: int, dtype: torch.dtype) -> tuple[li
 
 
 def _fwd_outputs(sources: Sequence[torch.Tensor], query: torch.Tensor, norm: str):
-    """Checks, then (d, r, tokens, whether a rounding residual is kept, h, lse, residual)."""
+    """Checks, then (d, r, tokens, whether a rounding residual is kept, h, statistics, residual)."""
     d, r = _check(sources, query, norm)
     s0 = sources[0]
     dtype, dev, lead = s0.dtype, s0.device, tuple(s0.shape[:-1])
     has_res = dtype in _MANT
     out = _empty(lead + (d,), dtype, dev)
-    lse = _empty(lead, torch.float32, dev)
+    stats = _empty(_stats_shape(len(sources), lead), torch.float32, dev)
     res = _empty(lead + (d,) if has_res else (0,), torch.int8, dev)
-    return d, r, s0.numel() // d, has_res, out, lse, res
+    return d, r, s0.numel() // d, has_res, out, stats, res
 
 
 def _fwd_triton(sources: Sequence[torch.Tensor], query: torch.Tensor, norm: str, eps: float):
-    d, r, n_tok, has_res, out, lse, res = _fwd_outputs(sources, query, norm)
+    d, r, n_tok, has_res, out, stats, res = _fwd_outputs(sources, query, norm)
     dtype, dev = out.dtype, out.device
     if n_tok > 0:
         rows, strides = _as_rows(sources, d, dtype)
@@ -323,14 +360,14 @@ def _fwd_triton(sources: Sequence[torch.Tensor], query: torch.Tensor, norm: str,
         else:
             grid = (triton_cdiv(n_tok, cfg["BLOCK_T"]),)
         fn[grid](
-            rows[0], table[0], table[1], query.contiguous(), out, res if has_res else out, lse,
+            rows[0], table[0], table[1], query.contiguous(), out, res if has_res else out, stats,
             n_tok, len(rows), d, r, 1.0 / (r if norm == "slice" else d), float(eps),
             SLICE=(norm == "slice"), HAS_RES=has_res, RES_STEP=_res_step(dtype), ALIGN=align,
-            BLOCK_D=block_d, FUSED=_fused(dev), **(cfg or {}),
+            BLOCK_D=block_d, FUSED=_fused(dev), **_variant("fwd", norm, d, r), **(cfg or {}),
         )
         if cfg is None:
             _remember("fwd", block_d, key, fn)
-    return out, lse, res
+    return out, stats, res
 
 
 def _bwd_inputs(sources, query, h, res, g, norm: str):
@@ -354,17 +391,23 @@ def _bwd_inputs(sources, query, h, res, g, norm: str):
     nprog = max(1, min(n_tok, BWD_PROGRAMS_PER_SM * _num_sms(dev)))
     part = _empty((nprog, r), torch.float32, dev)
     has_res = dtype in _MANT and res.numel() > 0
-    return (d, r, n_tok, has_res, grads, h2, g, gs, nprog, part), None, None
+    variant = _variant("bwd", norm, d, r)
+    if variant["SPLIT"]:  # room for any candidate configuration's token block (autotuning picks one)
+        cfgs = _bwd_configs(_next_pow2(d)) + ([CONFIG_OVERRIDE["bwd"]] if "bwd" in CONFIG_OVERRIDE else [])
+        scratch = torch.empty(nprog * 3 * len(sources) * max(c["BLOCK_T"] for c in cfgs), dtype=torch.float32, device=dev)
+    else:
+        scratch = part  # unused
+    return (d, r, n_tok, has_res, grads, h2, g, gs, nprog, part, scratch, variant), None, None
 
 
-def _bwd_triton(sources, query, h, lse, res, g, norm: str, eps: float):
+def _bwd_triton(sources, query, h, stats, res, g, norm: str, eps: float):
     ops, grads, dq = _bwd_inputs(sources, query, h, res, g, norm)
     if ops is None:
         return grads, dq
-    d, r, n_tok, has_res, grads, h2, g, gs, nprog, part = ops
+    d, r, n_tok, has_res, grads, h2, g, gs, nprog, part, scratch, variant = ops
     dtype, dev = h2.dtype, h2.device
     res2 = res.contiguous() if has_res else h2
-    lse2 = lse.contiguous()
+    stats2 = stats.contiguous()
     block_d = _next_pow2(d)
     rows, strides = _as_rows(sources, d, dtype)
     offs, align = _anchor_table(rows, strides)
@@ -375,10 +418,10 @@ def _bwd_triton(sources, query, h, lse, res, g, norm: str, eps: float):
     key = (d, norm == "slice", has_res, dtype, query.dtype, g.dtype)
     fn, cfg = _launcher("bwd", block_d, dev, key)
     fn[(nprog,)](
-        rows[0], table[0], table[1], grads[0], table[2], query.contiguous(), h2, res2, g, lse2, part,
+        rows[0], table[0], table[1], grads[0], table[2], query.contiguous(), h2, res2, g, stats2, part, scratch,
         n_tok, len(rows), d, r, gs, 1.0 / (r if norm == "slice" else d), float(eps),
         SLICE=(norm == "slice"), HAS_RES=has_res, RES_STEP=_res_step(dtype), ALIGN=align, GALIGN=galign,
-        BLOCK_D=block_d, FUSED=_fused(dev), **(cfg or {}),
+        BLOCK_D=block_d, FUSED=_fused(dev), **variant, **(cfg or {}),
     )
     if cfg is None:
         _remember("bwd", block_d, key, fn)
@@ -415,49 +458,65 @@ def _res_encode(h32: torch.Tensor, hb: torch.Tensor) -> torch.Tensor:
 
 
 def _res_decode(hb: torch.Tensor, res: torch.Tensor) -> torch.Tensor:
-    hb32 = hb.float()
+    """h at about 2^-16 relative accuracy from its rounded value and residual (h itself when no
+    residual is kept)."""
     if hb.dtype not in _MANT or res.numel() == 0:
-        return hb32
+        return hb
+    hb32 = hb.float()
     ebits = hb32.view(torch.int32) & 0x7F800000
     ok = (ebits > 0) & (ebits < 0x7F800000)
     return torch.where(ok, hb32 + res.float() * (ebits.view(torch.float32) * _res_step(hb.dtype)), hb32)
 
 
-def _fwd_torch(sources, query, norm: str, eps: float):
-    from lrattnres.routing import routing_scores
-
-    _check(sources, query, norm)
-    z = routing_scores(sources, query, norm=norm, eps=eps)  # [S, ...] fp32
-    lse = torch.logsumexp(z, dim=0)
-    w = torch.exp(z - lse)
-    h = w[0].unsqueeze(-1) * sources[0].float()
-    for wi, o in zip(w[1:], sources[1:]):
-        h = h + wi.unsqueeze(-1) * o.float()
-    hb = h.to(sources[0].dtype)
-    return hb, lse, _res_encode(h, hb)
-
-
-def _bwd_torch(sources, query, h, lse, res, g, norm: str, eps: float):
+def _scores_torch(sources, query, norm: str, eps: float):
+    """Each source's score z_i and key 1/RMS rinv_i, [S, ...] in fp32 (fp64 for fp64 sources)."""
     d, r = _check(sources, query, norm)
-    q = query.float()
-    g = g.float()
-    gh = (g * _res_decode(h, res)).sum(-1)
-    n = r if norm == "slice" else d
-    dq = torch.zeros(r, dtype=torch.float32, device=query.device)
-    grads = []
+    wide = torch.promote_types(sources[0].dtype, torch.float32)
+    q = query.to(wide)
+    zs, rinvs = [], []
     for o in sources:
-        x = o.float()
+        x = o.to(wide)
         k = x[..., d - r :] if norm == "slice" else x
         rinv = torch.rsqrt(k.pow(2).mean(-1) + eps)
-        z = (x[..., d - r :] @ q) * rinv
-        w = torch.exp(z - lse)
-        c = w * ((g * x).sum(-1) - gh) * rinv
+        zs.append((x[..., d - r :] @ q) * rinv)
+        rinvs.append(rinv)
+    return torch.stack(zs), torch.stack(rinvs)
+
+
+def _fwd_torch(sources, query, norm: str, eps: float):
+    z, rinv = _scores_torch(sources, query, norm, eps)
+    lse = torch.logsumexp(z, dim=0)
+    w = torch.exp(z - lse)
+    h = w[0].unsqueeze(-1) * sources[0].to(w.dtype)
+    for wi, o in zip(w[1:], sources[1:]):
+        h = h + wi.unsqueeze(-1) * o.to(w.dtype)
+    hb = h.to(sources[0].dtype)
+    return hb, torch.cat([lse.unsqueeze(0), z, rinv]), _res_encode(h, hb)
+
+
+def _bwd_torch(sources, query, h, stats, res, g, norm: str, eps: float):
+    """The backward in torch from the forward's statistics (the kernels' math, any device)."""
+    d, r = _check(sources, query, norm)
+    S = len(sources)
+    wide = stats.dtype
+    q = query.to(wide)
+    g = g.to(wide)
+    gh = (g * _res_decode(h, res).to(wide)).sum(-1)
+    n = r if norm == "slice" else d
+    dq = torch.zeros(r, dtype=wide, device=query.device)
+    grads = []
+    for i, o in enumerate(sources):
+        x = o.to(wide)
+        z, rinv = stats[1 + i], stats[1 + S + i]
+        w = torch.exp(z - stats[0])
+        c = w * ((g * x).sum(-1) - gh) * rinv  # dL/dz_i * rinv_i
+        coef = (c * z * rinv / n).unsqueeze(-1)
         grad = w.unsqueeze(-1) * g
         grad[..., d - r :] += c.unsqueeze(-1) * q
         if norm == "slice":
-            grad[..., d - r :] -= (c * z * rinv / n).unsqueeze(-1) * k
+            grad[..., d - r :] -= coef * x[..., d - r :]
         else:
-            grad -= (c * z * rinv / n).unsqueeze(-1) * x
+            grad -= coef * x
         grads.append(grad.to(o.dtype))
         dq += (c.unsqueeze(-1) * x[..., d - r :]).reshape(-1, r).sum(0)
     return grads, dq.to(query.dtype)
@@ -473,8 +532,9 @@ def _triton_ok(t: torch.Tensor) -> bool:
 
 @torch.library.custom_op("lrattnres_kernels::attnres_fwd", mutates_args=())
 def attnres_fwd(sources: list[torch.Tensor], query: torch.Tensor, norm: str, eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Returns (h [..., d] in the sources' dtype, logsumexp of the scores [...] fp32, int8 residual
-    of rounding h to its dtype [..., d] (empty for fp32))."""
+    """Returns (h [..., d] in the sources' dtype, statistics [1 + 2S, ...] fp32 (the logsumexp of
+    the scores, the S scores, the S key 1/RMS), int8 residual of rounding h to its dtype [..., d]
+    (empty for fp32))."""
     if _triton_ok(sources[0]):
         return _fwd_triton(sources, query, norm, eps)
     return _fwd_torch(sources, query, norm, eps)
@@ -485,31 +545,32 @@ def _(sources, query, norm, eps):
     _check(sources, query, norm)
     s0 = sources[0]
     res_shape = s0.shape if s0.dtype in _MANT else (0,)
-    return s0.new_empty(s0.shape), s0.new_empty(s0.shape[:-1], dtype=torch.float32), s0.new_empty(res_shape, dtype=torch.int8)
+    stats = s0.new_empty(_stats_shape(len(sources), s0.shape[:-1]), dtype=torch.promote_types(s0.dtype, torch.float32))
+    return s0.new_empty(s0.shape), stats, s0.new_empty(res_shape, dtype=torch.int8)
 
 
 @torch.library.custom_op("lrattnres_kernels::attnres_bwd", mutates_args=())
 def attnres_bwd(
-    sources: list[torch.Tensor], query: torch.Tensor, h: torch.Tensor, lse: torch.Tensor, res: torch.Tensor,
+    sources: list[torch.Tensor], query: torch.Tensor, h: torch.Tensor, stats: torch.Tensor, res: torch.Tensor,
     g: torch.Tensor, norm: str, eps: float,
 ) -> list[torch.Tensor]:
     """Returns the S source gradients followed by the query gradient."""
     if _triton_ok(sources[0]):
-        grads, dq = _bwd_triton(sources, query, h, lse, res, g, norm, eps)
+        grads, dq = _bwd_triton(sources, query, h, stats, res, g, norm, eps)
     else:
-        grads, dq = _bwd_torch(sources, query, h, lse, res, g, norm, eps)
+        grads, dq = _bwd_torch(sources, query, h, stats, res, g, norm, eps)
     return list(grads) + [dq]
 
 
 @attnres_bwd.register_fake
-def _(sources, query, h, lse, res, g, norm, eps):
+def _(sources, query, h, stats, res, g, norm, eps):
     return [s.new_empty(s.shape) for s in sources] + [query.new_empty(query.shape)]
 
 
 def _setup_context(ctx, inputs, output):
     sources, query, norm, eps = inputs
-    h, lse, res = output
-    ctx.save_for_backward(query, h, lse, res, *sources)
+    h, stats, res = output
+    ctx.save_for_backward(query, h, stats, res, *sources)
     ctx.norm = norm
     ctx.eps = eps
 
@@ -518,11 +579,11 @@ def _backward_through(bwd_op):
     """The registered backward of a forward op whose saved tensors _setup_context chose: calls
     ``bwd_op`` (the custom op or the triton_op backward)."""
 
-    def backward(ctx, grad_h, grad_lse, grad_res):
-        query, h, lse, res, *sources = ctx.saved_tensors
+    def backward(ctx, grad_h, grad_stats, grad_res):
+        query, h, stats, res, *sources = ctx.saved_tensors
         if grad_h is None:
             grad_h = torch.zeros_like(h)
-        out = bwd_op(list(sources), query, h, lse, res, grad_h, ctx.norm, ctx.eps)
+        out = bwd_op(list(sources), query, h, stats, res, grad_h, ctx.norm, ctx.eps)
         return list(out[:-1]), out[-1], None, None
 
     return backward
@@ -576,7 +637,7 @@ def _launch(kernel, grid, *args, **kwargs) -> None:
 def _fwd_args(sources: Sequence[torch.Tensor], query: torch.Tensor, norm: str, eps: float):
     from . import _triton as K
 
-    d, r, n_tok, has_res, out, lse, res = _fwd_outputs(sources, query, norm)
+    d, r, n_tok, has_res, out, stats, res = _fwd_outputs(sources, query, norm)
     dtype, dev = out.dtype, out.device
     if n_tok > 0:
         rows, strides = _as_rows(sources, d, dtype)
@@ -586,21 +647,21 @@ def _fwd_args(sources: Sequence[torch.Tensor], query: torch.Tensor, norm: str, e
             STATS[("fwd-args", len(rows), n_tok, d, r)] += 1
         _launch(
             K._attnres_fwd_args_kernel, (triton_cdiv(n_tok, cfg["BLOCK_T"]),),
-            *_slots(rows), *_slots(strides), query.contiguous(), out, res if has_res else None, lse,
+            *_slots(rows), *_slots(strides), query.contiguous(), out, res if has_res else None, stats,
             n_tok, len(rows), d, r,
             NSLOT=len(rows), EPS=float(eps), SLICE=(norm == "slice"), HAS_RES=has_res, RES_STEP=_res_step(dtype),
-            BLOCK_D=block_d, FUSED=_fused(dev), **cfg,
+            BLOCK_D=block_d, FUSED=_fused(dev), **_variant("fwd", norm, d, r), **cfg,
         )
-    return out, lse, res
+    return out, stats, res
 
 
-def _bwd_args(sources, query, h, lse, res, g, norm: str, eps: float):
+def _bwd_args(sources, query, h, stats, res, g, norm: str, eps: float):
     from . import _triton as K
 
     ops, grads, dq = _bwd_inputs(sources, query, h, res, g, norm)
     if ops is None:
         return grads, dq
-    d, r, n_tok, has_res, grads, h2, g, gs, nprog, part = ops
+    d, r, n_tok, has_res, grads, h2, g, gs, nprog, part, scratch, variant = ops
     dtype, dev = h2.dtype, h2.device
     block_d = _next_pow2(d)
     rows, strides = _as_rows(sources, d, dtype)
@@ -610,10 +671,10 @@ def _bwd_args(sources, query, h, lse, res, g, norm: str, eps: float):
     _launch(
         K._attnres_bwd_args_kernel, (nprog,),
         *_slots(rows), *_slots(strides), *_slots(grads), query.contiguous(), h2,
-        res.contiguous() if has_res else None, g, lse.contiguous(), part,
+        res.contiguous() if has_res else None, g, stats.contiguous(), part, scratch,
         n_tok, len(rows), d, r, gs,
         NSLOT=len(rows), EPS=float(eps), SLICE=(norm == "slice"), HAS_RES=has_res, RES_STEP=_res_step(dtype),
-        BLOCK_D=block_d, FUSED=_fused(dev), **cfg,
+        BLOCK_D=block_d, FUSED=_fused(dev), **variant, **cfg,
     )
     return grads, part.sum(0).to(query.dtype)
 
@@ -628,14 +689,14 @@ def attnres_fwd_args(sources: list[torch.Tensor], query: torch.Tensor, norm: str
 
 @torch.library.triton_op("lrattnres_kernels::attnres_bwd_args", mutates_args=())
 def attnres_bwd_args(
-    sources: list[torch.Tensor], query: torch.Tensor, h: torch.Tensor, lse: torch.Tensor, res: torch.Tensor,
+    sources: list[torch.Tensor], query: torch.Tensor, h: torch.Tensor, stats: torch.Tensor, res: torch.Tensor,
     g: torch.Tensor, norm: str, eps: float,
 ) -> list[torch.Tensor]:
     """attnres_bwd for at most MAX_ARG_SOURCES sources, traceable into a compiled graph."""
     if _triton_ok(sources[0]) and len(sources) <= MAX_ARG_SOURCES:
-        grads, dq = _bwd_args(sources, query, h, lse, res, g, norm, eps)
+        grads, dq = _bwd_args(sources, query, h, stats, res, g, norm, eps)
     else:
-        grads, dq = _bwd_torch(sources, query, h, lse, res, g, norm, eps)
+        grads, dq = _bwd_torch(sources, query, h, stats, res, g, norm, eps)
     return list(grads) + [dq]
 
 
@@ -674,15 +735,15 @@ def attnres(sources: Sequence[torch.Tensor], query: torch.Tensor, *, norm: str =
 class _AttnResTriton(torch.autograd.Function):
     @staticmethod
     def forward(ctx, query, norm, eps, *sources):
-        h, lse, res = _fwd_triton(sources, query, norm, eps)
-        ctx.save_for_backward(query, h, lse, res, *sources)
+        h, stats, res = _fwd_triton(sources, query, norm, eps)
+        ctx.save_for_backward(query, h, stats, res, *sources)
         ctx.norm, ctx.eps = norm, eps
         return h
 
     @staticmethod
     def backward(ctx, grad_h):
-        query, h, lse, res, *sources = ctx.saved_tensors
-        grads, dq = _bwd_triton(sources, query, h, lse, res, grad_h, ctx.norm, ctx.eps)
+        query, h, stats, res, *sources = ctx.saved_tensors
+        grads, dq = _bwd_triton(sources, query, h, stats, res, grad_h, ctx.norm, ctx.eps)
         return (dq, None, None, *grads)
 
 

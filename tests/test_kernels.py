@@ -142,6 +142,64 @@ def test_triton_fused_reductions(monkeypatch):
     test_triton_matches_reference_fp32(48, 48, 3, "full", "contig")
 
 
+# Compile-time variants (kernels.op.VARIANT) that the default policy may not pick at the shapes above:
+# the recomputing backward (ZR off), full-width key terms (TAIL off) and the eviction hint.
+VARIANT_CASES = [
+    ({"ZR": False}, (64, 7, 5, "slice", "mixed")),
+    ({"ZR": False}, (513, 513, 3, "full", "rowpad")),
+    ({"TAIL": False}, (513, 64, 4, "slice", "transposed")),
+    ({"SPLIT": False, "EVICT": True}, (513, 7, 9, "slice", "colstride")),
+    ({"SPLIT": False}, (96, 33, 2, "slice", "contig")),
+    ({"SPLIT": True, "EVICT": True}, (200, 40, 6, "slice", "rowpad")),
+]
+
+
+@needs_triton
+@pytest.mark.parametrize("variant,case", VARIANT_CASES, ids=lambda v: str(v))
+@pytest.mark.parametrize("family", ["table", "args"])
+def test_kernel_variants_match_reference(variant, case, family, monkeypatch):
+    """Each variant of both kernel families against the reference (unaligned d and r, strided)."""
+    monkeypatch.setattr(op, "VARIANT", dict(variant))
+    if family == "args":
+        monkeypatch.setattr(op, "COMPILED_PATH", "triton_op")
+        fn = _attnres_args
+    else:
+        fn = kernels.attnres_triton
+    d, r, S, norm, layout = case
+    device = "cuda" if HAS_CUDA else "cpu"
+    gen = torch.Generator(device=device).manual_seed(d + 3 * r + S)
+    sources = _make_sources(S, (3, 7), d, torch.float32, device, layout, gen)
+    query = torch.randn(r, generator=gen, device=device).requires_grad_()
+    g = torch.randn(3, 7, d, generator=gen, device=device)
+    op.set_cpu_triton(not HAS_CUDA)
+    try:
+        h, gs, gq = _run(fn, sources, query, g, norm)
+    finally:
+        op.set_cpu_triton(False)
+    h_ref, gs_ref, gq_ref = _run(route, sources, query, g, norm)
+    torch.testing.assert_close(h, h_ref, rtol=1e-4, atol=1e-4)
+    for a, b in zip(gs, gs_ref):
+        torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-3)
+    torch.testing.assert_close(gq, gq_ref, rtol=1e-3, atol=2e-3 * max(1.0, gq_ref.abs().max().item()))
+
+
+def test_variant_policy():
+    """TAIL only where a key tile is narrower than the row ("slice"); ZR off turns TAIL off, and
+    SPLIT needs TAIL."""
+    assert op._variant("fwd", "slice", 1536, 384)["TAIL"] and op._variant("fwd", "slice", 1536, 384)["BLOCK_R"] == 512
+    assert not op._variant("fwd", "slice", 1536, 1536)["TAIL"]
+    assert not op._variant("bwd", "full", 1536, 384)["TAIL"]
+    assert not op._variant("fwd", "slice", 1536, 1025)["TAIL"]  # next_pow2(r) = next_pow2(d)
+    assert op._variant("bwd", "slice", 64, 7)["ZR"]
+    assert not op._variant("fwd", "full", 1536, 384)["SPLIT"]
+    op.VARIANT["ZR"] = False
+    try:
+        assert not op._variant("bwd", "slice", 1536, 384)["TAIL"]
+        assert not op._variant("bwd", "slice", 1536, 384)["SPLIT"]
+    finally:
+        op.VARIANT.clear()
+
+
 @needs_triton
 @pytest.mark.parametrize("eager_function", [False, True], ids=["custom-op", "function"])
 @pytest.mark.parametrize("S", [1, 2])
