@@ -20,8 +20,7 @@
 #   trainargs   the 1B step (ATTN, default flex): baseline, LR via the triton_op and via the custom op, AttnRes
 #   paper1      the 1B step under the paper's protocol (accumulation 64, flex): baseline and LR-AttnRes fused
 #   paper2      the same for AttnRes fused and both reference routers
-#   variants    kernel_sweep.py --quick over the kernel variants (old, zr, tail, split, split+evict) at the
-#               1B step's and the goals' shapes
+#   ksweep      kernel_sweep.py --quick at the 1B step's and the goals' shapes (SHAPES overrides)
 #   kcheck      tests/test_kernels.py on the GPU (all of it: the interpreter cases run in fp32 on CUDA), then
 #               kernel_bench.py at 8192 tokens (the goals' S = 9 shapes first) with the default variant
 #   traingrid   train, then as much of the gpu scale as fits (benchmarks/gpu_grid.sh)
@@ -108,18 +107,18 @@ paper_step() {  # the paper's protocol (microbatch 2, 64 accumulation steps: 262
 }
 lane_paper1() { paper_step train_step_bench_paper_main baseline,lr-fused "$(left 300)"; }
 lane_paper2() { paper_step train_step_bench_paper_other attnres-fused,lr-ref,attnres-ref "$(left 400)"; }
-lane_variants() {
-  $PYTHON benchmarks/kernel_sweep.py --out "$L" --stem kernel_sweep_variants --quick --budget-s "$(left $((DUR - 20)))" \
-    --variants "${VARIANTS:-old,zr,tail,split,split+evict}" \
-    --shapes "${SHAPES:-4096x1536x9x384,8192x1536x9x384,8192x1024x9x256,4096x1536x3x384,8192x1536x9x1536}"
+lane_ksweep() {
+  $PYTHON benchmarks/kernel_sweep.py --out "$L" --stem kernel_sweep_sb --quick --budget-s "$(left $((DUR - 20)))" \
+    --shapes "${SHAPES:-4096x1536x9x384,8192x1536x9x384,8192x1024x9x256,4096x1536x3x384,8192x2560x9x640,4096x1536x9x384:args}"
 }
 lane_kcheck() {
-  timeout 260 $PYTHON -m pytest -q -p no:cacheprovider tests/test_kernels.py -rA 2>&1 | grep -v "^PASSED" | tail -40
+  timeout 260 $PYTHON -m pytest -q -p no:cacheprovider tests/test_kernels.py -rA --tb=short 2>&1 | tee "$L/pytest.txt" \
+    | grep -v "^PASSED" | tail -40
   $PYTHON benchmarks/kernel_bench.py --out "$L" --tokens 8192 --no-compile --budget-s "$(left $((DUR - 30)))"
 }
 lane_grid() { OUT="$L" DEADLINE_S=$(left $((DUR - 15))) PYTHON=$PYTHON bash benchmarks/gpu_grid.sh; }
 lane_throughput() { OUT="$L" PYTHON=$PYTHON bash benchmarks/throughput_gpu.sh; }
-export -f lane_variants lane_kcheck left paper_step lane_paper1 lane_paper2 lane_argscheck lane_trainargs lane_kernel lane_kernel4096 lane_sweep lane_train lane_trainflex lane_sweeptrain lane_hostprof lane_traingrid lane_grid lane_throughput
+export -f lane_ksweep lane_kcheck left paper_step lane_paper1 lane_paper2 lane_argscheck lane_trainargs lane_kernel lane_kernel4096 lane_sweep lane_train lane_trainflex lane_sweeptrain lane_hostprof lane_traingrid lane_grid lane_throughput
 
 run_lane() {  # name:seconds gpu-list cpu-list
   local name=${1%%:*} dur=${1##*:} gpus=$2 cpus=$3

@@ -4,8 +4,9 @@
 
 For a few shapes (default: 8192 tokens, d in {1024, 1536, 2560}, S = 9, r = d/4; ``--shapes``) it
 times the forward kernel and the backward kernel separately under every candidate launch
-configuration (BLOCK_T, num_warps, PREFETCH depth; for the backward DQ2D and, for its two best
-configurations, the persistent grid's programs per SM), through ``kernels.op.CONFIG_OVERRIDE``, for
+configuration (sources per step SB, num_warps, PREFETCH, and for PREFETCH 0 Triton's own loop
+pipelining num_stages 1 or 3; then, for the two best of each kernel, the evict-first hint and, for the
+backward, the persistent grid's programs per SM), through ``kernels.op.CONFIG_OVERRIDE``, for
 either kernel pair (``:table``, ``:args`` after a shape; see PATHS).  Each timing replays
 a CUDA graph of the launch (no host-side dispatch in the number; the inputs are several times the L2,
 so the cache helps little), median of ``triton.testing.do_bench_cudagraph``.  Every row also gives
@@ -41,54 +42,23 @@ from kernel_bench import copy_bandwidth  # noqa: E402  (the same ceiling as the 
 EPS = 1e-6
 
 
-def _fwd_candidates(block_d: int) -> list[dict]:
+def _candidates(block_d: int, warps=(2, 4, 8, 16)) -> list[dict]:
     out = []
-    for bt in (1, 2, 4):
-        for nw in (2, 4, 8, 16):
-            for pf in (0, 1, 2):
-                per_thread = bt * block_d // (32 * nw)
+    for sb in (1, 2, 4, 8):
+        for nw in warps:
+            for pf, stages in ((1, 3), (0, 3), (0, 1)):
+                per_thread = sb * block_d // (32 * nw)
                 if 4 <= per_thread <= 64:
-                    out.append(dict(BLOCK_T=bt, num_warps=nw, PREFETCH=pf))
+                    out.append(dict(SB=sb, num_warps=nw, PREFETCH=pf, num_stages=stages))
     return out
 
 
-def _bwd_candidates(block_d: int) -> list[dict]:
-    out = []
-    for bt in (1, 2):
-        for nw in (4, 8, 16):
-            for pf in (0, 1, 2):
-                per_thread = bt * block_d // (32 * nw)
-                if 4 <= per_thread <= 64:
-                    out.append(dict(BLOCK_T=bt, num_warps=nw, PREFETCH=pf, DQ2D=bt > 1))
-    return out
+def _quick(block_d: int) -> list[dict]:
+    """The candidates worth timing on a short budget (--quick): 4 and 8 warps."""
+    return _candidates(block_d, warps=(4, 8))
 
 
-def _quick(cands: list[dict], kind: str) -> list[dict]:
-    """The candidates worth timing for every kernel variant (--quick): 2-8 warps, prefetch 1-2."""
-    return [c for c in cands if c["PREFETCH"] >= 1 and 2 <= c["num_warps"] <= 8 and c["BLOCK_T"] <= 2]
-
-
-# Kernel variants (kernels.op.VARIANT), fwd and bwd switches; "+evict" after a name adds the
-# evict-first hint on the source reads.
-VARIANTS = {
-    "old": ({"TAIL": False, "SPLIT": False}, {"ZR": False, "TAIL": False, "SPLIT": False}),
-    "zr": ({"TAIL": False, "SPLIT": False}, {"ZR": True, "TAIL": False, "SPLIT": False}),
-    "tail": ({"TAIL": True, "SPLIT": False}, {"ZR": True, "TAIL": True, "SPLIT": False}),
-    "split": ({"TAIL": True, "SPLIT": True}, {"ZR": True, "TAIL": True, "SPLIT": True}),
-}
-
-
-def _variant(name: str) -> tuple[dict, dict]:
-    base, _, extra = name.partition("+")
-    fwd, bwd = (dict(v) for v in VARIANTS[base])
-    if extra == "evict":
-        fwd["EVICT"] = bwd["EVICT"] = True
-    elif extra:
-        raise ValueError(f"unknown variant suffix {extra!r} in {name!r}")
-    return fwd, bwd
-
-
-PROGRAMS_PER_SM = (2, 3, 4, 6, 12, 16)  # the backward's persistent grid, tried for the best configurations
+PROGRAMS_PER_SM = (2, 4, 6, 12, 16)  # the backward's persistent grid, tried for the best configurations
 
 
 def _time(fn) -> float:
@@ -102,77 +72,71 @@ def _time(fn) -> float:
 PATHS = {"table": (kop._fwd_triton, kop._bwd_triton), "args": (kop._fwd_args, kop._bwd_args)}
 
 
-def sweep_shape(N, d, S, r, bw, budget_end, path="table", variant=None, quick=False, fwd_done=None):
-    """Time every candidate configuration of both kernels at one shape under one kernel variant
-    (None: the default policy).  ``fwd_done`` (a set) skips forward variants already timed."""
+def sweep_shape(N, d, S, r, bw, budget_end, path="table", quick=False):
+    """Time every candidate configuration of both kernels at one shape."""
     fwd_fn, bwd_fn = PATHS[path]
-    vf, vb = _variant(variant) if variant else ({}, {})
     gen = torch.Generator(device="cuda").manual_seed(d + S + r)
     srcs = [torch.randn(N, d, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(S)]
     q = (torch.randn(r, device="cuda", generator=gen) * 0.5).to(torch.bfloat16)
     g = torch.randn(N, d, device="cuda", generator=gen).to(torch.bfloat16)
     unit = N * d * 2
     block_d = kop._next_pow2(d)
+    cands = _quick(block_d) if quick else _candidates(block_d)
     rows = []
-    kop.CONFIG_OVERRIDE.clear()
-    kop.VARIANT.clear()
-    kop.VARIANT.update(vf)
-    fwd_key = (N, d, S, r, path, tuple(sorted(vf.items())))
-    fcands = _fwd_candidates(block_d)
-    if fwd_done is not None and fwd_key in fwd_done:
-        fcands = []
-    elif fwd_done is not None:
-        fwd_done.add(fwd_key)
-    for cfg in (_quick(fcands, "fwd") if quick else fcands):
-        if time.time() > budget_end:
-            break
-        kop.CONFIG_OVERRIDE["fwd"] = cfg
-        try:
-            t = _time(lambda: fwd_fn(srcs, q, "slice", EPS))
-        except Exception as e:  # a configuration that does not compile (registers, shared memory)
-            rows.append({"kernel": "fwd", **cfg, "error": repr(e)[:200]})
-            continue
-        rows.append({"kernel": "fwd", **cfg, "us": t, "pct_design": 100 * (S + 1.5) * unit / (t * 1e-6 * bw),
-                     "pct_formula": 100 * (S + 1) * unit / (t * 1e-6 * bw)})
-    kop.CONFIG_OVERRIDE.clear()
-    h, lse, res = kop._fwd_triton(srcs, q, "slice", EPS)
-    kop.VARIANT.clear()
-    kop.VARIANT.update(vb)
 
-    def bwd_row(cfg, ppsm, t):
-        return {"kernel": "bwd", **cfg, "programs_per_sm": ppsm, "us": t,
-                "pct_design": 100 * (2 * S + 2.5) * unit / (t * 1e-6 * bw),
-                "pct_formula": 100 * (2 * S + 1) * unit / (t * 1e-6 * bw)}
-    bcands = _bwd_candidates(block_d)
-    for cfg in (_quick(bcands, "bwd") if quick else bcands):
+    def pct(kind, t):
+        design, formula = ((S + 1.5), (S + 1)) if kind == "fwd" else ((2 * S + 2.5), (2 * S + 1))
+        return {"pct_design": 100 * design * unit / (t * 1e-6 * bw), "pct_formula": 100 * formula * unit / (t * 1e-6 * bw)}
+
+    def run(kind, cfg, fn, ppsm=None):
+        kop.CONFIG_OVERRIDE.clear()
+        kop.CONFIG_OVERRIDE[kind] = cfg
+        try:
+            t = _time(fn)
+        except Exception as e:  # a configuration that does not compile (registers, shared memory)
+            rows.append({"kernel": kind, **cfg, "error": repr(e)[:200]})
+            return
+        row = {"kernel": kind, **cfg, "us": t, **pct(kind, t)}
+        if ppsm is not None:
+            row["programs_per_sm"] = ppsm
+        rows.append(row)
+
+    def best(kind, n):
+        return sorted((x for x in rows if x["kernel"] == kind and "us" in x), key=lambda x: x["us"])[:n]
+
+    def cfg_of(row):
+        return {k: row[k] for k in ("SB", "num_warps", "PREFETCH", "num_stages", "EVICT") if k in row}
+
+    fwd = lambda: fwd_fn(srcs, q, "slice", EPS)  # noqa: E731
+    for cfg in cands:
         if time.time() > budget_end:
             break
-        kop.CONFIG_OVERRIDE["bwd"] = cfg
-        try:
-            t = _time(lambda: bwd_fn(srcs, q, h, lse, res, g, "slice", EPS))
-        except Exception as e:
-            rows.append({"kernel": "bwd", **cfg, "error": repr(e)[:200]})
-            continue
-        rows.append(bwd_row(cfg, kop.BWD_PROGRAMS_PER_SM, t))
-    # the persistent backward's grid: the two best configurations again at other program counts per SM
+        run("fwd", cfg, fwd)
+    for b in best("fwd", 2):
+        if time.time() < budget_end:
+            run("fwd", dict(cfg_of(b), EVICT=True), fwd)
+    kop.CONFIG_OVERRIDE.clear()
+    h, stats, res = kop._fwd_triton(srcs, q, "slice", EPS)
+    bwd = lambda: bwd_fn(srcs, q, h, stats, res, g, "slice", EPS)  # noqa: E731
     default_ppsm = kop.BWD_PROGRAMS_PER_SM
-    best = sorted((x for x in rows if x["kernel"] == "bwd" and "us" in x), key=lambda x: x["us"])[:0 if quick else 2]
+    for cfg in cands:
+        if time.time() > budget_end:
+            break
+        run("bwd", cfg, bwd, default_ppsm)
     try:
-        for b in best:
-            cfg = {k: b[k] for k in ("BLOCK_T", "num_warps", "PREFETCH", "DQ2D")}
-            kop.CONFIG_OVERRIDE["bwd"] = cfg
-            for ppsm in PROGRAMS_PER_SM:
+        for b in best("bwd", 2):
+            if time.time() < budget_end:
+                run("bwd", dict(cfg_of(b), EVICT=True), bwd, default_ppsm)
+            for ppsm in PROGRAMS_PER_SM:  # the persistent grid
                 if ppsm == default_ppsm or time.time() > budget_end:
                     continue
                 kop.BWD_PROGRAMS_PER_SM = ppsm
-                t = _time(lambda: bwd_fn(srcs, q, h, lse, res, g, "slice", EPS))
-                rows.append(bwd_row(cfg, ppsm, t))
+                run("bwd", cfg_of(b), bwd, ppsm)
+            kop.BWD_PROGRAMS_PER_SM = default_ppsm
     finally:
         kop.BWD_PROGRAMS_PER_SM = default_ppsm
-        kop.VARIANT.clear()
-    kop.CONFIG_OVERRIDE.clear()
-    return {"tokens": N, "d": d, "S": S, "r": r, "kernels": path, "variant": variant or "default",
-            "variant_fwd": vf, "variant_bwd": vb, "rows": rows}
+        kop.CONFIG_OVERRIDE.clear()
+    return {"tokens": N, "d": d, "S": S, "r": r, "kernels": path, "rows": rows}
 
 
 def _md(doc) -> str:
@@ -182,17 +146,16 @@ def _md(doc) -> str:
              "design moves (fwd S+1.5, bwd 2S+2.5 units of N d 2) / (time x copy bandwidth); % formula = the "
              "issue's bytes (fwd S+1, bwd 2S+1).", ""]
     for shp in doc["shapes"]:
-        lines += [f"## {shp.get('kernels', 'table')} kernels, variant {shp.get('variant', 'default')}: {shp['tokens']} tokens, "
-                  f"d={shp['d']}, S={shp['S']}, r={shp['r']}", "",
-                  "| kernel | BLOCK_T | warps | prefetch | DQ2D | programs/SM | us | % design | % formula |",
-                  "|---|---|---|---|---|---|---|---|---|"]
+        lines += [f"## {shp.get('kernels', 'table')} kernels: {shp['tokens']} tokens, d={shp['d']}, S={shp['S']}, r={shp['r']}", "",
+                  "| kernel | SB | warps | prefetch | stages | evict | programs/SM | us | % design | % formula |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
         for r in sorted(shp["rows"], key=lambda x: (x["kernel"] != "fwd", x.get("us", 1e9))):
+            head = (f"| {r['kernel']} | {r.get('SB', '-')} | {r['num_warps']} | {r['PREFETCH']} | {r.get('num_stages', '-')} | "
+                    f"{r.get('EVICT', False)} | {r.get('programs_per_sm', '-')} |")
             if "error" in r:
-                lines.append(f"| {r['kernel']} | {r['BLOCK_T']} | {r['num_warps']} | {r['PREFETCH']} | {r.get('DQ2D', '-')} | "
-                             f"{r.get('programs_per_sm', '-')} | error | | |")
+                lines.append(head + " error | | |")
             else:
-                lines.append(f"| {r['kernel']} | {r['BLOCK_T']} | {r['num_warps']} | {r['PREFETCH']} | {r.get('DQ2D', '-')} | "
-                             f"{r.get('programs_per_sm', '-')} | {r['us']:.1f} | {r['pct_design']:.0f} | {r['pct_formula']:.0f} |")
+                lines.append(head + f" {r['us']:.1f} | {r['pct_design']:.0f} | {r['pct_formula']:.0f} |")
         lines.append("")
     return "\n".join(lines)
 
@@ -203,16 +166,9 @@ def main(argv=None) -> int:
     p.add_argument("--budget-s", type=float, default=150.0)
     p.add_argument("--shapes", default="8192x1536x9x384,8192x1024x9x256,8192x2560x9x640",
                    help="comma-separated NxdxSxr, each optionally suffixed :table or :args (default :table)")
-    p.add_argument("--variants", default="",
-                   help="comma-separated kernel variants to time at every shape (" + ", ".join(VARIANTS)
-                   + "; '+evict' after a name adds the cache hint); default: the default policy only")
     p.add_argument("--stem", default="kernel_sweep", help="output file name stem")
-    p.add_argument("--quick", action="store_true", help="fewer candidate configurations (2-8 warps, prefetch 1-2)")
+    p.add_argument("--quick", action="store_true", help="fewer candidate configurations (4 and 8 warps)")
     a = p.parse_args(argv)
-    variants = [v for v in a.variants.split(",") if v] or [None]
-    for v in variants:
-        if v:
-            _variant(v)  # fail early on a bad name
     if not torch.cuda.is_available():
         print("kernel_sweep needs a CUDA GPU", file=sys.stderr)
         return 1
@@ -222,24 +178,20 @@ def main(argv=None) -> int:
                    "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")},
            "shapes": []}
     bw = copy_bandwidth()
-    fwd_done: set = set()
     doc["copy_bw_TBps"] = bw / 1e12
     for spec in a.shapes.split(","):
         shape, _, path = spec.partition(":")
         N, d, S, r = (int(x) for x in shape.split("x"))
         if time.time() > end:
             break
-        for v in variants:
-            if time.time() > end:
-                break
-            doc["shapes"].append(sweep_shape(N, d, S, r, bw, end, path or "table", v, a.quick, fwd_done))
-            best = {k: min((x for x in doc["shapes"][-1]["rows"] if x["kernel"] == k and "us" in x),
-                           key=lambda x: x["us"], default=None) for k in ("fwd", "bwd")}
-            print(f"[{time.time() - t0:.0f}s] {spec} {v or 'default'}: " + "  ".join(
-                f"{k} best {x['us']:.0f}us ({x['pct_design']:.0f}% design) {x}" for k, x in best.items() if x), flush=True)
-            doc["elapsed_s"] = time.time() - t0
-            for ext, text in (("json", json.dumps(doc, indent=1)), ("md", _md(doc))):
-                atomic_write_text(os.path.join(a.out, f"{a.stem}.{ext}"), text)
+        doc["shapes"].append(sweep_shape(N, d, S, r, bw, end, path or "table", a.quick))
+        best = {k: min((x for x in doc["shapes"][-1]["rows"] if x["kernel"] == k and "us" in x),
+                       key=lambda x: x["us"], default=None) for k in ("fwd", "bwd")}
+        print(f"[{time.time() - t0:.0f}s] {spec}: " + "  ".join(
+            f"{k} best {x['us']:.0f}us ({x['pct_design']:.0f}% design) {x}" for k, x in best.items() if x), flush=True)
+        doc["elapsed_s"] = time.time() - t0
+        for ext, text in (("json", json.dumps(doc, indent=1)), ("md", _md(doc))):
+            atomic_write_text(os.path.join(a.out, f"{a.stem}.{ext}"), text)
     return 0
 
 

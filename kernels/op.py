@@ -39,22 +39,9 @@ _CPU_TRITON = os.environ.get("KERNELS_CPU_TRITON", "0") == "1"
 # Tests set this to fill every freshly allocated output with NaN before the kernels run, so that an
 # unwritten element shows up.
 POISON = os.environ.get("KERNELS_POISON", "0") == "1"
-# Launch configuration overrides: {"fwd": {BLOCK_T, num_warps, PREFETCH}, "bwd": {BLOCK_T,
-# num_warps, PREFETCH, DQ2D}}.
+# Launch configuration overrides: {"fwd": {...}, "bwd": {...}} with the keys of _fwd_configs /
+# _bwd_configs (SB, num_warps, PREFETCH, optionally num_stages and EVICT).
 CONFIG_OVERRIDE: dict = {}
-# Kernel variants (compile-time switches; benchmarks/kernel_sweep.py compares them):
-#   TAIL  the key's sums and gradient terms on a tile of the key columns alone ("slice" with
-#         next_pow2(r) < next_pow2(d)), instead of masked full-width rows;
-#   ZR    the backward reads the forward's saved scores and 1/RMS (one row sum per source, g.o_i)
-#         instead of recomputing them (three row sums);
-#   SPLIT two loops over the sources instead of one (needs TAIL, and ZR in the backward): the
-#         forward first scores every source from its key tile, then mixes the rows with the final
-#         weights (no online rescaling, no reduction in the mixing loop); the backward first reads
-#         the rows (g.o_i, and w g before the key columns), then the key tiles (the key terms and
-#         the query gradient).  The key columns are read twice; the second read hits the cache.
-#   EVICT evict-first cache hint on the source reads (each is read once per kernel).
-# None = the default policy (_variant); an entry here overrides it.
-VARIANT: dict = {}
 # Call statistics for benchmarks: set to a collections.Counter and every Triton launch adds one
 # count under (kind, S, tokens, d, r, align) with align the vector width the tables allowed (a
 # benchmark reads it to see which shapes a model sends and whether they load 16-byte vectors).
@@ -175,54 +162,34 @@ def _res_step(dtype: torch.dtype) -> float:
     return 2.0 ** -(_MANT[dtype] + 8) if dtype in _MANT else 1.0
 
 
-def _variant(kind: str, norm: str, d: int, r: int) -> dict:
-    """Compile-time switches and the key tile's width for one launch (see VARIANT)."""
-    block_r = _next_pow2(r)
-    tail = norm == "slice" and block_r < _next_pow2(d)
-    out = {"TAIL": tail, "SPLIT": tail, "EVICT": False}
-    if kind == "bwd":
-        out["ZR"] = True
-    out.update({k: v for k, v in VARIANT.items() if k in out and v is not None})
-    if kind == "bwd" and not out["ZR"]:
-        out["TAIL"] = False  # the recomputing backward has no key-tile form
-    if norm != "slice" or block_r >= _next_pow2(d):
-        out["TAIL"] = False
-    out["SPLIT"] = out["SPLIT"] and out["TAIL"]
-    out["BLOCK_R"] = block_r if out["TAIL"] else 16  # unused unless TAIL
-    return out
-
-
 def _stats_shape(n_sources: int, lead: tuple) -> tuple:
     """The forward's per-token statistics: logsumexp, then S scores, then S key 1/RMS."""
     return (1 + 2 * n_sources,) + tuple(lead)
 
 
-def _fwd_configs(block_d: int) -> list[dict]:
-    """Candidate launch configurations of the forward kernel (BLOCK_T, num_warps, PREFETCH depth).
-
-    Chosen from register counts of sm_90 builds (docs/kernel_notes.md): 16-32 elements per thread.
-    """
+def _configs(block_d: int, shapes) -> list[dict]:
+    """Launch configurations from (sources per step SB, elements per thread, PREFETCH): num_warps
+    follows from the tile [SB, BLOCK_D]; SB grows for narrow rows so that a tile has >= 512
+    elements."""
     out = []
-    for bt, per_thread, pf in ((1, 16, 1), (1, 16, 2), (2, 32, 1), (1, 8, 2), (2, 16, 2)):
-        bt = max(bt, 512 // block_d)
-        nw = max(1, min(16, bt * block_d // (32 * per_thread)))
-        cfg = dict(BLOCK_T=bt, num_warps=nw, PREFETCH=pf)
+    for sb, per_thread, pf in shapes:
+        sb = max(sb, 512 // block_d)
+        nw = max(1, min(16, sb * block_d // (32 * per_thread)))
+        cfg = dict(SB=sb, num_warps=nw, PREFETCH=pf)
         if cfg not in out:
             out.append(cfg)
     return out
+
+
+def _fwd_configs(block_d: int) -> list[dict]:
+    """Candidate launch configurations of the forward kernel (autotuned on CUDA; the first is the
+    default without autotuning)."""
+    return _configs(block_d, ((2, 16, 1), (4, 32, 0), (4, 16, 1), (1, 16, 1), (8, 32, 0)))
 
 
 def _bwd_configs(block_d: int) -> list[dict]:
-    """Candidate launch configurations of the backward kernel (BLOCK_T, num_warps, PREFETCH, DQ2D)."""
-    out = []
-    for bt, per_thread, pf, dq2 in ((1, 32, 1, False), (1, 16, 1, False), (1, 16, 2, False),
-                                    (2, 32, 1, True), (1, 32, 2, False)):
-        bt = max(bt, 256 // block_d)
-        nw = max(1, min(16, bt * block_d // (32 * per_thread)))
-        cfg = dict(BLOCK_T=bt, num_warps=nw, PREFETCH=pf, DQ2D=dq2)
-        if cfg not in out:
-            out.append(cfg)
-    return out
+    """Candidate launch configurations of the backward kernel."""
+    return _configs(block_d, ((2, 16, 1), (4, 32, 0), (1, 16, 1), (2, 32, 0), (4, 16, 0)))
 
 
 # Autotuning (CUDA only): one triton.autotune wrapper per (kernel, BLOCK_D), keyed on d and the norm.
@@ -255,7 +222,8 @@ def _launcher(kind: str, block_d: int, device: torch.device, key: tuple = ()):
     if tk not in _TUNED:
         import triton
 
-        configs = [triton.Config({k: v for k, v in c.items() if k != "num_warps"}, num_warps=c["num_warps"]) for c in cfgs]
+        configs = [triton.Config({k: v for k, v in c.items() if k not in ("num_warps", "num_stages")},
+                                 num_warps=c["num_warps"], num_stages=c.get("num_stages", 3)) for c in cfgs]
         _TUNED[tk] = triton.autotune(configs=configs, key=["d", "SLICE", "HAS_RES"])(raw)
     return _TUNED[tk], None
 
@@ -355,15 +323,11 @@ def _fwd_triton(sources: Sequence[torch.Tensor], query: torch.Tensor, norm: str,
             STATS[("fwd", len(rows), n_tok, d, r, align)] += 1
         key = (d, norm == "slice", has_res, dtype, query.dtype)
         fn, cfg = _launcher("fwd", block_d, dev, key)
-        if cfg is None:
-            grid = lambda meta: (triton_cdiv(n_tok, meta["BLOCK_T"]),)  # noqa: E731
-        else:
-            grid = (triton_cdiv(n_tok, cfg["BLOCK_T"]),)
-        fn[grid](
+        fn[(n_tok,)](
             rows[0], table[0], table[1], query.contiguous(), out, res if has_res else out, stats,
             n_tok, len(rows), d, r, 1.0 / (r if norm == "slice" else d), float(eps),
             SLICE=(norm == "slice"), HAS_RES=has_res, RES_STEP=_res_step(dtype), ALIGN=align,
-            BLOCK_D=block_d, FUSED=_fused(dev), **_variant("fwd", norm, d, r), **(cfg or {}),
+            BLOCK_D=block_d, FUSED=_fused(dev), **_launch_kwargs(cfg),
         )
         if cfg is None:
             _remember("fwd", block_d, key, fn)
@@ -391,20 +355,14 @@ def _bwd_inputs(sources, query, h, res, g, norm: str):
     nprog = max(1, min(n_tok, BWD_PROGRAMS_PER_SM * _num_sms(dev)))
     part = _empty((nprog, r), torch.float32, dev)
     has_res = dtype in _MANT and res.numel() > 0
-    variant = _variant("bwd", norm, d, r)
-    if variant["SPLIT"]:  # room for any candidate configuration's token block (autotuning picks one)
-        cfgs = _bwd_configs(_next_pow2(d)) + ([CONFIG_OVERRIDE["bwd"]] if "bwd" in CONFIG_OVERRIDE else [])
-        scratch = torch.empty(nprog * 3 * len(sources) * max(c["BLOCK_T"] for c in cfgs), dtype=torch.float32, device=dev)
-    else:
-        scratch = part  # unused
-    return (d, r, n_tok, has_res, grads, h2, g, gs, nprog, part, scratch, variant), None, None
+    return (d, r, n_tok, has_res, grads, h2, g, gs, nprog, part), None, None
 
 
 def _bwd_triton(sources, query, h, stats, res, g, norm: str, eps: float):
     ops, grads, dq = _bwd_inputs(sources, query, h, res, g, norm)
     if ops is None:
         return grads, dq
-    d, r, n_tok, has_res, grads, h2, g, gs, nprog, part, scratch, variant = ops
+    d, r, n_tok, has_res, grads, h2, g, gs, nprog, part = ops
     dtype, dev = h2.dtype, h2.device
     res2 = res.contiguous() if has_res else h2
     stats2 = stats.contiguous()
@@ -418,10 +376,10 @@ def _bwd_triton(sources, query, h, stats, res, g, norm: str, eps: float):
     key = (d, norm == "slice", has_res, dtype, query.dtype, g.dtype)
     fn, cfg = _launcher("bwd", block_d, dev, key)
     fn[(nprog,)](
-        rows[0], table[0], table[1], grads[0], table[2], query.contiguous(), h2, res2, g, stats2, part, scratch,
+        rows[0], table[0], table[1], grads[0], table[2], query.contiguous(), h2, res2, g, stats2, part,
         n_tok, len(rows), d, r, gs, 1.0 / (r if norm == "slice" else d), float(eps),
         SLICE=(norm == "slice"), HAS_RES=has_res, RES_STEP=_res_step(dtype), ALIGN=align, GALIGN=galign,
-        BLOCK_D=block_d, FUSED=_fused(dev), **variant, **(cfg or {}),
+        BLOCK_D=block_d, **_launch_kwargs(cfg),
     )
     if cfg is None:
         _remember("bwd", block_d, key, fn)
@@ -439,6 +397,14 @@ def _fused(dev: torch.device) -> bool:
 
 def triton_cdiv(a: int, b: int) -> int:
     return (a + b - 1) // b
+
+
+def _launch_kwargs(cfg: dict | None) -> dict:
+    """A fixed configuration's keyword arguments (EVICT off unless it names it); {"EVICT": False}
+    when autotuning chooses the rest."""
+    out = {"EVICT": False}
+    out.update(cfg or {})
+    return out
 
 
 # ----------------------------------------------------------------------------------------------
@@ -607,14 +573,9 @@ attnres_fwd.register_autograd(_backward_through(attnres_bwd), setup_context=_set
 MAX_ARG_SOURCES = 16
 COMPILED_PATH = os.environ.get("KERNELS_COMPILED_PATH", "triton_op")
 # The launch configurations of the per-argument kernels (Inductor launches them with no
-# autotuner): index into _fwd_configs / _bwd_configs.  Index 2 (forward BLOCK_T 2, 4 warps,
-# prefetch 1; backward BLOCK_T 1, 4 warps, prefetch 2) was the fastest of the sweep's candidates at
-# the 1B step's shapes (4096 tokens, d 1536, r 384, S 3/6/9): forward 27.6/39.0/50.6 us against
-# 30.8/48.5/67.2 for index 1; backward 56.8/80.7/106.5 against 56.1/86.7/122.5 (1% behind at S 3)
-# (benchmarks/results/kernel_sweep_h200_2026-11-29_args.md).  The recorded training steps
-# (train_step_bench_paper*, train_step_bench_args_flex) ran with index 1 for both.
-ARGS_FWD_CONFIG = 2
-ARGS_BWD_CONFIG = 2
+# autotuner): index into _fwd_configs / _bwd_configs.
+ARGS_FWD_CONFIG = 0
+ARGS_BWD_CONFIG = 0
 
 
 def _args_config(kind: str, block_d: int) -> dict:
@@ -646,11 +607,11 @@ def _fwd_args(sources: Sequence[torch.Tensor], query: torch.Tensor, norm: str, e
         if STATS is not None:  # counted when traced, not per run, under torch.compile
             STATS[("fwd-args", len(rows), n_tok, d, r)] += 1
         _launch(
-            K._attnres_fwd_args_kernel, (triton_cdiv(n_tok, cfg["BLOCK_T"]),),
+            K._attnres_fwd_args_kernel, (n_tok,),
             *_slots(rows), *_slots(strides), query.contiguous(), out, res if has_res else None, stats,
             n_tok, len(rows), d, r,
             NSLOT=len(rows), EPS=float(eps), SLICE=(norm == "slice"), HAS_RES=has_res, RES_STEP=_res_step(dtype),
-            BLOCK_D=block_d, FUSED=_fused(dev), **_variant("fwd", norm, d, r), **cfg,
+            BLOCK_D=block_d, FUSED=_fused(dev), **_launch_kwargs(cfg),
         )
     return out, stats, res
 
@@ -661,7 +622,7 @@ def _bwd_args(sources, query, h, stats, res, g, norm: str, eps: float):
     ops, grads, dq = _bwd_inputs(sources, query, h, res, g, norm)
     if ops is None:
         return grads, dq
-    d, r, n_tok, has_res, grads, h2, g, gs, nprog, part, scratch, variant = ops
+    d, r, n_tok, has_res, grads, h2, g, gs, nprog, part = ops
     dtype, dev = h2.dtype, h2.device
     block_d = _next_pow2(d)
     rows, strides = _as_rows(sources, d, dtype)
@@ -671,10 +632,10 @@ def _bwd_args(sources, query, h, stats, res, g, norm: str, eps: float):
     _launch(
         K._attnres_bwd_args_kernel, (nprog,),
         *_slots(rows), *_slots(strides), *_slots(grads), query.contiguous(), h2,
-        res.contiguous() if has_res else None, g, stats.contiguous(), part, scratch,
+        res.contiguous() if has_res else None, g, stats.contiguous(), part,
         n_tok, len(rows), d, r, gs,
         NSLOT=len(rows), EPS=float(eps), SLICE=(norm == "slice"), HAS_RES=has_res, RES_STEP=_res_step(dtype),
-        BLOCK_D=block_d, FUSED=_fused(dev), **variant, **cfg,
+        BLOCK_D=block_d, **_launch_kwargs(cfg),
     )
     return grads, part.sum(0).to(query.dtype)
 

@@ -142,29 +142,25 @@ def test_triton_fused_reductions(monkeypatch):
     test_triton_matches_reference_fp32(48, 48, 3, "full", "contig")
 
 
-# Compile-time variants (kernels.op.VARIANT) that the default policy may not pick at the shapes above:
-# the recomputing backward (ZR off), full-width key terms (TAIL off) and the eviction hint.
-VARIANT_CASES = [
-    ({"ZR": False}, (64, 7, 5, "slice", "mixed")),
-    ({"ZR": False}, (513, 513, 3, "full", "rowpad")),
-    ({"TAIL": False}, (513, 64, 4, "slice", "transposed")),
-    ({"SPLIT": False, "EVICT": True}, (513, 7, 9, "slice", "colstride")),
-    ({"SPLIT": False}, (96, 33, 2, "slice", "contig")),
-    ({"SPLIT": True, "EVICT": True}, (200, 40, 6, "slice", "rowpad")),
+# Launch configurations the default may not pick: every sources-per-step count, prefetch on and off,
+# the eviction hint; both kernel families.
+CONFIG_CASES = [
+    ({"SB": 1, "num_warps": 2, "PREFETCH": 1}, (64, 7, 5, "slice", "mixed")),
+    ({"SB": 2, "num_warps": 4, "PREFETCH": 0, "EVICT": True}, (513, 513, 3, "full", "rowpad")),
+    ({"SB": 4, "num_warps": 4, "PREFETCH": 1}, (513, 64, 9, "slice", "transposed")),
+    ({"SB": 8, "num_warps": 8, "PREFETCH": 0}, (200, 40, 6, "slice", "colstride")),
+    ({"SB": 4, "num_warps": 1, "PREFETCH": 1, "EVICT": True}, (96, 33, 2, "full", "contig")),
 ]
 
 
 @needs_triton
-@pytest.mark.parametrize("variant,case", VARIANT_CASES, ids=lambda v: str(v))
+@pytest.mark.parametrize("cfg,case", CONFIG_CASES, ids=lambda v: str(v))
 @pytest.mark.parametrize("family", ["table", "args"])
-def test_kernel_variants_match_reference(variant, case, family, monkeypatch):
-    """Each variant of both kernel families against the reference (unaligned d and r, strided)."""
-    monkeypatch.setattr(op, "VARIANT", dict(variant))
-    if family == "args":
-        monkeypatch.setattr(op, "COMPILED_PATH", "triton_op")
-        fn = _attnres_args
-    else:
-        fn = kernels.attnres_triton
+def test_launch_configs_match_reference(cfg, case, family, monkeypatch):
+    """Each launch configuration of both kernel families against the reference (unaligned d and r,
+    strided sources, S smaller and larger than a step's SB)."""
+    monkeypatch.setattr(op, "CONFIG_OVERRIDE", {"fwd": dict(cfg), "bwd": dict(cfg)})
+    fn = _attnres_args if family == "args" else kernels.attnres_triton
     d, r, S, norm, layout = case
     device = "cuda" if HAS_CUDA else "cpu"
     gen = torch.Generator(device=device).manual_seed(d + 3 * r + S)
@@ -183,21 +179,14 @@ def test_kernel_variants_match_reference(variant, case, family, monkeypatch):
     torch.testing.assert_close(gq, gq_ref, rtol=1e-3, atol=2e-3 * max(1.0, gq_ref.abs().max().item()))
 
 
-def test_variant_policy():
-    """TAIL only where a key tile is narrower than the row ("slice"); ZR off turns TAIL off, and
-    SPLIT needs TAIL."""
-    assert op._variant("fwd", "slice", 1536, 384)["TAIL"] and op._variant("fwd", "slice", 1536, 384)["BLOCK_R"] == 512
-    assert not op._variant("fwd", "slice", 1536, 1536)["TAIL"]
-    assert not op._variant("bwd", "full", 1536, 384)["TAIL"]
-    assert not op._variant("fwd", "slice", 1536, 1025)["TAIL"]  # next_pow2(r) = next_pow2(d)
-    assert op._variant("bwd", "slice", 64, 7)["ZR"]
-    assert not op._variant("fwd", "full", 1536, 384)["SPLIT"]
-    op.VARIANT["ZR"] = False
-    try:
-        assert not op._variant("bwd", "slice", 1536, 384)["TAIL"]
-        assert not op._variant("bwd", "slice", 1536, 384)["SPLIT"]
-    finally:
-        op.VARIANT.clear()
+def test_launch_config_candidates():
+    """Every candidate's tile [SB, BLOCK_D] has at least 512 elements and at most 32 per thread
+    except where 16 warps cannot spread it further."""
+    for block_d in (1, 64, 1024, 2048, 8192):
+        for cfg in op._fwd_configs(block_d) + op._bwd_configs(block_d):
+            tile = cfg["SB"] * block_d
+            assert tile >= 512 and 1 <= cfg["num_warps"] <= 16
+            assert tile // (32 * cfg["num_warps"]) <= 32 or cfg["num_warps"] == 16
 
 
 @needs_triton
@@ -442,7 +431,7 @@ def test_row_stride_reads_in_place_only_when_rows_flatten():
 # --------------------------------------------------------------------- per-argument (compiled) path
 
 ARGS_CASES = [
-    # d, r, S, norm, layout, (fwd config index, bwd config index): every PREFETCH depth and DQ2D
+    # d, r, S, norm, layout, (fwd config index, bwd config index): prefetch on and off, SB 1 to 8
     (64, 1, 1, "slice", "contig", (0, 0)),
     (64, 7, 2, "full", "mixed", (1, 2)),
     (513, 64, 3, "slice", "rowpad", (4, 3)),
