@@ -108,8 +108,8 @@ paper_step() {  # the paper's protocol (microbatch 2, 64 accumulation steps: 262
 lane_paper1() { paper_step train_step_bench_paper_main baseline,lr-fused "$(left 300)"; }
 lane_paper2() { paper_step train_step_bench_paper_other attnres-fused,lr-ref,attnres-ref "$(left 400)"; }
 lane_ksweep() {
-  $PYTHON benchmarks/kernel_sweep.py --out "$L" --stem kernel_sweep_sb --quick --budget-s "$(left $((DUR - 20)))" \
-    --shapes "${SHAPES:-4096x1536x9x384,8192x1536x9x384,8192x1024x9x256,4096x1536x3x384,8192x2560x9x640,4096x1536x9x384:args}"
+  $PYTHON benchmarks/kernel_sweep.py --out "$L" --stem "${STEM:-kernel_sweep_final}" --quick --budget-s "$(left $((DUR - 20)))" \
+    --shapes "${SHAPES:-4096x1536x9x384,8192x1536x9x384,4096x1536x9x384:args,8192x1024x9x256,4096x1536x3x384}"
 }
 lane_kcheck() {
   timeout 260 $PYTHON -m pytest -q -p no:cacheprovider tests/test_kernels.py -rA --tb=short 2>&1 | tee "$L/pytest.txt" \

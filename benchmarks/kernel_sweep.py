@@ -4,9 +4,9 @@
 
 For a few shapes (default: 8192 tokens, d in {1024, 1536, 2560}, S = 9, r = d/4; ``--shapes``) it
 times the forward kernel and the backward kernel separately under every candidate launch
-configuration (sources per step SB, num_warps, PREFETCH, and for PREFETCH 0 Triton's own loop
-pipelining num_stages 1 or 3; then, for the two best of each kernel, the evict-first hint and, for the
-backward, the persistent grid's programs per SM), through ``kernels.op.CONFIG_OVERRIDE``, for
+configuration (forward: tokens per program BLOCK_T; backward: sources per step SB; num_warps,
+PREFETCH; then, for the two best of each kernel, the evict-first hint and, for the backward, the
+persistent grid's programs per SM), through ``kernels.op.CONFIG_OVERRIDE``, for
 either kernel pair (``:table``, ``:args`` after a shape; see PATHS).  Each timing replays
 a CUDA graph of the launch (no host-side dispatch in the number; the inputs are several times the L2,
 so the cache helps little), median of ``triton.testing.do_bench_cudagraph``.  Every row also gives
@@ -42,20 +42,24 @@ from kernel_bench import copy_bandwidth  # noqa: E402  (the same ceiling as the 
 EPS = 1e-6
 
 
-def _candidates(block_d: int, warps=(2, 4, 8, 16)) -> list[dict]:
+def _candidates(kind: str, block_d: int, warps=(2, 4, 8, 16)) -> list[dict]:
+    """Forward: BLOCK_T tokens per program; backward: SB sources per step; each with num_warps and
+    PREFETCH (Triton's own loop pipelining, num_stages, changed nothing on the H200: it does not
+    pipeline these loops)."""
     out = []
-    for sb in (1, 2, 4, 8):
+    key = "BLOCK_T" if kind == "fwd" else "SB"
+    for n in (1, 2, 4):
         for nw in warps:
-            for pf, stages in ((1, 3), (0, 3), (0, 1)):
-                per_thread = sb * block_d // (32 * nw)
+            for pf in (1, 0):
+                per_thread = n * block_d // (32 * nw)
                 if 4 <= per_thread <= 64:
-                    out.append(dict(SB=sb, num_warps=nw, PREFETCH=pf, num_stages=stages))
+                    out.append({key: n, "num_warps": nw, "PREFETCH": pf})
     return out
 
 
-def _quick(block_d: int) -> list[dict]:
+def _quick(kind: str, block_d: int) -> list[dict]:
     """The candidates worth timing on a short budget (--quick): 4 and 8 warps."""
-    return _candidates(block_d, warps=(4, 8))
+    return _candidates(kind, block_d, warps=(4, 8))
 
 
 PROGRAMS_PER_SM = (2, 4, 6, 12, 16)  # the backward's persistent grid, tried for the best configurations
@@ -81,7 +85,7 @@ def sweep_shape(N, d, S, r, bw, budget_end, path="table", quick=False):
     g = torch.randn(N, d, device="cuda", generator=gen).to(torch.bfloat16)
     unit = N * d * 2
     block_d = kop._next_pow2(d)
-    cands = _quick(block_d) if quick else _candidates(block_d)
+    pick = _quick if quick else _candidates
     rows = []
 
     def pct(kind, t):
@@ -105,10 +109,10 @@ def sweep_shape(N, d, S, r, bw, budget_end, path="table", quick=False):
         return sorted((x for x in rows if x["kernel"] == kind and "us" in x), key=lambda x: x["us"])[:n]
 
     def cfg_of(row):
-        return {k: row[k] for k in ("SB", "num_warps", "PREFETCH", "num_stages", "EVICT") if k in row}
+        return {k: row[k] for k in ("BLOCK_T", "SB", "num_warps", "PREFETCH", "EVICT") if k in row}
 
     fwd = lambda: fwd_fn(srcs, q, "slice", EPS)  # noqa: E731
-    for cfg in cands:
+    for cfg in pick("fwd", block_d):
         if time.time() > budget_end:
             break
         run("fwd", cfg, fwd)
@@ -119,7 +123,7 @@ def sweep_shape(N, d, S, r, bw, budget_end, path="table", quick=False):
     h, stats, res = kop._fwd_triton(srcs, q, "slice", EPS)
     bwd = lambda: bwd_fn(srcs, q, h, stats, res, g, "slice", EPS)  # noqa: E731
     default_ppsm = kop.BWD_PROGRAMS_PER_SM
-    for cfg in cands:
+    for cfg in pick("bwd", block_d):
         if time.time() > budget_end:
             break
         run("bwd", cfg, bwd, default_ppsm)
@@ -147,10 +151,10 @@ def _md(doc) -> str:
              "issue's bytes (fwd S+1, bwd 2S+1).", ""]
     for shp in doc["shapes"]:
         lines += [f"## {shp.get('kernels', 'table')} kernels: {shp['tokens']} tokens, d={shp['d']}, S={shp['S']}, r={shp['r']}", "",
-                  "| kernel | SB | warps | prefetch | stages | evict | programs/SM | us | % design | % formula |",
-                  "|---|---|---|---|---|---|---|---|---|---|"]
+                  "| kernel | tokens or sources per step | warps | prefetch | evict | programs/SM | us | % design | % formula |",
+                  "|---|---|---|---|---|---|---|---|---|"]
         for r in sorted(shp["rows"], key=lambda x: (x["kernel"] != "fwd", x.get("us", 1e9))):
-            head = (f"| {r['kernel']} | {r.get('SB', '-')} | {r['num_warps']} | {r['PREFETCH']} | {r.get('num_stages', '-')} | "
+            head = (f"| {r['kernel']} | {r.get('BLOCK_T', r.get('SB', '-'))} | {r['num_warps']} | {r['PREFETCH']} | "
                     f"{r.get('EVICT', False)} | {r.get('programs_per_sm', '-')} |")
             if "error" in r:
                 lines.append(head + " error | | |")

@@ -1,11 +1,14 @@
 """Fused Triton kernels for depth routing (Fast-AttnRes style), forward and backward.
 
-Layout: every source is a [N, d] matrix with unit column stride and its own row stride.  One program
-(forward) or one step of a persistent program (backward) owns one token's row at the full width
-(BLOCK_D = next power of two >= d, masked) and walks the sources SB at a time: each step loads an
-[SB, BLOCK_D] tile of SB sources' rows, so SB rows are in flight at once and the row sums of the SB
-sources share one reduction (one round of shuffles and one barrier instead of SB).  Sources are
-never stacked; two kernel families address them:
+Layout: every source is a [N, d] matrix with unit column stride and its own row stride, read at
+the full row width (BLOCK_D = next power of two >= d, masked).  The forward gives each program
+BLOCK_T tokens and walks the sources one at a time (the next source's tile loaded before this one's
+arithmetic, PREFETCH).  The backward's persistent programs take one token at a time and walk the
+sources SB at a time: a step loads an [SB, BLOCK_D] tile of SB sources' rows, whose row sums share
+one reduction.  (On the H200 the forward ran fastest with two tokens per program, one source per
+step, and the backward with one token and one or two sources per step: benchmarks/results/
+kernel_sweep_h200_2026-11-29_sb.md and _variants.md.)  Sources are never stacked; two kernel families
+address them:
 
 - table kernels (eager calls, any S): a table of element offsets relative to an anchor tensor (the
   first source) plus a table of row strides; addressing off a typed anchor pointer (rather than
@@ -55,14 +58,28 @@ def _add2(a0, b0, a1, b1):
 
 
 @triton.jit
-def _query_cols(q_ptr, d, r, BLOCK_D: tl.constexpr):
-    """Column offsets of a row, which are real (< d), which are the key's (the last r), and the
-    query laid over those (fp32, zero elsewhere)."""
+def _cols(d, r, BLOCK_D: tl.constexpr):
+    """Column offsets of a row, which are real (< d) and which are the key's (the last r)."""
     offs = tl.arange(0, BLOCK_D)
     col_ok = offs < d
-    tail = (offs >= d - r) & col_ok
-    q = tl.load(q_ptr + (offs - (d - r)), mask=tail, other=0.0).to(tl.float32)
-    return offs, col_ok, tail, q
+    return offs, col_ok, (offs >= d - r) & col_ok
+
+
+@triton.jit
+def _query(q_ptr, offs, d, r, tail):
+    """The query laid over the key columns (fp32, zero elsewhere).  Kept apart from _cols: Inductor
+    finds which arguments a kernel writes by following every value a store's address comes from
+    through the calls that made it, so column offsets returned by a call that also read the query
+    would mark the query as written (and functionalization would copy it back into its parameter)."""
+    return tl.load(q_ptr + (offs - (d - r)), mask=tail, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _token_rows(blk, N, col_ok, BLOCK_T: tl.constexpr):
+    """Token block ``blk``: its rows, which are real, the rows as int64, and the tile's mask."""
+    rows = blk * BLOCK_T + tl.arange(0, BLOCK_T)
+    row_ok = rows < N
+    return rows, row_ok, rows.to(tl.int64), row_ok[:, None] & col_ok[None, :]
 
 
 @triton.jit
@@ -79,9 +96,21 @@ def _rows_tile(ptrs, strides, row64, js, S, offs, col_ok, EVICT: tl.constexpr):
 
 
 @triton.jit
-def _fwd_block(x, live, q, tail, m, l, acc, inv_n, eps, SLICE: tl.constexpr, FUSED: tl.constexpr):
-    """Online-softmax update of (max, sum, fp32 mix [BLOCK_D]) by the fp32 rows x [SB, BLOCK_D] of SB
-    sources (``live`` marks the real ones).  Returns the new state, the scores and key 1/RMS [SB]."""
+def _tile(ptr, stride, j, S, rows, rows64, offs, mask, EVICT: tl.constexpr):
+    """Raw tile [BLOCK_T, BLOCK_D] of the source at ``ptr`` (zeros when j >= S)."""
+    live = ((rows * 0 + j) < S)[:, None]
+    addr = ptr + rows64[:, None] * stride + offs[None, :]
+    if EVICT:  # read once: let the sources leave the L2 first
+        x = tl.load(addr, mask=mask & live, other=0.0, eviction_policy="evict_first")
+    else:
+        x = tl.load(addr, mask=mask & live, other=0.0)
+    return x
+
+
+@triton.jit
+def _fwd_source(x, q, tail, m, l, acc, inv_n, eps, SLICE: tl.constexpr, FUSED: tl.constexpr):
+    """Online-softmax update of (max, sum, fp32 mix) by one fp32 source tile x [BLOCK_T, BLOCK_D].
+    Returns the new state and this source's score and key 1/RMS per token."""
     if SLICE:
         kk = tl.where(tail[None, :], x * x, 0.0)
     else:
@@ -94,38 +123,37 @@ def _fwd_block(x, live, q, tail, m, l, acc, inv_n, eps, SLICE: tl.constexpr, FUS
         qk = tl.sum(kq, axis=1)
     rinv = tl.rsqrt(ss * inv_n + eps)
     z = qk * rinv
-    zl = tl.where(live, z, float("-inf"))
-    m_new = tl.maximum(m, tl.max(zl, axis=0))
+    m_new = tl.maximum(m, z)
     alpha = tl.exp(m - m_new)
-    p = tl.exp(zl - m_new)
-    acc = acc * alpha + tl.sum(p[:, None] * x, axis=0)
-    l = l * alpha + tl.sum(p, axis=0)
+    p = tl.exp(z - m_new)
+    acc = acc * alpha[:, None] + p[:, None] * x
+    l = l * alpha + p
     return m_new, l, acc, z, rinv
 
 
 @triton.jit
-def _store_scores(st_ptr, js, S, N, row, z, rinv):
-    """Rows 1 + j and 1 + S + j of the statistics get source j's score and key 1/RMS."""
-    live = js < S
-    tl.store(st_ptr + (1 + js).to(tl.int64) * N + row, z, mask=live)
-    tl.store(st_ptr + (1 + S + js).to(tl.int64) * N + row, rinv, mask=live)
+def _store_scores(st_ptr, i, S, N, z, rinv, rows, row_ok):
+    """Row 1 + i of the statistics gets source i's scores, row 1 + S + i their key 1/RMS."""
+    tl.store(st_ptr + tl.cast(1 + i, tl.int64) * N + rows, z, mask=row_ok)
+    tl.store(st_ptr + tl.cast(1 + S + i, tl.int64) * N + rows, rinv, mask=row_ok)
 
 
 @triton.jit
-def _fwd_store(acc, m, l, out_ptr, res_ptr, st_ptr, row, row64, offs, col_ok, d,
+def _fwd_store(acc, m, l, out_ptr, res_ptr, st_ptr, rows, rows64, offs, row_ok, mask, d,
                HAS_RES: tl.constexpr, RES_STEP: tl.constexpr):
-    """Write the mix in the output dtype, its int8 rounding residual and the logsumexp."""
-    h = acc * (1.0 / l)
+    """Write the mix in the output dtype, its int8 rounding residual and the logsumexp (row 0 of the
+    statistics)."""
+    h = acc * (1.0 / l)[:, None]
     hb = h.to(out_ptr.dtype.element_ty)
-    tl.store(out_ptr + row64 * d + offs, hb, mask=col_ok)
+    tl.store(out_ptr + rows64[:, None] * d + offs[None, :], hb, mask=mask)
     if HAS_RES:
         hb32 = hb.to(tl.float32)
         base, ok = _res_base(hb32)
         step = tl.where(ok, base * RES_STEP, 1.0)
         code = tl.floor((h - hb32) / step + 0.5)
         code = tl.where(ok, tl.minimum(tl.maximum(code, -127.0), 127.0), 0.0)
-        tl.store(res_ptr + row64 * d + offs, code.to(tl.int8), mask=col_ok)
-    tl.store(st_ptr + row, m + tl.log(l))
+        tl.store(res_ptr + rows64[:, None] * d + offs[None, :], code.to(tl.int8), mask=mask)
+    tl.store(st_ptr + rows, m + tl.log(l), mask=row_ok)
 
 
 @triton.jit
@@ -171,6 +199,15 @@ def _dq_store(acc, dq_part_ptr, pid, r, d, offs, tail):
 
 
 @triton.jit
+def _table_src(src0_ptr, src_offs, src_strides, j, S, ALIGN: tl.constexpr):
+    """Base pointer and row stride of source j (the last source's when j >= S)."""
+    jj = tl.minimum(j, S - 1)
+    off = tl.multiple_of(tl.load(src_offs + jj), ALIGN)
+    stride = tl.multiple_of(tl.load(src_strides + jj), ALIGN)
+    return src0_ptr + off, stride
+
+
+@triton.jit
 def _table_block(src0_ptr, src_offs, src_strides, js, S, ALIGN: tl.constexpr):
     """Base pointers and row strides [SB] of sources js (the last source's where js >= S)."""
     jj = tl.minimum(js, S - 1)
@@ -199,33 +236,31 @@ def _attnres_fwd_kernel(
     RES_STEP: tl.constexpr,  # 2^-(mantissa bits + 8)
     ALIGN: tl.constexpr,  # offsets and strides are multiples of this many elements
     BLOCK_D: tl.constexpr,
-    SB: tl.constexpr,  # sources per step
-    PREFETCH: tl.constexpr,  # load the next step's rows before this step's arithmetic (0, 1)
+    BLOCK_T: tl.constexpr,  # tokens per program
+    PREFETCH: tl.constexpr,  # load the next source's tile before this one's arithmetic (0, 1)
     EVICT: tl.constexpr,  # evict-first hint on the source reads
     FUSED: tl.constexpr,  # multi-operand row reductions (GPU); separate tl.sum (interpreter)
 ):
-    offs, col_ok, tail, q = _query_cols(q_ptr, d, r, BLOCK_D)
-    row = tl.program_id(0)
-    row64 = row.to(tl.int64)
-    sbs = tl.arange(0, SB)
-    m = tl.full([], float("-inf"), tl.float32)
-    l = tl.zeros([], tl.float32)
-    acc = tl.zeros([BLOCK_D], tl.float32)
+    offs, col_ok, tail = _cols(d, r, BLOCK_D)
+    q = _query(q_ptr, offs, d, r, tail)
+    rows, row_ok, rows64, mask = _token_rows(tl.program_id(0), N, col_ok, BLOCK_T)
+    m = tl.full([BLOCK_T], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_T], tl.float32)
+    acc = tl.zeros([BLOCK_T, BLOCK_D], tl.float32)
     if PREFETCH:
-        p, st = _table_block(src0_ptr, src_offs, src_strides, sbs, S, ALIGN)
-        x_n = _rows_tile(p, st, row64, sbs, S, offs, col_ok, EVICT)
-    for b in range(0, S, SB):
-        js = b + sbs
+        p, st = _table_src(src0_ptr, src_offs, src_strides, 0, S, ALIGN)
+        x_n = _tile(p, st, 0, S, rows, rows64, offs, mask, EVICT)
+    for i in range(S):
         if PREFETCH:
             x = x_n
-            p, st = _table_block(src0_ptr, src_offs, src_strides, js + SB, S, ALIGN)
-            x_n = _rows_tile(p, st, row64, js + SB, S, offs, col_ok, EVICT)
+            p, st = _table_src(src0_ptr, src_offs, src_strides, i + 1, S, ALIGN)
+            x_n = _tile(p, st, i + 1, S, rows, rows64, offs, mask, EVICT)
         else:
-            p, st = _table_block(src0_ptr, src_offs, src_strides, js, S, ALIGN)
-            x = _rows_tile(p, st, row64, js, S, offs, col_ok, EVICT)
-        m, l, acc, z, rinv = _fwd_block(x.to(tl.float32), js < S, q, tail, m, l, acc, inv_n, eps, SLICE, FUSED)
-        _store_scores(st_ptr, js, S, N, row, z, rinv)
-    _fwd_store(acc, m, l, out_ptr, res_ptr, st_ptr, row, row64, offs, col_ok, d, HAS_RES, RES_STEP)
+            p, st = _table_src(src0_ptr, src_offs, src_strides, i, S, ALIGN)
+            x = _tile(p, st, i, S, rows, rows64, offs, mask, EVICT)
+        m, l, acc, z, rinv = _fwd_source(x.to(tl.float32), q, tail, m, l, acc, inv_n, eps, SLICE, FUSED)
+        _store_scores(st_ptr, i, S, N, z, rinv, rows, row_ok)
+    _fwd_store(acc, m, l, out_ptr, res_ptr, st_ptr, rows, rows64, offs, row_ok, mask, d, HAS_RES, RES_STEP)
 
 
 @triton.jit
@@ -260,7 +295,8 @@ def _attnres_bwd_kernel(
 ):
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
-    offs, col_ok, tail, q = _query_cols(q_ptr, d, r, BLOCK_D)
+    offs, col_ok, tail = _cols(d, r, BLOCK_D)
+    q = _query(q_ptr, offs, d, r, tail)
     sbs = tl.arange(0, SB)
     dq = tl.zeros([BLOCK_D], tl.float32)
     for row in range(pid, N, nprog):
@@ -380,38 +416,35 @@ def _attnres_fwd_args_kernel(
     HAS_RES: tl.constexpr,
     RES_STEP: tl.constexpr,
     BLOCK_D: tl.constexpr,
-    SB: tl.constexpr,
+    BLOCK_T: tl.constexpr,
     PREFETCH: tl.constexpr,
     EVICT: tl.constexpr,
     FUSED: tl.constexpr,
 ):
-    offs, col_ok, tail, q = _query_cols(q_ptr, d, r, BLOCK_D)
+    offs, col_ok, tail = _cols(d, r, BLOCK_D)
+    q = _query(q_ptr, offs, d, r, tail)
     inv_n = _inv_key_width(r, d, SLICE)
-    row = tl.program_id(0)
-    row64 = row.to(tl.int64)
-    sbs = tl.arange(0, SB)
-    m = tl.full([], float("-inf"), tl.float32)
-    l = tl.zeros([], tl.float32)
-    acc = tl.zeros([BLOCK_D], tl.float32)
+    rows, row_ok, rows64, mask = _token_rows(tl.program_id(0), N, col_ok, BLOCK_T)
+    m = tl.full([BLOCK_T], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_T], tl.float32)
+    acc = tl.zeros([BLOCK_T, BLOCK_D], tl.float32)
     if PREFETCH:
-        p, st = _arg_block(sbs, S, NSLOT, x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
-                           xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7, xs8, xs9, xs10, xs11, xs12, xs13, xs14, xs15)
-        x_n = _rows_tile(p, st, row64, sbs, S, offs, col_ok, EVICT)
-    for b in range(0, S, SB):
-        js = b + sbs
+        p, st = _arg_block(0, S, NSLOT, x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
+                               xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7, xs8, xs9, xs10, xs11, xs12, xs13, xs14, xs15)
+        x_n = _tile(p, st, 0, S, rows, rows64, offs, mask, EVICT)
+    for i in range(S):
         if PREFETCH:
             x = x_n
-            p, st = _arg_block(js + SB, S, NSLOT, x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14,
-                               x15, xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7, xs8, xs9, xs10, xs11, xs12, xs13, xs14,
-                               xs15)
-            x_n = _rows_tile(p, st, row64, js + SB, S, offs, col_ok, EVICT)
-        else:
-            p, st = _arg_block(js, S, NSLOT, x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
+            p, st = _arg_block(i + 1, S, NSLOT, x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
                                xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7, xs8, xs9, xs10, xs11, xs12, xs13, xs14, xs15)
-            x = _rows_tile(p, st, row64, js, S, offs, col_ok, EVICT)
-        m, l, acc, z, rinv = _fwd_block(x.to(tl.float32), js < S, q, tail, m, l, acc, inv_n, EPS, SLICE, FUSED)
-        _store_scores(st_ptr, js, S, N, row, z, rinv)
-    _fwd_store(acc, m, l, out_ptr, res_ptr, st_ptr, row, row64, offs, col_ok, d, HAS_RES, RES_STEP)
+            x_n = _tile(p, st, i + 1, S, rows, rows64, offs, mask, EVICT)
+        else:
+            p, st = _arg_block(i, S, NSLOT, x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
+                               xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7, xs8, xs9, xs10, xs11, xs12, xs13, xs14, xs15)
+            x = _tile(p, st, i, S, rows, rows64, offs, mask, EVICT)
+        m, l, acc, z, rinv = _fwd_source(x.to(tl.float32), q, tail, m, l, acc, inv_n, EPS, SLICE, FUSED)
+        _store_scores(st_ptr, i, S, N, z, rinv, rows, row_ok)
+    _fwd_store(acc, m, l, out_ptr, res_ptr, st_ptr, rows, rows64, offs, row_ok, mask, d, HAS_RES, RES_STEP)
 
 
 @triton.jit
@@ -445,7 +478,8 @@ def _attnres_bwd_args_kernel(
 ):
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
-    offs, col_ok, tail, q = _query_cols(q_ptr, d, r, BLOCK_D)
+    offs, col_ok, tail = _cols(d, r, BLOCK_D)
+    q = _query(q_ptr, offs, d, r, tail)
     inv_n = _inv_key_width(r, d, SLICE)
     sbs = tl.arange(0, SB)
     dq = tl.zeros([BLOCK_D], tl.float32)

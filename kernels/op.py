@@ -167,29 +167,36 @@ def _stats_shape(n_sources: int, lead: tuple) -> tuple:
     return (1 + 2 * n_sources,) + tuple(lead)
 
 
-def _configs(block_d: int, shapes) -> list[dict]:
-    """Launch configurations from (sources per step SB, elements per thread, PREFETCH): num_warps
-    follows from the tile [SB, BLOCK_D]; SB grows for narrow rows so that a tile has >= 512
-    elements."""
+def _fwd_configs(block_d: int) -> list[dict]:
+    """Candidate launch configurations of the forward kernel (BLOCK_T tokens per program, num_warps,
+    PREFETCH): autotuned on CUDA; the first is the default without autotuning.  Tiles of 16-32
+    elements per thread; BLOCK_T grows for narrow rows so that a tile has >= 512 elements.  On the
+    H200, BLOCK_T 2 with 32 elements per thread and prefetch was the fastest at d = 1536 (the 1B
+    model's width): 100 us against 114 us for the best one-token tile (kernel_sweep *_sb/_variants)."""
     out = []
-    for sb, per_thread, pf in shapes:
+    for bt, per_thread, pf in ((2, 32, 1), (1, 16, 1), (1, 16, 0), (1, 8, 1), (2, 16, 1)):
+        bt = max(bt, 512 // block_d)
+        nw = max(1, min(16, bt * block_d // (32 * per_thread)))
+        cfg = dict(BLOCK_T=bt, num_warps=nw, PREFETCH=pf)
+        if cfg not in out:
+            out.append(cfg)
+    return out
+
+
+def _bwd_configs(block_d: int) -> list[dict]:
+    """Candidate launch configurations of the backward kernel (SB sources per step, num_warps,
+    PREFETCH).  SB grows for narrow rows so that a tile has >= 512 elements.  On the H200 at d = 1536
+    one source per step with 8 warps and prefetch was the fastest (table kernels: 97.6 us at 4096
+    tokens, S = 9), two sources with 4 warps and no prefetch next (107; 102 for the per-argument
+    kernels), and the latter the fastest at d = 1024."""
+    out = []
+    for sb, per_thread, pf in ((1, 8, 1), (2, 32, 0), (2, 16, 0), (1, 16, 1), (2, 16, 1)):
         sb = max(sb, 512 // block_d)
         nw = max(1, min(16, sb * block_d // (32 * per_thread)))
         cfg = dict(SB=sb, num_warps=nw, PREFETCH=pf)
         if cfg not in out:
             out.append(cfg)
     return out
-
-
-def _fwd_configs(block_d: int) -> list[dict]:
-    """Candidate launch configurations of the forward kernel (autotuned on CUDA; the first is the
-    default without autotuning)."""
-    return _configs(block_d, ((2, 16, 1), (4, 32, 0), (4, 16, 1), (1, 16, 1), (8, 32, 0)))
-
-
-def _bwd_configs(block_d: int) -> list[dict]:
-    """Candidate launch configurations of the backward kernel."""
-    return _configs(block_d, ((2, 16, 1), (4, 32, 0), (1, 16, 1), (2, 32, 0), (4, 16, 0)))
 
 
 # Autotuning (CUDA only): one triton.autotune wrapper per (kernel, BLOCK_D), keyed on d and the norm.
@@ -323,7 +330,11 @@ def _fwd_triton(sources: Sequence[torch.Tensor], query: torch.Tensor, norm: str,
             STATS[("fwd", len(rows), n_tok, d, r, align)] += 1
         key = (d, norm == "slice", has_res, dtype, query.dtype)
         fn, cfg = _launcher("fwd", block_d, dev, key)
-        fn[(n_tok,)](
+        if cfg is None:
+            grid = lambda meta: (triton_cdiv(n_tok, meta["BLOCK_T"]),)  # noqa: E731
+        else:
+            grid = (triton_cdiv(n_tok, cfg["BLOCK_T"]),)
+        fn[grid](
             rows[0], table[0], table[1], query.contiguous(), out, res if has_res else out, stats,
             n_tok, len(rows), d, r, 1.0 / (r if norm == "slice" else d), float(eps),
             SLICE=(norm == "slice"), HAS_RES=has_res, RES_STEP=_res_step(dtype), ALIGN=align,
@@ -573,9 +584,11 @@ attnres_fwd.register_autograd(_backward_through(attnres_bwd), setup_context=_set
 MAX_ARG_SOURCES = 16
 COMPILED_PATH = os.environ.get("KERNELS_COMPILED_PATH", "triton_op")
 # The launch configurations of the per-argument kernels (Inductor launches them with no
-# autotuner): index into _fwd_configs / _bwd_configs.
+# autotuner): index into _fwd_configs / _bwd_configs.  The forward's first candidate and the
+# backward's second were the per-argument kernels' fastest at the 1B step's shapes (4096 tokens,
+# d 1536, r 384, S = 9; kernel_sweep_h200_2026-11-29_sb.md, _variants.md).
 ARGS_FWD_CONFIG = 0
-ARGS_BWD_CONFIG = 0
+ARGS_BWD_CONFIG = 1
 
 
 def _args_config(kind: str, block_d: int) -> dict:
@@ -607,7 +620,7 @@ def _fwd_args(sources: Sequence[torch.Tensor], query: torch.Tensor, norm: str, e
         if STATS is not None:  # counted when traced, not per run, under torch.compile
             STATS[("fwd-args", len(rows), n_tok, d, r)] += 1
         _launch(
-            K._attnres_fwd_args_kernel, (n_tok,),
+            K._attnres_fwd_args_kernel, (triton_cdiv(n_tok, cfg["BLOCK_T"]),),
             *_slots(rows), *_slots(strides), query.contiguous(), out, res if has_res else None, stats,
             n_tok, len(rows), d, r,
             NSLOT=len(rows), EPS=float(eps), SLICE=(norm == "slice"), HAS_RES=has_res, RES_STEP=_res_step(dtype),

@@ -145,21 +145,27 @@ def test_triton_fused_reductions(monkeypatch):
 # Launch configurations the default may not pick: every sources-per-step count, prefetch on and off,
 # the eviction hint; both kernel families.
 CONFIG_CASES = [
-    ({"SB": 1, "num_warps": 2, "PREFETCH": 1}, (64, 7, 5, "slice", "mixed")),
-    ({"SB": 2, "num_warps": 4, "PREFETCH": 0, "EVICT": True}, (513, 513, 3, "full", "rowpad")),
-    ({"SB": 4, "num_warps": 4, "PREFETCH": 1}, (513, 64, 9, "slice", "transposed")),
-    ({"SB": 8, "num_warps": 8, "PREFETCH": 0}, (200, 40, 6, "slice", "colstride")),
-    ({"SB": 4, "num_warps": 1, "PREFETCH": 1, "EVICT": True}, (96, 33, 2, "full", "contig")),
+    # forward (BLOCK_T, warps, prefetch, evict), backward (SB, warps, prefetch, evict), shape
+    ({"BLOCK_T": 1, "num_warps": 2, "PREFETCH": 1}, {"SB": 1, "num_warps": 2, "PREFETCH": 1},
+     (64, 7, 5, "slice", "mixed")),
+    ({"BLOCK_T": 2, "num_warps": 4, "PREFETCH": 0, "EVICT": True}, {"SB": 2, "num_warps": 4, "PREFETCH": 0, "EVICT": True},
+     (513, 513, 3, "full", "rowpad")),
+    ({"BLOCK_T": 4, "num_warps": 4, "PREFETCH": 1}, {"SB": 4, "num_warps": 4, "PREFETCH": 1},
+     (513, 64, 9, "slice", "transposed")),
+    ({"BLOCK_T": 8, "num_warps": 8, "PREFETCH": 0}, {"SB": 8, "num_warps": 8, "PREFETCH": 0},
+     (200, 40, 6, "slice", "colstride")),
+    ({"BLOCK_T": 1, "num_warps": 1, "PREFETCH": 1, "EVICT": True}, {"SB": 4, "num_warps": 1, "PREFETCH": 1, "EVICT": True},
+     (96, 33, 2, "full", "contig")),
 ]
 
 
 @needs_triton
-@pytest.mark.parametrize("cfg,case", CONFIG_CASES, ids=lambda v: str(v))
+@pytest.mark.parametrize("fwd_cfg,bwd_cfg,case", CONFIG_CASES, ids=lambda v: str(v))
 @pytest.mark.parametrize("family", ["table", "args"])
-def test_launch_configs_match_reference(cfg, case, family, monkeypatch):
-    """Each launch configuration of both kernel families against the reference (unaligned d and r,
-    strided sources, S smaller and larger than a step's SB)."""
-    monkeypatch.setattr(op, "CONFIG_OVERRIDE", {"fwd": dict(cfg), "bwd": dict(cfg)})
+def test_launch_configs_match_reference(fwd_cfg, bwd_cfg, case, family, monkeypatch):
+    """Launch configurations of both kernel families against the reference (unaligned d and r,
+    strided sources, S smaller and larger than the backward's sources per step)."""
+    monkeypatch.setattr(op, "CONFIG_OVERRIDE", {"fwd": dict(fwd_cfg), "bwd": dict(bwd_cfg)})
     fn = _attnres_args if family == "args" else kernels.attnres_triton
     d, r, S, norm, layout = case
     device = "cuda" if HAS_CUDA else "cpu"
@@ -180,11 +186,11 @@ def test_launch_configs_match_reference(cfg, case, family, monkeypatch):
 
 
 def test_launch_config_candidates():
-    """Every candidate's tile [SB, BLOCK_D] has at least 512 elements and at most 32 per thread
-    except where 16 warps cannot spread it further."""
+    """Every candidate's tile has at least 512 elements and at most 32 per thread unless 16 warps
+    cannot spread it further."""
     for block_d in (1, 64, 1024, 2048, 8192):
         for cfg in op._fwd_configs(block_d) + op._bwd_configs(block_d):
-            tile = cfg["SB"] * block_d
+            tile = cfg.get("BLOCK_T", cfg.get("SB")) * block_d
             assert tile >= 512 and 1 <= cfg["num_warps"] <= 16
             assert tile // (32 * cfg["num_warps"]) <= 32 or cfg["num_warps"] == 16
 
