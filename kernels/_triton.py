@@ -506,7 +506,7 @@ def _attnres_bwd_args_kernel(
             x = x.to(tl.float32)
             grad, c = _bwd_block(x, g, gh, lse, js, S, N, row, st_ptr, q, tail, inv_n, SLICE)
             gp = _select(tl.minimum(js, S - 1), NSLOT, dx0, dx1, dx2, dx3, dx4, dx5, dx6, dx7, dx8, dx9, dx10, dx11,
-                         dx12, dx13, dx14, dx15)
+                         dx12, dx13, dx14, dx15) + js * 0  # [SB] even with one slot
             tl.store(gp[:, None] + row64 * d + offs[None, :], grad.to(dx0.dtype.element_ty),
                      mask=(js < S)[:, None] & col_ok[None, :])
             dq += tl.sum(c[:, None] * x, axis=0)
