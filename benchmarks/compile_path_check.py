@@ -73,7 +73,9 @@ def main(argv=None) -> int:
     import torch._inductor.config as icfg
     from torch._inductor.utils import run_and_get_code
 
-    out = {"torch": torch.__version__, "cases": []}
+    from lrattnres.provenance import provenance
+
+    out = {"provenance": provenance(), "cases": []}
     cases = [(2, 32, 64, 16, "slice", torch.float32), (3, 600, 256, 64, "slice", torch.bfloat16)]
     settings = {"default": {}}
     for name, cfg in settings.items():

@@ -195,7 +195,10 @@ def bf16_check(shapes, N=4096):
 
 
 def _env():
+    from lrattnres.provenance import git_state
+
     return {
+        "git": git_state(),
         "device": torch.cuda.get_device_name(),
         "torch": torch.__version__,
         "triton": triton.__version__,

@@ -178,7 +178,9 @@ def main(argv=None) -> int:
         return 1
     t0 = time.time()
     end = t0 + a.budget_s
-    doc = {"env": {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+    from lrattnres.provenance import git_state
+
+    doc = {"env": {"git": git_state(), "device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
                    "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")},
            "shapes": []}
     bw = copy_bandwidth()

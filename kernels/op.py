@@ -39,8 +39,8 @@ _CPU_TRITON = os.environ.get("KERNELS_CPU_TRITON", "0") == "1"
 # Tests set this to fill every freshly allocated output with NaN before the kernels run, so that an
 # unwritten element shows up.
 POISON = os.environ.get("KERNELS_POISON", "0") == "1"
-# Launch configuration overrides: {"fwd": {...}, "bwd": {...}} with the keys of _fwd_configs /
-# _bwd_configs (SB, num_warps, PREFETCH, optionally num_stages and EVICT).
+# Launch configuration overrides: {"fwd": {BLOCK_T, num_warps, PREFETCH}, "bwd": {SB, num_warps,
+# PREFETCH}}, either optionally with num_stages and EVICT (the evict-first hint on source reads).
 CONFIG_OVERRIDE: dict = {}
 # Call statistics for benchmarks: set to a collections.Counter and every Triton launch adds one
 # count under (kind, S, tokens, d, r, align) with align the vector width the tables allowed (a
