@@ -199,17 +199,9 @@ def _dq_store(acc, dq_part_ptr, pid, r, d, offs, tail):
 
 
 @triton.jit
-def _table_src(src0_ptr, src_offs, src_strides, j, S, ALIGN: tl.constexpr):
-    """Base pointer and row stride of source j (the last source's when j >= S)."""
-    jj = tl.minimum(j, S - 1)
-    off = tl.multiple_of(tl.load(src_offs + jj), ALIGN)
-    stride = tl.multiple_of(tl.load(src_strides + jj), ALIGN)
-    return src0_ptr + off, stride
-
-
-@triton.jit
-def _table_block(src0_ptr, src_offs, src_strides, js, S, ALIGN: tl.constexpr):
-    """Base pointers and row strides [SB] of sources js (the last source's where js >= S)."""
+def _table_src(src0_ptr, src_offs, src_strides, js, S, ALIGN: tl.constexpr):
+    """Base pointers and row strides of sources js, one index or [SB] (the last source's where
+    js >= S)."""
     jj = tl.minimum(js, S - 1)
     off = tl.multiple_of(tl.load(src_offs + jj), ALIGN)
     stride = tl.multiple_of(tl.load(src_strides + jj), ALIGN)
@@ -303,16 +295,16 @@ def _attnres_bwd_kernel(
         row64 = tl.cast(row, tl.int64)
         g, gh, lse = _bwd_row(g_ptr, h_ptr, res_ptr, st_ptr, row, row64, offs, col_ok, d, stride_g, HAS_RES, RES_STEP)
         if PREFETCH:
-            p, st = _table_block(src0_ptr, src_offs, src_strides, sbs, S, ALIGN)
+            p, st = _table_src(src0_ptr, src_offs, src_strides, sbs, S, ALIGN)
             x_n = _rows_tile(p, st, row64, sbs, S, offs, col_ok, EVICT)
         for b in range(0, S, SB):
             js = b + sbs
             if PREFETCH:
                 x = x_n
-                p, st = _table_block(src0_ptr, src_offs, src_strides, js + SB, S, ALIGN)
+                p, st = _table_src(src0_ptr, src_offs, src_strides, js + SB, S, ALIGN)
                 x_n = _rows_tile(p, st, row64, js + SB, S, offs, col_ok, EVICT)
             else:
-                p, st = _table_block(src0_ptr, src_offs, src_strides, js, S, ALIGN)
+                p, st = _table_src(src0_ptr, src_offs, src_strides, js, S, ALIGN)
                 x = _rows_tile(p, st, row64, js, S, offs, col_ok, EVICT)
             x = x.to(tl.float32)
             grad, c = _bwd_block(x, g, gh, lse, js, S, N, row, st_ptr, q, tail, inv_n, SLICE)
@@ -387,9 +379,9 @@ def _select(i, NSLOT: tl.constexpr, a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10,
 
 
 @triton.jit
-def _arg_block(js, S, NSLOT: tl.constexpr, x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
+def _arg_src(js, S, NSLOT: tl.constexpr, x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
                xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7, xs8, xs9, xs10, xs11, xs12, xs13, xs14, xs15):
-    """Pointers and row strides [SB] of sources js (the last source's where js >= S)."""
+    """Pointers and row strides of sources js, one index or [SB] (the last source's where js >= S)."""
     jj = tl.minimum(js, S - 1)
     ptr = _select(jj, NSLOT, x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15)
     stride = _select(jj, NSLOT, xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7, xs8, xs9, xs10, xs11, xs12, xs13, xs14, xs15)
@@ -429,17 +421,17 @@ def _attnres_fwd_args_kernel(
     l = tl.zeros([BLOCK_T], tl.float32)
     acc = tl.zeros([BLOCK_T, BLOCK_D], tl.float32)
     if PREFETCH:
-        p, st = _arg_block(0, S, NSLOT, x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
+        p, st = _arg_src(0, S, NSLOT, x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
                                xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7, xs8, xs9, xs10, xs11, xs12, xs13, xs14, xs15)
         x_n = _tile(p, st, 0, S, rows, rows64, offs, mask, EVICT)
     for i in range(S):
         if PREFETCH:
             x = x_n
-            p, st = _arg_block(i + 1, S, NSLOT, x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
+            p, st = _arg_src(i + 1, S, NSLOT, x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
                                xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7, xs8, xs9, xs10, xs11, xs12, xs13, xs14, xs15)
             x_n = _tile(p, st, i + 1, S, rows, rows64, offs, mask, EVICT)
         else:
-            p, st = _arg_block(i, S, NSLOT, x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
+            p, st = _arg_src(i, S, NSLOT, x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
                                xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7, xs8, xs9, xs10, xs11, xs12, xs13, xs14, xs15)
             x = _tile(p, st, i, S, rows, rows64, offs, mask, EVICT)
         m, l, acc, z, rinv = _fwd_source(x.to(tl.float32), q, tail, m, l, acc, inv_n, EPS, SLICE, FUSED)
@@ -487,19 +479,19 @@ def _attnres_bwd_args_kernel(
         row64 = tl.cast(row, tl.int64)
         g, gh, lse = _bwd_row(g_ptr, h_ptr, res_ptr, st_ptr, row, row64, offs, col_ok, d, stride_g, HAS_RES, RES_STEP)
         if PREFETCH:
-            p, st = _arg_block(sbs, S, NSLOT, x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
+            p, st = _arg_src(sbs, S, NSLOT, x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
                                xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7, xs8, xs9, xs10, xs11, xs12, xs13, xs14, xs15)
             x_n = _rows_tile(p, st, row64, sbs, S, offs, col_ok, EVICT)
         for b in range(0, S, SB):
             js = b + sbs
             if PREFETCH:
                 x = x_n
-                p, st = _arg_block(js + SB, S, NSLOT, x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13,
+                p, st = _arg_src(js + SB, S, NSLOT, x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13,
                                    x14, x15, xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7, xs8, xs9, xs10, xs11, xs12, xs13,
                                    xs14, xs15)
                 x_n = _rows_tile(p, st, row64, js + SB, S, offs, col_ok, EVICT)
             else:
-                p, st = _arg_block(js, S, NSLOT, x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14,
+                p, st = _arg_src(js, S, NSLOT, x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14,
                                    x15, xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7, xs8, xs9, xs10, xs11, xs12, xs13,
                                    xs14, xs15)
                 x = _rows_tile(p, st, row64, js, S, offs, col_ok, EVICT)

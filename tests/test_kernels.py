@@ -167,9 +167,14 @@ def test_launch_configs_match_reference(fwd_cfg, bwd_cfg, case, family, monkeypa
     strided sources, S smaller and larger than the backward's sources per step)."""
     monkeypatch.setattr(op, "CONFIG_OVERRIDE", {"fwd": dict(fwd_cfg), "bwd": dict(bwd_cfg)})
     fn = _attnres_args if family == "args" else kernels.attnres_triton
-    d, r, S, norm, layout = case
+    _fp32_against_reference(fn, *case, seed=case[0] + 3 * case[1] + case[2])
+
+
+def _fp32_against_reference(fn, d, r, S, norm, layout, seed):
+    """``fn``'s output and gradients against the reference's on fresh fp32 data, 21 tokens (the
+    Triton interpreter on the CPU, the kernels themselves on a GPU)."""
     device = "cuda" if HAS_CUDA else "cpu"
-    gen = torch.Generator(device=device).manual_seed(d + 3 * r + S)
+    gen = torch.Generator(device=device).manual_seed(seed)
     sources = _make_sources(S, (3, 7), d, torch.float32, device, layout, gen)
     query = torch.randn(r, generator=gen, device=device).requires_grad_()
     g = torch.randn(3, 7, d, generator=gen, device=device)
@@ -459,21 +464,7 @@ def test_args_kernels_match_reference(d, r, S, norm, layout, cfg, monkeypatch):
     compile-time constant from 1 to MAX_ARG_SOURCES, strided inputs, each prefetch depth."""
     monkeypatch.setattr(op, "ARGS_FWD_CONFIG", cfg[0])
     monkeypatch.setattr(op, "ARGS_BWD_CONFIG", cfg[1])
-    device = "cuda" if HAS_CUDA else "cpu"
-    gen = torch.Generator(device=device).manual_seed(d + r + S)
-    sources = _make_sources(S, (3, 7), d, torch.float32, device, layout, gen)
-    query = torch.randn(r, generator=gen, device=device).requires_grad_()
-    g = torch.randn(3, 7, d, generator=gen, device=device)
-    op.set_cpu_triton(not HAS_CUDA)
-    try:
-        h, gs, gq = _run(_attnres_args, sources, query, g, norm)
-    finally:
-        op.set_cpu_triton(False)
-    h_ref, gs_ref, gq_ref = _run(route, sources, query, g, norm)
-    torch.testing.assert_close(h, h_ref, rtol=1e-4, atol=1e-4)
-    for a, b in zip(gs, gs_ref):
-        torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-3)
-    torch.testing.assert_close(gq, gq_ref, rtol=1e-3, atol=2e-3 * max(1.0, gq_ref.abs().max().item()))
+    _fp32_against_reference(_attnres_args, d, r, S, norm, layout, seed=d + r + S)
 
 
 def test_args_path_traces_to_kernels(tmp_path):
