@@ -3,8 +3,7 @@
     python benchmarks/compile_path_check.py --out DIR
 
 Compiles a single routing read (and a small stack of reads) with torch.compile, compares each
-against the same call made eagerly through the same triton_op, under a few Inductor settings, and
-writes compile_path_check.json plus Inductor's generated code for the first case (output_code.py).
+against the same call made eagerly through the same triton_op, and writes compile_path_check.json plus Inductor's generated code for the first case (output_code.py).
 Why: a wrong result under Inductor alone (the eager call of the same kernels being right) is a
 problem of how Inductor launches the kernels, which these cases separate.
 """
@@ -12,7 +11,6 @@ problem of how Inductor launches the kernels, which these cases separate.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import traceback
@@ -70,24 +68,20 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     a = p.parse_args(argv)
-    import torch._inductor.config as icfg
     from torch._inductor.utils import run_and_get_code
 
     from lrattnres.provenance import provenance
 
     out = {"provenance": provenance(), "cases": []}
     cases = [(2, 32, 64, 16, "slice", torch.float32), (3, 600, 256, 64, "slice", torch.bfloat16)]
-    settings = {"default": {}}
-    for name, cfg in settings.items():
-        for S, N, d, r, norm, dtype in cases:
-            try:
-                with icfg.patch(cfg):
-                    res = one_read(S, N, d, r, norm, dtype)
-            except Exception as e:
-                res = {"error": repr(e)[:300], "trace": traceback.format_exc()[-1500:]}
-            row = {"setting": name, "S": S, "N": N, "d": d, "r": r, "norm": norm, "dtype": str(dtype), **res}
-            print(row, flush=True)
-            out["cases"].append(row)
+    for S, N, d, r, norm, dtype in cases:
+        try:
+            res = one_read(S, N, d, r, norm, dtype)
+        except Exception as e:
+            res = {"error": repr(e)[:300], "trace": traceback.format_exc()[-1500:]}
+        row = {"S": S, "N": N, "d": d, "r": r, "norm": norm, "dtype": str(dtype), **res}
+        print(row, flush=True)
+        out["cases"].append(row)
     # a stack of reads in a training graph (sources produced inside the graph, queries are views of a
     # parameter): every read's output, compiled against eager; and Inductor's generated code
     for d, r, layers, dtype in ((64, 16, 2, torch.float32), (256, 64, 3, torch.bfloat16)):
@@ -97,7 +91,7 @@ def main(argv=None) -> int:
         torch._dynamo.reset()
         mc = torch.compile(m, fullgraph=True)
         try:
-            (outs_c), codes = run_and_get_code(lambda: mc(x))
+            outs_c, codes = run_and_get_code(lambda: mc(x))
             outs_e = m(x)
             row = {"stack": [d, r, layers, str(dtype)], "read_rel": [_rel(a_, b_) for a_, b_ in zip(outs_c, outs_e)]}
             if d == 64:

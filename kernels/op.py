@@ -167,36 +167,34 @@ def _stats_shape(n_sources: int, lead: tuple) -> tuple:
     return (1 + 2 * n_sources,) + tuple(lead)
 
 
-def _fwd_configs(block_d: int) -> list[dict]:
-    """Candidate launch configurations of the forward kernel (BLOCK_T tokens per program, num_warps,
-    PREFETCH): autotuned on CUDA; the first is the default without autotuning.  Tiles of 16-32
-    elements per thread; BLOCK_T grows for narrow rows so that a tile has >= 512 elements.  On the
-    H200, BLOCK_T 2 with 32 elements per thread and prefetch was the fastest at d = 1536 (the 1B
-    model's width): 100 us against 114 us for the best one-token tile (kernel_sweep *_sb/_variants)."""
+def _configs(block_d: int, key: str, shapes) -> list[dict]:
+    """Launch configurations from (tokens or sources per tile ``key``, elements per thread,
+    PREFETCH): num_warps follows from the tile [n, BLOCK_D]; n grows for narrow rows so that a tile
+    has >= 512 elements."""
     out = []
-    for bt, per_thread, pf in ((2, 32, 1), (1, 16, 1), (1, 16, 0), (1, 8, 1), (2, 16, 1)):
-        bt = max(bt, 512 // block_d)
-        nw = max(1, min(16, bt * block_d // (32 * per_thread)))
-        cfg = dict(BLOCK_T=bt, num_warps=nw, PREFETCH=pf)
+    for n, per_thread, pf in shapes:
+        n = max(n, 512 // block_d)
+        cfg = {key: n, "num_warps": max(1, min(16, n * block_d // (32 * per_thread))), "PREFETCH": pf}
         if cfg not in out:
             out.append(cfg)
     return out
+
+
+def _fwd_configs(block_d: int) -> list[dict]:
+    """Candidate launch configurations of the forward kernel (BLOCK_T tokens per program, num_warps,
+    PREFETCH): autotuned on CUDA; the first is the default without autotuning.  Tiles of 16-32
+    elements per thread.  On the H200, BLOCK_T 2 with 32 elements per thread and prefetch was the
+    fastest at d = 1536 (the 1B model's width): 100 us against 114 us for the best one-token tile
+    (kernel_sweep *_sb/_variants)."""
+    return _configs(block_d, "BLOCK_T", ((2, 32, 1), (1, 16, 1), (1, 16, 0), (1, 8, 1), (2, 16, 1)))
 
 
 def _bwd_configs(block_d: int) -> list[dict]:
     """Candidate launch configurations of the backward kernel (SB sources per step, num_warps,
-    PREFETCH).  SB grows for narrow rows so that a tile has >= 512 elements.  On the H200 at d = 1536
-    one source per step with 8 warps and prefetch was the fastest (table kernels: 97.6 us at 4096
-    tokens, S = 9), two sources with 4 warps and no prefetch next (107; 102 for the per-argument
-    kernels), and the latter the fastest at d = 1024."""
-    out = []
-    for sb, per_thread, pf in ((1, 8, 1), (2, 32, 0), (2, 16, 0), (1, 16, 1), (2, 16, 1)):
-        sb = max(sb, 512 // block_d)
-        nw = max(1, min(16, sb * block_d // (32 * per_thread)))
-        cfg = dict(SB=sb, num_warps=nw, PREFETCH=pf)
-        if cfg not in out:
-            out.append(cfg)
-    return out
+    PREFETCH).  On the H200 at d = 1536 one source per step with 8 warps and prefetch was the
+    fastest (table kernels: 97.6 us at 4096 tokens, S = 9), two sources with 4 warps and no prefetch
+    next (107; 102 for the per-argument kernels), and the latter the fastest at d = 1024."""
+    return _configs(block_d, "SB", ((1, 8, 1), (2, 32, 0), (2, 16, 0), (1, 16, 1), (2, 16, 1)))
 
 
 # Autotuning (CUDA only): one triton.autotune wrapper per (kernel, BLOCK_D), keyed on d and the norm.
@@ -636,7 +634,7 @@ def _bwd_args(sources, query, h, stats, res, g, norm: str, eps: float):
     if ops is None:
         return grads, dq
     d, r, n_tok, has_res, grads, h2, g, gs, nprog, part = ops
-    dtype, dev = h2.dtype, h2.device
+    dtype = h2.dtype
     block_d = _next_pow2(d)
     rows, strides = _as_rows(sources, d, dtype)
     cfg = _args_config("bwd", block_d)
