@@ -6,7 +6,9 @@ For a few shapes (default: 8192 tokens, d in {1024, 1536, 2560}, S = 9, r = d/4;
 times the forward kernel and the backward kernel separately under every candidate launch
 configuration (forward: tokens per program BLOCK_T; backward: sources per step SB; num_warps,
 PREFETCH; then, for the two best of each kernel, the evict-first hint and, for the backward, the
-persistent grid's programs per SM), through ``kernels.op.CONFIG_OVERRIDE``, for
+persistent grid's programs per SM), under each column layout the width allows (one power-of-two
+chunk, and three equal chunks where they pad less: kernels.op._col_layout), through
+``kernels.op.CONFIG_OVERRIDE``, for
 either kernel pair (``:table``, ``:args`` after a shape; see PATHS).  Each timing replays
 a CUDA graph of the launch (no host-side dispatch in the number; the inputs are several times the L2,
 so the cache helps little), median of ``triton.testing.do_bench_cudagraph``.  Every row also gives
@@ -42,24 +44,28 @@ from kernel_bench import copy_bandwidth  # noqa: E402  (the same ceiling as the 
 EPS = 1e-6
 
 
-def _candidates(kind: str, block_d: int, warps=(2, 4, 8, 16)) -> list[dict]:
+def _candidates(kind: str, block_d: int, nch: int, warps=(2, 4, 8, 16)) -> list[dict]:
     """Forward: BLOCK_T tokens per program; backward: SB sources per step; each with num_warps and
     PREFETCH (Triton's own loop pipelining, num_stages, changed nothing on the H200: it does not
-    pipeline these loops)."""
+    pipeline these loops), for the column layout of ``nch`` chunks of ``block_d`` (4 to 64 elements
+    per thread over the whole row)."""
     out = []
     key = "BLOCK_T" if kind == "fwd" else "SB"
     for n in (1, 2, 4):
         for nw in warps:
             for pf in (1, 0):
                 per_thread = n * block_d // (32 * nw)
-                if 4 <= per_thread <= 64:
-                    out.append({key: n, "num_warps": nw, "PREFETCH": pf})
+                if 4 <= per_thread and per_thread * nch <= 64:
+                    out.append({key: n, "num_warps": nw, "PREFETCH": pf, "SPLIT": nch > 1})
     return out
 
 
-def _quick(kind: str, block_d: int) -> list[dict]:
-    """The candidates worth timing on a short budget (--quick): 4 and 8 warps."""
-    return _candidates(kind, block_d, warps=(4, 8))
+def _quick(kind: str, block_d: int, nch: int) -> list[dict]:
+    """The candidates worth timing on a short budget (--quick): the shipped ones for one column
+    chunk; 2-8 warps for three chunks (smaller tiles per chunk)."""
+    if nch == 1:
+        return [dict(c, SPLIT=False) for c in kop._candidates(kind, block_d, 1)]
+    return _candidates(kind, block_d, nch, warps=(2, 4, 8))
 
 
 PROGRAMS_PER_SM = (2, 4, 6, 12, 16)  # the backward's persistent grid, tried for the best configurations
@@ -84,7 +90,7 @@ def sweep_shape(N, d, S, r, bw, budget_end, path="table", quick=False):
     q = (torch.randn(r, device="cuda", generator=gen) * 0.5).to(torch.bfloat16)
     g = torch.randn(N, d, device="cuda", generator=gen).to(torch.bfloat16)
     unit = N * d * 2
-    block_d = kop._next_pow2(d)
+    layouts = sorted({kop._col_layout(d, True), kop._col_layout(d, False)}, key=lambda x: -x[1])
     pick = _quick if quick else _candidates
     rows = []
 
@@ -100,7 +106,7 @@ def sweep_shape(N, d, S, r, bw, budget_end, path="table", quick=False):
         except Exception as e:  # a configuration that does not compile (registers, shared memory)
             rows.append({"kernel": kind, **cfg, "error": repr(e)[:200]})
             return
-        row = {"kernel": kind, **cfg, "us": t, **pct(kind, t)}
+        row = {"kernel": kind, **cfg, "layout": "%dx%d" % kop._layout(kind, d), "us": t, **pct(kind, t)}
         if ppsm is not None:
             row["programs_per_sm"] = ppsm
         rows.append(row)
@@ -109,13 +115,14 @@ def sweep_shape(N, d, S, r, bw, budget_end, path="table", quick=False):
         return sorted((x for x in rows if x["kernel"] == kind and "us" in x), key=lambda x: x["us"])[:n]
 
     def cfg_of(row):
-        return {k: row[k] for k in ("BLOCK_T", "SB", "num_warps", "PREFETCH", "EVICT") if k in row}
+        return {k: row[k] for k in ("BLOCK_T", "SB", "num_warps", "PREFETCH", "EVICT", "SPLIT") if k in row}
 
     fwd = lambda: fwd_fn(srcs, q, "slice", EPS)  # noqa: E731
-    for cfg in pick("fwd", block_d):
-        if time.time() > budget_end:
-            break
-        run("fwd", cfg, fwd)
+    for block_d, nch in layouts:
+        for cfg in pick("fwd", block_d, nch):
+            if time.time() > budget_end:
+                break
+            run("fwd", cfg, fwd)
     for b in best("fwd", 2):
         if time.time() < budget_end:
             run("fwd", dict(cfg_of(b), EVICT=True), fwd)
@@ -123,10 +130,11 @@ def sweep_shape(N, d, S, r, bw, budget_end, path="table", quick=False):
     h, stats, res = kop._fwd_triton(srcs, q, "slice", EPS)
     bwd = lambda: bwd_fn(srcs, q, h, stats, res, g, "slice", EPS)  # noqa: E731
     default_ppsm = kop.BWD_PROGRAMS_PER_SM
-    for cfg in pick("bwd", block_d):
-        if time.time() > budget_end:
-            break
-        run("bwd", cfg, bwd, default_ppsm)
+    for block_d, nch in layouts:
+        for cfg in pick("bwd", block_d, nch):
+            if time.time() > budget_end:
+                break
+            run("bwd", cfg, bwd, default_ppsm)
     try:
         for b in best("bwd", 2):
             if time.time() < budget_end:
@@ -151,10 +159,10 @@ def _md(doc) -> str:
              "issue's bytes (fwd S+1, bwd 2S+1).", ""]
     for shp in doc["shapes"]:
         lines += [f"## {shp.get('kernels', 'table')} kernels: {shp['tokens']} tokens, d={shp['d']}, S={shp['S']}, r={shp['r']}", "",
-                  "| kernel | tokens or sources per step | warps | prefetch | evict | programs/SM | us | % design | % formula |",
-                  "|---|---|---|---|---|---|---|---|---|"]
+                  "| kernel | columns | tokens or sources per step | warps | prefetch | evict | programs/SM | us | % design | % formula |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
         for r in sorted(shp["rows"], key=lambda x: (x["kernel"] != "fwd", x.get("us", 1e9))):
-            head = (f"| {r['kernel']} | {r.get('BLOCK_T', r.get('SB', '-'))} | {r['num_warps']} | {r['PREFETCH']} | "
+            head = (f"| {r['kernel']} | {r.get('layout', '-')} | {r.get('BLOCK_T', r.get('SB', '-'))} | {r['num_warps']} | {r['PREFETCH']} | "
                     f"{r.get('EVICT', False)} | {r.get('programs_per_sm', '-')} |")
             if "error" in r:
                 lines.append(head + " error | | |")

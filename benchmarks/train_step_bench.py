@@ -280,8 +280,8 @@ def run_config(name, a, device):
     if kop is not None:
         row["compiled_path"] = kop.COMPILED_PATH if compile_ else None
         row["kernel_configs"] = kop.tuned_configs()  # the table kernels' autotuned choices
-        block_d = kop._next_pow2(d)
-        row["args_kernel_configs"] = {k: kop._args_config(k, block_d) for k in ("fwd", "bwd")}
+        row["args_kernel_configs"] = {k: dict(kop._args_config(k, *kop._layout(k, d)), layout=kop._layout(k, d))
+                                      for k in ("fwd", "bwd")}
         kop.COMPILED_PATH = "triton_op"
     if device.type == "cuda":
         row["peak_allocated_gib"] = torch.cuda.max_memory_allocated(device) / 2**30

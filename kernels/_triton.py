@@ -58,9 +58,10 @@ def _add2(a0, b0, a1, b1):
 
 
 @triton.jit
-def _cols(d, r, BLOCK_D: tl.constexpr):
-    """Column offsets of a row, which are real (< d) and which are the key's (the last r)."""
-    offs = tl.arange(0, BLOCK_D)
+def _cols(d, r, base, BLOCK_D: tl.constexpr):
+    """Column offsets of the chunk starting at column ``base``, which are real (< d) and which are
+    the key's (the last r)."""
+    offs = base + tl.arange(0, BLOCK_D)
     col_ok = offs < d
     return offs, col_ok, (offs >= d - r) & col_ok
 
@@ -75,17 +76,17 @@ def _query(q_ptr, offs, d, r, tail):
 
 
 @triton.jit
-def _token_rows(blk, N, col_ok, BLOCK_T: tl.constexpr):
-    """Token block ``blk``: its rows, which are real, the rows as int64, and the tile's mask."""
+def _token_rows(blk, N, BLOCK_T: tl.constexpr):
+    """Token block ``blk``: its rows, which are real, and the rows as int64."""
     rows = blk * BLOCK_T + tl.arange(0, BLOCK_T)
     row_ok = rows < N
-    return rows, row_ok, rows.to(tl.int64), row_ok[:, None] & col_ok[None, :]
+    return rows, row_ok, rows.to(tl.int64)
 
 
 @triton.jit
 def _rows_tile(ptrs, strides, row64, js, S, offs, col_ok, EVICT: tl.constexpr):
-    """Row ``row64`` of sources js [SB] (pointers and row strides given): [SB, BLOCK_D], zeros where
-    js >= S."""
+    """Row ``row64`` of sources js [SB] (pointers and row strides given), one column chunk:
+    [SB, BLOCK_D], zeros where js >= S."""
     addr = ptrs[:, None] + (row64 * strides)[:, None] + offs[None, :]
     mask = (js < S)[:, None] & col_ok[None, :]
     if EVICT:  # each source row is read once: let it leave the L2 first
@@ -96,26 +97,33 @@ def _rows_tile(ptrs, strides, row64, js, S, offs, col_ok, EVICT: tl.constexpr):
 
 
 @triton.jit
-def _tile(ptr, stride, j, S, rows, rows64, offs, mask, EVICT: tl.constexpr):
-    """Raw tile [BLOCK_T, BLOCK_D] of the source at ``ptr`` (zeros when j >= S)."""
-    live = ((rows * 0 + j) < S)[:, None]
+def _tile(ptr, stride, j, S, rows, rows64, row_ok, offs, col_ok, EVICT: tl.constexpr):
+    """Raw tile [BLOCK_T, BLOCK_D] (one column chunk) of the source at ``ptr`` (zeros when j >= S)."""
+    live = row_ok & ((rows * 0 + j) < S)
     addr = ptr + rows64[:, None] * stride + offs[None, :]
+    mask = live[:, None] & col_ok[None, :]
     if EVICT:  # read once: let the sources leave the L2 first
-        x = tl.load(addr, mask=mask & live, other=0.0, eviction_policy="evict_first")
+        x = tl.load(addr, mask=mask, other=0.0, eviction_policy="evict_first")
     else:
-        x = tl.load(addr, mask=mask & live, other=0.0)
+        x = tl.load(addr, mask=mask, other=0.0)
     return x
 
 
 @triton.jit
-def _fwd_source(x, q, tail, m, l, acc, inv_n, eps, SLICE: tl.constexpr, FUSED: tl.constexpr):
-    """Online-softmax update of (max, sum, fp32 mix) by one fp32 source tile x [BLOCK_T, BLOCK_D].
-    Returns the new state and this source's score and key 1/RMS per token."""
+def _key_terms(x, q, tail, SLICE: tl.constexpr):
+    """Elementwise terms of |k|^2 and q.k for one fp32 chunk (chunks of one layout add up before the
+    row sum, so a row split into chunks still takes one reduction)."""
     if SLICE:
         kk = tl.where(tail[None, :], x * x, 0.0)
     else:
         kk = x * x
-    kq = x * q[None, :]
+    return kk, x * q[None, :]
+
+
+@triton.jit
+def _softmax_step(kk, kq, m, l, inv_n, eps, FUSED: tl.constexpr):
+    """Row sums of the key terms, this source's score z and key 1/RMS per token, and the online
+    softmax's new (max, sum) with the old mix's rescale alpha and this source's weight p."""
     if FUSED:  # one fused reduction (one shared-memory round) for both row sums
         ss, qk = tl.reduce((kk, kq), 1, _add2)
     else:  # separate sums (the interpreter runs tl.reduce with a Python combine: slow)
@@ -126,9 +134,12 @@ def _fwd_source(x, q, tail, m, l, acc, inv_n, eps, SLICE: tl.constexpr, FUSED: t
     m_new = tl.maximum(m, z)
     alpha = tl.exp(m - m_new)
     p = tl.exp(z - m_new)
-    acc = acc * alpha[:, None] + p[:, None] * x
-    l = l * alpha + p
-    return m_new, l, acc, z, rinv
+    return m_new, l * alpha + p, alpha, p, z, rinv
+
+
+@triton.jit
+def _mix(acc, alpha, p, x):
+    return acc * alpha[:, None] + p[:, None] * x
 
 
 @triton.jit
@@ -139,12 +150,12 @@ def _store_scores(st_ptr, i, S, N, z, rinv, rows, row_ok):
 
 
 @triton.jit
-def _fwd_store(acc, m, l, out_ptr, res_ptr, st_ptr, rows, rows64, offs, row_ok, mask, d,
+def _store_mix(acc, inv_l, out_ptr, res_ptr, rows64, row_ok, offs, col_ok, d,
                HAS_RES: tl.constexpr, RES_STEP: tl.constexpr):
-    """Write the mix in the output dtype, its int8 rounding residual and the logsumexp (row 0 of the
-    statistics)."""
-    h = acc * (1.0 / l)[:, None]
+    """Write one column chunk of the mix in the output dtype and its int8 rounding residual."""
+    h = acc * inv_l[:, None]
     hb = h.to(out_ptr.dtype.element_ty)
+    mask = row_ok[:, None] & col_ok[None, :]
     tl.store(out_ptr + rows64[:, None] * d + offs[None, :], hb, mask=mask)
     if HAS_RES:
         hb32 = hb.to(tl.float32)
@@ -153,45 +164,52 @@ def _fwd_store(acc, m, l, out_ptr, res_ptr, st_ptr, rows, rows64, offs, row_ok, 
         code = tl.floor((h - hb32) / step + 0.5)
         code = tl.where(ok, tl.minimum(tl.maximum(code, -127.0), 127.0), 0.0)
         tl.store(res_ptr + rows64[:, None] * d + offs[None, :], code.to(tl.int8), mask=mask)
-    tl.store(st_ptr + rows, m + tl.log(l), mask=row_ok)
 
 
 @triton.jit
-def _bwd_row(g_ptr, h_ptr, res_ptr, st_ptr, row, row64, offs, col_ok, d, stride_g,
-             HAS_RES: tl.constexpr, RES_STEP: tl.constexpr):
-    """One token: the upstream gradient g [BLOCK_D] (fp32), g.h at fp32 accuracy, the logsumexp."""
+def _bwd_row(g_ptr, h_ptr, res_ptr, row64, offs, col_ok, d, stride_g, HAS_RES: tl.constexpr, RES_STEP: tl.constexpr):
+    """One token, one column chunk: the upstream gradient g [BLOCK_D] (fp32) and the terms of g.h
+    at fp32 accuracy (h rebuilt from its residual)."""
     g = tl.load(g_ptr + row64 * stride_g + offs, mask=col_ok, other=0.0).to(tl.float32)
     hh = tl.load(h_ptr + row64 * d + offs, mask=col_ok, other=0.0).to(tl.float32)
     if HAS_RES:
         code = tl.load(res_ptr + row64 * d + offs, mask=col_ok, other=0).to(tl.float32)
         base, ok = _res_base(hh)
         hh = tl.where(ok, hh + code * (base * RES_STEP), hh)
-    gh = tl.sum(g * hh, axis=0)
-    return g, gh, tl.load(st_ptr + row)
+    return g, g * hh
 
 
 @triton.jit
-def _bwd_block(x, g, gh, lse, js, S, N, row, st_ptr, q, tail, inv_n, SLICE: tl.constexpr):
-    """Gradient rows [SB, BLOCK_D] of the fp32 source rows x, and c = dL/dz * rinv [SB] (the query
-    gradient's weight; 0 where js >= S), from the forward's scores: one row sum (g.o_i)."""
+def _bwd_weights(go, gh, lse, js, S, N, row, st_ptr, inv_n):
+    """From g.o_i [SB] and the forward's scores: the weights w, c = dL/dz * rinv (the query
+    gradient's weight; 0 where js >= S) and the key term's coefficient z rinv / n."""
     live = js < S
     z = tl.load(st_ptr + (1 + js).to(tl.int64) * N + row, mask=live, other=0.0)
     rinv = tl.load(st_ptr + (1 + S + js).to(tl.int64) * N + row, mask=live, other=0.0)
-    go = tl.sum(g[None, :] * x, axis=1)
     w = tl.exp(z - lse)
-    c = w * (go - gh) * rinv
-    coef = z * rinv * inv_n
+    return w, w * (go - gh) * rinv, z * rinv * inv_n
+
+
+@triton.jit
+def _bwd_grad(x, g, q, tail, w, c, coef, SLICE: tl.constexpr):
+    """Gradient rows [SB, BLOCK_D] of one column chunk of the fp32 source rows x."""
     if SLICE:
         k = tl.where(tail[None, :], x, 0.0)
     else:
         k = x
-    grad = w[:, None] * g[None, :] + c[:, None] * (q[None, :] - coef[:, None] * k)
-    return grad, c
+    return w[:, None] * g[None, :] + c[:, None] * (q[None, :] - coef[:, None] * k)
+
+
+@triton.jit
+def _store_grad(gp, row64, d, offs, col_ok, js, S, grad):
+    """One column chunk of the gradient rows of sources js (pointers gp [SB])."""
+    tl.store(gp[:, None] + row64 * d + offs[None, :], grad.to(gp.dtype.element_ty),
+             mask=(js < S)[:, None] & col_ok[None, :])
 
 
 @triton.jit
 def _dq_store(acc, dq_part_ptr, pid, r, d, offs, tail):
-    """This program's query-gradient partial, over the key columns."""
+    """This program's query-gradient partial over the key columns of one chunk."""
     tl.store(dq_part_ptr + pid.to(tl.int64) * r + (offs - (d - r)), acc, mask=tail)
 
 
@@ -227,32 +245,69 @@ def _attnres_fwd_kernel(
     HAS_RES: tl.constexpr,
     RES_STEP: tl.constexpr,  # 2^-(mantissa bits + 8)
     ALIGN: tl.constexpr,  # offsets and strides are multiples of this many elements
-    BLOCK_D: tl.constexpr,
+    BLOCK_D: tl.constexpr,  # columns per chunk
+    NCH: tl.constexpr,  # column chunks per row: 1 or 3
     BLOCK_T: tl.constexpr,  # tokens per program
     PREFETCH: tl.constexpr,  # load the next source's tile before this one's arithmetic (0, 1)
     EVICT: tl.constexpr,  # evict-first hint on the source reads
     FUSED: tl.constexpr,  # multi-operand row reductions (GPU); separate tl.sum (interpreter)
 ):
-    offs, col_ok, tail = _cols(d, r, BLOCK_D)
-    q = _query(q_ptr, offs, d, r, tail)
-    rows, row_ok, rows64, mask = _token_rows(tl.program_id(0), N, col_ok, BLOCK_T)
+    rows, row_ok, rows64 = _token_rows(tl.program_id(0), N, BLOCK_T)
     m = tl.full([BLOCK_T], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_T], tl.float32)
-    acc = tl.zeros([BLOCK_T, BLOCK_D], tl.float32)
+    offs0, ok0, tail0 = _cols(d, r, 0, BLOCK_D)
+    q0 = _query(q_ptr, offs0, d, r, tail0)
+    acc0 = tl.zeros([BLOCK_T, BLOCK_D], tl.float32)
+    if NCH == 3:
+        offs1, ok1, tail1 = _cols(d, r, BLOCK_D, BLOCK_D)
+        q1 = _query(q_ptr, offs1, d, r, tail1)
+        acc1 = tl.zeros([BLOCK_T, BLOCK_D], tl.float32)
+        offs2, ok2, tail2 = _cols(d, r, 2 * BLOCK_D, BLOCK_D)
+        q2 = _query(q_ptr, offs2, d, r, tail2)
+        acc2 = tl.zeros([BLOCK_T, BLOCK_D], tl.float32)
     if PREFETCH:
         p, st = _table_src(src0_ptr, src_offs, src_strides, 0, S, ALIGN)
-        x_n = _tile(p, st, 0, S, rows, rows64, offs, mask, EVICT)
+        tn0 = _tile(p, st, 0, S, rows, rows64, row_ok, offs0, ok0, EVICT)
+        if NCH == 3:
+            tn1 = _tile(p, st, 0, S, rows, rows64, row_ok, offs1, ok1, EVICT)
+            tn2 = _tile(p, st, 0, S, rows, rows64, row_ok, offs2, ok2, EVICT)
     for i in range(S):
         if PREFETCH:
-            x = x_n
+            t0 = tn0
+            if NCH == 3:
+                t1 = tn1
+                t2 = tn2
             p, st = _table_src(src0_ptr, src_offs, src_strides, i + 1, S, ALIGN)
-            x_n = _tile(p, st, i + 1, S, rows, rows64, offs, mask, EVICT)
+            tn0 = _tile(p, st, i + 1, S, rows, rows64, row_ok, offs0, ok0, EVICT)
+            if NCH == 3:
+                tn1 = _tile(p, st, i + 1, S, rows, rows64, row_ok, offs1, ok1, EVICT)
+                tn2 = _tile(p, st, i + 1, S, rows, rows64, row_ok, offs2, ok2, EVICT)
         else:
             p, st = _table_src(src0_ptr, src_offs, src_strides, i, S, ALIGN)
-            x = _tile(p, st, i, S, rows, rows64, offs, mask, EVICT)
-        m, l, acc, z, rinv = _fwd_source(x.to(tl.float32), q, tail, m, l, acc, inv_n, eps, SLICE, FUSED)
+            t0 = _tile(p, st, i, S, rows, rows64, row_ok, offs0, ok0, EVICT)
+            if NCH == 3:
+                t1 = _tile(p, st, i, S, rows, rows64, row_ok, offs1, ok1, EVICT)
+                t2 = _tile(p, st, i, S, rows, rows64, row_ok, offs2, ok2, EVICT)
+        t0 = t0.to(tl.float32)
+        kk, kq = _key_terms(t0, q0, tail0, SLICE)
+        if NCH == 3:
+            t1 = t1.to(tl.float32)
+            t2 = t2.to(tl.float32)
+            kk1, kq1 = _key_terms(t1, q1, tail1, SLICE)
+            kk2, kq2 = _key_terms(t2, q2, tail2, SLICE)
+            kk, kq = kk + kk1 + kk2, kq + kq1 + kq2
+        m, l, alpha, pw, z, rinv = _softmax_step(kk, kq, m, l, inv_n, eps, FUSED)
+        acc0 = _mix(acc0, alpha, pw, t0)
+        if NCH == 3:
+            acc1 = _mix(acc1, alpha, pw, t1)
+            acc2 = _mix(acc2, alpha, pw, t2)
         _store_scores(st_ptr, i, S, N, z, rinv, rows, row_ok)
-    _fwd_store(acc, m, l, out_ptr, res_ptr, st_ptr, rows, rows64, offs, row_ok, mask, d, HAS_RES, RES_STEP)
+    inv_l = 1.0 / l
+    _store_mix(acc0, inv_l, out_ptr, res_ptr, rows64, row_ok, offs0, ok0, d, HAS_RES, RES_STEP)
+    if NCH == 3:
+        _store_mix(acc1, inv_l, out_ptr, res_ptr, rows64, row_ok, offs1, ok1, d, HAS_RES, RES_STEP)
+        _store_mix(acc2, inv_l, out_ptr, res_ptr, rows64, row_ok, offs2, ok2, d, HAS_RES, RES_STEP)
+    tl.store(st_ptr + rows, m + tl.log(l), mask=row_ok)
 
 
 @triton.jit
@@ -280,39 +335,77 @@ def _attnres_bwd_kernel(
     RES_STEP: tl.constexpr,
     ALIGN: tl.constexpr,
     GALIGN: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    SB: tl.constexpr,
+    BLOCK_D: tl.constexpr,  # columns per chunk
+    NCH: tl.constexpr,  # column chunks per row: 1 or 3
+    SB: tl.constexpr,  # sources per step
     PREFETCH: tl.constexpr,
     EVICT: tl.constexpr,
 ):
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
-    offs, col_ok, tail = _cols(d, r, BLOCK_D)
-    q = _query(q_ptr, offs, d, r, tail)
     sbs = tl.arange(0, SB)
-    dq = tl.zeros([BLOCK_D], tl.float32)
+    offs0, ok0, tail0 = _cols(d, r, 0, BLOCK_D)
+    q0 = _query(q_ptr, offs0, d, r, tail0)
+    dq0 = tl.zeros([BLOCK_D], tl.float32)
+    if NCH == 3:
+        offs1, ok1, tail1 = _cols(d, r, BLOCK_D, BLOCK_D)
+        q1 = _query(q_ptr, offs1, d, r, tail1)
+        dq1 = tl.zeros([BLOCK_D], tl.float32)
+        offs2, ok2, tail2 = _cols(d, r, 2 * BLOCK_D, BLOCK_D)
+        q2 = _query(q_ptr, offs2, d, r, tail2)
+        dq2 = tl.zeros([BLOCK_D], tl.float32)
     for row in range(pid, N, nprog):
         row64 = tl.cast(row, tl.int64)
-        g, gh, lse = _bwd_row(g_ptr, h_ptr, res_ptr, st_ptr, row, row64, offs, col_ok, d, stride_g, HAS_RES, RES_STEP)
+        g0, gh = _bwd_row(g_ptr, h_ptr, res_ptr, row64, offs0, ok0, d, stride_g, HAS_RES, RES_STEP)
+        if NCH == 3:
+            g1, gh1 = _bwd_row(g_ptr, h_ptr, res_ptr, row64, offs1, ok1, d, stride_g, HAS_RES, RES_STEP)
+            g2, gh2 = _bwd_row(g_ptr, h_ptr, res_ptr, row64, offs2, ok2, d, stride_g, HAS_RES, RES_STEP)
+            gh = gh + gh1 + gh2
+        gh = tl.sum(gh, axis=0)
+        lse = tl.load(st_ptr + row)
         if PREFETCH:
             p, st = _table_src(src0_ptr, src_offs, src_strides, sbs, S, ALIGN)
-            x_n = _rows_tile(p, st, row64, sbs, S, offs, col_ok, EVICT)
+            tn0 = _rows_tile(p, st, row64, sbs, S, offs0, ok0, EVICT)
+            if NCH == 3:
+                tn1 = _rows_tile(p, st, row64, sbs, S, offs1, ok1, EVICT)
+                tn2 = _rows_tile(p, st, row64, sbs, S, offs2, ok2, EVICT)
         for b in range(0, S, SB):
             js = b + sbs
             if PREFETCH:
-                x = x_n
+                t0 = tn0
+                if NCH == 3:
+                    t1 = tn1
+                    t2 = tn2
                 p, st = _table_src(src0_ptr, src_offs, src_strides, js + SB, S, ALIGN)
-                x_n = _rows_tile(p, st, row64, js + SB, S, offs, col_ok, EVICT)
+                tn0 = _rows_tile(p, st, row64, js + SB, S, offs0, ok0, EVICT)
+                if NCH == 3:
+                    tn1 = _rows_tile(p, st, row64, js + SB, S, offs1, ok1, EVICT)
+                    tn2 = _rows_tile(p, st, row64, js + SB, S, offs2, ok2, EVICT)
             else:
                 p, st = _table_src(src0_ptr, src_offs, src_strides, js, S, ALIGN)
-                x = _rows_tile(p, st, row64, js, S, offs, col_ok, EVICT)
-            x = x.to(tl.float32)
-            grad, c = _bwd_block(x, g, gh, lse, js, S, N, row, st_ptr, q, tail, inv_n, SLICE)
+                t0 = _rows_tile(p, st, row64, js, S, offs0, ok0, EVICT)
+                if NCH == 3:
+                    t1 = _rows_tile(p, st, row64, js, S, offs1, ok1, EVICT)
+                    t2 = _rows_tile(p, st, row64, js, S, offs2, ok2, EVICT)
+            t0 = t0.to(tl.float32)
+            go = g0[None, :] * t0
+            if NCH == 3:
+                t1 = t1.to(tl.float32)
+                t2 = t2.to(tl.float32)
+                go = go + g1[None, :] * t1 + g2[None, :] * t2
+            w, c, coef = _bwd_weights(tl.sum(go, axis=1), gh, lse, js, S, N, row, st_ptr, inv_n)
             gp = grad0_ptr + tl.multiple_of(tl.load(grad_offs + tl.minimum(js, S - 1)), GALIGN)
-            tl.store(gp[:, None] + row64 * d + offs[None, :], grad.to(grad0_ptr.dtype.element_ty),
-                     mask=(js < S)[:, None] & col_ok[None, :])
-            dq += tl.sum(c[:, None] * x, axis=0)
-    _dq_store(dq, dq_part_ptr, pid, r, d, offs, tail)
+            _store_grad(gp, row64, d, offs0, ok0, js, S, _bwd_grad(t0, g0, q0, tail0, w, c, coef, SLICE))
+            dq0 += tl.sum(c[:, None] * t0, axis=0)
+            if NCH == 3:
+                _store_grad(gp, row64, d, offs1, ok1, js, S, _bwd_grad(t1, g1, q1, tail1, w, c, coef, SLICE))
+                dq1 += tl.sum(c[:, None] * t1, axis=0)
+                _store_grad(gp, row64, d, offs2, ok2, js, S, _bwd_grad(t2, g2, q2, tail2, w, c, coef, SLICE))
+                dq2 += tl.sum(c[:, None] * t2, axis=0)
+    _dq_store(dq0, dq_part_ptr, pid, r, d, offs0, tail0)
+    if NCH == 3:
+        _dq_store(dq1, dq_part_ptr, pid, r, d, offs1, tail1)
+        _dq_store(dq2, dq_part_ptr, pid, r, d, offs2, tail2)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -407,36 +500,73 @@ def _attnres_fwd_args_kernel(
     SLICE: tl.constexpr,
     HAS_RES: tl.constexpr,
     RES_STEP: tl.constexpr,
-    BLOCK_D: tl.constexpr,
+    BLOCK_D: tl.constexpr,  # columns per chunk
+    NCH: tl.constexpr,  # column chunks per row: 1 or 3
     BLOCK_T: tl.constexpr,
     PREFETCH: tl.constexpr,
     EVICT: tl.constexpr,
     FUSED: tl.constexpr,
 ):
-    offs, col_ok, tail = _cols(d, r, BLOCK_D)
-    q = _query(q_ptr, offs, d, r, tail)
     inv_n = _inv_key_width(r, d, SLICE)
-    rows, row_ok, rows64, mask = _token_rows(tl.program_id(0), N, col_ok, BLOCK_T)
+    rows, row_ok, rows64 = _token_rows(tl.program_id(0), N, BLOCK_T)
     m = tl.full([BLOCK_T], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_T], tl.float32)
-    acc = tl.zeros([BLOCK_T, BLOCK_D], tl.float32)
+    offs0, ok0, tail0 = _cols(d, r, 0, BLOCK_D)
+    q0 = _query(q_ptr, offs0, d, r, tail0)
+    acc0 = tl.zeros([BLOCK_T, BLOCK_D], tl.float32)
+    if NCH == 3:
+        offs1, ok1, tail1 = _cols(d, r, BLOCK_D, BLOCK_D)
+        q1 = _query(q_ptr, offs1, d, r, tail1)
+        acc1 = tl.zeros([BLOCK_T, BLOCK_D], tl.float32)
+        offs2, ok2, tail2 = _cols(d, r, 2 * BLOCK_D, BLOCK_D)
+        q2 = _query(q_ptr, offs2, d, r, tail2)
+        acc2 = tl.zeros([BLOCK_T, BLOCK_D], tl.float32)
     if PREFETCH:
         p, st = _arg_src(0, S, NSLOT, x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
-                               xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7, xs8, xs9, xs10, xs11, xs12, xs13, xs14, xs15)
-        x_n = _tile(p, st, 0, S, rows, rows64, offs, mask, EVICT)
+                          xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7, xs8, xs9, xs10, xs11, xs12, xs13, xs14, xs15)
+        tn0 = _tile(p, st, 0, S, rows, rows64, row_ok, offs0, ok0, EVICT)
+        if NCH == 3:
+            tn1 = _tile(p, st, 0, S, rows, rows64, row_ok, offs1, ok1, EVICT)
+            tn2 = _tile(p, st, 0, S, rows, rows64, row_ok, offs2, ok2, EVICT)
     for i in range(S):
         if PREFETCH:
-            x = x_n
+            t0 = tn0
+            if NCH == 3:
+                t1 = tn1
+                t2 = tn2
             p, st = _arg_src(i + 1, S, NSLOT, x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
-                               xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7, xs8, xs9, xs10, xs11, xs12, xs13, xs14, xs15)
-            x_n = _tile(p, st, i + 1, S, rows, rows64, offs, mask, EVICT)
+                              xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7, xs8, xs9, xs10, xs11, xs12, xs13, xs14, xs15)
+            tn0 = _tile(p, st, i + 1, S, rows, rows64, row_ok, offs0, ok0, EVICT)
+            if NCH == 3:
+                tn1 = _tile(p, st, i + 1, S, rows, rows64, row_ok, offs1, ok1, EVICT)
+                tn2 = _tile(p, st, i + 1, S, rows, rows64, row_ok, offs2, ok2, EVICT)
         else:
             p, st = _arg_src(i, S, NSLOT, x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
-                               xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7, xs8, xs9, xs10, xs11, xs12, xs13, xs14, xs15)
-            x = _tile(p, st, i, S, rows, rows64, offs, mask, EVICT)
-        m, l, acc, z, rinv = _fwd_source(x.to(tl.float32), q, tail, m, l, acc, inv_n, EPS, SLICE, FUSED)
+                              xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7, xs8, xs9, xs10, xs11, xs12, xs13, xs14, xs15)
+            t0 = _tile(p, st, i, S, rows, rows64, row_ok, offs0, ok0, EVICT)
+            if NCH == 3:
+                t1 = _tile(p, st, i, S, rows, rows64, row_ok, offs1, ok1, EVICT)
+                t2 = _tile(p, st, i, S, rows, rows64, row_ok, offs2, ok2, EVICT)
+        t0 = t0.to(tl.float32)
+        kk, kq = _key_terms(t0, q0, tail0, SLICE)
+        if NCH == 3:
+            t1 = t1.to(tl.float32)
+            t2 = t2.to(tl.float32)
+            kk1, kq1 = _key_terms(t1, q1, tail1, SLICE)
+            kk2, kq2 = _key_terms(t2, q2, tail2, SLICE)
+            kk, kq = kk + kk1 + kk2, kq + kq1 + kq2
+        m, l, alpha, pw, z, rinv = _softmax_step(kk, kq, m, l, inv_n, EPS, FUSED)
+        acc0 = _mix(acc0, alpha, pw, t0)
+        if NCH == 3:
+            acc1 = _mix(acc1, alpha, pw, t1)
+            acc2 = _mix(acc2, alpha, pw, t2)
         _store_scores(st_ptr, i, S, N, z, rinv, rows, row_ok)
-    _fwd_store(acc, m, l, out_ptr, res_ptr, st_ptr, rows, rows64, offs, row_ok, mask, d, HAS_RES, RES_STEP)
+    inv_l = 1.0 / l
+    _store_mix(acc0, inv_l, out_ptr, res_ptr, rows64, row_ok, offs0, ok0, d, HAS_RES, RES_STEP)
+    if NCH == 3:
+        _store_mix(acc1, inv_l, out_ptr, res_ptr, rows64, row_ok, offs1, ok1, d, HAS_RES, RES_STEP)
+        _store_mix(acc2, inv_l, out_ptr, res_ptr, rows64, row_ok, offs2, ok2, d, HAS_RES, RES_STEP)
+    tl.store(st_ptr + rows, m + tl.log(l), mask=row_ok)
 
 
 @triton.jit
@@ -463,43 +593,79 @@ def _attnres_bwd_args_kernel(
     SLICE: tl.constexpr,
     HAS_RES: tl.constexpr,
     RES_STEP: tl.constexpr,
-    BLOCK_D: tl.constexpr,
+    BLOCK_D: tl.constexpr,  # columns per chunk
+    NCH: tl.constexpr,  # column chunks per row: 1 or 3
     SB: tl.constexpr,
     PREFETCH: tl.constexpr,
     EVICT: tl.constexpr,
 ):
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
-    offs, col_ok, tail = _cols(d, r, BLOCK_D)
-    q = _query(q_ptr, offs, d, r, tail)
     inv_n = _inv_key_width(r, d, SLICE)
     sbs = tl.arange(0, SB)
-    dq = tl.zeros([BLOCK_D], tl.float32)
+    offs0, ok0, tail0 = _cols(d, r, 0, BLOCK_D)
+    q0 = _query(q_ptr, offs0, d, r, tail0)
+    dq0 = tl.zeros([BLOCK_D], tl.float32)
+    if NCH == 3:
+        offs1, ok1, tail1 = _cols(d, r, BLOCK_D, BLOCK_D)
+        q1 = _query(q_ptr, offs1, d, r, tail1)
+        dq1 = tl.zeros([BLOCK_D], tl.float32)
+        offs2, ok2, tail2 = _cols(d, r, 2 * BLOCK_D, BLOCK_D)
+        q2 = _query(q_ptr, offs2, d, r, tail2)
+        dq2 = tl.zeros([BLOCK_D], tl.float32)
     for row in range(pid, N, nprog):
         row64 = tl.cast(row, tl.int64)
-        g, gh, lse = _bwd_row(g_ptr, h_ptr, res_ptr, st_ptr, row, row64, offs, col_ok, d, stride_g, HAS_RES, RES_STEP)
+        g0, gh = _bwd_row(g_ptr, h_ptr, res_ptr, row64, offs0, ok0, d, stride_g, HAS_RES, RES_STEP)
+        if NCH == 3:
+            g1, gh1 = _bwd_row(g_ptr, h_ptr, res_ptr, row64, offs1, ok1, d, stride_g, HAS_RES, RES_STEP)
+            g2, gh2 = _bwd_row(g_ptr, h_ptr, res_ptr, row64, offs2, ok2, d, stride_g, HAS_RES, RES_STEP)
+            gh = gh + gh1 + gh2
+        gh = tl.sum(gh, axis=0)
+        lse = tl.load(st_ptr + row)
         if PREFETCH:
             p, st = _arg_src(sbs, S, NSLOT, x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
-                               xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7, xs8, xs9, xs10, xs11, xs12, xs13, xs14, xs15)
-            x_n = _rows_tile(p, st, row64, sbs, S, offs, col_ok, EVICT)
+                              xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7, xs8, xs9, xs10, xs11, xs12, xs13, xs14, xs15)
+            tn0 = _rows_tile(p, st, row64, sbs, S, offs0, ok0, EVICT)
+            if NCH == 3:
+                tn1 = _rows_tile(p, st, row64, sbs, S, offs1, ok1, EVICT)
+                tn2 = _rows_tile(p, st, row64, sbs, S, offs2, ok2, EVICT)
         for b in range(0, S, SB):
             js = b + sbs
             if PREFETCH:
-                x = x_n
-                p, st = _arg_src(js + SB, S, NSLOT, x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13,
-                                   x14, x15, xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7, xs8, xs9, xs10, xs11, xs12, xs13,
-                                   xs14, xs15)
-                x_n = _rows_tile(p, st, row64, js + SB, S, offs, col_ok, EVICT)
+                t0 = tn0
+                if NCH == 3:
+                    t1 = tn1
+                    t2 = tn2
+                p, st = _arg_src(js + SB, S, NSLOT, x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
+                                  xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7, xs8, xs9, xs10, xs11, xs12, xs13, xs14, xs15)
+                tn0 = _rows_tile(p, st, row64, js + SB, S, offs0, ok0, EVICT)
+                if NCH == 3:
+                    tn1 = _rows_tile(p, st, row64, js + SB, S, offs1, ok1, EVICT)
+                    tn2 = _rows_tile(p, st, row64, js + SB, S, offs2, ok2, EVICT)
             else:
-                p, st = _arg_src(js, S, NSLOT, x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14,
-                                   x15, xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7, xs8, xs9, xs10, xs11, xs12, xs13,
-                                   xs14, xs15)
-                x = _rows_tile(p, st, row64, js, S, offs, col_ok, EVICT)
-            x = x.to(tl.float32)
-            grad, c = _bwd_block(x, g, gh, lse, js, S, N, row, st_ptr, q, tail, inv_n, SLICE)
+                p, st = _arg_src(js, S, NSLOT, x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
+                                  xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7, xs8, xs9, xs10, xs11, xs12, xs13, xs14, xs15)
+                t0 = _rows_tile(p, st, row64, js, S, offs0, ok0, EVICT)
+                if NCH == 3:
+                    t1 = _rows_tile(p, st, row64, js, S, offs1, ok1, EVICT)
+                    t2 = _rows_tile(p, st, row64, js, S, offs2, ok2, EVICT)
+            t0 = t0.to(tl.float32)
+            go = g0[None, :] * t0
+            if NCH == 3:
+                t1 = t1.to(tl.float32)
+                t2 = t2.to(tl.float32)
+                go = go + g1[None, :] * t1 + g2[None, :] * t2
+            w, c, coef = _bwd_weights(tl.sum(go, axis=1), gh, lse, js, S, N, row, st_ptr, inv_n)
             gp = _select(tl.minimum(js, S - 1), NSLOT, dx0, dx1, dx2, dx3, dx4, dx5, dx6, dx7, dx8, dx9, dx10, dx11,
                          dx12, dx13, dx14, dx15) + js * 0  # [SB] even with one slot
-            tl.store(gp[:, None] + row64 * d + offs[None, :], grad.to(dx0.dtype.element_ty),
-                     mask=(js < S)[:, None] & col_ok[None, :])
-            dq += tl.sum(c[:, None] * x, axis=0)
-    _dq_store(dq, dq_part_ptr, pid, r, d, offs, tail)
+            _store_grad(gp, row64, d, offs0, ok0, js, S, _bwd_grad(t0, g0, q0, tail0, w, c, coef, SLICE))
+            dq0 += tl.sum(c[:, None] * t0, axis=0)
+            if NCH == 3:
+                _store_grad(gp, row64, d, offs1, ok1, js, S, _bwd_grad(t1, g1, q1, tail1, w, c, coef, SLICE))
+                dq1 += tl.sum(c[:, None] * t1, axis=0)
+                _store_grad(gp, row64, d, offs2, ok2, js, S, _bwd_grad(t2, g2, q2, tail2, w, c, coef, SLICE))
+                dq2 += tl.sum(c[:, None] * t2, axis=0)
+    _dq_store(dq0, dq_part_ptr, pid, r, d, offs0, tail0)
+    if NCH == 3:
+        _dq_store(dq1, dq_part_ptr, pid, r, d, offs1, tail1)
+        _dq_store(dq2, dq_part_ptr, pid, r, d, offs2, tail2)

@@ -40,7 +40,8 @@ _CPU_TRITON = os.environ.get("KERNELS_CPU_TRITON", "0") == "1"
 # unwritten element shows up.
 POISON = os.environ.get("KERNELS_POISON", "0") == "1"
 # Launch configuration overrides: {"fwd": {BLOCK_T, num_warps, PREFETCH}, "bwd": {SB, num_warps,
-# PREFETCH}}, either optionally with num_stages and EVICT (the evict-first hint on source reads).
+# PREFETCH}}, either optionally with num_stages, EVICT (the evict-first hint on source reads) and
+# SPLIT (the column layout, see _col_layout; read by the host, not passed to the kernel).
 CONFIG_OVERRIDE: dict = {}
 # Call statistics for benchmarks: set to a collections.Counter and every Triton launch adds one
 # count under (kind, S, tokens, d, r, align) with align the vector width the tables allowed (a
@@ -162,15 +163,34 @@ def _res_step(dtype: torch.dtype) -> float:
     return 2.0 ** -(_MANT[dtype] + 8) if dtype in _MANT else 1.0
 
 
+# Column layout: a row of d columns is read as NCH chunks of BLOCK_D columns, all of one register
+# layout, so that the chunks' elementwise terms add up before a single row sum.  One chunk of
+# next_pow2(d) columns pads d = 1536 to 2048 lanes: a quarter of the loop's issue slots go to masked
+# lanes, and the forward sits at the issue limit (docs/kernel_notes.md).  Three chunks of 512 cover
+# it exactly.  Only equal chunks share a layout, and two chunks of 2^k pad as much as one of
+# 2^(k+1), so the choice is one chunk or three.  KERNELS_SPLIT_COLUMNS=0 keeps one chunk.
+SPLIT_COLUMNS = os.environ.get("KERNELS_SPLIT_COLUMNS", "1") == "1"
+MIN_CHUNK = 128  # narrower rows gain little from splitting
+
+
+def _col_layout(d: int, split: bool | None = None) -> tuple[int, int]:
+    """(BLOCK_D, NCH): chunk width and chunk count (1 or 3) the kernels read a row of d columns as."""
+    one = _next_pow2(d)
+    third = _next_pow2(-(-d // 3))
+    if (SPLIT_COLUMNS if split is None else split) and third >= MIN_CHUNK and 3 * third < one:
+        return third, 3
+    return one, 1
+
+
 def _stats_shape(n_sources: int, lead: tuple) -> tuple:
     """The forward's per-token statistics: logsumexp, then S scores, then S key 1/RMS."""
     return (1 + 2 * n_sources,) + tuple(lead)
 
 
 def _configs(block_d: int, key: str, shapes) -> list[dict]:
-    """Launch configurations from (tokens or sources per tile ``key``, elements per thread,
-    PREFETCH): num_warps follows from the tile [n, BLOCK_D]; n grows for narrow rows so that a tile
-    has >= 512 elements."""
+    """Launch configurations from (tokens or sources per tile ``key``, elements per thread and
+    column chunk, PREFETCH): num_warps follows from the chunk's tile [n, BLOCK_D]; n grows for
+    narrow rows so that a tile has >= 512 elements."""
     out = []
     for n, per_thread, pf in shapes:
         n = max(n, 512 // block_d)
@@ -180,20 +200,26 @@ def _configs(block_d: int, key: str, shapes) -> list[dict]:
     return out
 
 
-def _fwd_configs(block_d: int) -> list[dict]:
+def _fwd_configs(block_d: int, nch: int = 1) -> list[dict]:
     """Candidate launch configurations of the forward kernel (BLOCK_T tokens per program, num_warps,
-    PREFETCH): autotuned on CUDA; the first is the default without autotuning.  Tiles of 16-32
-    elements per thread.  On the H200, BLOCK_T 2 with 32 elements per thread and prefetch was the
-    fastest at d = 1536 (the 1B model's width): 100 us against 114 us for the best one-token tile
-    (kernel_sweep *_sb/_variants)."""
+    PREFETCH): autotuned on CUDA; the first is the default without autotuning.  One chunk: tiles
+    of 16-32 elements per thread; on the H200, BLOCK_T 2 with 32 elements per thread and prefetch
+    was the fastest at d = 1536 padded to 2048 columns: 100 us against 114 us for the best one-token
+    tile (kernel_sweep *_sb/_variants).  Three chunks: the same warps per token as that tile (8
+    elements per thread and chunk, 16-byte loads) first."""
+    if nch == 3:
+        return _configs(block_d, "BLOCK_T", ((2, 8, 1), (1, 8, 1), (4, 8, 1), (2, 4, 1), (2, 16, 1)))
     return _configs(block_d, "BLOCK_T", ((2, 32, 1), (1, 16, 1), (1, 16, 0), (1, 8, 1), (2, 16, 1)))
 
 
-def _bwd_configs(block_d: int) -> list[dict]:
+def _bwd_configs(block_d: int, nch: int = 1) -> list[dict]:
     """Candidate launch configurations of the backward kernel (SB sources per step, num_warps,
-    PREFETCH).  On the H200 at d = 1536 one source per step with 8 warps and prefetch was the
-    fastest (table kernels: 97.6 us at 4096 tokens, S = 9), two sources with 4 warps and no prefetch
-    next (107; 102 for the per-argument kernels), and the latter the fastest at d = 1024."""
+    PREFETCH).  One chunk: on the H200 at d = 1536 one source per step with 8 warps and prefetch was
+    the fastest (table kernels: 97.6 us at 4096 tokens, S = 9), two sources with 4 warps and no
+    prefetch next (107; 102 for the per-argument kernels), and the latter the fastest at d = 1024.
+    Three chunks: tiles of 4-8 elements per thread and chunk."""
+    if nch == 3:
+        return _configs(block_d, "SB", ((1, 4, 1), (2, 8, 0), (2, 4, 0), (1, 8, 1), (2, 8, 1)))
     return _configs(block_d, "SB", ((1, 8, 1), (2, 32, 0), (2, 16, 0), (1, 16, 1), (2, 16, 1)))
 
 
@@ -209,7 +235,16 @@ BWD_PROGRAMS_PER_SM = 8
 _CHOSEN: dict = {}
 
 
-def _launcher(kind: str, block_d: int, device: torch.device, key: tuple = ()):
+def _layout(kind: str, d: int) -> tuple[int, int]:
+    """The column layout of ``kind``'s kernel for width d (CONFIG_OVERRIDE's SPLIT may force one)."""
+    return _col_layout(d, CONFIG_OVERRIDE.get(kind, {}).get("SPLIT"))
+
+
+def _candidates(kind: str, block_d: int, nch: int) -> list[dict]:
+    return _fwd_configs(block_d, nch) if kind == "fwd" else _bwd_configs(block_d, nch)
+
+
+def _launcher(kind: str, block_d: int, nch: int, device: torch.device, key: tuple = ()):
     """(kernel to launch, fixed config or None when the kernel is autotuned); ``key`` extends the
     autotuner's own key (d, norm, residual, dtypes) to look up a choice already made."""
     from . import _triton as K
@@ -217,13 +252,13 @@ def _launcher(kind: str, block_d: int, device: torch.device, key: tuple = ()):
     raw = K._attnres_fwd_kernel if kind == "fwd" else K._attnres_bwd_kernel
     if kind in CONFIG_OVERRIDE:
         return raw, dict(CONFIG_OVERRIDE[kind])
-    cfgs = _fwd_configs(block_d) if kind == "fwd" else _bwd_configs(block_d)
+    cfgs = _candidates(kind, block_d, nch)
     if device.type != "cuda" or not AUTOTUNE:
         return raw, dict(cfgs[0])
-    chosen = _CHOSEN.get((kind, block_d) + key)
+    chosen = _CHOSEN.get((kind, block_d, nch) + key)
     if chosen is not None:
         return raw, chosen
-    tk = (kind, block_d)
+    tk = (kind, block_d, nch)
     if tk not in _TUNED:
         import triton
 
@@ -233,20 +268,20 @@ def _launcher(kind: str, block_d: int, device: torch.device, key: tuple = ()):
     return _TUNED[tk], None
 
 
-def _remember(kind: str, block_d: int, key: tuple, tuned) -> None:
+def _remember(kind: str, block_d: int, nch: int, key: tuple, tuned) -> None:
     """Record the configuration the autotuner used for this key (see _CHOSEN)."""
     best = getattr(tuned, "best_config", None)
     if best is not None:
-        _CHOSEN[(kind, block_d) + key] = dict(best.all_kwargs())
+        _CHOSEN[(kind, block_d, nch) + key] = dict(best.all_kwargs())
 
 
 def tuned_configs() -> dict:
-    """The configurations autotuning chose so far: {"fwd/2048": {...}, ...}."""
+    """The configurations autotuning chose so far: {"fwd/512x3": {...}, ...} (chunk width x chunks)."""
     out = {}
-    for (kind, block_d), fn in _TUNED.items():
+    for (kind, block_d, nch), fn in _TUNED.items():
         best = getattr(fn, "best_config", None)
         if best is not None:
-            out[f"{kind}/{block_d}"] = dict(best.kwargs, num_warps=best.num_warps)
+            out[f"{kind}/{block_d}x{nch}"] = dict(best.kwargs, num_warps=best.num_warps)
     return out
 
 
@@ -323,11 +358,11 @@ def _fwd_triton(sources: Sequence[torch.Tensor], query: torch.Tensor, norm: str,
         rows, strides = _as_rows(sources, d, dtype)
         offs, align = _anchor_table(rows, strides)
         table = _table([offs, strides], dev)
-        block_d = _next_pow2(d)
+        block_d, nch = _layout("fwd", d)
         if STATS is not None:
             STATS[("fwd", len(rows), n_tok, d, r, align)] += 1
         key = (d, norm == "slice", has_res, dtype, query.dtype)
-        fn, cfg = _launcher("fwd", block_d, dev, key)
+        fn, cfg = _launcher("fwd", block_d, nch, dev, key)
         if cfg is None:
             grid = lambda meta: (triton_cdiv(n_tok, meta["BLOCK_T"]),)  # noqa: E731
         else:
@@ -336,10 +371,10 @@ def _fwd_triton(sources: Sequence[torch.Tensor], query: torch.Tensor, norm: str,
             rows[0], table[0], table[1], query.contiguous(), out, res if has_res else out, stats,
             n_tok, len(rows), d, r, 1.0 / (r if norm == "slice" else d), float(eps),
             SLICE=(norm == "slice"), HAS_RES=has_res, RES_STEP=_res_step(dtype), ALIGN=align,
-            BLOCK_D=block_d, FUSED=_fused(dev), **_launch_kwargs(cfg),
+            BLOCK_D=block_d, NCH=nch, FUSED=_fused(dev), **_launch_kwargs(cfg),
         )
         if cfg is None:
-            _remember("fwd", block_d, key, fn)
+            _remember("fwd", block_d, nch, key, fn)
     return out, stats, res
 
 
@@ -375,7 +410,7 @@ def _bwd_triton(sources, query, h, stats, res, g, norm: str, eps: float):
     dtype, dev = h2.dtype, h2.device
     res2 = res.contiguous() if has_res else h2
     stats2 = stats.contiguous()
-    block_d = _next_pow2(d)
+    block_d, nch = _layout("bwd", d)
     rows, strides = _as_rows(sources, d, dtype)
     offs, align = _anchor_table(rows, strides)
     goffs, galign = _anchor_table(grads, [d])
@@ -383,15 +418,15 @@ def _bwd_triton(sources, query, h, stats, res, g, norm: str, eps: float):
     if STATS is not None:
         STATS[("bwd", len(rows), n_tok, d, r, min(align, galign))] += 1
     key = (d, norm == "slice", has_res, dtype, query.dtype, g.dtype)
-    fn, cfg = _launcher("bwd", block_d, dev, key)
+    fn, cfg = _launcher("bwd", block_d, nch, dev, key)
     fn[(nprog,)](
         rows[0], table[0], table[1], grads[0], table[2], query.contiguous(), h2, res2, g, stats2, part,
         n_tok, len(rows), d, r, gs, 1.0 / (r if norm == "slice" else d), float(eps),
         SLICE=(norm == "slice"), HAS_RES=has_res, RES_STEP=_res_step(dtype), ALIGN=align, GALIGN=galign,
-        BLOCK_D=block_d, **_launch_kwargs(cfg),
+        BLOCK_D=block_d, NCH=nch, **_launch_kwargs(cfg),
     )
     if cfg is None:
-        _remember("bwd", block_d, key, fn)
+        _remember("bwd", block_d, nch, key, fn)
     dq = part.sum(0).to(query.dtype)
     return grads, dq
 
@@ -409,10 +444,10 @@ def triton_cdiv(a: int, b: int) -> int:
 
 
 def _launch_kwargs(cfg: dict | None) -> dict:
-    """A fixed configuration's keyword arguments (EVICT off unless it names it); {"EVICT": False}
-    when autotuning chooses the rest."""
+    """A fixed configuration's keyword arguments (EVICT off unless it names it, SPLIT dropped: the
+    host read it); {"EVICT": False} when autotuning chooses the rest."""
     out = {"EVICT": False}
-    out.update(cfg or {})
+    out.update({k: v for k, v in (cfg or {}).items() if k != "SPLIT"})
     return out
 
 
@@ -589,10 +624,10 @@ ARGS_FWD_CONFIG = 0
 ARGS_BWD_CONFIG = 1
 
 
-def _args_config(kind: str, block_d: int) -> dict:
+def _args_config(kind: str, block_d: int, nch: int) -> dict:
     if kind in CONFIG_OVERRIDE:
         return dict(CONFIG_OVERRIDE[kind])
-    cfgs = _fwd_configs(block_d) if kind == "fwd" else _bwd_configs(block_d)
+    cfgs = _candidates(kind, block_d, nch)
     return dict(cfgs[min(ARGS_FWD_CONFIG if kind == "fwd" else ARGS_BWD_CONFIG, len(cfgs) - 1)])
 
 
@@ -613,8 +648,8 @@ def _fwd_args(sources: Sequence[torch.Tensor], query: torch.Tensor, norm: str, e
     dtype, dev = out.dtype, out.device
     if n_tok > 0:
         rows, strides = _as_rows(sources, d, dtype)
-        block_d = _next_pow2(d)
-        cfg = _args_config("fwd", block_d)
+        block_d, nch = _layout("fwd", d)
+        cfg = _args_config("fwd", block_d, nch)
         if STATS is not None:  # counted when traced, not per run, under torch.compile
             STATS[("fwd-args", len(rows), n_tok, d, r)] += 1
         _launch(
@@ -622,7 +657,7 @@ def _fwd_args(sources: Sequence[torch.Tensor], query: torch.Tensor, norm: str, e
             *_slots(rows), *_slots(strides), query.contiguous(), out, res if has_res else None, stats,
             n_tok, len(rows), d, r,
             NSLOT=len(rows), EPS=float(eps), SLICE=(norm == "slice"), HAS_RES=has_res, RES_STEP=_res_step(dtype),
-            BLOCK_D=block_d, FUSED=_fused(dev), **_launch_kwargs(cfg),
+            BLOCK_D=block_d, NCH=nch, FUSED=_fused(dev), **_launch_kwargs(cfg),
         )
     return out, stats, res
 
@@ -635,9 +670,9 @@ def _bwd_args(sources, query, h, stats, res, g, norm: str, eps: float):
         return grads, dq
     d, r, n_tok, has_res, grads, h2, g, gs, nprog, part = ops
     dtype = h2.dtype
-    block_d = _next_pow2(d)
+    block_d, nch = _layout("bwd", d)
     rows, strides = _as_rows(sources, d, dtype)
-    cfg = _args_config("bwd", block_d)
+    cfg = _args_config("bwd", block_d, nch)
     if STATS is not None:  # counted when traced, not per run, under torch.compile
         STATS[("bwd-args", len(rows), n_tok, d, r)] += 1
     _launch(
@@ -646,7 +681,7 @@ def _bwd_args(sources, query, h, stats, res, g, norm: str, eps: float):
         res.contiguous() if has_res else None, g, stats.contiguous(), part,
         n_tok, len(rows), d, r, gs,
         NSLOT=len(rows), EPS=float(eps), SLICE=(norm == "slice"), HAS_RES=has_res, RES_STEP=_res_step(dtype),
-        BLOCK_D=block_d, **_launch_kwargs(cfg),
+        BLOCK_D=block_d, NCH=nch, **_launch_kwargs(cfg),
     )
     return grads, part.sum(0).to(query.dtype)
 

@@ -143,13 +143,16 @@ def test_triton_fused_reductions(monkeypatch):
 
 
 # Launch configurations the default may not pick: every sources-per-step count, prefetch on and off,
-# the eviction hint; both kernel families.
+# the eviction hint, one column chunk and three; both kernel families.
 CONFIG_CASES = [
     # forward (BLOCK_T, warps, prefetch, evict), backward (SB, warps, prefetch, evict), shape
     ({"BLOCK_T": 1, "num_warps": 2, "PREFETCH": 1}, {"SB": 1, "num_warps": 2, "PREFETCH": 1},
      (64, 7, 5, "slice", "mixed")),
-    ({"BLOCK_T": 2, "num_warps": 4, "PREFETCH": 0, "EVICT": True}, {"SB": 2, "num_warps": 4, "PREFETCH": 0, "EVICT": True},
+    ({"BLOCK_T": 2, "num_warps": 4, "PREFETCH": 0, "EVICT": True, "SPLIT": False},
+     {"SB": 2, "num_warps": 4, "PREFETCH": 0, "EVICT": True, "SPLIT": False},
      (513, 513, 3, "full", "rowpad")),
+    ({"BLOCK_T": 2, "num_warps": 2, "PREFETCH": 0}, {"SB": 2, "num_warps": 2, "PREFETCH": 0},
+     (300, 200, 7, "slice", "mixed")),  # three chunks of 128, the key across two of them
     ({"BLOCK_T": 4, "num_warps": 4, "PREFETCH": 1}, {"SB": 4, "num_warps": 4, "PREFETCH": 1},
      (513, 64, 9, "slice", "transposed")),
     ({"BLOCK_T": 8, "num_warps": 8, "PREFETCH": 0}, {"SB": 8, "num_warps": 8, "PREFETCH": 0},
@@ -191,13 +194,28 @@ def _fp32_against_reference(fn, d, r, S, norm, layout, seed):
 
 
 def test_launch_config_candidates():
-    """Every candidate's tile has at least 512 elements and at most 32 per thread unless 16 warps
-    cannot spread it further."""
+    """Every candidate's tile has at least 512 elements and at most 32 per thread and column chunk
+    unless 16 warps cannot spread it further."""
     for block_d in (1, 64, 1024, 2048, 8192):
-        for cfg in op._fwd_configs(block_d) + op._bwd_configs(block_d):
-            tile = cfg.get("BLOCK_T", cfg.get("SB")) * block_d
-            assert tile >= 512 and 1 <= cfg["num_warps"] <= 16
-            assert tile // (32 * cfg["num_warps"]) <= 32 or cfg["num_warps"] == 16
+        for nch in (1, 3):
+            for cfg in op._fwd_configs(block_d, nch) + op._bwd_configs(block_d, nch):
+                tile = cfg.get("BLOCK_T", cfg.get("SB")) * block_d
+                assert tile >= 512 and 1 <= cfg["num_warps"] <= 16
+                assert tile // (32 * cfg["num_warps"]) <= 32 or cfg["num_warps"] == 16
+
+
+def test_column_layout():
+    """Rows are read as one power-of-two chunk, or as three equal ones where those pad less."""
+    assert op._col_layout(1536) == (512, 3)  # the 1B model: no padded lanes
+    assert op._col_layout(2560) == (1024, 3)  # 3072 lanes instead of 4096
+    assert op._col_layout(513) == (256, 3)
+    assert op._col_layout(1024) == (1024, 1) and op._col_layout(64) == (64, 1)
+    assert op._col_layout(200) == (256, 1)  # chunks under MIN_CHUNK columns are not worth it
+    assert op._col_layout(1536, split=False) == (2048, 1)
+    for d in range(1, 5000, 7):
+        block, nch = op._col_layout(d)
+        assert block * nch >= d and block & (block - 1) == 0 and nch in (1, 3)
+        assert block * nch <= op._next_pow2(d)
 
 
 @needs_triton
@@ -531,9 +549,10 @@ if analyse is None:
 class _Target:
     def get_current_target(self):
         return GPUTarget("cuda", 90, 32)
-S, N, d, r = 3, 40, 64, 16
-common = dict(N=N, S=S, d=d, r=r, NSLOT=S, EPS=1e-6, SLICE=True, HAS_RES=True, RES_STEP=2.0**-15, BLOCK_D=64,
-              PREFETCH=1, EVICT=False, q_ptr=torch.empty(r, dtype=torch.bfloat16),
+S, N, d, r = 3, 40, 96, 16
+BLOCK_D, NCH = (32, 3) if sys.argv[1] == "3" else (128, 1)
+common = dict(N=N, S=S, d=d, r=r, NSLOT=S, EPS=1e-6, SLICE=True, HAS_RES=True, RES_STEP=2.0**-15, BLOCK_D=BLOCK_D,
+              NCH=NCH, PREFETCH=1, EVICT=False, q_ptr=torch.empty(r, dtype=torch.bfloat16),
               res_ptr=torch.empty(N, d, dtype=torch.int8), st_ptr=torch.empty(1 + 2 * S, N))
 fwd = dict(common, out_ptr=torch.empty(N, d, dtype=torch.bfloat16), BLOCK_T=2, FUSED=True)
 bwd = dict(common, h_ptr=torch.empty(N, d, dtype=torch.bfloat16), g_ptr=torch.empty(N, d, dtype=torch.bfloat16),
@@ -565,10 +584,12 @@ def test_compiled_kernels_write_only_their_outputs():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    proc = subprocess.run([sys.executable, "-c", _WRITES_SCRIPT], env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    written = json.loads(proc.stdout.strip().splitlines()[-1])
-    if written is None:
-        pytest.skip("this torch has no identify_accessed_tensors")
-    assert written["fwd"] == ["out_ptr", "res_ptr", "st_ptr"]
-    assert written["bwd"] == ["dq_part_ptr", "dx0", "dx1", "dx2"]
+    for nch in ("1", "3"):  # one column chunk, three
+        proc = subprocess.run([sys.executable, "-c", _WRITES_SCRIPT, nch], env=env, capture_output=True, text=True,
+                              timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        written = json.loads(proc.stdout.strip().splitlines()[-1])
+        if written is None:
+            pytest.skip("this torch has no identify_accessed_tensors")
+        assert written["fwd"] == ["out_ptr", "res_ptr", "st_ptr"], nch
+        assert written["bwd"] == ["dq_part_ptr", "dx0", "dx1", "dx2"], nch
