@@ -10,6 +10,8 @@
 # when two GPUs are visible; otherwise one after the other.
 #   kernel      tests/test_kernels.py -m gpu, then benchmarks/kernel_bench.py at 8192 tokens
 #   kernel4096  benchmarks/kernel_bench.py at 4096 tokens (no check), then benchmarks/kernel_sweep.py
+#   kgrid8192   benchmarks/kernel_bench.py at 8192 tokens alone (its bf16 check first; no pytest)
+#   kgrid4096   benchmarks/kernel_bench.py at 4096 tokens alone (no check, no torch.compile row)
 #   sweep       benchmarks/kernel_sweep.py
 #   train       benchmarks/train_step_bench.py (1B)
 #   trainflex   the 1B step with flex document masking (ATTN=sdpa for the dense mask): baseline, LR and
@@ -63,6 +65,13 @@ lane_kernel() {
 lane_kernel4096() {
   $PYTHON benchmarks/kernel_bench.py --out "$L" --tokens 4096 --no-check --stem kernel_bench_4096 --budget-s "$(left $((DUR - 150)))"
   $PYTHON benchmarks/kernel_sweep.py --out "$L" --budget-s "$(left $((DUR - 20)))"
+}
+lane_kgrid8192() {  # the side-by-side grid at 8192 tokens, no tests (kernel_bench's own bf16 check runs first)
+  $PYTHON benchmarks/kernel_bench.py --out "$L" --tokens 8192 --stem kernel_bench_8192 --budget-s "$(left $((DUR - 130)))"
+}
+lane_kgrid4096() {
+  $PYTHON benchmarks/kernel_bench.py --out "$L" --tokens 4096 --no-check --no-compile --stem kernel_bench_4096 \
+    --budget-s "$(left $((DUR - 130)))"
 }
 lane_sweep() { $PYTHON benchmarks/kernel_sweep.py --out "$L" --budget-s "$(left $((DUR - 20)))"; }
 lane_train() {
@@ -118,7 +127,7 @@ lane_kcheck() {
 }
 lane_grid() { OUT="$L" DEADLINE_S=$(left $((DUR - 15))) PYTHON=$PYTHON bash benchmarks/gpu_grid.sh; }
 lane_throughput() { OUT="$L" PYTHON=$PYTHON bash benchmarks/throughput_gpu.sh; }
-export -f lane_ksweep lane_kcheck left paper_step lane_paper1 lane_paper2 lane_argscheck lane_trainargs lane_kernel lane_kernel4096 lane_sweep lane_train lane_trainflex lane_sweeptrain lane_hostprof lane_traingrid lane_grid lane_throughput
+export -f lane_kgrid8192 lane_kgrid4096 lane_ksweep lane_kcheck left paper_step lane_paper1 lane_paper2 lane_argscheck lane_trainargs lane_kernel lane_kernel4096 lane_sweep lane_train lane_trainflex lane_sweeptrain lane_hostprof lane_traingrid lane_grid lane_throughput
 
 run_lane() {  # name:seconds gpu-list cpu-list
   local name=${1%%:*} dur=${1##*:} gpus=$2 cpus=$3
