@@ -205,7 +205,7 @@ def _fwd_configs(block_d: int, nch: int = 1) -> list[dict]:
     PREFETCH): autotuned on CUDA; the first is the default without autotuning.  One chunk: tiles
     of 16-32 elements per thread; on the H200, BLOCK_T 2 with 32 elements per thread and prefetch
     was the fastest at d = 1536 padded to 2048 columns: 100 us against 114 us for the best one-token
-    tile (kernel_sweep *_sb/_variants).  Three chunks (kernel_sweep_h200_2026-11-30_split): one
+    tile (kernel_sweep *_sb/_variants).  Three chunks (kernel_sweep_h200_2026-11-29_split): one
     token with 4 warps and prefetch the fastest at d = 1536 (96 us against 101 for the one-chunk
     tile at 8192 tokens, S = 9; 52 against 52 at 4096), one token with 2 warps at d = 2560 (193
     against 210); four tokens with 4 warps next at d = 1536.  Elements per thread and chunk 4 to 16:
@@ -220,7 +220,7 @@ def _bwd_configs(block_d: int, nch: int = 1) -> list[dict]:
     PREFETCH).  One chunk: on the H200 at d = 1536 one source per step with 8 warps and prefetch was
     the fastest (table kernels: 97.6 us at 4096 tokens, S = 9), two sources with 4 warps and no
     prefetch next (107; 102 for the per-argument kernels), and the latter the fastest at d = 1024.
-    Three chunks (kernel_sweep_h200_2026-11-30_split): one source per step with no prefetch, 4 or
+    Three chunks (kernel_sweep_h200_2026-11-29_split): one source per step with no prefetch, 4 or
     2 warps, the fastest at d = 1536 (174 us against 196 for the one-chunk kernel at 8192 tokens,
     S = 9; per-argument kernels at 4096 tokens 95 against 109, with 2 warps), one source with 2 warps
     and prefetch at d = 2560 (328 against 391).  Two or more sources per step ran 1.3-9x slower.
@@ -627,7 +627,7 @@ COMPILED_PATH = os.environ.get("KERNELS_COMPILED_PATH", "triton_op")
 # autotuner): index into _fwd_configs / _bwd_configs.  The forward's first candidate and the
 # backward's second were the per-argument kernels' fastest at the 1B step's shapes (4096 tokens,
 # d 1536, r 384, S = 9) in both column layouts (one chunk: kernel_sweep_h200_2026-11-29_sb.md,
-# _variants.md; three chunks: kernel_sweep_h200_2026-11-30_split.md).
+# _variants.md; three chunks: kernel_sweep_h200_2026-11-29_split.md).
 ARGS_FWD_CONFIG = 0
 ARGS_BWD_CONFIG = 1
 
