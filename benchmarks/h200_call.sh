@@ -12,6 +12,7 @@
 #   kernel4096  benchmarks/kernel_bench.py at 4096 tokens (no check), then benchmarks/kernel_sweep.py
 #   kgrid8192   benchmarks/kernel_bench.py at 8192 tokens alone (its bf16 check first; no pytest)
 #   kgrid4096   benchmarks/kernel_bench.py at 4096 tokens alone (no check, no torch.compile row)
+#               (SKIP8192 / SKIP4096 leave out the first shapes of each, measured by an earlier call)
 #   sweep       benchmarks/kernel_sweep.py
 #   train       benchmarks/train_step_bench.py (1B)
 #   trainflex   the 1B step with flex document masking (ATTN=sdpa for the dense mask): baseline, LR and
@@ -67,11 +68,12 @@ lane_kernel4096() {
   $PYTHON benchmarks/kernel_sweep.py --out "$L" --budget-s "$(left $((DUR - 20)))"
 }
 lane_kgrid8192() {  # the side-by-side grid at 8192 tokens, no tests (kernel_bench's own bf16 check runs first)
-  $PYTHON benchmarks/kernel_bench.py --out "$L" --tokens 8192 --stem kernel_bench_8192 --budget-s "$(left $((DUR - 130)))"
+  $PYTHON benchmarks/kernel_bench.py --out "$L" --tokens 8192 --stem kernel_bench_8192 --skip "${SKIP8192:-0}" \
+    --budget-s "$(left $((DUR - 130)))" $([ "${SKIP8192:-0}" -gt 0 ] && echo --no-check)
 }
 lane_kgrid4096() {
   $PYTHON benchmarks/kernel_bench.py --out "$L" --tokens 4096 --no-check --no-compile --stem kernel_bench_4096 \
-    --budget-s "$(left $((DUR - 130)))"
+    --skip "${SKIP4096:-0}" --budget-s "$(left $((DUR - 130)))"
 }
 lane_sweep() { $PYTHON benchmarks/kernel_sweep.py --out "$L" --budget-s "$(left $((DUR - 20)))"; }
 lane_train() {

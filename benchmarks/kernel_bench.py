@@ -283,7 +283,7 @@ def run_grid(args):
         grid = [(8192, 1536, S, r) for S in (5, 9, 25) for r in (1536, 384)] + [(4096, 2560, 9, 320), (8192, 1024, 49, 1024)]
         compile_at = {(8192, 1536, 9, 384)}
     else:
-        grid = full_grid(args.tokens)
+        grid = full_grid(args.tokens)[args.skip:]
         compile_at = {(8192, 1536, 9, 384)}
     impls = _impls(want_compile=not args.no_compile)
     for N, d, S, r in grid:
@@ -357,6 +357,7 @@ def main(argv=None):
     p.add_argument("--tokens", type=lambda x: [int(v) for v in x.split(",")], default=[8192, 4096],
                    help="token counts of the full grid, in order (split a run across GPUs with this)")
     p.add_argument("--stem", default="kernel_bench", help="output file name stem")
+    p.add_argument("--skip", type=int, default=0, help="leave out the grid's first SKIP shapes (measured by an earlier run)")
     args = p.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     if not torch.cuda.is_available():
