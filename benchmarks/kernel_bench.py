@@ -3,6 +3,8 @@ the eager reference and torch.compile of the reference.
 
     python benchmarks/kernel_bench.py --out DIR            # check, then the full grid
     python benchmarks/kernel_bench.py --quick --out DIR    # a few shapes
+    python benchmarks/kernel_bench.py --merge A.json B.json ... --out DIR --stem NAME   # one table from
+                                                           # runs that each measured part of the grid
 
 Every row: median microseconds of triton.testing.do_bench (which clears the L2 before each call) for the
 forward and for forward+backward, called eagerly as a user would (host-side dispatch counts where it
@@ -223,6 +225,13 @@ def _md(payload):
         "% = roofline bytes / (time x copy bandwidth); fwd bytes (S+1)Nd2, fwd+bwd bytes (3S+2)Nd2. bf16.",
         "",
     ]
+    if payload.get("merged_from"):
+        lines += [f"Merged from {len(payload['merged_from'])} runs ({payload['shapes_measured']} of the grid's "
+                  f"{payload['shapes_in_grid']} shapes). {payload.get('note', '')}", ""]
+        lines += [f"- `{m['file']}`: tree {m['env'].get('git', {}).get('commit')}, {m['env']['date']}, copy bandwidth "
+                  f"{m['copy_bw_TBps']:.3f} TB/s{' (cut off by its time budget)' if m['truncated'] else ''}"
+                  for m in payload["merged_from"]]
+        lines.append("")
     if payload.get("check"):
         lines += ["## bf16 check (|x-ref| <= 0.05 + 0.05|ref|)", "",
                   "| d | r | S | norm | pass | out rel L2 | src grad rel L2 | query grad rel L2 |", "|---|---|---|---|---|---|---|---|"]
@@ -346,6 +355,33 @@ def run_grid(args):
     _write(args.out, args.stem, payload, _md(payload))
 
 
+def merge(paths, out_dir, stem, note):
+    """One document from runs that measured parts of the grid (lanes of one call, or calls that
+    continued a cut-off grid with --skip): the rows in grid order, the first bf16 check, every run's
+    environment under merged_from.  Each row keeps the percentages its own run computed against its
+    own copy bandwidth.  Refuses runs of different devices or software versions."""
+    docs = []
+    for p in paths:
+        with open(p) as f:
+            docs.append(json.load(f))
+    keys = [(d["env"]["device"], d["env"]["torch"], d["env"]["triton"]) for d in docs]
+    if len(set(keys)) != 1:
+        raise SystemExit(f"--merge: runs differ in device or versions: {sorted(set(keys))}")
+    order = {shape: i for i, shape in enumerate(full_grid([8192, 4096]))}
+    rows = [r for d in docs for r in d["rows"]]
+    rows.sort(key=lambda r: order.get((r["tokens"], r["d"], r["S"], r["r"]), len(order)))
+    shapes = {(r["tokens"], r["d"], r["S"], r["r"]) for r in rows}
+    out = {"env": dict(docs[0]["env"]), "note": note, "rows": rows,
+           "check": next((d["check"] for d in docs if d.get("check")), []),
+           "copy_bw_TBps": sum(d["copy_bw_TBps"] for d in docs) / len(docs),
+           "truncated": len(shapes) < len(order), "shapes_measured": len(shapes), "shapes_in_grid": len(order),
+           "merged_from": [{"file": os.path.basename(p), "env": d["env"], "copy_bw_TBps": d["copy_bw_TBps"],
+                            "truncated": bool(d.get("truncated")), "tuned_configs": d.get("tuned_configs")}
+                           for p, d in zip(paths, docs)]}
+    _write(out_dir, stem, out, _md(out))
+    return out
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
@@ -358,8 +394,14 @@ def main(argv=None):
                    help="token counts of the full grid, in order (split a run across GPUs with this)")
     p.add_argument("--stem", default="kernel_bench", help="output file name stem")
     p.add_argument("--skip", type=int, default=0, help="leave out the grid's first SKIP shapes (measured by an earlier run)")
+    p.add_argument("--merge", nargs="+", metavar="JSON", help="merge these runs' results into --out/--stem (no GPU)")
+    p.add_argument("--note", default="", help="with --merge: what the merged runs were")
     args = p.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
+    if args.merge:
+        doc = merge(args.merge, args.out, args.stem, args.note)
+        print(f"merged {len(args.merge)} runs: {doc['shapes_measured']} of {doc['shapes_in_grid']} shapes", flush=True)
+        return 0
     if not torch.cuda.is_available():
         print("kernel_bench needs a CUDA GPU", file=sys.stderr)
         return 1

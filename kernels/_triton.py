@@ -1,13 +1,15 @@
 """Fused Triton kernels for depth routing (Fast-AttnRes style), forward and backward.
 
 Layout: every source is a [N, d] matrix with unit column stride and its own row stride, read at
-the full row width (BLOCK_D = next power of two >= d, masked).  The forward gives each program
-BLOCK_T tokens and walks the sources one at a time (the next source's tile loaded before this one's
-arithmetic, PREFETCH).  The backward's persistent programs take one token at a time and walk the
-sources SB at a time: a step loads an [SB, BLOCK_D] tile of SB sources' rows, whose row sums share
-one reduction.  (On the H200 the forward ran fastest with two tokens per program, one source per
-step, and the backward with one token and one or two sources per step: benchmarks/results/
-kernel_sweep_h200_2026-11-29_sb.md and _variants.md.)  Sources are never stacked; two kernel families
+the full row width as NCH column chunks of BLOCK_D columns (a power of two, masked past d): one
+chunk of next_pow2(d) columns, or three equal chunks where those pad less (d = 1536 as 3 x 512, no
+masked lanes; kernels.op._col_layout).  All chunks share one register layout, so their elementwise
+terms add up before a single row sum.  The forward gives each program BLOCK_T tokens and walks the
+sources one at a time (the next source's tiles loaded before this one's arithmetic, PREFETCH).  The
+backward's persistent programs take one token at a time and walk the sources SB at a time: a step
+loads [SB, BLOCK_D] tiles of SB sources' rows, whose row sums share one reduction.  (On the H200 at
+d = 1536 the three-chunk kernels ran fastest with one token and one source per step: benchmarks/
+results/kernel_sweep_h200_2026-11-29_split.md.)  Sources are never stacked; two kernel families
 address them:
 
 - table kernels (eager calls, any S): a table of element offsets relative to an anchor tensor (the

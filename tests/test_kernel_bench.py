@@ -1,0 +1,59 @@
+"""benchmarks/kernel_bench.py without a GPU: the grid's order and --merge of runs that each measured
+part of it."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+
+import kernel_bench as kb  # noqa: E402
+
+
+def test_full_grid_is_the_issues_grid_goals_first():
+    grid = kb.full_grid([8192, 4096])
+    want = {(N, d, S, r) for N in (8192, 4096) for d in (1024, 1536, 2560) for S in (2, 5, 9, 25, 49)
+            for r in (d, d // 4, d // 8)}
+    assert len(grid) == len(want) == 90 and set(grid) == want
+    assert grid[0] == (8192, 1536, 9, 384) and grid[1] == (8192, 1536, 9, 1536)
+    assert grid[90 // 2] == (4096, 1536, 9, 384)  # each token count starts with the goals' shapes
+
+
+_CHECK = {"d": 1536, "r": 384, "S": 9, "norm": "slice", "pass": True, "out_rel_l2": 1e-5, "src_grad_rel_l2": 2e-3,
+          "query_grad_rel_l2": 3e-5}
+
+
+def _run(env_date, commit, rows, bw=4.25, check=None, device="GPU X"):
+    return {"env": {"device": device, "torch": "2.11", "triton": "3.6", "date": env_date, "git": {"commit": commit}},
+            "copy_bw_TBps": bw, "rows": rows, "check": check or [], "truncated": True}
+
+
+def _row(N, d, S, r, impl="ours"):
+    return {"tokens": N, "d": d, "S": S, "r": r, "impl": impl, "fwd_us": 1.0, "fwdbwd_us": 2.0, "fwd_pct": 50.0,
+            "fwdbwd_pct": 50.0, "fwd_graph_us": 1.0, "fwdbwd_graph_us": 2.0, "fwd_graph_pct": 50.0, "fwdbwd_graph_pct": 50.0}
+
+
+def test_merge_orders_rows_and_keeps_each_runs_provenance(tmp_path):
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    a.write_text(json.dumps(_run("d1", "abc", [_row(4096, 1536, 9, 384)], check=[_CHECK])))
+    b.write_text(json.dumps(_run("d2", "def", [_row(8192, 1536, 2, 384), _row(8192, 1536, 9, 384)], bw=4.0)))
+    doc = kb.merge([str(a), str(b)], str(tmp_path / "out"), "merged", "two calls")
+    assert [(r["tokens"], r["S"]) for r in doc["rows"]] == [(8192, 9), (8192, 2), (4096, 9)]
+    assert doc["check"] == [_CHECK] and doc["shapes_measured"] == 3 and doc["truncated"]
+    assert [m["env"]["git"]["commit"] for m in doc["merged_from"]] == ["abc", "def"]
+    assert doc["copy_bw_TBps"] == pytest.approx(4.125)
+    md = (tmp_path / "out" / "merged.md").read_text()
+    assert "3 of the grid's 90 shapes" in md and "tree def" in md
+    assert json.loads((tmp_path / "out" / "merged.json").read_text())["note"] == "two calls"
+
+
+def test_merge_refuses_runs_of_different_devices(tmp_path):
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    a.write_text(json.dumps(_run("d1", "abc", [_row(4096, 1536, 9, 384)])))
+    b.write_text(json.dumps(_run("d2", "abc", [_row(8192, 1536, 9, 384)], device="GPU Y")))
+    with pytest.raises(SystemExit, match="differ in device"):
+        kb.merge([str(a), str(b)], str(tmp_path), "m", "")
