@@ -22,7 +22,8 @@ KERNELS_CPU_TRITON=1 sends CPU tensors to the Triton interpreter; KERNELS_POISON
 with NaN before the kernels write them (tests); KERNELS_EAGER_FUNCTION=0 sends eager calls through the
 custom op too (by default they take a plain autograd.Function over the same kernels: less host time);
 KERNELS_COMPILED_PATH=op sends compiled CUDA calls to the opaque custom op instead of the triton_op
-that Inductor traces (see "Compiled path" below).
+that Inductor traces (see "Compiled path" below); KERNELS_SPLIT_COLUMNS=0 reads every row as one
+power-of-two tile instead of three equal column chunks where those pad less (see _col_layout).
 """
 
 from __future__ import annotations
