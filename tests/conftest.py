@@ -13,14 +13,25 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 
 
-def pytest_collection_modifyitems(config, items):
+def _has_cuda() -> bool:
     try:
         import torch
 
-        has_cuda = torch.cuda.is_available()
+        return torch.cuda.is_available()
     except ImportError:  # pragma: no cover
-        has_cuda = False
-    if not has_cuda:
+        return False
+
+
+# Without CUDA the kernel tests run the Triton kernels through Triton's interpreter.  It has to be
+# chosen before triton is first imported, since triton decorates its own library functions (tl.sum,
+# ...) then; a test module that imports the kernels before tests/test_kernels.py is collected would
+# otherwise leave them compiled-mode and every interpreted kernel fails.
+if not _has_cuda():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def pytest_collection_modifyitems(config, items):
+    if not _has_cuda():
         skip = pytest.mark.skip(reason="needs CUDA")
         for item in items:
             if item.get_closest_marker("gpu") is not None:

@@ -10,7 +10,6 @@ kernel runs (kernels.op.POISON), so an element the kernels never write fails the
 
 from __future__ import annotations
 
-import importlib
 import os
 import sys
 
@@ -19,7 +18,8 @@ import torch
 
 HAS_CUDA = torch.cuda.is_available()
 if not HAS_CUDA:
-    # must be set before triton.jit decorates the kernels
+    # must be set before triton is imported (tests/conftest.py does it first; this covers running the
+    # module some other way)
     os.environ["TRITON_INTERPRET"] = "1"
 
 try:
@@ -33,9 +33,15 @@ import kernels  # noqa: E402
 import kernels.op as op  # noqa: E402
 from lrattnres.routing import route  # noqa: E402
 
-if HAS_TRITON and not HAS_CUDA and "kernels._triton" in sys.modules:
-    # imported before TRITON_INTERPRET was set (by another test module): decorate again
-    importlib.reload(sys.modules["kernels._triton"])
+if HAS_TRITON and not HAS_CUDA:
+    # tests/conftest.py sets TRITON_INTERPRET before anything imports triton; a kernel decorated
+    # without it would fail in every interpreted launch
+    from triton.runtime.interpreter import InterpretedFunction
+
+    import kernels._triton  # noqa: E402
+
+    assert isinstance(kernels._triton._attnres_fwd_kernel, InterpretedFunction), \
+        "kernels were compiled-mode: set TRITON_INTERPRET=1 before triton is imported"
 
 needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
 gpu = pytest.mark.gpu
