@@ -5,7 +5,8 @@
 For a few shapes (default: 8192 tokens, d in {1024, 1536, 2560}, S = 9, r = d/4; ``--shapes``) it
 times the forward kernel and the backward kernel separately under every candidate launch
 configuration (forward: tokens per program BLOCK_T; backward: sources per step SB; num_warps,
-PREFETCH; then, for the two best of each kernel, the evict-first hint and, for the backward, the
+PREFETCH; then, for the two best of each kernel, the evict-first hint, Triton's software pipelining
+of the source loop (STAGES 2 and 3, without the hand-written prefetch) and, for the backward, the
 persistent grid's programs per SM), under each column layout the width allows (one power-of-two
 chunk, and three equal chunks where they pad less: kernels.op._col_layout), through
 ``kernels.op.CONFIG_OVERRIDE``, for
@@ -69,6 +70,7 @@ def _quick(kind: str, block_d: int, nch: int) -> list[dict]:
 
 
 PROGRAMS_PER_SM = (2, 4, 6, 12, 16)  # the backward's persistent grid, tried for the best configurations
+STAGES = (2, 3)  # Triton's software pipelining of the source loop, tried for the best configurations
 
 
 def _time(fn) -> float:
@@ -115,7 +117,13 @@ def sweep_shape(N, d, S, r, bw, budget_end, path="table", quick=False):
         return sorted((x for x in rows if x["kernel"] == kind and "us" in x), key=lambda x: x["us"])[:n]
 
     def cfg_of(row):
-        return {k: row[k] for k in ("BLOCK_T", "SB", "num_warps", "PREFETCH", "EVICT", "SPLIT") if k in row}
+        return {k: row[k] for k in ("BLOCK_T", "SB", "num_warps", "PREFETCH", "EVICT", "STAGES", "SPLIT") if k in row}
+
+    def pipelined(kind, fn, ppsm=None):  # the best two with Triton's pipeliner instead of PREFETCH
+        for b in best(kind, 2):
+            for stages in STAGES:
+                if time.time() < budget_end:
+                    run(kind, dict(cfg_of(b), PREFETCH=0, STAGES=stages), fn, ppsm)
 
     fwd = lambda: fwd_fn(srcs, q, "slice", EPS)  # noqa: E731
     for block_d, nch in layouts:
@@ -126,6 +134,7 @@ def sweep_shape(N, d, S, r, bw, budget_end, path="table", quick=False):
     for b in best("fwd", 2):
         if time.time() < budget_end:
             run("fwd", dict(cfg_of(b), EVICT=True), fwd)
+    pipelined("fwd", fwd)
     kop.CONFIG_OVERRIDE.clear()
     h, stats, res = kop._fwd_triton(srcs, q, "slice", EPS)
     bwd = lambda: bwd_fn(srcs, q, h, stats, res, g, "slice", EPS)  # noqa: E731
@@ -135,6 +144,7 @@ def sweep_shape(N, d, S, r, bw, budget_end, path="table", quick=False):
             if time.time() > budget_end:
                 break
             run("bwd", cfg, bwd, default_ppsm)
+    pipelined("bwd", bwd, default_ppsm)
     try:
         for b in best("bwd", 2):
             if time.time() < budget_end:
@@ -159,10 +169,11 @@ def _md(doc) -> str:
              "issue's bytes (fwd S+1, bwd 2S+1).", ""]
     for shp in doc["shapes"]:
         lines += [f"## {shp.get('kernels', 'table')} kernels: {shp['tokens']} tokens, d={shp['d']}, S={shp['S']}, r={shp['r']}", "",
-                  "| kernel | columns | tokens or sources per step | warps | prefetch | evict | programs/SM | us | % design | % formula |",
-                  "|---|---|---|---|---|---|---|---|---|---|"]
+                  "| kernel | columns | tokens or sources per step | warps | prefetch | stages | evict | programs/SM | us | % design | % formula |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in sorted(shp["rows"], key=lambda x: (x["kernel"] != "fwd", x.get("us", 1e9))):
             head = (f"| {r['kernel']} | {r.get('layout', '-')} | {r.get('BLOCK_T', r.get('SB', '-'))} | {r['num_warps']} | {r['PREFETCH']} | "
+                    f"{r.get('STAGES', 1)} | "
                     f"{r.get('EVICT', False)} | {r.get('programs_per_sm', '-')} |")
             if "error" in r:
                 lines.append(head + " error | | |")

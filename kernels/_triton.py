@@ -9,7 +9,10 @@ sources one at a time (the next source's tiles loaded before this one's arithmet
 backward's persistent programs take one token at a time and walk the sources SB at a time: a step
 loads [SB, BLOCK_D] tiles of SB sources' rows, whose row sums share one reduction.  (On the H200 at
 d = 1536 the three-chunk kernels ran fastest with one token and one source per step: benchmarks/
-results/kernel_sweep_h200_2026-11-29_split.md.)  Sources are never stacked; two kernel families
+results/kernel_sweep_h200_2026-11-29_split.md.)  STAGES > 1 hands the source loop to Triton's
+software pipeliner (tl.range num_stages: an offline sm_90 build turns the source loads into cp.async
+copies through shared memory, issued stages - 1 iterations early); it is a launch option for the
+sweeps, not yet timed on a GPU, and 1 (a plain loop, the same machine code as range()) by default.  Sources are never stacked; two kernel families
 address them:
 
 - table kernels (eager calls, any S): a table of element offsets relative to an anchor tensor (the
@@ -252,6 +255,7 @@ def _attnres_fwd_kernel(
     BLOCK_T: tl.constexpr,  # tokens per program
     PREFETCH: tl.constexpr,  # load the next source's tile before this one's arithmetic (0, 1)
     EVICT: tl.constexpr,  # evict-first hint on the source reads
+    STAGES: tl.constexpr,  # Triton software-pipeline stages of the source loop (1: none)
     FUSED: tl.constexpr,  # multi-operand row reductions (GPU); separate tl.sum (interpreter)
 ):
     rows, row_ok, rows64 = _token_rows(tl.program_id(0), N, BLOCK_T)
@@ -273,7 +277,7 @@ def _attnres_fwd_kernel(
         if NCH == 3:
             tn1 = _tile(p, st, 0, S, rows, rows64, row_ok, offs1, ok1, EVICT)
             tn2 = _tile(p, st, 0, S, rows, rows64, row_ok, offs2, ok2, EVICT)
-    for i in range(S):
+    for i in tl.range(0, S, num_stages=STAGES):
         if PREFETCH:
             t0 = tn0
             if NCH == 3:
@@ -342,6 +346,7 @@ def _attnres_bwd_kernel(
     SB: tl.constexpr,  # sources per step
     PREFETCH: tl.constexpr,
     EVICT: tl.constexpr,
+    STAGES: tl.constexpr,  # Triton software-pipeline stages of the source loop (1: none)
 ):
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
@@ -371,7 +376,7 @@ def _attnres_bwd_kernel(
             if NCH == 3:
                 tn1 = _rows_tile(p, st, row64, sbs, S, offs1, ok1, EVICT)
                 tn2 = _rows_tile(p, st, row64, sbs, S, offs2, ok2, EVICT)
-        for b in range(0, S, SB):
+        for b in tl.range(0, S, SB, num_stages=STAGES):
             js = b + sbs
             if PREFETCH:
                 t0 = tn0
@@ -507,6 +512,7 @@ def _attnres_fwd_args_kernel(
     BLOCK_T: tl.constexpr,
     PREFETCH: tl.constexpr,
     EVICT: tl.constexpr,
+    STAGES: tl.constexpr,  # Triton software-pipeline stages of the source loop (1: none)
     FUSED: tl.constexpr,
 ):
     inv_n = _inv_key_width(r, d, SLICE)
@@ -530,7 +536,7 @@ def _attnres_fwd_args_kernel(
         if NCH == 3:
             tn1 = _tile(p, st, 0, S, rows, rows64, row_ok, offs1, ok1, EVICT)
             tn2 = _tile(p, st, 0, S, rows, rows64, row_ok, offs2, ok2, EVICT)
-    for i in range(S):
+    for i in tl.range(0, S, num_stages=STAGES):
         if PREFETCH:
             t0 = tn0
             if NCH == 3:
@@ -600,6 +606,7 @@ def _attnres_bwd_args_kernel(
     SB: tl.constexpr,
     PREFETCH: tl.constexpr,
     EVICT: tl.constexpr,
+    STAGES: tl.constexpr,  # Triton software-pipeline stages of the source loop (1: none)
 ):
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
@@ -631,7 +638,7 @@ def _attnres_bwd_args_kernel(
             if NCH == 3:
                 tn1 = _rows_tile(p, st, row64, sbs, S, offs1, ok1, EVICT)
                 tn2 = _rows_tile(p, st, row64, sbs, S, offs2, ok2, EVICT)
-        for b in range(0, S, SB):
+        for b in tl.range(0, S, SB, num_stages=STAGES):
             js = b + sbs
             if PREFETCH:
                 t0 = tn0

@@ -41,7 +41,8 @@ _CPU_TRITON = os.environ.get("KERNELS_CPU_TRITON", "0") == "1"
 # unwritten element shows up.
 POISON = os.environ.get("KERNELS_POISON", "0") == "1"
 # Launch configuration overrides: {"fwd": {BLOCK_T, num_warps, PREFETCH}, "bwd": {SB, num_warps,
-# PREFETCH}}, either optionally with num_stages, EVICT (the evict-first hint on source reads) and
+# PREFETCH}}, either optionally with num_stages, EVICT (the evict-first hint on source reads), STAGES
+# (Triton's software pipelining of the source loop, 1 = none; untimed on a GPU, for the sweeps) and
 # SPLIT (the column layout, see _col_layout; read by the host, not passed to the kernel).
 CONFIG_OVERRIDE: dict = {}
 # Call statistics for benchmarks: set to a collections.Counter and every Triton launch adds one
@@ -452,9 +453,9 @@ def triton_cdiv(a: int, b: int) -> int:
 
 
 def _launch_kwargs(cfg: dict | None) -> dict:
-    """A fixed configuration's keyword arguments (EVICT off unless it names it, SPLIT dropped: the
-    host read it); {"EVICT": False} when autotuning chooses the rest."""
-    out = {"EVICT": False}
+    """A fixed configuration's keyword arguments (EVICT off and STAGES 1 unless it names them, SPLIT
+    dropped: the host read it); {"EVICT": False, "STAGES": 1} when autotuning chooses the rest."""
+    out = {"EVICT": False, "STAGES": 1}
     out.update({k: v for k, v in (cfg or {}).items() if k != "SPLIT"})
     return out
 

@@ -149,7 +149,7 @@ def test_triton_fused_reductions(monkeypatch):
 
 
 # Launch configurations the default may not pick: every sources-per-step count, prefetch on and off,
-# the eviction hint, one column chunk and three; both kernel families.
+# the eviction hint, Triton's loop pipelining, one column chunk and three; both kernel families.
 CONFIG_CASES = [
     # forward (BLOCK_T, warps, prefetch, evict), backward (SB, warps, prefetch, evict), shape
     ({"BLOCK_T": 1, "num_warps": 2, "PREFETCH": 1}, {"SB": 1, "num_warps": 2, "PREFETCH": 1},
@@ -157,8 +157,8 @@ CONFIG_CASES = [
     ({"BLOCK_T": 2, "num_warps": 4, "PREFETCH": 0, "EVICT": True, "SPLIT": False},
      {"SB": 2, "num_warps": 4, "PREFETCH": 0, "EVICT": True, "SPLIT": False},
      (513, 513, 3, "full", "rowpad")),
-    ({"BLOCK_T": 2, "num_warps": 2, "PREFETCH": 0}, {"SB": 2, "num_warps": 2, "PREFETCH": 0},
-     (300, 200, 7, "slice", "mixed")),  # three chunks of 128, the key across two of them
+    ({"BLOCK_T": 2, "num_warps": 2, "PREFETCH": 0, "STAGES": 2}, {"SB": 2, "num_warps": 2, "PREFETCH": 0, "STAGES": 3},
+     (300, 200, 7, "slice", "mixed")),  # three chunks of 128, the key across two of them; pipelined loops
     ({"BLOCK_T": 4, "num_warps": 4, "PREFETCH": 1}, {"SB": 4, "num_warps": 4, "PREFETCH": 1},
      (513, 64, 9, "slice", "transposed")),
     ({"BLOCK_T": 8, "num_warps": 8, "PREFETCH": 0}, {"SB": 8, "num_warps": 8, "PREFETCH": 0},
@@ -556,9 +556,9 @@ class _Target:
     def get_current_target(self):
         return GPUTarget("cuda", 90, 32)
 S, N, d, r = 3, 40, 96, 16
-BLOCK_D, NCH = (32, 3) if sys.argv[1] == "3" else (128, 1)
+BLOCK_D, NCH, STAGES = (32, 3, 2) if sys.argv[1] == "3" else (128, 1, 1)  # the pipelined loop with three chunks
 common = dict(N=N, S=S, d=d, r=r, NSLOT=S, EPS=1e-6, SLICE=True, HAS_RES=True, RES_STEP=2.0**-15, BLOCK_D=BLOCK_D,
-              NCH=NCH, PREFETCH=1, EVICT=False, q_ptr=torch.empty(r, dtype=torch.bfloat16),
+              NCH=NCH, PREFETCH=1, EVICT=False, STAGES=STAGES, q_ptr=torch.empty(r, dtype=torch.bfloat16),
               res_ptr=torch.empty(N, d, dtype=torch.int8), st_ptr=torch.empty(1 + 2 * S, N))
 fwd = dict(common, out_ptr=torch.empty(N, d, dtype=torch.bfloat16), BLOCK_T=2, FUSED=True)
 bwd = dict(common, h_ptr=torch.empty(N, d, dtype=torch.bfloat16), g_ptr=torch.empty(N, d, dtype=torch.bfloat16),
