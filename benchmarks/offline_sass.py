@@ -1,0 +1,169 @@
+"""Offline sm_90 builds of this project's four Triton kernels, on a machine without a GPU.
+
+    python benchmarks/offline_sass.py                       # registers, instructions, cp.async copies
+    python benchmarks/offline_sass.py --against 7476a53     # same machine code as that revision?
+
+Compiles each kernel with triton.compile for a Hopper target (GPUTarget("cuda", 90, 128)) and reads
+the cubin with the cuobjdump that Triton's wheel ships.  Why: device time is scarce, and a change
+meant to leave the measured kernels alone (a refactor, a new launch option at its default) can be
+shown to leave their machine code byte for byte the same; a change meant to alter them (a layout,
+a pipelined loop) shows its instruction and register counts before any GPU run.  Run it without
+TRITON_INTERPRET (the interpreter builds nothing).
+
+Configurations: --configs NAME[,NAME...] from CONFIGS (default: all), each one launch setting of the
+four kernels at d = 1536 bf16 (three column chunks of 512, and the one padded chunk of 2048).
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import importlib.util
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+_COMMON = dict(SLICE=True, HAS_RES=True, RES_STEP=2.0**-15, EVICT=False)
+# name: (column chunk width, chunks, tokens or sources per step, warps, PREFETCH, STAGES)
+CONFIGS = {
+    "split": (512, 3, 1, 4, 0, 1),
+    "split-prefetch": (512, 3, 1, 4, 1, 1),
+    "split-stages2": (512, 3, 1, 4, 0, 2),
+    "padded": (2048, 1, 1, 4, 1, 1),
+}
+_NSLOT = 9
+
+
+def _table_sig(kind: str) -> dict:
+    if kind == "fwd":
+        return {"src0_ptr": "*bf16", "src_offs": "*i64", "src_strides": "*i64", "q_ptr": "*bf16", "out_ptr": "*bf16",
+                "res_ptr": "*i8", "st_ptr": "*fp32", "N": "i32", "S": "i32", "d": "i32", "r": "i32",
+                "inv_n": "fp32", "eps": "fp32"}
+    return {"src0_ptr": "*bf16", "src_offs": "*i64", "src_strides": "*i64", "grad0_ptr": "*bf16", "grad_offs": "*i64",
+            "q_ptr": "*bf16", "h_ptr": "*bf16", "res_ptr": "*i8", "g_ptr": "*bf16", "st_ptr": "*fp32",
+            "dq_part_ptr": "*fp32", "N": "i32", "S": "i32", "d": "i32", "r": "i32", "stride_g": "i32",
+            "inv_n": "fp32", "eps": "fp32"}
+
+
+def _args_sig(kind: str) -> dict:
+    sig = {f"x{i}": "*bf16" if i < _NSLOT else "constexpr" for i in range(16)}
+    sig.update({f"xs{i}": "i32" if i < _NSLOT else "constexpr" for i in range(16)})
+    if kind == "bwd":
+        sig.update({f"dx{i}": "*bf16" if i < _NSLOT else "constexpr" for i in range(16)})
+        sig.update({"q_ptr": "*bf16", "h_ptr": "*bf16", "res_ptr": "*i8", "g_ptr": "*bf16", "st_ptr": "*fp32",
+                    "dq_part_ptr": "*fp32", "N": "i32", "S": "i32", "d": "i32", "r": "i32", "stride_g": "i32"})
+    else:
+        sig.update({"q_ptr": "*bf16", "out_ptr": "*bf16", "res_ptr": "*i8", "st_ptr": "*fp32", "N": "i32", "S": "i32",
+                    "d": "i32", "r": "i32"})
+    return sig
+
+
+def _kernels(module, cfg):
+    """(name, kernel, signature, constexprs, warps) of the four kernels at one configuration."""
+    block, nch, n, warps, prefetch, stages = cfg
+    c = dict(_COMMON, BLOCK_D=block, NCH=nch, PREFETCH=prefetch, STAGES=stages)
+    args = dict(NSLOT=_NSLOT, EPS=1e-6)
+    return [
+        ("table-fwd", module._attnres_fwd_kernel, _table_sig("fwd"), dict(c, ALIGN=8, BLOCK_T=n, FUSED=True), warps),
+        ("table-bwd", module._attnres_bwd_kernel, _table_sig("bwd"), dict(c, ALIGN=8, GALIGN=8, SB=n), warps),
+        ("args-fwd", module._attnres_fwd_args_kernel, _args_sig("fwd"), dict(c, **args, BLOCK_T=n, FUSED=True), warps),
+        ("args-bwd", module._attnres_bwd_args_kernel, _args_sig("bwd"), dict(c, **args, SB=n), warps),
+    ]
+
+
+def _cuobjdump() -> str:
+    import triton
+
+    found = glob.glob(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump"))
+    if not found:
+        raise SystemExit("offline_sass: this triton wheel ships no cuobjdump")
+    return found[0]
+
+
+def build(fn, sig: dict, const: dict, warps: int) -> dict:
+    """Compile for sm_90: registers, the instruction listing without addresses, and op counts.  A
+    constexpr the kernel does not take (STAGES for a revision that predates it) is left out."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    names = list(fn.arg_names)
+    const = {k: v for k, v in const.items() if k in names}
+    sig = dict(sig)
+    consts = {(names.index(a),): None for a in names if sig.get(a) == "constexpr" and a not in const}
+    for k, v in const.items():
+        sig[k] = "constexpr"
+        consts[(names.index(k),)] = v
+    attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in names
+             if sig[a] not in ("constexpr", "fp32") and a not in ("N", "S", "r")}
+    compiled = triton.compile(ASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 128),
+                              options={"num_warps": warps})
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "k.cubin")
+        with open(path, "wb") as f:
+            f.write(compiled.asm["cubin"])
+        sass = subprocess.run([_cuobjdump(), "-sass", path], capture_output=True, text=True, check=True).stdout
+        res = subprocess.run([_cuobjdump(), "-res-usage", path], capture_output=True, text=True, check=True).stdout
+    lines = [re.sub(r"/\*[0-9a-f]+\*/", "", x).strip() for x in sass.splitlines() if re.match(r"\s+/\*[0-9a-f]{4}\*/", x)]
+    return {"registers": int(re.search(r"REG:(\d+)", res).group(1)), "instructions": len(lines),
+            "ldgsts": sum("LDGSTS" in x for x in lines), "code": "\n".join(lines)}
+
+
+def _load(path: str, name: str):
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _revision_module(rev: str, tmp: str):
+    src = subprocess.run(["git", "show", f"{rev}:kernels/_triton.py"], cwd=ROOT, capture_output=True, text=True, check=True)
+    path = os.path.join(tmp, "triton_kernels_at_rev.py")
+    with open(path, "w") as f:
+        f.write(src.stdout)
+    return _load(path, "triton_kernels_at_rev")
+
+
+def report(configs, against: str | None = None) -> list[dict]:
+    """One row per (configuration, kernel): counts, and whether the code equals ``against``'s."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        raise SystemExit("offline_sass: unset TRITON_INTERPRET (the interpreter compiles nothing)")
+    current = _load(os.path.join(ROOT, "kernels", "_triton.py"), "triton_kernels_here")
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        other = _revision_module(against, tmp) if against else None
+        for cname in configs:
+            kernels_here = _kernels(current, CONFIGS[cname])
+            kernels_there = _kernels(other, CONFIGS[cname]) if other else [None] * 4
+            for (kname, fn, sig, const, warps), there in zip(kernels_here, kernels_there):
+                here = build(fn, sig, const, warps)
+                row = {"config": cname, "kernel": kname, **{k: v for k, v in here.items() if k != "code"}}
+                if there is not None:
+                    row["same_code_as_" + against] = build(there[1], sig, const, warps)["code"] == here["code"]
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    return rows
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated names from CONFIGS")
+    p.add_argument("--against", help="a git revision whose kernels/_triton.py to compare machine code with")
+    a = p.parse_args(argv)
+    names = [c for c in a.configs.split(",") if c]
+    unknown = [c for c in names if c not in CONFIGS]
+    if unknown:
+        raise SystemExit(f"offline_sass: unknown --configs {unknown}; expected names from {sorted(CONFIGS)}")
+    rows = report(names, a.against)
+    key = "same_code_as_" + a.against if a.against else None
+    return 0 if key is None or all(r[key] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
