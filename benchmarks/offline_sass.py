@@ -36,6 +36,7 @@ CONFIGS = {
     "split-prefetch": (512, 3, 1, 4, 1, 1),
     "split-stages2": (512, 3, 1, 4, 0, 2),
     "padded": (2048, 1, 1, 4, 1, 1),
+    "split-two-per-step": (512, 3, 2, 4, 1, 1),
 }
 _NSLOT = 9
 

@@ -12,8 +12,10 @@ d = 1536 the three-chunk kernels ran fastest with one token and one source per s
 results/kernel_sweep_h200_2026-11-29_split.md.)  STAGES > 1 hands the source loop to Triton's
 software pipeliner (tl.range num_stages: an offline sm_90 build turns the source loads into cp.async
 copies through shared memory, issued stages - 1 iterations early); it is a launch option for the
-sweeps, not yet timed on a GPU, and 1 (a plain loop, the same machine code as range()) by default.  Sources are never stacked; two kernel families
-address them:
+sweeps, not yet timed on a GPU, and 1 (a plain loop, the same machine code as range()) by default.
+
+Sources are never stacked; two kernel families address them, around one shared body per pass
+(_fwd_body, _bwd_body):
 
 - table kernels (eager calls, any S): a table of element offsets relative to an anchor tensor (the
   first source) plus a table of row strides; addressing off a typed anchor pointer (rather than
@@ -218,7 +220,14 @@ def _dq_store(acc, dq_part_ptr, pid, r, d, offs, tail):
     tl.store(dq_part_ptr + pid.to(tl.int64) * r + (offs - (d - r)), acc, mask=tail)
 
 
-# ---------------------------------------------------------------------------------------------- table kernels
+# ---------------------------------------------------------------------------------------------- source addressing
+#
+# The two kernel families share their bodies (_fwd_body, _bwd_body) and differ only in how the
+# sources are addressed: the table kernels pass an anchor pointer, an offset table and a stride
+# table (TABLE); the per-argument kernels pass one pointer and one row stride per source (x_i, xs_i,
+# None past NSLOT) and the gradients' pointers (dx_i).  Which one is a compile-time choice, so each
+# kernel compiles to the code it had when each family had its own copy of the body (checked with
+# benchmarks/offline_sass.py --against).
 
 
 @triton.jit
@@ -230,203 +239,6 @@ def _table_src(src0_ptr, src_offs, src_strides, js, S, ALIGN: tl.constexpr):
     stride = tl.multiple_of(tl.load(src_strides + jj), ALIGN)
     return src0_ptr + off, stride
 
-
-@triton.jit
-def _attnres_fwd_kernel(
-    src0_ptr,  # anchor: the first source (typed pointer)
-    src_offs,  # int64 [S]: element offset of each source from the anchor
-    src_strides,  # int64 [S]: row strides (elements)
-    q_ptr,  # [r] (any float dtype)
-    out_ptr,  # [N, d] contiguous, source dtype
-    res_ptr,  # int8 [N, d] contiguous (unused unless HAS_RES)
-    st_ptr,  # fp32 [1 + 2S, N]: logsumexp, the S scores, the S key 1/RMS
-    N,
-    S,
-    d,
-    r,
-    inv_n,  # 1/r for "slice", 1/d for "full"
-    eps,
-    SLICE: tl.constexpr,
-    HAS_RES: tl.constexpr,
-    RES_STEP: tl.constexpr,  # 2^-(mantissa bits + 8)
-    ALIGN: tl.constexpr,  # offsets and strides are multiples of this many elements
-    BLOCK_D: tl.constexpr,  # columns per chunk
-    NCH: tl.constexpr,  # column chunks per row: 1 or 3
-    BLOCK_T: tl.constexpr,  # tokens per program
-    PREFETCH: tl.constexpr,  # load the next source's tile before this one's arithmetic (0, 1)
-    EVICT: tl.constexpr,  # evict-first hint on the source reads
-    STAGES: tl.constexpr,  # Triton software-pipeline stages of the source loop (1: none)
-    FUSED: tl.constexpr,  # multi-operand row reductions (GPU); separate tl.sum (interpreter)
-):
-    rows, row_ok, rows64 = _token_rows(tl.program_id(0), N, BLOCK_T)
-    m = tl.full([BLOCK_T], float("-inf"), tl.float32)
-    l = tl.zeros([BLOCK_T], tl.float32)
-    offs0, ok0, tail0 = _cols(d, r, 0, BLOCK_D)
-    q0 = _query(q_ptr, offs0, d, r, tail0)
-    acc0 = tl.zeros([BLOCK_T, BLOCK_D], tl.float32)
-    if NCH == 3:
-        offs1, ok1, tail1 = _cols(d, r, BLOCK_D, BLOCK_D)
-        q1 = _query(q_ptr, offs1, d, r, tail1)
-        acc1 = tl.zeros([BLOCK_T, BLOCK_D], tl.float32)
-        offs2, ok2, tail2 = _cols(d, r, 2 * BLOCK_D, BLOCK_D)
-        q2 = _query(q_ptr, offs2, d, r, tail2)
-        acc2 = tl.zeros([BLOCK_T, BLOCK_D], tl.float32)
-    if PREFETCH:
-        p, st = _table_src(src0_ptr, src_offs, src_strides, 0, S, ALIGN)
-        tn0 = _tile(p, st, 0, S, rows, rows64, row_ok, offs0, ok0, EVICT)
-        if NCH == 3:
-            tn1 = _tile(p, st, 0, S, rows, rows64, row_ok, offs1, ok1, EVICT)
-            tn2 = _tile(p, st, 0, S, rows, rows64, row_ok, offs2, ok2, EVICT)
-    for i in tl.range(0, S, num_stages=STAGES):
-        if PREFETCH:
-            t0 = tn0
-            if NCH == 3:
-                t1 = tn1
-                t2 = tn2
-            p, st = _table_src(src0_ptr, src_offs, src_strides, i + 1, S, ALIGN)
-            tn0 = _tile(p, st, i + 1, S, rows, rows64, row_ok, offs0, ok0, EVICT)
-            if NCH == 3:
-                tn1 = _tile(p, st, i + 1, S, rows, rows64, row_ok, offs1, ok1, EVICT)
-                tn2 = _tile(p, st, i + 1, S, rows, rows64, row_ok, offs2, ok2, EVICT)
-        else:
-            p, st = _table_src(src0_ptr, src_offs, src_strides, i, S, ALIGN)
-            t0 = _tile(p, st, i, S, rows, rows64, row_ok, offs0, ok0, EVICT)
-            if NCH == 3:
-                t1 = _tile(p, st, i, S, rows, rows64, row_ok, offs1, ok1, EVICT)
-                t2 = _tile(p, st, i, S, rows, rows64, row_ok, offs2, ok2, EVICT)
-        t0 = t0.to(tl.float32)
-        kk, kq = _key_terms(t0, q0, tail0, SLICE)
-        if NCH == 3:
-            t1 = t1.to(tl.float32)
-            t2 = t2.to(tl.float32)
-            kk1, kq1 = _key_terms(t1, q1, tail1, SLICE)
-            kk2, kq2 = _key_terms(t2, q2, tail2, SLICE)
-            kk, kq = kk + kk1 + kk2, kq + kq1 + kq2
-        m, l, alpha, pw, z, rinv = _softmax_step(kk, kq, m, l, inv_n, eps, FUSED)
-        acc0 = _mix(acc0, alpha, pw, t0)
-        if NCH == 3:
-            acc1 = _mix(acc1, alpha, pw, t1)
-            acc2 = _mix(acc2, alpha, pw, t2)
-        _store_scores(st_ptr, i, S, N, z, rinv, rows, row_ok)
-    inv_l = 1.0 / l
-    _store_mix(acc0, inv_l, out_ptr, res_ptr, rows64, row_ok, offs0, ok0, d, HAS_RES, RES_STEP)
-    if NCH == 3:
-        _store_mix(acc1, inv_l, out_ptr, res_ptr, rows64, row_ok, offs1, ok1, d, HAS_RES, RES_STEP)
-        _store_mix(acc2, inv_l, out_ptr, res_ptr, rows64, row_ok, offs2, ok2, d, HAS_RES, RES_STEP)
-    tl.store(st_ptr + rows, m + tl.log(l), mask=row_ok)
-
-
-@triton.jit
-def _attnres_bwd_kernel(
-    src0_ptr,  # anchor of the sources
-    src_offs,  # int64 [S]
-    src_strides,  # int64 [S]
-    grad0_ptr,  # anchor of the source gradients (each contiguous [N, d])
-    grad_offs,  # int64 [S]
-    q_ptr,  # [r]
-    h_ptr,  # [N, d] saved output, row stride d
-    res_ptr,  # int8 [N, d] saved residual (unused unless HAS_RES)
-    g_ptr,  # [N, d] upstream gradient, row stride stride_g
-    st_ptr,  # fp32 [1 + 2S, N]: the forward's statistics
-    dq_part_ptr,  # fp32 [programs, r]
-    N,
-    S,
-    d,
-    r,
-    stride_g,
-    inv_n,
-    eps,
-    SLICE: tl.constexpr,
-    HAS_RES: tl.constexpr,
-    RES_STEP: tl.constexpr,
-    ALIGN: tl.constexpr,
-    GALIGN: tl.constexpr,
-    BLOCK_D: tl.constexpr,  # columns per chunk
-    NCH: tl.constexpr,  # column chunks per row: 1 or 3
-    SB: tl.constexpr,  # sources per step
-    PREFETCH: tl.constexpr,
-    EVICT: tl.constexpr,
-    STAGES: tl.constexpr,  # Triton software-pipeline stages of the source loop (1: none)
-):
-    pid = tl.program_id(0)
-    nprog = tl.num_programs(0)
-    sbs = tl.arange(0, SB)
-    offs0, ok0, tail0 = _cols(d, r, 0, BLOCK_D)
-    q0 = _query(q_ptr, offs0, d, r, tail0)
-    dq0 = tl.zeros([BLOCK_D], tl.float32)
-    if NCH == 3:
-        offs1, ok1, tail1 = _cols(d, r, BLOCK_D, BLOCK_D)
-        q1 = _query(q_ptr, offs1, d, r, tail1)
-        dq1 = tl.zeros([BLOCK_D], tl.float32)
-        offs2, ok2, tail2 = _cols(d, r, 2 * BLOCK_D, BLOCK_D)
-        q2 = _query(q_ptr, offs2, d, r, tail2)
-        dq2 = tl.zeros([BLOCK_D], tl.float32)
-    for row in range(pid, N, nprog):
-        row64 = tl.cast(row, tl.int64)
-        g0, gh = _bwd_row(g_ptr, h_ptr, res_ptr, row64, offs0, ok0, d, stride_g, HAS_RES, RES_STEP)
-        if NCH == 3:
-            g1, gh1 = _bwd_row(g_ptr, h_ptr, res_ptr, row64, offs1, ok1, d, stride_g, HAS_RES, RES_STEP)
-            g2, gh2 = _bwd_row(g_ptr, h_ptr, res_ptr, row64, offs2, ok2, d, stride_g, HAS_RES, RES_STEP)
-            gh = gh + gh1 + gh2
-        gh = tl.sum(gh, axis=0)
-        lse = tl.load(st_ptr + row)
-        if PREFETCH:
-            p, st = _table_src(src0_ptr, src_offs, src_strides, sbs, S, ALIGN)
-            tn0 = _rows_tile(p, st, row64, sbs, S, offs0, ok0, EVICT)
-            if NCH == 3:
-                tn1 = _rows_tile(p, st, row64, sbs, S, offs1, ok1, EVICT)
-                tn2 = _rows_tile(p, st, row64, sbs, S, offs2, ok2, EVICT)
-        for b in tl.range(0, S, SB, num_stages=STAGES):
-            js = b + sbs
-            if PREFETCH:
-                t0 = tn0
-                if NCH == 3:
-                    t1 = tn1
-                    t2 = tn2
-                p, st = _table_src(src0_ptr, src_offs, src_strides, js + SB, S, ALIGN)
-                tn0 = _rows_tile(p, st, row64, js + SB, S, offs0, ok0, EVICT)
-                if NCH == 3:
-                    tn1 = _rows_tile(p, st, row64, js + SB, S, offs1, ok1, EVICT)
-                    tn2 = _rows_tile(p, st, row64, js + SB, S, offs2, ok2, EVICT)
-            else:
-                p, st = _table_src(src0_ptr, src_offs, src_strides, js, S, ALIGN)
-                t0 = _rows_tile(p, st, row64, js, S, offs0, ok0, EVICT)
-                if NCH == 3:
-                    t1 = _rows_tile(p, st, row64, js, S, offs1, ok1, EVICT)
-                    t2 = _rows_tile(p, st, row64, js, S, offs2, ok2, EVICT)
-            t0 = t0.to(tl.float32)
-            go = g0[None, :] * t0
-            if NCH == 3:
-                t1 = t1.to(tl.float32)
-                t2 = t2.to(tl.float32)
-                go = go + g1[None, :] * t1 + g2[None, :] * t2
-            w, c, coef = _bwd_weights(tl.sum(go, axis=1), gh, lse, js, S, N, row, st_ptr, inv_n)
-            gp = grad0_ptr + tl.multiple_of(tl.load(grad_offs + tl.minimum(js, S - 1)), GALIGN)
-            _store_grad(gp, row64, d, offs0, ok0, js, S, _bwd_grad(t0, g0, q0, tail0, w, c, coef, SLICE))
-            dq0 += tl.sum(c[:, None] * t0, axis=0)
-            if NCH == 3:
-                _store_grad(gp, row64, d, offs1, ok1, js, S, _bwd_grad(t1, g1, q1, tail1, w, c, coef, SLICE))
-                dq1 += tl.sum(c[:, None] * t1, axis=0)
-                _store_grad(gp, row64, d, offs2, ok2, js, S, _bwd_grad(t2, g2, q2, tail2, w, c, coef, SLICE))
-                dq2 += tl.sum(c[:, None] * t2, axis=0)
-    _dq_store(dq0, dq_part_ptr, pid, r, d, offs0, tail0)
-    if NCH == 3:
-        _dq_store(dq1, dq_part_ptr, pid, r, d, offs1, tail1)
-        _dq_store(dq2, dq_part_ptr, pid, r, d, offs2, tail2)
-
-
-# ----------------------------------------------------------------------------------------------
-# Per-argument kernels: up to 16 sources, each its own pointer argument.
-#
-# torch.compile launches these from its generated code (kernels.op wraps them in a
-# torch.library.triton_op), so there are no host tables: a table needs data pointers, which a
-# traced graph does not have.  Triton's argument specialisation sees each pointer's and each row
-# stride's 16-byte divisibility, which is what ALIGN tells the table kernels.  The loop over sources
-# is a runtime loop, as in the table kernels, and picks the step's pointers with a chain of selects
-# over the NSLOT arguments given (unused slots are None).  Unrolling the loop over a compile-time S
-# instead ran 27-33% slower on the H200 (2026-11-29, kernel_sweep "args" rows at 4096 tokens:
-# registers went up).  No float arguments: Inductor passes Python floats as fp64, which would turn
-# the fp32 math into fp64 (EPS is a compile-time constant, 1/n is computed here).
 
 MAX_ARG_SOURCES = tl.constexpr(16)
 
@@ -489,6 +301,287 @@ def _arg_src(js, S, NSLOT: tl.constexpr, x0, x1, x2, x3, x4, x5, x6, x7, x8, x9,
 
 
 @triton.jit
+def _src(js, S, TABLE: tl.constexpr, src0_ptr, src_offs, src_strides, ALIGN: tl.constexpr, NSLOT: tl.constexpr,
+         x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
+         xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7, xs8, xs9, xs10, xs11, xs12, xs13, xs14, xs15):
+    """Pointers and row strides of sources js, one index or [SB] (the last source's where js >= S):
+    from the offset table (TABLE) or from the per-source arguments."""
+    if TABLE:
+        p, st = _table_src(src0_ptr, src_offs, src_strides, js, S, ALIGN)
+    else:
+        p, st = _arg_src(js, S, NSLOT, x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
+                         xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7, xs8, xs9, xs10, xs11, xs12, xs13, xs14, xs15)
+    return p, st
+
+
+@triton.jit
+def _grad_ptrs(js, S, TABLE: tl.constexpr, grad0_ptr, grad_offs, GALIGN: tl.constexpr, NSLOT: tl.constexpr,
+               dx0, dx1, dx2, dx3, dx4, dx5, dx6, dx7, dx8, dx9, dx10, dx11, dx12, dx13, dx14, dx15):
+    """Pointers [SB] of the gradients of sources js (the last source's where js >= S)."""
+    jj = tl.minimum(js, S - 1)
+    if TABLE:
+        gp = grad0_ptr + tl.multiple_of(tl.load(grad_offs + jj), GALIGN)
+    else:
+        gp = _select(jj, NSLOT, dx0, dx1, dx2, dx3, dx4, dx5, dx6, dx7, dx8, dx9, dx10, dx11, dx12, dx13, dx14,
+                     dx15)
+        gp = gp + js * 0  # [SB] even with one slot
+    return gp
+
+
+# ---------------------------------------------------------------------------------------------- kernel bodies
+
+
+@triton.jit
+def _fwd_body(
+    q_ptr, out_ptr, res_ptr, st_ptr, N, S, d, r, inv_n, eps,
+    SLICE: tl.constexpr, HAS_RES: tl.constexpr, RES_STEP: tl.constexpr, BLOCK_D: tl.constexpr, NCH: tl.constexpr,
+    BLOCK_T: tl.constexpr, PREFETCH: tl.constexpr, EVICT: tl.constexpr, STAGES: tl.constexpr, FUSED: tl.constexpr,
+    TABLE: tl.constexpr, src0_ptr, src_offs, src_strides, ALIGN: tl.constexpr, NSLOT: tl.constexpr,
+    x0=None, x1=None, x2=None, x3=None, x4=None, x5=None, x6=None, x7=None, x8=None, x9=None, x10=None,
+    x11=None, x12=None, x13=None, x14=None, x15=None, xs0=None, xs1=None, xs2=None, xs3=None, xs4=None,
+    xs5=None, xs6=None, xs7=None, xs8=None, xs9=None, xs10=None, xs11=None, xs12=None, xs13=None, xs14=None,
+    xs15=None,
+):
+    """The forward of BLOCK_T tokens (the kernels' arguments are described at _attnres_fwd_kernel)."""
+    rows, row_ok, rows64 = _token_rows(tl.program_id(0), N, BLOCK_T)
+    m = tl.full([BLOCK_T], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_T], tl.float32)
+    offs0, ok0, tail0 = _cols(d, r, 0, BLOCK_D)
+    q0 = _query(q_ptr, offs0, d, r, tail0)
+    acc0 = tl.zeros([BLOCK_T, BLOCK_D], tl.float32)
+    if NCH == 3:
+        offs1, ok1, tail1 = _cols(d, r, BLOCK_D, BLOCK_D)
+        q1 = _query(q_ptr, offs1, d, r, tail1)
+        acc1 = tl.zeros([BLOCK_T, BLOCK_D], tl.float32)
+        offs2, ok2, tail2 = _cols(d, r, 2 * BLOCK_D, BLOCK_D)
+        q2 = _query(q_ptr, offs2, d, r, tail2)
+        acc2 = tl.zeros([BLOCK_T, BLOCK_D], tl.float32)
+    if PREFETCH:
+        p, st = _src(0, S, TABLE, src0_ptr, src_offs, src_strides, ALIGN, NSLOT,
+                     x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
+                     xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7, xs8, xs9, xs10, xs11, xs12, xs13, xs14, xs15)
+        tn0 = _tile(p, st, 0, S, rows, rows64, row_ok, offs0, ok0, EVICT)
+        if NCH == 3:
+            tn1 = _tile(p, st, 0, S, rows, rows64, row_ok, offs1, ok1, EVICT)
+            tn2 = _tile(p, st, 0, S, rows, rows64, row_ok, offs2, ok2, EVICT)
+    for i in tl.range(0, S, num_stages=STAGES):
+        if PREFETCH:
+            t0 = tn0
+            if NCH == 3:
+                t1 = tn1
+                t2 = tn2
+            p, st = _src(i + 1, S, TABLE, src0_ptr, src_offs, src_strides, ALIGN, NSLOT,
+                         x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
+                         xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7, xs8, xs9, xs10, xs11, xs12, xs13, xs14, xs15)
+            tn0 = _tile(p, st, i + 1, S, rows, rows64, row_ok, offs0, ok0, EVICT)
+            if NCH == 3:
+                tn1 = _tile(p, st, i + 1, S, rows, rows64, row_ok, offs1, ok1, EVICT)
+                tn2 = _tile(p, st, i + 1, S, rows, rows64, row_ok, offs2, ok2, EVICT)
+        else:
+            p, st = _src(i, S, TABLE, src0_ptr, src_offs, src_strides, ALIGN, NSLOT,
+                         x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
+                         xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7, xs8, xs9, xs10, xs11, xs12, xs13, xs14, xs15)
+            t0 = _tile(p, st, i, S, rows, rows64, row_ok, offs0, ok0, EVICT)
+            if NCH == 3:
+                t1 = _tile(p, st, i, S, rows, rows64, row_ok, offs1, ok1, EVICT)
+                t2 = _tile(p, st, i, S, rows, rows64, row_ok, offs2, ok2, EVICT)
+        t0 = t0.to(tl.float32)
+        kk, kq = _key_terms(t0, q0, tail0, SLICE)
+        if NCH == 3:
+            t1 = t1.to(tl.float32)
+            t2 = t2.to(tl.float32)
+            kk1, kq1 = _key_terms(t1, q1, tail1, SLICE)
+            kk2, kq2 = _key_terms(t2, q2, tail2, SLICE)
+            kk, kq = kk + kk1 + kk2, kq + kq1 + kq2
+        m, l, alpha, pw, z, rinv = _softmax_step(kk, kq, m, l, inv_n, eps, FUSED)
+        acc0 = _mix(acc0, alpha, pw, t0)
+        if NCH == 3:
+            acc1 = _mix(acc1, alpha, pw, t1)
+            acc2 = _mix(acc2, alpha, pw, t2)
+        _store_scores(st_ptr, i, S, N, z, rinv, rows, row_ok)
+    inv_l = 1.0 / l
+    _store_mix(acc0, inv_l, out_ptr, res_ptr, rows64, row_ok, offs0, ok0, d, HAS_RES, RES_STEP)
+    if NCH == 3:
+        _store_mix(acc1, inv_l, out_ptr, res_ptr, rows64, row_ok, offs1, ok1, d, HAS_RES, RES_STEP)
+        _store_mix(acc2, inv_l, out_ptr, res_ptr, rows64, row_ok, offs2, ok2, d, HAS_RES, RES_STEP)
+    tl.store(st_ptr + rows, m + tl.log(l), mask=row_ok)
+
+
+@triton.jit
+def _bwd_body(
+    q_ptr, h_ptr, res_ptr, g_ptr, st_ptr, dq_part_ptr, N, S, d, r, stride_g, inv_n,
+    SLICE: tl.constexpr, HAS_RES: tl.constexpr, RES_STEP: tl.constexpr, BLOCK_D: tl.constexpr, NCH: tl.constexpr,
+    SB: tl.constexpr, PREFETCH: tl.constexpr, EVICT: tl.constexpr, STAGES: tl.constexpr,
+    TABLE: tl.constexpr, src0_ptr, src_offs, src_strides, ALIGN: tl.constexpr, grad0_ptr, grad_offs,
+    GALIGN: tl.constexpr, NSLOT: tl.constexpr,
+    x0=None, x1=None, x2=None, x3=None, x4=None, x5=None, x6=None, x7=None, x8=None, x9=None, x10=None,
+    x11=None, x12=None, x13=None, x14=None, x15=None, xs0=None, xs1=None, xs2=None, xs3=None, xs4=None,
+    xs5=None, xs6=None, xs7=None, xs8=None, xs9=None, xs10=None, xs11=None, xs12=None, xs13=None, xs14=None,
+    xs15=None, dx0=None, dx1=None, dx2=None, dx3=None, dx4=None, dx5=None, dx6=None, dx7=None, dx8=None,
+    dx9=None, dx10=None, dx11=None, dx12=None, dx13=None, dx14=None, dx15=None,
+):
+    """The backward's persistent program (the kernels' arguments are described at
+    _attnres_bwd_kernel)."""
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    sbs = tl.arange(0, SB)
+    offs0, ok0, tail0 = _cols(d, r, 0, BLOCK_D)
+    q0 = _query(q_ptr, offs0, d, r, tail0)
+    dq0 = tl.zeros([BLOCK_D], tl.float32)
+    if NCH == 3:
+        offs1, ok1, tail1 = _cols(d, r, BLOCK_D, BLOCK_D)
+        q1 = _query(q_ptr, offs1, d, r, tail1)
+        dq1 = tl.zeros([BLOCK_D], tl.float32)
+        offs2, ok2, tail2 = _cols(d, r, 2 * BLOCK_D, BLOCK_D)
+        q2 = _query(q_ptr, offs2, d, r, tail2)
+        dq2 = tl.zeros([BLOCK_D], tl.float32)
+    for row in range(pid, N, nprog):
+        row64 = tl.cast(row, tl.int64)
+        g0, gh = _bwd_row(g_ptr, h_ptr, res_ptr, row64, offs0, ok0, d, stride_g, HAS_RES, RES_STEP)
+        if NCH == 3:
+            g1, gh1 = _bwd_row(g_ptr, h_ptr, res_ptr, row64, offs1, ok1, d, stride_g, HAS_RES, RES_STEP)
+            g2, gh2 = _bwd_row(g_ptr, h_ptr, res_ptr, row64, offs2, ok2, d, stride_g, HAS_RES, RES_STEP)
+            gh = gh + gh1 + gh2
+        gh = tl.sum(gh, axis=0)
+        lse = tl.load(st_ptr + row)
+        if PREFETCH:
+            p, st = _src(sbs, S, TABLE, src0_ptr, src_offs, src_strides, ALIGN, NSLOT,
+                         x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
+                         xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7, xs8, xs9, xs10, xs11, xs12, xs13, xs14, xs15)
+            tn0 = _rows_tile(p, st, row64, sbs, S, offs0, ok0, EVICT)
+            if NCH == 3:
+                tn1 = _rows_tile(p, st, row64, sbs, S, offs1, ok1, EVICT)
+                tn2 = _rows_tile(p, st, row64, sbs, S, offs2, ok2, EVICT)
+        for b in tl.range(0, S, SB, num_stages=STAGES):
+            js = b + sbs
+            if PREFETCH:
+                t0 = tn0
+                if NCH == 3:
+                    t1 = tn1
+                    t2 = tn2
+                p, st = _src(js + SB, S, TABLE, src0_ptr, src_offs, src_strides, ALIGN, NSLOT,
+                             x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
+                             xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7, xs8, xs9, xs10, xs11, xs12, xs13, xs14, xs15)
+                tn0 = _rows_tile(p, st, row64, js + SB, S, offs0, ok0, EVICT)
+                if NCH == 3:
+                    tn1 = _rows_tile(p, st, row64, js + SB, S, offs1, ok1, EVICT)
+                    tn2 = _rows_tile(p, st, row64, js + SB, S, offs2, ok2, EVICT)
+            else:
+                p, st = _src(js, S, TABLE, src0_ptr, src_offs, src_strides, ALIGN, NSLOT,
+                             x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
+                             xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7, xs8, xs9, xs10, xs11, xs12, xs13, xs14, xs15)
+                t0 = _rows_tile(p, st, row64, js, S, offs0, ok0, EVICT)
+                if NCH == 3:
+                    t1 = _rows_tile(p, st, row64, js, S, offs1, ok1, EVICT)
+                    t2 = _rows_tile(p, st, row64, js, S, offs2, ok2, EVICT)
+            t0 = t0.to(tl.float32)
+            go = g0[None, :] * t0
+            if NCH == 3:
+                t1 = t1.to(tl.float32)
+                t2 = t2.to(tl.float32)
+                go = go + g1[None, :] * t1 + g2[None, :] * t2
+            w, c, coef = _bwd_weights(tl.sum(go, axis=1), gh, lse, js, S, N, row, st_ptr, inv_n)
+            gp = _grad_ptrs(js, S, TABLE, grad0_ptr, grad_offs, GALIGN, NSLOT,
+                            dx0, dx1, dx2, dx3, dx4, dx5, dx6, dx7, dx8, dx9, dx10, dx11, dx12, dx13, dx14, dx15)
+            _store_grad(gp, row64, d, offs0, ok0, js, S, _bwd_grad(t0, g0, q0, tail0, w, c, coef, SLICE))
+            dq0 += tl.sum(c[:, None] * t0, axis=0)
+            if NCH == 3:
+                _store_grad(gp, row64, d, offs1, ok1, js, S, _bwd_grad(t1, g1, q1, tail1, w, c, coef, SLICE))
+                dq1 += tl.sum(c[:, None] * t1, axis=0)
+                _store_grad(gp, row64, d, offs2, ok2, js, S, _bwd_grad(t2, g2, q2, tail2, w, c, coef, SLICE))
+                dq2 += tl.sum(c[:, None] * t2, axis=0)
+    _dq_store(dq0, dq_part_ptr, pid, r, d, offs0, tail0)
+    if NCH == 3:
+        _dq_store(dq1, dq_part_ptr, pid, r, d, offs1, tail1)
+        _dq_store(dq2, dq_part_ptr, pid, r, d, offs2, tail2)
+
+
+# ---------------------------------------------------------------------------------------------- table kernels
+
+
+@triton.jit
+def _attnres_fwd_kernel(
+    src0_ptr,  # anchor: the first source (typed pointer)
+    src_offs,  # int64 [S]: element offset of each source from the anchor
+    src_strides,  # int64 [S]: row strides (elements)
+    q_ptr,  # [r] (any float dtype)
+    out_ptr,  # [N, d] contiguous, source dtype
+    res_ptr,  # int8 [N, d] contiguous (unused unless HAS_RES)
+    st_ptr,  # fp32 [1 + 2S, N]: logsumexp, the S scores, the S key 1/RMS
+    N,
+    S,
+    d,
+    r,
+    inv_n,  # 1/r for "slice", 1/d for "full"
+    eps,
+    SLICE: tl.constexpr,
+    HAS_RES: tl.constexpr,
+    RES_STEP: tl.constexpr,  # 2^-(mantissa bits + 8)
+    ALIGN: tl.constexpr,  # offsets and strides are multiples of this many elements
+    BLOCK_D: tl.constexpr,  # columns per chunk
+    NCH: tl.constexpr,  # column chunks per row: 1 or 3
+    BLOCK_T: tl.constexpr,  # tokens per program
+    PREFETCH: tl.constexpr,  # load the next source's tile before this one's arithmetic (0, 1)
+    EVICT: tl.constexpr,  # evict-first hint on the source reads
+    STAGES: tl.constexpr,  # Triton software-pipeline stages of the source loop (1: none)
+    FUSED: tl.constexpr,  # multi-operand row reductions (GPU); separate tl.sum (interpreter)
+):
+    _fwd_body(q_ptr, out_ptr, res_ptr, st_ptr, N, S, d, r, inv_n, eps, SLICE, HAS_RES, RES_STEP, BLOCK_D, NCH,
+              BLOCK_T, PREFETCH, EVICT, STAGES, FUSED, True, src0_ptr, src_offs, src_strides, ALIGN, 0)
+
+
+@triton.jit
+def _attnres_bwd_kernel(
+    src0_ptr,  # anchor of the sources
+    src_offs,  # int64 [S]
+    src_strides,  # int64 [S]
+    grad0_ptr,  # anchor of the source gradients (each contiguous [N, d])
+    grad_offs,  # int64 [S]
+    q_ptr,  # [r]
+    h_ptr,  # [N, d] saved output, row stride d
+    res_ptr,  # int8 [N, d] saved residual (unused unless HAS_RES)
+    g_ptr,  # [N, d] upstream gradient, row stride stride_g
+    st_ptr,  # fp32 [1 + 2S, N]: the forward's statistics
+    dq_part_ptr,  # fp32 [programs, r]
+    N,
+    S,
+    d,
+    r,
+    stride_g,
+    inv_n,
+    eps,
+    SLICE: tl.constexpr,
+    HAS_RES: tl.constexpr,
+    RES_STEP: tl.constexpr,
+    ALIGN: tl.constexpr,
+    GALIGN: tl.constexpr,
+    BLOCK_D: tl.constexpr,  # columns per chunk
+    NCH: tl.constexpr,  # column chunks per row: 1 or 3
+    SB: tl.constexpr,  # sources per step
+    PREFETCH: tl.constexpr,
+    EVICT: tl.constexpr,
+    STAGES: tl.constexpr,  # Triton software-pipeline stages of the source loop (1: none)
+):
+    _bwd_body(q_ptr, h_ptr, res_ptr, g_ptr, st_ptr, dq_part_ptr, N, S, d, r, stride_g, inv_n, SLICE, HAS_RES,
+              RES_STEP, BLOCK_D, NCH, SB, PREFETCH, EVICT, STAGES, True, src0_ptr, src_offs, src_strides, ALIGN,
+              grad0_ptr, grad_offs, GALIGN, 0)
+
+
+# ----------------------------------------------------------------------------------------------
+# Per-argument kernels: up to 16 sources, each its own pointer argument.
+#
+# torch.compile launches these from its generated code (kernels.op wraps them in a
+# torch.library.triton_op), so there are no host tables: a table needs data pointers, which a
+# traced graph does not have.  Triton's argument specialisation sees each pointer's and each row
+# stride's 16-byte divisibility, which is what ALIGN tells the table kernels.  The loop over sources
+# is a runtime loop, as in the table kernels, and picks the step's pointers with a chain of selects
+# over the NSLOT arguments given (unused slots are None).  Unrolling the loop over a compile-time S
+# instead ran 27-33% slower on the H200 (2026-11-29, kernel_sweep "args" rows at 4096 tokens:
+# registers went up).  No float arguments: Inductor passes Python floats as fp64, which would turn
+# the fp32 math into fp64 (EPS is a compile-time constant, 1/n is computed here).
+
+
+@triton.jit
 def _attnres_fwd_args_kernel(
     # sources (None past NSLOT)
     x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
@@ -515,66 +608,10 @@ def _attnres_fwd_args_kernel(
     STAGES: tl.constexpr,  # Triton software-pipeline stages of the source loop (1: none)
     FUSED: tl.constexpr,
 ):
-    inv_n = _inv_key_width(r, d, SLICE)
-    rows, row_ok, rows64 = _token_rows(tl.program_id(0), N, BLOCK_T)
-    m = tl.full([BLOCK_T], float("-inf"), tl.float32)
-    l = tl.zeros([BLOCK_T], tl.float32)
-    offs0, ok0, tail0 = _cols(d, r, 0, BLOCK_D)
-    q0 = _query(q_ptr, offs0, d, r, tail0)
-    acc0 = tl.zeros([BLOCK_T, BLOCK_D], tl.float32)
-    if NCH == 3:
-        offs1, ok1, tail1 = _cols(d, r, BLOCK_D, BLOCK_D)
-        q1 = _query(q_ptr, offs1, d, r, tail1)
-        acc1 = tl.zeros([BLOCK_T, BLOCK_D], tl.float32)
-        offs2, ok2, tail2 = _cols(d, r, 2 * BLOCK_D, BLOCK_D)
-        q2 = _query(q_ptr, offs2, d, r, tail2)
-        acc2 = tl.zeros([BLOCK_T, BLOCK_D], tl.float32)
-    if PREFETCH:
-        p, st = _arg_src(0, S, NSLOT, x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
-                          xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7, xs8, xs9, xs10, xs11, xs12, xs13, xs14, xs15)
-        tn0 = _tile(p, st, 0, S, rows, rows64, row_ok, offs0, ok0, EVICT)
-        if NCH == 3:
-            tn1 = _tile(p, st, 0, S, rows, rows64, row_ok, offs1, ok1, EVICT)
-            tn2 = _tile(p, st, 0, S, rows, rows64, row_ok, offs2, ok2, EVICT)
-    for i in tl.range(0, S, num_stages=STAGES):
-        if PREFETCH:
-            t0 = tn0
-            if NCH == 3:
-                t1 = tn1
-                t2 = tn2
-            p, st = _arg_src(i + 1, S, NSLOT, x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
-                              xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7, xs8, xs9, xs10, xs11, xs12, xs13, xs14, xs15)
-            tn0 = _tile(p, st, i + 1, S, rows, rows64, row_ok, offs0, ok0, EVICT)
-            if NCH == 3:
-                tn1 = _tile(p, st, i + 1, S, rows, rows64, row_ok, offs1, ok1, EVICT)
-                tn2 = _tile(p, st, i + 1, S, rows, rows64, row_ok, offs2, ok2, EVICT)
-        else:
-            p, st = _arg_src(i, S, NSLOT, x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
-                              xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7, xs8, xs9, xs10, xs11, xs12, xs13, xs14, xs15)
-            t0 = _tile(p, st, i, S, rows, rows64, row_ok, offs0, ok0, EVICT)
-            if NCH == 3:
-                t1 = _tile(p, st, i, S, rows, rows64, row_ok, offs1, ok1, EVICT)
-                t2 = _tile(p, st, i, S, rows, rows64, row_ok, offs2, ok2, EVICT)
-        t0 = t0.to(tl.float32)
-        kk, kq = _key_terms(t0, q0, tail0, SLICE)
-        if NCH == 3:
-            t1 = t1.to(tl.float32)
-            t2 = t2.to(tl.float32)
-            kk1, kq1 = _key_terms(t1, q1, tail1, SLICE)
-            kk2, kq2 = _key_terms(t2, q2, tail2, SLICE)
-            kk, kq = kk + kk1 + kk2, kq + kq1 + kq2
-        m, l, alpha, pw, z, rinv = _softmax_step(kk, kq, m, l, inv_n, EPS, FUSED)
-        acc0 = _mix(acc0, alpha, pw, t0)
-        if NCH == 3:
-            acc1 = _mix(acc1, alpha, pw, t1)
-            acc2 = _mix(acc2, alpha, pw, t2)
-        _store_scores(st_ptr, i, S, N, z, rinv, rows, row_ok)
-    inv_l = 1.0 / l
-    _store_mix(acc0, inv_l, out_ptr, res_ptr, rows64, row_ok, offs0, ok0, d, HAS_RES, RES_STEP)
-    if NCH == 3:
-        _store_mix(acc1, inv_l, out_ptr, res_ptr, rows64, row_ok, offs1, ok1, d, HAS_RES, RES_STEP)
-        _store_mix(acc2, inv_l, out_ptr, res_ptr, rows64, row_ok, offs2, ok2, d, HAS_RES, RES_STEP)
-    tl.store(st_ptr + rows, m + tl.log(l), mask=row_ok)
+    _fwd_body(q_ptr, out_ptr, res_ptr, st_ptr, N, S, d, r, _inv_key_width(r, d, SLICE), EPS, SLICE, HAS_RES,
+              RES_STEP, BLOCK_D, NCH, BLOCK_T, PREFETCH, EVICT, STAGES, FUSED, False, None, None, None, 1, NSLOT,
+              x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
+              xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7, xs8, xs9, xs10, xs11, xs12, xs13, xs14, xs15)
 
 
 @triton.jit
@@ -608,73 +645,8 @@ def _attnres_bwd_args_kernel(
     EVICT: tl.constexpr,
     STAGES: tl.constexpr,  # Triton software-pipeline stages of the source loop (1: none)
 ):
-    pid = tl.program_id(0)
-    nprog = tl.num_programs(0)
-    inv_n = _inv_key_width(r, d, SLICE)
-    sbs = tl.arange(0, SB)
-    offs0, ok0, tail0 = _cols(d, r, 0, BLOCK_D)
-    q0 = _query(q_ptr, offs0, d, r, tail0)
-    dq0 = tl.zeros([BLOCK_D], tl.float32)
-    if NCH == 3:
-        offs1, ok1, tail1 = _cols(d, r, BLOCK_D, BLOCK_D)
-        q1 = _query(q_ptr, offs1, d, r, tail1)
-        dq1 = tl.zeros([BLOCK_D], tl.float32)
-        offs2, ok2, tail2 = _cols(d, r, 2 * BLOCK_D, BLOCK_D)
-        q2 = _query(q_ptr, offs2, d, r, tail2)
-        dq2 = tl.zeros([BLOCK_D], tl.float32)
-    for row in range(pid, N, nprog):
-        row64 = tl.cast(row, tl.int64)
-        g0, gh = _bwd_row(g_ptr, h_ptr, res_ptr, row64, offs0, ok0, d, stride_g, HAS_RES, RES_STEP)
-        if NCH == 3:
-            g1, gh1 = _bwd_row(g_ptr, h_ptr, res_ptr, row64, offs1, ok1, d, stride_g, HAS_RES, RES_STEP)
-            g2, gh2 = _bwd_row(g_ptr, h_ptr, res_ptr, row64, offs2, ok2, d, stride_g, HAS_RES, RES_STEP)
-            gh = gh + gh1 + gh2
-        gh = tl.sum(gh, axis=0)
-        lse = tl.load(st_ptr + row)
-        if PREFETCH:
-            p, st = _arg_src(sbs, S, NSLOT, x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
-                              xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7, xs8, xs9, xs10, xs11, xs12, xs13, xs14, xs15)
-            tn0 = _rows_tile(p, st, row64, sbs, S, offs0, ok0, EVICT)
-            if NCH == 3:
-                tn1 = _rows_tile(p, st, row64, sbs, S, offs1, ok1, EVICT)
-                tn2 = _rows_tile(p, st, row64, sbs, S, offs2, ok2, EVICT)
-        for b in tl.range(0, S, SB, num_stages=STAGES):
-            js = b + sbs
-            if PREFETCH:
-                t0 = tn0
-                if NCH == 3:
-                    t1 = tn1
-                    t2 = tn2
-                p, st = _arg_src(js + SB, S, NSLOT, x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
-                                  xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7, xs8, xs9, xs10, xs11, xs12, xs13, xs14, xs15)
-                tn0 = _rows_tile(p, st, row64, js + SB, S, offs0, ok0, EVICT)
-                if NCH == 3:
-                    tn1 = _rows_tile(p, st, row64, js + SB, S, offs1, ok1, EVICT)
-                    tn2 = _rows_tile(p, st, row64, js + SB, S, offs2, ok2, EVICT)
-            else:
-                p, st = _arg_src(js, S, NSLOT, x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
-                                  xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7, xs8, xs9, xs10, xs11, xs12, xs13, xs14, xs15)
-                t0 = _rows_tile(p, st, row64, js, S, offs0, ok0, EVICT)
-                if NCH == 3:
-                    t1 = _rows_tile(p, st, row64, js, S, offs1, ok1, EVICT)
-                    t2 = _rows_tile(p, st, row64, js, S, offs2, ok2, EVICT)
-            t0 = t0.to(tl.float32)
-            go = g0[None, :] * t0
-            if NCH == 3:
-                t1 = t1.to(tl.float32)
-                t2 = t2.to(tl.float32)
-                go = go + g1[None, :] * t1 + g2[None, :] * t2
-            w, c, coef = _bwd_weights(tl.sum(go, axis=1), gh, lse, js, S, N, row, st_ptr, inv_n)
-            gp = _select(tl.minimum(js, S - 1), NSLOT, dx0, dx1, dx2, dx3, dx4, dx5, dx6, dx7, dx8, dx9, dx10, dx11,
-                         dx12, dx13, dx14, dx15) + js * 0  # [SB] even with one slot
-            _store_grad(gp, row64, d, offs0, ok0, js, S, _bwd_grad(t0, g0, q0, tail0, w, c, coef, SLICE))
-            dq0 += tl.sum(c[:, None] * t0, axis=0)
-            if NCH == 3:
-                _store_grad(gp, row64, d, offs1, ok1, js, S, _bwd_grad(t1, g1, q1, tail1, w, c, coef, SLICE))
-                dq1 += tl.sum(c[:, None] * t1, axis=0)
-                _store_grad(gp, row64, d, offs2, ok2, js, S, _bwd_grad(t2, g2, q2, tail2, w, c, coef, SLICE))
-                dq2 += tl.sum(c[:, None] * t2, axis=0)
-    _dq_store(dq0, dq_part_ptr, pid, r, d, offs0, tail0)
-    if NCH == 3:
-        _dq_store(dq1, dq_part_ptr, pid, r, d, offs1, tail1)
-        _dq_store(dq2, dq_part_ptr, pid, r, d, offs2, tail2)
+    _bwd_body(q_ptr, h_ptr, res_ptr, g_ptr, st_ptr, dq_part_ptr, N, S, d, r, stride_g, _inv_key_width(r, d, SLICE),
+              SLICE, HAS_RES, RES_STEP, BLOCK_D, NCH, SB, PREFETCH, EVICT, STAGES, False, None, None, None, 1, None,
+              None, 1, NSLOT, x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
+              xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7, xs8, xs9, xs10, xs11, xs12, xs13, xs14, xs15,
+              dx0, dx1, dx2, dx3, dx4, dx5, dx6, dx7, dx8, dx9, dx10, dx11, dx12, dx13, dx14, dx15)

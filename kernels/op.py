@@ -169,8 +169,9 @@ def _res_step(dtype: torch.dtype) -> float:
 # layout, so that the chunks' elementwise terms add up before a single row sum.  One chunk of
 # next_pow2(d) columns pads d = 1536 to 2048 lanes: a quarter of the loop's issue slots go to masked
 # lanes.  Three chunks of 512 cover it exactly: 28% fewer loop instructions per byte in an offline
-# sm_90 build; on the H200 the forward ran 5% faster and the backward 11% (docs/kernel_notes.md).  Only equal chunks share a layout, and two chunks of 2^k pad as much as one of
-# 2^(k+1), so the choice is one chunk or three.  KERNELS_SPLIT_COLUMNS=0 keeps one chunk.
+# sm_90 build; on the H200 the forward ran 5% faster and the backward 11% (docs/kernel_notes.md).
+# Only equal chunks share a layout, and two chunks of 2^k pad as much as one of 2^(k+1), so the
+# choice is one chunk or three.  KERNELS_SPLIT_COLUMNS=0 keeps one chunk.
 SPLIT_COLUMNS = os.environ.get("KERNELS_SPLIT_COLUMNS", "1") == "1"
 MIN_CHUNK = 128  # narrower rows gain little from splitting
 
