@@ -337,10 +337,8 @@ def _fwd_body(
     SLICE: tl.constexpr, HAS_RES: tl.constexpr, RES_STEP: tl.constexpr, BLOCK_D: tl.constexpr, NCH: tl.constexpr,
     BLOCK_T: tl.constexpr, PREFETCH: tl.constexpr, EVICT: tl.constexpr, STAGES: tl.constexpr, FUSED: tl.constexpr,
     TABLE: tl.constexpr, src0_ptr, src_offs, src_strides, ALIGN: tl.constexpr, NSLOT: tl.constexpr,
-    x0=None, x1=None, x2=None, x3=None, x4=None, x5=None, x6=None, x7=None, x8=None, x9=None, x10=None,
-    x11=None, x12=None, x13=None, x14=None, x15=None, xs0=None, xs1=None, xs2=None, xs3=None, xs4=None,
-    xs5=None, xs6=None, xs7=None, xs8=None, xs9=None, xs10=None, xs11=None, xs12=None, xs13=None, xs14=None,
-    xs15=None,
+    x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,  # sources (None for TABLE)
+    xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7, xs8, xs9, xs10, xs11, xs12, xs13, xs14, xs15,  # their row strides
 ):
     """The forward of BLOCK_T tokens (the kernels' arguments are described at _attnres_fwd_kernel)."""
     rows, row_ok, rows64 = _token_rows(tl.program_id(0), N, BLOCK_T)
@@ -414,11 +412,9 @@ def _bwd_body(
     SB: tl.constexpr, PREFETCH: tl.constexpr, EVICT: tl.constexpr, STAGES: tl.constexpr,
     TABLE: tl.constexpr, src0_ptr, src_offs, src_strides, ALIGN: tl.constexpr, grad0_ptr, grad_offs,
     GALIGN: tl.constexpr, NSLOT: tl.constexpr,
-    x0=None, x1=None, x2=None, x3=None, x4=None, x5=None, x6=None, x7=None, x8=None, x9=None, x10=None,
-    x11=None, x12=None, x13=None, x14=None, x15=None, xs0=None, xs1=None, xs2=None, xs3=None, xs4=None,
-    xs5=None, xs6=None, xs7=None, xs8=None, xs9=None, xs10=None, xs11=None, xs12=None, xs13=None, xs14=None,
-    xs15=None, dx0=None, dx1=None, dx2=None, dx3=None, dx4=None, dx5=None, dx6=None, dx7=None, dx8=None,
-    dx9=None, dx10=None, dx11=None, dx12=None, dx13=None, dx14=None, dx15=None,
+    x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,  # sources (None for TABLE)
+    xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7, xs8, xs9, xs10, xs11, xs12, xs13, xs14, xs15,  # their row strides
+    dx0, dx1, dx2, dx3, dx4, dx5, dx6, dx7, dx8, dx9, dx10, dx11, dx12, dx13, dx14, dx15,  # gradients
 ):
     """The backward's persistent program (the kernels' arguments are described at
     _attnres_bwd_kernel)."""
@@ -527,7 +523,9 @@ def _attnres_fwd_kernel(
     FUSED: tl.constexpr,  # multi-operand row reductions (GPU); separate tl.sum (interpreter)
 ):
     _fwd_body(q_ptr, out_ptr, res_ptr, st_ptr, N, S, d, r, inv_n, eps, SLICE, HAS_RES, RES_STEP, BLOCK_D, NCH,
-              BLOCK_T, PREFETCH, EVICT, STAGES, FUSED, True, src0_ptr, src_offs, src_strides, ALIGN, 0)
+              BLOCK_T, PREFETCH, EVICT, STAGES, FUSED, True, src0_ptr, src_offs, src_strides, ALIGN, 0,
+              None, None, None, None, None, None, None, None, None, None, None, None, None, None, None, None,  # no x_i
+              None, None, None, None, None, None, None, None, None, None, None, None, None, None, None, None)  # no xs_i
 
 
 @triton.jit
@@ -564,7 +562,10 @@ def _attnres_bwd_kernel(
 ):
     _bwd_body(q_ptr, h_ptr, res_ptr, g_ptr, st_ptr, dq_part_ptr, N, S, d, r, stride_g, inv_n, SLICE, HAS_RES,
               RES_STEP, BLOCK_D, NCH, SB, PREFETCH, EVICT, STAGES, True, src0_ptr, src_offs, src_strides, ALIGN,
-              grad0_ptr, grad_offs, GALIGN, 0)
+              grad0_ptr, grad_offs, GALIGN, 0,
+              None, None, None, None, None, None, None, None, None, None, None, None, None, None, None, None,  # no x_i
+              None, None, None, None, None, None, None, None, None, None, None, None, None, None, None, None,  # no xs_i
+              None, None, None, None, None, None, None, None, None, None, None, None, None, None, None, None)  # no dx_i
 
 
 # ----------------------------------------------------------------------------------------------
