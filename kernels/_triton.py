@@ -363,26 +363,24 @@ def _fwd_body(
             tn1 = _tile(p, st, 0, S, rows, rows64, row_ok, offs1, ok1, EVICT)
             tn2 = _tile(p, st, 0, S, rows, rows64, row_ok, offs2, ok2, EVICT)
     for i in tl.range(0, S, num_stages=STAGES):
+        j = i + PREFETCH  # the source this step loads: the next one when prefetching
+        p, st = _src(j, S, TABLE, src0_ptr, src_offs, src_strides, ALIGN, NSLOT,
+                     x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
+                     xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7, xs8, xs9, xs10, xs11, xs12, xs13, xs14, xs15)
+        u0 = _tile(p, st, j, S, rows, rows64, row_ok, offs0, ok0, EVICT)
+        if NCH == 3:
+            u1 = _tile(p, st, j, S, rows, rows64, row_ok, offs1, ok1, EVICT)
+            u2 = _tile(p, st, j, S, rows, rows64, row_ok, offs2, ok2, EVICT)
         if PREFETCH:
-            t0 = tn0
+            t0, tn0 = tn0, u0
             if NCH == 3:
-                t1 = tn1
-                t2 = tn2
-            p, st = _src(i + 1, S, TABLE, src0_ptr, src_offs, src_strides, ALIGN, NSLOT,
-                         x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
-                         xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7, xs8, xs9, xs10, xs11, xs12, xs13, xs14, xs15)
-            tn0 = _tile(p, st, i + 1, S, rows, rows64, row_ok, offs0, ok0, EVICT)
-            if NCH == 3:
-                tn1 = _tile(p, st, i + 1, S, rows, rows64, row_ok, offs1, ok1, EVICT)
-                tn2 = _tile(p, st, i + 1, S, rows, rows64, row_ok, offs2, ok2, EVICT)
+                t1, tn1 = tn1, u1
+                t2, tn2 = tn2, u2
         else:
-            p, st = _src(i, S, TABLE, src0_ptr, src_offs, src_strides, ALIGN, NSLOT,
-                         x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
-                         xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7, xs8, xs9, xs10, xs11, xs12, xs13, xs14, xs15)
-            t0 = _tile(p, st, i, S, rows, rows64, row_ok, offs0, ok0, EVICT)
+            t0 = u0
             if NCH == 3:
-                t1 = _tile(p, st, i, S, rows, rows64, row_ok, offs1, ok1, EVICT)
-                t2 = _tile(p, st, i, S, rows, rows64, row_ok, offs2, ok2, EVICT)
+                t1 = u1
+                t2 = u2
         t0 = t0.to(tl.float32)
         kk, kq = _key_terms(t0, q0, tail0, SLICE)
         if NCH == 3:
@@ -450,26 +448,24 @@ def _bwd_body(
                 tn2 = _rows_tile(p, st, row64, sbs, S, offs2, ok2, EVICT)
         for b in tl.range(0, S, SB, num_stages=STAGES):
             js = b + sbs
+            jl = js + PREFETCH * SB  # the sources this step loads: the next SB when prefetching
+            p, st = _src(jl, S, TABLE, src0_ptr, src_offs, src_strides, ALIGN, NSLOT,
+                         x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
+                         xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7, xs8, xs9, xs10, xs11, xs12, xs13, xs14, xs15)
+            u0 = _rows_tile(p, st, row64, jl, S, offs0, ok0, EVICT)
+            if NCH == 3:
+                u1 = _rows_tile(p, st, row64, jl, S, offs1, ok1, EVICT)
+                u2 = _rows_tile(p, st, row64, jl, S, offs2, ok2, EVICT)
             if PREFETCH:
-                t0 = tn0
+                t0, tn0 = tn0, u0
                 if NCH == 3:
-                    t1 = tn1
-                    t2 = tn2
-                p, st = _src(js + SB, S, TABLE, src0_ptr, src_offs, src_strides, ALIGN, NSLOT,
-                             x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
-                             xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7, xs8, xs9, xs10, xs11, xs12, xs13, xs14, xs15)
-                tn0 = _rows_tile(p, st, row64, js + SB, S, offs0, ok0, EVICT)
-                if NCH == 3:
-                    tn1 = _rows_tile(p, st, row64, js + SB, S, offs1, ok1, EVICT)
-                    tn2 = _rows_tile(p, st, row64, js + SB, S, offs2, ok2, EVICT)
+                    t1, tn1 = tn1, u1
+                    t2, tn2 = tn2, u2
             else:
-                p, st = _src(js, S, TABLE, src0_ptr, src_offs, src_strides, ALIGN, NSLOT,
-                             x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
-                             xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7, xs8, xs9, xs10, xs11, xs12, xs13, xs14, xs15)
-                t0 = _rows_tile(p, st, row64, js, S, offs0, ok0, EVICT)
+                t0 = u0
                 if NCH == 3:
-                    t1 = _rows_tile(p, st, row64, js, S, offs1, ok1, EVICT)
-                    t2 = _rows_tile(p, st, row64, js, S, offs2, ok2, EVICT)
+                    t1 = u1
+                    t2 = u2
             t0 = t0.to(tl.float32)
             go = g0[None, :] * t0
             if NCH == 3:
