@@ -26,6 +26,9 @@
 #   ksweep      kernel_sweep.py --quick at the 1B step's and the goals' shapes (SHAPES overrides)
 #   kcheck      tests/test_kernels.py on the GPU (all of it: the interpreter cases run in fp32 on CUDA), then
 #               kernel_bench.py at 8192 tokens (the goals' S = 9 shapes first) with the default variant
+#   kncu        Nsight Compute counters of one forward+backward, ours and fast-attnres, at 8192 tokens,
+#               d = 1536, r = 384, S = 9 and 2 (benchmarks/ncu_profile.py; NCU_VARIANTS adds variants of
+#               ours as LABEL=JSON overrides, space-separated), then the summary table
 #   traingrid   train, then as much of the gpu scale as fits (benchmarks/gpu_grid.sh)
 #   grid        benchmarks/gpu_grid.sh alone
 #   throughput  benchmarks/throughput_gpu.sh (Table 3 at 1B and 4B; needs about 530 s; MODE=1B or MODE=4B in
@@ -127,9 +130,34 @@ lane_kcheck() {
     | grep -v "^PASSED" | tail -40
   $PYTHON benchmarks/kernel_bench.py --out "$L" --tokens 8192 --no-compile --budget-s "$(left $((DUR - 30)))"
 }
+lane_kncu() {
+  local ncu
+  ncu=$(command -v ncu || ls -d /opt/nvidia/nsight-compute/*/ncu 2> /dev/null | head -1)
+  [ -n "$ncu" ] || { echo "no ncu on this machine"; return 1; }
+  $PYTHON -c 'import json, datetime, torch, triton; print(json.dumps({"device": torch.cuda.get_device_name(),
+    "torch": torch.__version__, "triton": triton.__version__, "shape": "8192 tokens, d=1536, r=384",
+    "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}))' > "$L/meta.json"
+  "$ncu" --version > "$L/ncu_version.txt" 2>&1
+  local runs=("ours=" "fast-attnres=") S label ov impl
+  for v in ${NCU_VARIANTS:-}; do runs+=("$v"); done
+  for S in ${NCU_S:-9 2}; do
+    for spec in "${runs[@]}"; do
+      label=${spec%%=*}; ov=${spec#*=}; impl=ours
+      [ "$label" = fast-attnres ] && impl=fast-attnres
+      [ "$(left 40)" -gt 0 ] || break 2
+      timeout "$(left 30)" "$ncu" --clock-control none --profile-from-start off --csv --page raw \
+        --section SpeedOfLight --section LaunchStats --section Occupancy --section WarpStateStats \
+        --section MemoryWorkloadAnalysis --metrics dram__bytes_read.sum,dram__bytes_write.sum,smsp__inst_executed.sum \
+        $PYTHON benchmarks/ncu_profile.py run --impl $impl --S "$S" --tokens 8192 --d 1536 --r 384 \
+        ${ov:+--override "$ov"} > "$L/${label}_S$S.csv" 2> "$L/${label}_S$S.err"
+      echo "ncu $label S=$S exit $? at $(( $(date +%s) - LT0 ))s"
+    done
+  done
+  $PYTHON benchmarks/ncu_profile.py summarize "$L" && cat "$L/ncu_summary.md"
+}
 lane_grid() { OUT="$L" DEADLINE_S=$(left $((DUR - 15))) PYTHON=$PYTHON bash benchmarks/gpu_grid.sh; }
 lane_throughput() { OUT="$L" PYTHON=$PYTHON bash benchmarks/throughput_gpu.sh; }
-export -f lane_kgrid8192 lane_kgrid4096 lane_ksweep lane_kcheck left paper_step lane_paper1 lane_paper2 lane_argscheck lane_trainargs lane_kernel lane_kernel4096 lane_sweep lane_train lane_trainflex lane_sweeptrain lane_hostprof lane_traingrid lane_grid lane_throughput
+export -f lane_kncu lane_kgrid8192 lane_kgrid4096 lane_ksweep lane_kcheck left paper_step lane_paper1 lane_paper2 lane_argscheck lane_trainargs lane_kernel lane_kernel4096 lane_sweep lane_train lane_trainflex lane_sweeptrain lane_hostprof lane_traingrid lane_grid lane_throughput
 
 run_lane() {  # name:seconds gpu-list cpu-list
   local name=${1%%:*} dur=${1##*:} gpus=$2 cpus=$3
