@@ -144,8 +144,8 @@ lane_kncu() {
     for spec in "${runs[@]}"; do
       label=${spec%%=*}; ov=${spec#*=}; impl=ours
       [ "$label" = fast-attnres ] && impl=fast-attnres
-      [ "$(left 40)" -gt 0 ] || break 2
-      timeout "$(left 30)" "$ncu" --clock-control none --profile-from-start off --csv --page raw \
+      [ "$(left $((DUR - 40)))" -gt 0 ] || break 2
+      timeout "$(left $((DUR - 30)))" "$ncu" --clock-control none --profile-from-start off --csv --page raw \
         --section SpeedOfLight --section LaunchStats --section Occupancy --section WarpStateStats \
         --section MemoryWorkloadAnalysis --metrics dram__bytes_read.sum,dram__bytes_write.sum,smsp__inst_executed.sum \
         $PYTHON benchmarks/ncu_profile.py run --impl $impl --S "$S" --tokens 8192 --d 1536 --r 384 \

@@ -91,6 +91,22 @@ def _step(impl: str, srcs, q, g):
     raise ValueError(f"--impl: expected ours or fast-attnres, got {impl!r}")
 
 
+def _chosen(impl: str) -> dict:
+    """The launch configurations autotuning chose (or the override), to read beside the counters."""
+    if impl == "ours":
+        import kernels.op as kop
+
+        return {"override": kop.CONFIG_OVERRIDE, "tuned": kop.tuned_configs()}
+    from attnres._kernels import fla_full_sources as fs
+
+    out = {}
+    for name in dir(fs):
+        best = getattr(getattr(fs, name), "best_config", None)
+        if best is not None:
+            out[name] = str(best)
+    return out
+
+
 def run(a) -> int:
     import torch
 
@@ -103,6 +119,7 @@ def run(a) -> int:
     for _ in range(3):  # autotuning and compilation happen here, outside the profiled window
         fb()
     torch.cuda.synchronize()
+    print(f"launch configurations: {json.dumps(_chosen(a.impl), default=str)}", flush=True)
     torch.cuda.cudart().cudaProfilerStart()
     fb()
     torch.cuda.synchronize()
