@@ -29,6 +29,7 @@
 #   kncu        Nsight Compute counters of one forward+backward, ours and fast-attnres, at 8192 tokens,
 #               d = 1536, r = 384, S = 9 and 2 (benchmarks/ncu_profile.py; NCU_VARIANTS adds variants of
 #               ours as LABEL=JSON overrides, space-separated), then the summary table
+#   kgpuncu     tests/test_kernels.py on the GPU (all of it), then kncu
 #   traingrid   train, then as much of the gpu scale as fits (benchmarks/gpu_grid.sh)
 #   grid        benchmarks/gpu_grid.sh alone
 #   throughput  benchmarks/throughput_gpu.sh (Table 3 at 1B and 4B; needs about 530 s; MODE=1B or MODE=4B in
@@ -121,8 +122,9 @@ paper_step() {  # the paper's protocol (microbatch 2, 64 accumulation steps: 262
 }
 lane_paper1() { paper_step train_step_bench_paper_main baseline,lr-fused "$(left 300)"; }
 lane_paper2() { paper_step train_step_bench_paper_other attnres-fused,lr-ref,attnres-ref "$(left 400)"; }
-lane_ksweep() {
+lane_ksweep() {  # ONLY=fwd or bwd sweeps one kernel
   $PYTHON benchmarks/kernel_sweep.py --out "$L" --stem "${STEM:-kernel_sweep_final}" --quick --budget-s "$(left $((DUR - 20)))" \
+    ${ONLY:+--only "$ONLY"} \
     --shapes "${SHAPES:-4096x1536x9x384,8192x1536x9x384,4096x1536x9x384:args,8192x1024x9x256,4096x1536x3x384}"
 }
 lane_kcheck() {
@@ -138,7 +140,7 @@ lane_kncu() {
     "torch": torch.__version__, "triton": triton.__version__, "shape": "8192 tokens, d=1536, r=384",
     "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}))' > "$L/meta.json"
   "$ncu" --version > "$L/ncu_version.txt" 2>&1
-  local runs=("ours=" "fast-attnres=") S label ov impl
+  local runs=(${NCU_BASE-ours= fast-attnres=}) S label ov impl  # NCU_BASE="" profiles the variants alone
   for v in ${NCU_VARIANTS:-}; do runs+=("$v"); done
   for S in ${NCU_S:-9 2}; do
     for spec in "${runs[@]}"; do
@@ -155,9 +157,14 @@ lane_kncu() {
   done
   $PYTHON benchmarks/ncu_profile.py summarize "$L" && cat "$L/ncu_summary.md"
 }
+lane_kgpuncu() {  # the kernels' GPU tests, then lane kncu with the time left
+  timeout 260 $PYTHON -m pytest -q -p no:cacheprovider tests/test_kernels.py -rA --tb=short 2>&1 \
+    | tee "$L/pytest.txt" | grep -v "^PASSED" | tail -30
+  lane_kncu
+}
 lane_grid() { OUT="$L" DEADLINE_S=$(left $((DUR - 15))) PYTHON=$PYTHON bash benchmarks/gpu_grid.sh; }
 lane_throughput() { OUT="$L" PYTHON=$PYTHON bash benchmarks/throughput_gpu.sh; }
-export -f lane_kncu lane_kgrid8192 lane_kgrid4096 lane_ksweep lane_kcheck left paper_step lane_paper1 lane_paper2 lane_argscheck lane_trainargs lane_kernel lane_kernel4096 lane_sweep lane_train lane_trainflex lane_sweeptrain lane_hostprof lane_traingrid lane_grid lane_throughput
+export -f lane_kncu lane_kgpuncu lane_kgrid8192 lane_kgrid4096 lane_ksweep lane_kcheck left paper_step lane_paper1 lane_paper2 lane_argscheck lane_trainargs lane_kernel lane_kernel4096 lane_sweep lane_train lane_trainflex lane_sweeptrain lane_hostprof lane_traingrid lane_grid lane_throughput
 
 run_lane() {  # name:seconds gpu-list cpu-list
   local name=${1%%:*} dur=${1##*:} gpus=$2 cpus=$3

@@ -46,7 +46,8 @@ EPS = 1e-6
 
 
 def _candidates(kind: str, block_d: int, nch: int, warps=(2, 4, 8, 16)) -> list[dict]:
-    """Forward: BLOCK_T tokens per program; backward: SB sources per step; each with num_warps and
+    """Forward: BLOCK_T tokens per program; backward: SB sources per step (persistent grid) and the
+    token-tile grid (_tile_candidates); each with num_warps and
     PREFETCH (Triton's own loop pipelining, num_stages, changed nothing on the H200: it does not
     pipeline these loops), for the column layout of ``nch`` chunks of ``block_d`` (4 to 64 elements
     per thread over the whole row)."""
@@ -58,15 +59,29 @@ def _candidates(kind: str, block_d: int, nch: int, warps=(2, 4, 8, 16)) -> list[
                 per_thread = n * block_d // (32 * nw)
                 if 4 <= per_thread and per_thread * nch <= 64:
                     out.append({key: n, "num_warps": nw, "PREFETCH": pf, "SPLIT": nch > 1})
+    return out + (_tile_candidates(block_d, nch) if kind == "bwd" else [])
+
+
+def _tile_candidates(block_d: int, nch: int, warps=(2, 4, 8)) -> list[dict]:
+    """The backward's token-tile grid (BLOCK_T tokens per program, no persistent loop): 1-2 tokens,
+    4 to 32 elements per thread and chunk."""
+    out = []
+    for n in (1, 2):
+        for nw in warps:
+            for pf in (1, 0):
+                per_thread = n * block_d // (32 * nw)
+                if 4 <= per_thread <= 32:
+                    out.append({"BLOCK_T": n, "num_warps": nw, "PREFETCH": pf, "SPLIT": nch > 1})
     return out
 
 
 def _quick(kind: str, block_d: int, nch: int) -> list[dict]:
     """The candidates worth timing on a short budget (--quick): the shipped ones for one column
-    chunk; 2-8 warps for three chunks (smaller tiles per chunk)."""
+    chunk; 2-8 warps for three chunks (smaller tiles per chunk); the backward's token-tile grid."""
+    tiles = _tile_candidates(block_d, nch) if kind == "bwd" else []
     if nch == 1:
-        return [dict(c, SPLIT=False) for c in kop._candidates(kind, block_d, 1)]
-    return _candidates(kind, block_d, nch, warps=(2, 4, 8))
+        return [dict(c, SPLIT=False) for c in kop._candidates(kind, block_d, 1)] + tiles
+    return _candidates(kind, block_d, nch, warps=(2, 4, 8))  # (its own list has the token tiles)
 
 
 PROGRAMS_PER_SM = (2, 4, 6, 12, 16)  # the backward's persistent grid, tried for the best configurations
@@ -84,7 +99,7 @@ def _time(fn) -> float:
 PATHS = {"table": (kop._fwd_triton, kop._bwd_triton), "args": (kop._fwd_args, kop._bwd_args)}
 
 
-def sweep_shape(N, d, S, r, bw, budget_end, path="table", quick=False):
+def sweep_shape(N, d, S, r, bw, budget_end, path="table", quick=False, only=None):
     """Time every candidate configuration of both kernels at one shape."""
     fwd_fn, bwd_fn = PATHS[path]
     gen = torch.Generator(device="cuda").manual_seed(d + S + r)
@@ -109,7 +124,7 @@ def sweep_shape(N, d, S, r, bw, budget_end, path="table", quick=False):
             rows.append({"kernel": kind, **cfg, "error": repr(e)[:200]})
             return
         row = {"kernel": kind, **cfg, "layout": "%dx%d" % kop._layout(kind, d), "us": t, **pct(kind, t)}
-        if ppsm is not None:
+        if ppsm is not None and not cfg.get("BLOCK_T"):
             row["programs_per_sm"] = ppsm
         rows.append(row)
 
@@ -126,7 +141,7 @@ def sweep_shape(N, d, S, r, bw, budget_end, path="table", quick=False):
                     run(kind, dict(cfg_of(b), PREFETCH=0, STAGES=stages), fn, ppsm)
 
     fwd = lambda: fwd_fn(srcs, q, "slice", EPS)  # noqa: E731
-    for block_d, nch in layouts:
+    for block_d, nch in layouts if only != "bwd" else ():
         for cfg in pick("fwd", block_d, nch):
             if time.time() > budget_end:
                 break
@@ -135,6 +150,8 @@ def sweep_shape(N, d, S, r, bw, budget_end, path="table", quick=False):
         if time.time() < budget_end:
             run("fwd", dict(cfg_of(b), EVICT=True), fwd)
     pipelined("fwd", fwd)
+    if only == "fwd":
+        return {"tokens": N, "d": d, "S": S, "r": r, "kernels": path, "rows": rows}
     kop.CONFIG_OVERRIDE.clear()
     h, stats, res = kop._fwd_triton(srcs, q, "slice", EPS)
     bwd = lambda: bwd_fn(srcs, q, h, stats, res, g, "slice", EPS)  # noqa: E731
@@ -150,7 +167,7 @@ def sweep_shape(N, d, S, r, bw, budget_end, path="table", quick=False):
             if time.time() < budget_end:
                 run("bwd", dict(cfg_of(b), EVICT=True), bwd, default_ppsm)
             for ppsm in PROGRAMS_PER_SM:  # the persistent grid
-                if ppsm == default_ppsm or time.time() > budget_end:
+                if ppsm == default_ppsm or time.time() > budget_end or b.get("BLOCK_T"):
                     continue
                 kop.BWD_PROGRAMS_PER_SM = ppsm
                 run("bwd", cfg_of(b), bwd, ppsm)
@@ -169,10 +186,11 @@ def _md(doc) -> str:
              "issue's bytes (fwd S+1, bwd 2S+1).", ""]
     for shp in doc["shapes"]:
         lines += [f"## {shp.get('kernels', 'table')} kernels: {shp['tokens']} tokens, d={shp['d']}, S={shp['S']}, r={shp['r']}", "",
-                  "| kernel | columns | tokens or sources per step | warps | prefetch | stages | evict | programs/SM | us | % design | % formula |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "| kernel | columns | grid | tokens or sources per step | warps | prefetch | stages | evict | programs/SM | us | % design | % formula |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in sorted(shp["rows"], key=lambda x: (x["kernel"] != "fwd", x.get("us", 1e9))):
-            head = (f"| {r['kernel']} | {r.get('layout', '-')} | {r.get('BLOCK_T', r.get('SB', '-'))} | {r['num_warps']} | {r['PREFETCH']} | "
+            grid = "tokens" if r["kernel"] == "fwd" or r.get("BLOCK_T") else "persistent"
+            head = (f"| {r['kernel']} | {r.get('layout', '-')} | {grid} | {r.get('BLOCK_T', r.get('SB', '-'))} | {r['num_warps']} | {r['PREFETCH']} | "
                     f"{r.get('STAGES', 1)} | "
                     f"{r.get('EVICT', False)} | {r.get('programs_per_sm', '-')} |")
             if "error" in r:
@@ -191,6 +209,7 @@ def main(argv=None) -> int:
                    help="comma-separated NxdxSxr, each optionally suffixed :table or :args (default :table)")
     p.add_argument("--stem", default="kernel_sweep", help="output file name stem")
     p.add_argument("--quick", action="store_true", help="fewer candidate configurations (4 and 8 warps)")
+    p.add_argument("--only", choices=("fwd", "bwd"), help="sweep one kernel (the backward's inputs come from the default forward)")
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("kernel_sweep needs a CUDA GPU", file=sys.stderr)
@@ -209,7 +228,7 @@ def main(argv=None) -> int:
         N, d, S, r = (int(x) for x in shape.split("x"))
         if time.time() > end:
             break
-        doc["shapes"].append(sweep_shape(N, d, S, r, bw, end, path or "table", a.quick))
+        doc["shapes"].append(sweep_shape(N, d, S, r, bw, end, path or "table", a.quick, a.only))
         best = {k: min((x for x in doc["shapes"][-1]["rows"] if x["kernel"] == k and "us" in x),
                        key=lambda x: x["us"], default=None) for k in ("fwd", "bwd")}
         print(f"[{time.time() - t0:.0f}s] {spec}: " + "  ".join(

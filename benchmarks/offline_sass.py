@@ -30,13 +30,15 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 _COMMON = dict(SLICE=True, HAS_RES=True, RES_STEP=2.0**-15, EVICT=False)
-# name: (column chunk width, chunks, tokens or sources per step, warps, PREFETCH, STAGES)
+# name: (column chunk width, chunks, tokens or sources per step, warps, PREFETCH, STAGES[, backward grid])
+# The backward's grid: "persistent" (n = SB sources per step) or "tile" (n = BLOCK_T tokens per program).
 CONFIGS = {
     "split": (512, 3, 1, 4, 0, 1),
     "split-prefetch": (512, 3, 1, 4, 1, 1),
     "split-stages2": (512, 3, 1, 4, 0, 2),
     "padded": (2048, 1, 1, 4, 1, 1),
     "split-two-per-step": (512, 3, 2, 4, 1, 1),
+    "split-tile": (512, 3, 1, 4, 1, 1, "tile"),
 }
 _NSLOT = 9
 
@@ -67,14 +69,16 @@ def _args_sig(kind: str) -> dict:
 
 def _kernels(module, cfg):
     """(name, kernel, signature, constexprs, warps) of the four kernels at one configuration."""
-    block, nch, n, warps, prefetch, stages = cfg
+    block, nch, n, warps, prefetch, stages = cfg[:6]
+    grid = cfg[6] if len(cfg) > 6 else "persistent"
     c = dict(_COMMON, BLOCK_D=block, NCH=nch, PREFETCH=prefetch, STAGES=stages)
     args = dict(NSLOT=_NSLOT, EPS=1e-6)
+    bwd = dict(SB=1, BLOCK_T=n) if grid == "tile" else dict(SB=n, BLOCK_T=0)
     return [
         ("table-fwd", module._attnres_fwd_kernel, _table_sig("fwd"), dict(c, ALIGN=8, BLOCK_T=n, FUSED=True), warps),
-        ("table-bwd", module._attnres_bwd_kernel, _table_sig("bwd"), dict(c, ALIGN=8, GALIGN=8, SB=n), warps),
+        ("table-bwd", module._attnres_bwd_kernel, _table_sig("bwd"), dict(c, ALIGN=8, GALIGN=8, **bwd), warps),
         ("args-fwd", module._attnres_fwd_args_kernel, _args_sig("fwd"), dict(c, **args, BLOCK_T=n, FUSED=True), warps),
-        ("args-bwd", module._attnres_bwd_args_kernel, _args_sig("bwd"), dict(c, **args, SB=n), warps),
+        ("args-bwd", module._attnres_bwd_args_kernel, _args_sig("bwd"), dict(c, **args, **bwd), warps),
     ]
 
 

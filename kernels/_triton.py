@@ -220,6 +220,62 @@ def _dq_store(acc, dq_part_ptr, pid, r, d, offs, tail):
     tl.store(dq_part_ptr + pid.to(tl.int64) * r + (offs - (d - r)), acc, mask=tail)
 
 
+@triton.jit
+def _bwd_rows(g_ptr, h_ptr, res_ptr, rows64, row_ok, offs, col_ok, d, stride_g,
+              HAS_RES: tl.constexpr, RES_STEP: tl.constexpr):
+    """_bwd_row for a block of tokens: g [BLOCK_T, BLOCK_D] (fp32) and the terms of g.h."""
+    mask = row_ok[:, None] & col_ok[None, :]
+    g = tl.load(g_ptr + rows64[:, None] * stride_g + offs[None, :], mask=mask, other=0.0).to(tl.float32)
+    hh = tl.load(h_ptr + rows64[:, None] * d + offs[None, :], mask=mask, other=0.0).to(tl.float32)
+    if HAS_RES:
+        code = tl.load(res_ptr + rows64[:, None] * d + offs[None, :], mask=mask, other=0).to(tl.float32)
+        base, ok = _res_base(hh)
+        hh = tl.where(ok, hh + code * (base * RES_STEP), hh)
+    return g, g * hh
+
+
+@triton.jit
+def _bwd_tile_weights(go, gh, lse, i, S, N, rows, row_ok, st_ptr, inv_n):
+    """_bwd_weights for source i over a block of tokens: w, c and coef, each [BLOCK_T]."""
+    z = tl.load(st_ptr + tl.cast(1 + i, tl.int64) * N + rows, mask=row_ok, other=0.0)
+    rinv = tl.load(st_ptr + tl.cast(1 + S + i, tl.int64) * N + rows, mask=row_ok, other=0.0)
+    w = tl.exp(z - lse)
+    return w, w * (go - gh) * rinv, z * rinv * inv_n
+
+
+@triton.jit
+def _bwd_tile_grad(x, g, q, tail, w, c, coef, SLICE: tl.constexpr):
+    """Gradient tile [BLOCK_T, BLOCK_D] of one source over a block of tokens (g per token)."""
+    if SLICE:
+        k = tl.where(tail[None, :], x, 0.0)
+    else:
+        k = x
+    return w[:, None] * g + c[:, None] * (q[None, :] - coef[:, None] * k)
+
+
+@triton.jit
+def _store_tile(ptr, rows64, row_ok, d, offs, col_ok, x):
+    tl.store(ptr + rows64[:, None] * d + offs[None, :], x.to(ptr.dtype.element_ty),
+             mask=row_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def _sum_rows_kernel(x_ptr, out_ptr, P, R, CHUNK, BLOCK_P: tl.constexpr, BLOCK_R: tl.constexpr):
+    """out[k, :] = sum of rows k*CHUNK .. (k+1)*CHUNK - 1 of the fp32 [P, R] matrix x, in a fixed order
+    (deterministic); the host calls it until one row is left.  The query gradient's partials: torch's
+    column sum ran 10.8 us for [1056, 384] on the H200 (ncu), a quarter of its copy time."""
+    cols = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    col_ok = cols < R
+    k = tl.program_id(1)
+    acc = tl.zeros([BLOCK_R], tl.float32)
+    for p0 in range(k * CHUNK, tl.minimum(P, (k + 1) * CHUNK), BLOCK_P):
+        prow = p0 + tl.arange(0, BLOCK_P)
+        ok = (prow < tl.minimum(P, (k + 1) * CHUNK))[:, None] & col_ok[None, :]
+        x = tl.load(x_ptr + prow.to(tl.int64)[:, None] * R + cols[None, :], mask=ok, other=0.0)
+        acc += tl.sum(x, axis=0)
+    tl.store(out_ptr + k.to(tl.int64) * R + cols, acc, mask=col_ok)
+
+
 # ---------------------------------------------------------------------------------------------- source addressing
 #
 # The two kernel families share their bodies (_fwd_body, _bwd_body) and differ only in how the
@@ -488,6 +544,90 @@ def _bwd_body(
         _dq_store(dq2, dq_part_ptr, pid, r, d, offs2, tail2)
 
 
+@triton.jit
+def _bwd_tile_body(
+    q_ptr, h_ptr, res_ptr, g_ptr, st_ptr, dq_part_ptr, N, S, d, r, stride_g, inv_n,
+    SLICE: tl.constexpr, HAS_RES: tl.constexpr, RES_STEP: tl.constexpr, BLOCK_D: tl.constexpr, NCH: tl.constexpr,
+    BLOCK_T: tl.constexpr, PREFETCH: tl.constexpr, EVICT: tl.constexpr, STAGES: tl.constexpr,
+    TABLE: tl.constexpr, src0_ptr, src_offs, src_strides, ALIGN: tl.constexpr, grad0_ptr, grad_offs,
+    GALIGN: tl.constexpr, NSLOT: tl.constexpr,
+    x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
+    xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7, xs8, xs9, xs10, xs11, xs12, xs13, xs14, xs15,
+    dx0, dx1, dx2, dx3, dx4, dx5, dx6, dx7, dx8, dx9, dx10, dx11, dx12, dx13, dx14, dx15,
+):
+    """The backward of BLOCK_T tokens, one program per block (no persistent loop): the forward's
+    layout, walking the sources one at a time with the next one's tiles loaded early (PREFETCH) or
+    Triton's pipeliner (STAGES).  Each program writes its own query-gradient partial row.  Why: the
+    persistent backward waits on every source load (ncu on the H200, 8192 tokens, d = 1536, S = 9:
+    12 of its 18 cycles per issued instruction stalled on global loads), while many resident
+    programs of one token block each keep more loads in flight."""
+    pid = tl.program_id(0)
+    rows, row_ok, rows64 = _token_rows(pid, N, BLOCK_T)
+    offs0, ok0, tail0 = _cols(d, r, 0, BLOCK_D)
+    q0 = _query(q_ptr, offs0, d, r, tail0)
+    g0, gh = _bwd_rows(g_ptr, h_ptr, res_ptr, rows64, row_ok, offs0, ok0, d, stride_g, HAS_RES, RES_STEP)
+    dq0 = tl.zeros([BLOCK_D], tl.float32)
+    if NCH == 3:
+        offs1, ok1, tail1 = _cols(d, r, BLOCK_D, BLOCK_D)
+        q1 = _query(q_ptr, offs1, d, r, tail1)
+        g1, gh1 = _bwd_rows(g_ptr, h_ptr, res_ptr, rows64, row_ok, offs1, ok1, d, stride_g, HAS_RES, RES_STEP)
+        dq1 = tl.zeros([BLOCK_D], tl.float32)
+        offs2, ok2, tail2 = _cols(d, r, 2 * BLOCK_D, BLOCK_D)
+        q2 = _query(q_ptr, offs2, d, r, tail2)
+        g2, gh2 = _bwd_rows(g_ptr, h_ptr, res_ptr, rows64, row_ok, offs2, ok2, d, stride_g, HAS_RES, RES_STEP)
+        dq2 = tl.zeros([BLOCK_D], tl.float32)
+        gh = gh + gh1 + gh2
+    gh = tl.sum(gh, axis=1)
+    lse = tl.load(st_ptr + rows, mask=row_ok, other=0.0)
+    if PREFETCH:
+        p, st = _src(0, S, TABLE, src0_ptr, src_offs, src_strides, ALIGN, NSLOT,
+                     x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
+                     xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7, xs8, xs9, xs10, xs11, xs12, xs13, xs14, xs15)
+        tn0 = _tile(p, st, 0, S, rows, rows64, row_ok, offs0, ok0, EVICT)
+        if NCH == 3:
+            tn1 = _tile(p, st, 0, S, rows, rows64, row_ok, offs1, ok1, EVICT)
+            tn2 = _tile(p, st, 0, S, rows, rows64, row_ok, offs2, ok2, EVICT)
+    for i in tl.range(0, S, num_stages=STAGES):
+        j = i + PREFETCH  # the source this step loads: the next one when prefetching
+        p, st = _src(j, S, TABLE, src0_ptr, src_offs, src_strides, ALIGN, NSLOT,
+                     x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
+                     xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7, xs8, xs9, xs10, xs11, xs12, xs13, xs14, xs15)
+        u0 = _tile(p, st, j, S, rows, rows64, row_ok, offs0, ok0, EVICT)
+        if NCH == 3:
+            u1 = _tile(p, st, j, S, rows, rows64, row_ok, offs1, ok1, EVICT)
+            u2 = _tile(p, st, j, S, rows, rows64, row_ok, offs2, ok2, EVICT)
+        if PREFETCH:
+            t0, tn0 = tn0, u0
+            if NCH == 3:
+                t1, tn1 = tn1, u1
+                t2, tn2 = tn2, u2
+        else:
+            t0 = u0
+            if NCH == 3:
+                t1 = u1
+                t2 = u2
+        t0 = t0.to(tl.float32)
+        go = g0 * t0
+        if NCH == 3:
+            t1 = t1.to(tl.float32)
+            t2 = t2.to(tl.float32)
+            go = go + g1 * t1 + g2 * t2
+        w, c, coef = _bwd_tile_weights(tl.sum(go, axis=1), gh, lse, i, S, N, rows, row_ok, st_ptr, inv_n)
+        gp = _grad_ptrs(i, S, TABLE, grad0_ptr, grad_offs, GALIGN, NSLOT,
+                        dx0, dx1, dx2, dx3, dx4, dx5, dx6, dx7, dx8, dx9, dx10, dx11, dx12, dx13, dx14, dx15)
+        _store_tile(gp, rows64, row_ok, d, offs0, ok0, _bwd_tile_grad(t0, g0, q0, tail0, w, c, coef, SLICE))
+        dq0 += tl.sum(c[:, None] * t0, axis=0)
+        if NCH == 3:
+            _store_tile(gp, rows64, row_ok, d, offs1, ok1, _bwd_tile_grad(t1, g1, q1, tail1, w, c, coef, SLICE))
+            dq1 += tl.sum(c[:, None] * t1, axis=0)
+            _store_tile(gp, rows64, row_ok, d, offs2, ok2, _bwd_tile_grad(t2, g2, q2, tail2, w, c, coef, SLICE))
+            dq2 += tl.sum(c[:, None] * t2, axis=0)
+    _dq_store(dq0, dq_part_ptr, pid, r, d, offs0, tail0)
+    if NCH == 3:
+        _dq_store(dq1, dq_part_ptr, pid, r, d, offs1, tail1)
+        _dq_store(dq2, dq_part_ptr, pid, r, d, offs2, tail2)
+
+
 # ---------------------------------------------------------------------------------------------- table kernels
 
 
@@ -551,17 +691,26 @@ def _attnres_bwd_kernel(
     GALIGN: tl.constexpr,
     BLOCK_D: tl.constexpr,  # columns per chunk
     NCH: tl.constexpr,  # column chunks per row: 1 or 3
-    SB: tl.constexpr,  # sources per step
+    SB: tl.constexpr,  # sources per step (persistent grid)
+    BLOCK_T: tl.constexpr,  # tokens per program (0: the persistent grid)
     PREFETCH: tl.constexpr,
     EVICT: tl.constexpr,
     STAGES: tl.constexpr,  # Triton software-pipeline stages of the source loop (1: none)
 ):
-    _bwd_body(q_ptr, h_ptr, res_ptr, g_ptr, st_ptr, dq_part_ptr, N, S, d, r, stride_g, inv_n, SLICE, HAS_RES,
-              RES_STEP, BLOCK_D, NCH, SB, PREFETCH, EVICT, STAGES, True, src0_ptr, src_offs, src_strides, ALIGN,
-              grad0_ptr, grad_offs, GALIGN, 0,
-              None, None, None, None, None, None, None, None, None, None, None, None, None, None, None, None,  # no x_i
-              None, None, None, None, None, None, None, None, None, None, None, None, None, None, None, None,  # no xs_i
-              None, None, None, None, None, None, None, None, None, None, None, None, None, None, None, None)  # no dx_i
+    if BLOCK_T > 0:
+        _bwd_tile_body(q_ptr, h_ptr, res_ptr, g_ptr, st_ptr, dq_part_ptr, N, S, d, r, stride_g, inv_n, SLICE,
+                       HAS_RES, RES_STEP, BLOCK_D, NCH, BLOCK_T, PREFETCH, EVICT, STAGES, True, src0_ptr, src_offs,
+                       src_strides, ALIGN, grad0_ptr, grad_offs, GALIGN, 0,
+                       None, None, None, None, None, None, None, None, None, None, None, None, None, None, None, None,
+                       None, None, None, None, None, None, None, None, None, None, None, None, None, None, None, None,
+                       None, None, None, None, None, None, None, None, None, None, None, None, None, None, None, None)
+    else:
+        _bwd_body(q_ptr, h_ptr, res_ptr, g_ptr, st_ptr, dq_part_ptr, N, S, d, r, stride_g, inv_n, SLICE, HAS_RES,
+                  RES_STEP, BLOCK_D, NCH, SB, PREFETCH, EVICT, STAGES, True, src0_ptr, src_offs, src_strides, ALIGN,
+                  grad0_ptr, grad_offs, GALIGN, 0,
+                  None, None, None, None, None, None, None, None, None, None, None, None, None, None, None, None,  # x_i
+                  None, None, None, None, None, None, None, None, None, None, None, None, None, None, None, None,  # xs_i
+                  None, None, None, None, None, None, None, None, None, None, None, None, None, None, None, None)  # dx_i
 
 
 # ----------------------------------------------------------------------------------------------
@@ -638,12 +787,22 @@ def _attnres_bwd_args_kernel(
     BLOCK_D: tl.constexpr,  # columns per chunk
     NCH: tl.constexpr,  # column chunks per row: 1 or 3
     SB: tl.constexpr,
+    BLOCK_T: tl.constexpr,  # tokens per program (0: the persistent grid)
     PREFETCH: tl.constexpr,
     EVICT: tl.constexpr,
     STAGES: tl.constexpr,  # Triton software-pipeline stages of the source loop (1: none)
 ):
-    _bwd_body(q_ptr, h_ptr, res_ptr, g_ptr, st_ptr, dq_part_ptr, N, S, d, r, stride_g, _inv_key_width(r, d, SLICE),
-              SLICE, HAS_RES, RES_STEP, BLOCK_D, NCH, SB, PREFETCH, EVICT, STAGES, False, None, None, None, 1, None,
-              None, 1, NSLOT, x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
-              xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7, xs8, xs9, xs10, xs11, xs12, xs13, xs14, xs15,
-              dx0, dx1, dx2, dx3, dx4, dx5, dx6, dx7, dx8, dx9, dx10, dx11, dx12, dx13, dx14, dx15)
+    if BLOCK_T > 0:
+        _bwd_tile_body(q_ptr, h_ptr, res_ptr, g_ptr, st_ptr, dq_part_ptr, N, S, d, r, stride_g,
+                       _inv_key_width(r, d, SLICE), SLICE, HAS_RES, RES_STEP, BLOCK_D, NCH, BLOCK_T, PREFETCH, EVICT,
+                       STAGES, False, None, None, None, 1, None, None, 1, NSLOT,
+                       x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
+                       xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7, xs8, xs9, xs10, xs11, xs12, xs13, xs14, xs15,
+                       dx0, dx1, dx2, dx3, dx4, dx5, dx6, dx7, dx8, dx9, dx10, dx11, dx12, dx13, dx14, dx15)
+    else:
+        _bwd_body(q_ptr, h_ptr, res_ptr, g_ptr, st_ptr, dq_part_ptr, N, S, d, r, stride_g,
+                  _inv_key_width(r, d, SLICE), SLICE, HAS_RES, RES_STEP, BLOCK_D, NCH, SB, PREFETCH, EVICT, STAGES,
+                  False, None, None, None, 1, None, None, 1, NSLOT,
+                  x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
+                  xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7, xs8, xs9, xs10, xs11, xs12, xs13, xs14, xs15,
+                  dx0, dx1, dx2, dx3, dx4, dx5, dx6, dx7, dx8, dx9, dx10, dx11, dx12, dx13, dx14, dx15)

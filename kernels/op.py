@@ -272,7 +272,8 @@ def _launcher(kind: str, block_d: int, nch: int, device: torch.device, key: tupl
     if tk not in _TUNED:
         import triton
 
-        configs = [triton.Config({k: v for k, v in c.items() if k not in ("num_warps", "num_stages")},
+        fill = {"SB": 1, "BLOCK_T": 0} if kind == "bwd" else {}
+        configs = [triton.Config(dict(fill, **{k: v for k, v in c.items() if k not in ("num_warps", "num_stages")}),
                                  num_warps=c["num_warps"], num_stages=c.get("num_stages", 3)) for c in cfgs]
         _TUNED[tk] = triton.autotune(configs=configs, key=["d", "SLICE", "HAS_RES"])(raw)
     return _TUNED[tk], None
@@ -406,17 +407,47 @@ def _bwd_inputs(sources, query, h, res, g, norm: str):
         return None, grads, torch.zeros_like(query)
     h2 = h if (h.dtype == dtype and h.is_contiguous()) else _rows(h, d, dtype).contiguous()
     (g,), (gs,) = _as_rows([g], d, g.dtype)
-    nprog = max(1, min(n_tok, BWD_PROGRAMS_PER_SM * _num_sms(dev)))
-    part = _empty((nprog, r), torch.float32, dev)
     has_res = dtype in _MANT and res.numel() > 0
-    return (d, r, n_tok, has_res, grads, h2, g, gs, nprog, part), None, None
+    return (d, r, n_tok, has_res, grads, h2, g, gs), None, None
+
+
+def _bwd_programs(cfg: dict, n_tok: int, dev: torch.device) -> int:
+    """Programs of the backward's grid under ``cfg``: one per BLOCK_T tokens (token-tile kernel), or
+    BWD_PROGRAMS_PER_SM per multiprocessor (persistent kernel).  Each writes one query-gradient
+    partial row."""
+    bt = cfg.get("BLOCK_T", 0)
+    if bt:
+        return triton_cdiv(n_tok, bt)
+    return max(1, min(n_tok, BWD_PROGRAMS_PER_SM * _num_sms(dev)))
+
+
+def _sum_rows(x: torch.Tensor, launch=None) -> torch.Tensor:
+    """Column sums of the fp32 [P, R] partials, in a fixed order (deterministic): a Triton kernel in
+    passes of about sqrt(P) rows each where the kernels run (``launch`` wraps the launches for a
+    trace), torch otherwise."""
+    if not _use_triton(x):
+        return x.sum(0)
+    from . import _triton as K
+
+    while x.shape[0] > 1:
+        P, R = x.shape
+        chunk = max(16, _next_pow2(int(P ** 0.5 + 0.999)))
+        out = _empty((triton_cdiv(P, chunk), R), torch.float32, x.device)
+        block_r = min(128, _next_pow2(R))
+        grid = (triton_cdiv(R, block_r), out.shape[0])
+        if launch is None:
+            K._sum_rows_kernel[grid](x, out, P, R, chunk, BLOCK_P=16, BLOCK_R=block_r)
+        else:
+            launch(K._sum_rows_kernel, grid, x, out, P, R, chunk, BLOCK_P=16, BLOCK_R=block_r)
+        x = out
+    return x.reshape(-1)
 
 
 def _bwd_triton(sources, query, h, stats, res, g, norm: str, eps: float):
     ops, grads, dq = _bwd_inputs(sources, query, h, res, g, norm)
     if ops is None:
         return grads, dq
-    d, r, n_tok, has_res, grads, h2, g, gs, nprog, part = ops
+    d, r, n_tok, has_res, grads, h2, g, gs = ops
     dtype, dev = h2.dtype, h2.device
     res2 = res.contiguous() if has_res else h2
     stats2 = stats.contiguous()
@@ -429,16 +460,23 @@ def _bwd_triton(sources, query, h, stats, res, g, norm: str, eps: float):
         STATS[("bwd", len(rows), n_tok, d, r, min(align, galign))] += 1
     key = (d, norm == "slice", has_res, dtype, query.dtype, g.dtype)
     fn, cfg = _launcher("bwd", block_d, nch, dev, key)
-    fn[(nprog,)](
+    if cfg is None:  # autotuning: room for the largest grid among the candidates
+        nprog = max(_bwd_programs(c, n_tok, dev) for c in _candidates("bwd", block_d, nch))
+        grid = lambda meta: (_bwd_programs(meta, n_tok, dev),)  # noqa: E731
+    else:
+        nprog = _bwd_programs(cfg, n_tok, dev)
+        grid = (nprog,)
+    part = _empty((nprog, r), torch.float32, dev)
+    fn[grid](
         rows[0], table[0], table[1], grads[0], table[2], query.contiguous(), h2, res2, g, stats2, part,
         n_tok, len(rows), d, r, gs, 1.0 / (r if norm == "slice" else d), float(eps),
         SLICE=(norm == "slice"), HAS_RES=has_res, RES_STEP=_res_step(dtype), ALIGN=align, GALIGN=galign,
-        BLOCK_D=block_d, NCH=nch, **_launch_kwargs(cfg),
+        BLOCK_D=block_d, NCH=nch, **_launch_kwargs(cfg, "bwd"),
     )
     if cfg is None:
         _remember("bwd", block_d, nch, key, fn)
-    dq = part.sum(0).to(query.dtype)
-    return grads, dq
+        nprog = _bwd_programs(_CHOSEN.get(("bwd", block_d, nch) + key, {}), n_tok, dev)
+    return grads, _sum_rows(part[:nprog]).to(query.dtype)
 
 
 # Multi-operand row reductions: None = on CUDA only (the interpreter runs them slowly).
@@ -453,10 +491,13 @@ def triton_cdiv(a: int, b: int) -> int:
     return (a + b - 1) // b
 
 
-def _launch_kwargs(cfg: dict | None) -> dict:
+def _launch_kwargs(cfg: dict | None, kind: str = "fwd") -> dict:
     """A fixed configuration's keyword arguments (EVICT off and STAGES 1 unless it names them, SPLIT
-    dropped: the host read it); {"EVICT": False, "STAGES": 1} when autotuning chooses the rest."""
+    dropped: the host read it; for the backward SB 1 and BLOCK_T 0, the persistent grid, unless it
+    names them); {"EVICT": False, "STAGES": 1} when autotuning chooses the rest."""
     out = {"EVICT": False, "STAGES": 1}
+    if cfg is not None and kind == "bwd":
+        out.update(SB=1, BLOCK_T=0)
     out.update({k: v for k, v in (cfg or {}).items() if k != "SPLIT"})
     return out
 
@@ -679,11 +720,13 @@ def _bwd_args(sources, query, h, stats, res, g, norm: str, eps: float):
     ops, grads, dq = _bwd_inputs(sources, query, h, res, g, norm)
     if ops is None:
         return grads, dq
-    d, r, n_tok, has_res, grads, h2, g, gs, nprog, part = ops
+    d, r, n_tok, has_res, grads, h2, g, gs = ops
     dtype = h2.dtype
     block_d, nch = _layout("bwd", d)
     rows, strides = _as_rows(sources, d, dtype)
     cfg = _args_config("bwd", block_d, nch)
+    nprog = _bwd_programs(cfg, n_tok, h2.device)
+    part = _empty((nprog, r), torch.float32, h2.device)
     if STATS is not None:  # counted when traced, not per run, under torch.compile
         STATS[("bwd-args", len(rows), n_tok, d, r)] += 1
     _launch(
@@ -692,9 +735,9 @@ def _bwd_args(sources, query, h, stats, res, g, norm: str, eps: float):
         res.contiguous() if has_res else None, g, stats.contiguous(), part,
         n_tok, len(rows), d, r, gs,
         NSLOT=len(rows), EPS=float(eps), SLICE=(norm == "slice"), HAS_RES=has_res, RES_STEP=_res_step(dtype),
-        BLOCK_D=block_d, NCH=nch, **_launch_kwargs(cfg),
+        BLOCK_D=block_d, NCH=nch, **_launch_kwargs(cfg, "bwd"),
     )
-    return grads, part.sum(0).to(query.dtype)
+    return grads, _sum_rows(part, _launch).to(query.dtype)
 
 
 @torch.library.triton_op("lrattnres_kernels::attnres_fwd_args", mutates_args=())

@@ -165,6 +165,13 @@ CONFIG_CASES = [
      (200, 40, 6, "slice", "colstride")),
     ({"BLOCK_T": 1, "num_warps": 1, "PREFETCH": 1, "EVICT": True}, {"SB": 4, "num_warps": 1, "PREFETCH": 1, "EVICT": True},
      (96, 33, 2, "full", "contig")),
+    # the token-tile backward (BLOCK_T tokens per program, no persistent loop)
+    ({"BLOCK_T": 1, "num_warps": 2, "PREFETCH": 1}, {"BLOCK_T": 1, "num_warps": 2, "PREFETCH": 1},
+     (300, 200, 7, "slice", "mixed")),  # three chunks
+    ({"BLOCK_T": 2, "num_warps": 4, "PREFETCH": 0}, {"BLOCK_T": 4, "num_warps": 4, "PREFETCH": 0, "STAGES": 2},
+     (513, 7, 9, "full", "transposed")),  # 21 tokens: a partial last block; pipelined loop
+    ({"BLOCK_T": 1, "num_warps": 1, "PREFETCH": 1}, {"BLOCK_T": 2, "num_warps": 1, "PREFETCH": 1, "SPLIT": False},
+     (64, 64, 1, "slice", "colstride")),  # one source
 ]
 
 
@@ -197,6 +204,21 @@ def _fp32_against_reference(fn, d, r, S, norm, layout, seed):
     for a, b in zip(gs, gs_ref):
         torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-3)
     torch.testing.assert_close(gq, gq_ref, rtol=1e-3, atol=2e-3 * max(1.0, gq_ref.abs().max().item()))
+
+
+@needs_triton
+@pytest.mark.parametrize("P,R", [(1, 5), (7, 3), (1056, 384), (300, 129)])
+def test_sum_rows_matches_torch(P, R):
+    """The query gradient's partials summed by the Triton row-sum kernel (in passes), against torch."""
+    device = "cuda" if HAS_CUDA else "cpu"
+    x = torch.randn(P, R, generator=torch.Generator().manual_seed(P + R)).to(device)
+    op.set_cpu_triton(not HAS_CUDA)
+    try:
+        got = op._sum_rows(x.clone())
+    finally:
+        op.set_cpu_triton(False)
+    assert got.shape == (R,)
+    torch.testing.assert_close(got, x.double().sum(0).float(), rtol=1e-5, atol=1e-4)
 
 
 def test_launch_config_candidates():
@@ -518,7 +540,8 @@ except Traced:
     pass
 text = graphs[0]
 print(text)
-assert text.count("higher_order.triton_kernel_wrapper_functional(") == 2, "expected one forward and one backward launch"
+# the forward, the backward, and one pass of the row sum over the backward's 10 query-gradient partials
+assert text.count("higher_order.triton_kernel_wrapper_functional(") == 3, "expected forward, backward and row-sum launches"
 assert "attnres_fwd_args" not in text and "attnres_bwd_args" not in text
 '''
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -562,7 +585,7 @@ common = dict(N=N, S=S, d=d, r=r, NSLOT=S, EPS=1e-6, SLICE=True, HAS_RES=True, R
               res_ptr=torch.empty(N, d, dtype=torch.int8), st_ptr=torch.empty(1 + 2 * S, N))
 fwd = dict(common, out_ptr=torch.empty(N, d, dtype=torch.bfloat16), BLOCK_T=2, FUSED=True)
 bwd = dict(common, h_ptr=torch.empty(N, d, dtype=torch.bfloat16), g_ptr=torch.empty(N, d, dtype=torch.bfloat16),
-           dq_part_ptr=torch.empty(4, r), stride_g=d, SB=2)
+           dq_part_ptr=torch.empty(4, r), stride_g=d, SB=2, BLOCK_T=int(sys.argv[2]))  # 0: persistent grid
 for i in range(16):
     for kw in (fwd, bwd):
         kw[f"x{i}"] = torch.empty(N, d, dtype=torch.bfloat16) if i < S else None
@@ -590,9 +613,9 @@ def test_compiled_kernels_write_only_their_outputs():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    for nch in ("1", "3"):  # one column chunk, three
-        proc = subprocess.run([sys.executable, "-c", _WRITES_SCRIPT, nch], env=env, capture_output=True, text=True,
-                              timeout=300)
+    for nch, block_t in (("1", "0"), ("3", "0"), ("3", "2")):  # column chunks; backward grid (persistent, tokens)
+        proc = subprocess.run([sys.executable, "-c", _WRITES_SCRIPT, nch, block_t], env=env, capture_output=True,
+                              text=True, timeout=300)
         assert proc.returncode == 0, proc.stderr[-3000:]
         written = json.loads(proc.stdout.strip().splitlines()[-1])
         if written is None:
