@@ -35,7 +35,13 @@ gradients; the residual restores h to about 2^-16 relative for one byte.
 Backward (one pass over the sources): reads g, h and the residual, the statistics and the S sources
 once, writes the S source gradients; with the saved scores one row sum per source (g.o_i) remains.
 The query gradient is accumulated per program into an fp32 partial [programs, r] that the host sums
-(deterministic).  Persistent grid: programs loop over tokens.
+(deterministic).  Persistent grid: programs loop over tokens.  A second grid, the token-tile backward
+(_bwd_tile_body, chosen by BLOCK_T > 0), gives each program BLOCK_T tokens in the forward's layout
+and no token loop, and writes one partial row per BLOCK_T tokens.  On the H200 its kernel stalled
+less on loads than the persistent one (ncu), and the backward with it ran 3-6% faster at d = 2560
+and at S = 25, 2-17% slower at 8192 tokens with d = 1024-1536 and S = 2-9 (timed with a slower
+partial sum than the one here); a launch option for the sweeps, not the default
+(docs/kernel_notes.md, seventh session).
 
 Math (fp32).  k_i = o_i restricted to the key coordinates (the last r for "slice", all d for
 "full"), n = their count, rinv_i = 1/sqrt(|k_i|^2/n + eps), z_i = rinv_i * (q . o_i[tail]),
@@ -257,23 +263,6 @@ def _bwd_tile_grad(x, g, q, tail, w, c, coef, SLICE: tl.constexpr):
 def _store_tile(ptr, rows64, row_ok, d, offs, col_ok, x):
     tl.store(ptr + rows64[:, None] * d + offs[None, :], x.to(ptr.dtype.element_ty),
              mask=row_ok[:, None] & col_ok[None, :])
-
-
-@triton.jit
-def _sum_rows_kernel(x_ptr, out_ptr, P, R, CHUNK, BLOCK_P: tl.constexpr, BLOCK_R: tl.constexpr):
-    """out[k, :] = sum of rows k*CHUNK .. (k+1)*CHUNK - 1 of the fp32 [P, R] matrix x, in a fixed order
-    (deterministic); the host calls it until one row is left.  The query gradient's partials: torch's
-    column sum ran 10.8 us for [1056, 384] on the H200 (ncu), many times its copy time."""
-    cols = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    col_ok = cols < R
-    k = tl.program_id(1)
-    acc = tl.zeros([BLOCK_R], tl.float32)
-    for p0 in range(k * CHUNK, tl.minimum(P, (k + 1) * CHUNK), BLOCK_P):
-        prow = p0 + tl.arange(0, BLOCK_P)
-        ok = (prow < tl.minimum(P, (k + 1) * CHUNK))[:, None] & col_ok[None, :]
-        x = tl.load(x_ptr + prow.to(tl.int64)[:, None] * R + cols[None, :], mask=ok, other=0.0)
-        acc += tl.sum(x, axis=0)
-    tl.store(out_ptr + k.to(tl.int64) * R + cols, acc, mask=col_ok)
 
 
 # ---------------------------------------------------------------------------------------------- source addressing

@@ -42,8 +42,11 @@ _CPU_TRITON = os.environ.get("KERNELS_CPU_TRITON", "0") == "1"
 POISON = os.environ.get("KERNELS_POISON", "0") == "1"
 # Launch configuration overrides: {"fwd": {BLOCK_T, num_warps, PREFETCH}, "bwd": {SB, num_warps,
 # PREFETCH}}, either optionally with num_stages, EVICT (the evict-first hint on source reads), STAGES
-# (Triton's software pipelining of the source loop, 1 = none; untimed on a GPU, for the sweeps) and
-# SPLIT (the column layout, see _col_layout; read by the host, not passed to the kernel).
+# (Triton's software pipelining of the source loop, 1 = none; slower on the H200 wherever timed) and
+# SPLIT (the column layout, see _col_layout; read by the host, not passed to the kernel).  A "bwd"
+# with BLOCK_T > 0 runs the token-tile backward (BLOCK_T tokens per program, one query-gradient
+# partial row each) instead of the persistent one; not among the autotuned candidates (see
+# docs/kernel_notes.md, seventh session).
 CONFIG_OVERRIDE: dict = {}
 # Call statistics for benchmarks: set to a collections.Counter and every Triton launch adds one
 # count under (kind, S, tokens, d, r, align) with align the vector width the tables allowed (a
@@ -275,11 +278,7 @@ def _launcher(kind: str, block_d: int, nch: int, device: torch.device, key: tupl
         fill = {"SB": 1, "BLOCK_T": 0} if kind == "bwd" else {}
         configs = [triton.Config(dict(fill, **{k: v for k, v in c.items() if k not in ("num_warps", "num_stages")}),
                                  num_warps=c["num_warps"], num_stages=c.get("num_stages", 3)) for c in cfgs]
-        # timed as CUDA-graph replays: the default timer's L2 flush and launch jitter let it pick a
-        # forward 14% slower than the best one at 8192 tokens, d = 1536, S = 9 (ncu run, 2026-11-30)
-        from triton.testing import do_bench_cudagraph
-
-        _TUNED[tk] = triton.autotune(configs=configs, key=["d", "SLICE", "HAS_RES"], do_bench=do_bench_cudagraph)(raw)
+        _TUNED[tk] = triton.autotune(configs=configs, key=["d", "SLICE", "HAS_RES"])(raw)
     return _TUNED[tk], None
 
 
@@ -425,29 +424,6 @@ def _bwd_programs(cfg: dict, n_tok: int, dev: torch.device) -> int:
     return max(1, min(n_tok, BWD_PROGRAMS_PER_SM * _num_sms(dev)))
 
 
-def _sum_rows(x: torch.Tensor, launch=None) -> torch.Tensor:
-    """Column sums of the fp32 [P, R] partials, in a fixed order (deterministic): a Triton kernel,
-    in passes of 64 rows per program until at most 256 rows are left, then one pass, where the
-    kernels run (``launch`` wraps the launches for a trace); torch otherwise.  Many programs of one
-    wide load each: a loop of dependent small loads ran 17 us for [8192, 384] under ncu on the H200."""
-    if not _use_triton(x):
-        return x.sum(0)
-    from . import _triton as K
-
-    while x.shape[0] > 1:
-        P, R = x.shape
-        chunk = P if P <= 256 else 64
-        block_p, block_r = min(64, _next_pow2(chunk)), min(128, _next_pow2(R))
-        out = _empty((triton_cdiv(P, chunk), R), torch.float32, x.device)
-        grid = (triton_cdiv(R, block_r), out.shape[0])
-        if launch is None:
-            K._sum_rows_kernel[grid](x, out, P, R, chunk, BLOCK_P=block_p, BLOCK_R=block_r)
-        else:
-            launch(K._sum_rows_kernel, grid, x, out, P, R, chunk, BLOCK_P=block_p, BLOCK_R=block_r)
-        x = out
-    return x.reshape(-1)
-
-
 def _bwd_triton(sources, query, h, stats, res, g, norm: str, eps: float):
     ops, grads, dq = _bwd_inputs(sources, query, h, res, g, norm)
     if ops is None:
@@ -481,7 +457,7 @@ def _bwd_triton(sources, query, h, stats, res, g, norm: str, eps: float):
     if cfg is None:
         _remember("bwd", block_d, nch, key, fn)
         nprog = _bwd_programs(_CHOSEN.get(("bwd", block_d, nch) + key, {}), n_tok, dev)
-    return grads, _sum_rows(part[:nprog]).to(query.dtype)
+    return grads, part[:nprog].sum(0).to(query.dtype)
 
 
 # Multi-operand row reductions: None = on CUDA only (the interpreter runs them slowly).
@@ -742,7 +718,7 @@ def _bwd_args(sources, query, h, stats, res, g, norm: str, eps: float):
         NSLOT=len(rows), EPS=float(eps), SLICE=(norm == "slice"), HAS_RES=has_res, RES_STEP=_res_step(dtype),
         BLOCK_D=block_d, NCH=nch, **_launch_kwargs(cfg, "bwd"),
     )
-    return grads, _sum_rows(part, _launch).to(query.dtype)
+    return grads, part.sum(0).to(query.dtype)
 
 
 @torch.library.triton_op("lrattnres_kernels::attnres_fwd_args", mutates_args=())
