@@ -138,6 +138,7 @@ lane_kncu() {
   [ -n "$ncu" ] || { echo "no ncu on this machine"; return 1; }
   $PYTHON -c 'import json, datetime, torch, triton; print(json.dumps({"device": torch.cuda.get_device_name(),
     "torch": torch.__version__, "triton": triton.__version__, "shape": "8192 tokens, d=1536, r=384",
+    "commit": __import__("os").environ.get("LRATTNRES_COMMIT"),
     "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}))' > "$L/meta.json"
   "$ncu" --version > "$L/ncu_version.txt" 2>&1
   local runs=(${NCU_BASE-ours= fast-attnres=}) S label ov impl  # NCU_BASE="" profiles the variants alone

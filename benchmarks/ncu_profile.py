@@ -206,6 +206,7 @@ def summarize(in_dir: str, out_dir: str) -> dict:
             "blocks_per_sm_by_registers", "theoretical_occupancy_pct", "achieved_occupancy_pct", "cycles_per_issue"]
     env = doc.get("env", {})
     lines = [f"# Nsight Compute counters: {env.get('device', '?')}, {env.get('shape', '')}, {env.get('date', '')}", "",
+             f"torch {env.get('torch', '?')}, triton {env.get('triton', '?')}, tree {env.get('commit', '?')}.", "",
              "One forward+backward per row group (ncu --clock-control none; kernel replay). Stalls: the five largest "
              "reasons, in cycles per issued instruction.", "",
              "| impl | S | kernel | " + " | ".join(cols) + " | top stalls |",
