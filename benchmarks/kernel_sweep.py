@@ -7,7 +7,8 @@ times the forward kernel and the backward kernel separately under every candidat
 configuration (forward: tokens per program BLOCK_T; backward: sources per step SB; num_warps,
 PREFETCH; then, for the two best of each kernel, the evict-first hint, Triton's software pipelining
 of the source loop (STAGES 2 and 3, without the hand-written prefetch) and, for the backward, the
-persistent grid's programs per SM), under each column layout the width allows (one power-of-two
+persistent grid's programs per SM, and the key-chunk specialisation KEYCH where the key starts past
+the first of three chunks), under each column layout the width allows (one power-of-two
 chunk, and three equal chunks where they pad less: kernels.op._col_layout), through
 ``kernels.op.CONFIG_OVERRIDE``, for
 either kernel pair (``:table``, ``:args`` after a shape; see PATHS).  Each timing replays
@@ -132,7 +133,16 @@ def sweep_shape(N, d, S, r, bw, budget_end, path="table", quick=False, only=None
         return sorted((x for x in rows if x["kernel"] == kind and "us" in x), key=lambda x: x["us"])[:n]
 
     def cfg_of(row):
-        return {k: row[k] for k in ("BLOCK_T", "SB", "num_warps", "PREFETCH", "EVICT", "STAGES", "SPLIT") if k in row}
+        return {k: row[k] for k in ("BLOCK_T", "SB", "num_warps", "PREFETCH", "EVICT", "STAGES", "SPLIT", "KEYCH")
+                if k in row}
+
+    def keyed(kind, fn, ppsm=None):  # the best two three-chunk configurations with KEYCH
+        block_d, nch = kop._col_layout(d, True)
+        if nch == 1 or (d - r) // block_d == 0:
+            return  # the key starts in the first chunk: nothing to leave out
+        for b in best(kind, 2):
+            if b.get("SPLIT") and time.time() < budget_end:
+                run(kind, dict(cfg_of(b), KEYCH=True), fn, ppsm)
 
     def pipelined(kind, fn, ppsm=None):  # the best two with Triton's pipeliner instead of PREFETCH
         for b in best(kind, 2):
@@ -150,6 +160,7 @@ def sweep_shape(N, d, S, r, bw, budget_end, path="table", quick=False, only=None
         if time.time() < budget_end:
             run("fwd", dict(cfg_of(b), EVICT=True), fwd)
     pipelined("fwd", fwd)
+    keyed("fwd", fwd)
     if only == "fwd":
         return {"tokens": N, "d": d, "S": S, "r": r, "kernels": path, "rows": rows}
     kop.CONFIG_OVERRIDE.clear()
@@ -162,6 +173,7 @@ def sweep_shape(N, d, S, r, bw, budget_end, path="table", quick=False, only=None
                 break
             run("bwd", cfg, bwd, default_ppsm)
     pipelined("bwd", bwd, default_ppsm)
+    keyed("bwd", bwd, default_ppsm)
     try:
         for b in best("bwd", 2):
             if time.time() < budget_end:
@@ -186,13 +198,13 @@ def _md(doc) -> str:
              "issue's bytes (fwd S+1, bwd 2S+1).", ""]
     for shp in doc["shapes"]:
         lines += [f"## {shp.get('kernels', 'table')} kernels: {shp['tokens']} tokens, d={shp['d']}, S={shp['S']}, r={shp['r']}", "",
-                  "| kernel | columns | grid | tokens or sources per step | warps | prefetch | stages | evict | programs/SM | us | % design | % formula |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "| kernel | columns | grid | tokens or sources per step | warps | prefetch | stages | evict | key chunks | programs/SM | us | % design | % formula |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in sorted(shp["rows"], key=lambda x: (x["kernel"] != "fwd", x.get("us", 1e9))):
             grid = "tokens" if r["kernel"] == "fwd" or r.get("BLOCK_T") else "persistent"
             head = (f"| {r['kernel']} | {r.get('layout', '-')} | {grid} | {r.get('BLOCK_T', r.get('SB', '-'))} | {r['num_warps']} | {r['PREFETCH']} | "
                     f"{r.get('STAGES', 1)} | "
-                    f"{r.get('EVICT', False)} | {r.get('programs_per_sm', '-')} |")
+                    f"{r.get('EVICT', False)} | {r.get('KEYCH', False)} | {r.get('programs_per_sm', '-')} |")
             if "error" in r:
                 lines.append(head + " error | | |")
             else:

@@ -38,7 +38,7 @@ METRICS = {
     "gpu__time_duration.sum": "us",
     "dram__bytes_read.sum": "dram_read_MB",
     "dram__bytes_write.sum": "dram_write_MB",
-    "dram__throughput.avg.pct_of_peak_sustained_elapsed": "dram_pct_peak",
+    "gpu__dram_throughput.avg.pct_of_peak_sustained_elapsed": "dram_pct_peak",
     "launch__registers_per_thread": "registers",
     "launch__block_size": "block",
     "launch__grid_size": "grid",
@@ -48,6 +48,7 @@ METRICS = {
     "sm__warps_active.avg.pct_of_peak_sustained_active": "achieved_occupancy_pct",
     "smsp__average_warp_latency_per_inst_issued.ratio": "cycles_per_issue",
     "smsp__inst_executed.sum": "instructions",
+    "sm__issue_active.avg.pct_of_peak_sustained_elapsed": "issue_active_pct",
 }
 _STALL = re.compile(r"^smsp__average_warps_issue_stalled_(\w+?)_per_issue_active\.ratio$")
 
@@ -203,7 +204,8 @@ def summarize(in_dir: str, out_dir: str) -> dict:
         with open(meta) as f:
             doc["env"] = json.load(f)
     cols = ["us", "dram_read_MB", "dram_write_MB", "dram_pct_peak", "registers", "block", "grid",
-            "blocks_per_sm_by_registers", "theoretical_occupancy_pct", "achieved_occupancy_pct", "cycles_per_issue"]
+            "blocks_per_sm_by_registers", "theoretical_occupancy_pct", "achieved_occupancy_pct", "cycles_per_issue",
+            "issue_active_pct", "instructions"]
     env = doc.get("env", {})
     lines = [f"# Nsight Compute counters: {env.get('device', '?')}, {env.get('shape', '')}, {env.get('date', '')}", "",
              f"torch {env.get('torch', '?')}, triton {env.get('triton', '?')}, tree {env.get('commit', '?')}.", "",

@@ -30,8 +30,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 _COMMON = dict(SLICE=True, HAS_RES=True, RES_STEP=2.0**-15, EVICT=False)
-# name: (column chunk width, chunks, tokens or sources per step, warps, PREFETCH, STAGES[, backward grid])
-# The backward's grid: "persistent" (n = SB sources per step) or "tile" (n = BLOCK_T tokens per program).
+# name: (column chunk width, chunks, tokens or sources per step, warps, PREFETCH, STAGES[, backward grid[,
+# KEY0]]).  The backward's grid: "persistent" (n = SB sources per step) or "tile" (n = BLOCK_T tokens per
+# program); KEY0 the first column chunk holding key columns (kernels.op._key_chunk; 0 = no specialisation).
 CONFIGS = {
     "split": (512, 3, 1, 4, 0, 1),
     "split-prefetch": (512, 3, 1, 4, 1, 1),
@@ -39,6 +40,8 @@ CONFIGS = {
     "padded": (2048, 1, 1, 4, 1, 1),
     "split-two-per-step": (512, 3, 2, 4, 1, 1),
     "split-tile": (512, 3, 1, 4, 1, 1, "tile"),
+    "split-key": (512, 3, 1, 4, 1, 1, "persistent", 2),  # key (r = 384) inside the last chunk: KEY0 = 2
+    "split-tile-key": (512, 3, 1, 4, 1, 1, "tile", 2),
 }
 _NSLOT = 9
 
@@ -71,7 +74,7 @@ def _kernels(module, cfg):
     """(name, kernel, signature, constexprs, warps) of the four kernels at one configuration."""
     block, nch, n, warps, prefetch, stages = cfg[:6]
     grid = cfg[6] if len(cfg) > 6 else "persistent"
-    c = dict(_COMMON, BLOCK_D=block, NCH=nch, PREFETCH=prefetch, STAGES=stages)
+    c = dict(_COMMON, BLOCK_D=block, NCH=nch, PREFETCH=prefetch, STAGES=stages, KEY0=cfg[7] if len(cfg) > 7 else 0)
     args = dict(NSLOT=_NSLOT, EPS=1e-6)
     bwd = dict(SB=1, BLOCK_T=n) if grid == "tile" else dict(SB=n, BLOCK_T=0)
     return [

@@ -380,7 +380,8 @@ def _grad_ptrs(js, S, TABLE: tl.constexpr, grad0_ptr, grad_offs, GALIGN: tl.cons
 def _fwd_body(
     q_ptr, out_ptr, res_ptr, st_ptr, N, S, d, r, inv_n, eps,
     SLICE: tl.constexpr, HAS_RES: tl.constexpr, RES_STEP: tl.constexpr, BLOCK_D: tl.constexpr, NCH: tl.constexpr,
-    BLOCK_T: tl.constexpr, PREFETCH: tl.constexpr, EVICT: tl.constexpr, STAGES: tl.constexpr, FUSED: tl.constexpr,
+    KEY0: tl.constexpr, BLOCK_T: tl.constexpr, PREFETCH: tl.constexpr, EVICT: tl.constexpr, STAGES: tl.constexpr,
+    FUSED: tl.constexpr,
     TABLE: tl.constexpr, src0_ptr, src_offs, src_strides, ALIGN: tl.constexpr, NSLOT: tl.constexpr,
     x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,  # sources (None for TABLE)
     xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7, xs8, xs9, xs10, xs11, xs12, xs13, xs14, xs15,  # their row strides
@@ -427,13 +428,24 @@ def _fwd_body(
                 t1 = u1
                 t2 = u2
         t0 = t0.to(tl.float32)
-        kk, kq = _key_terms(t0, q0, tail0, SLICE)
+        if KEY0 == 0:
+            kk, kq = _key_terms(t0, q0, tail0, SLICE)
         if NCH == 3:
             t1 = t1.to(tl.float32)
             t2 = t2.to(tl.float32)
-            kk1, kq1 = _key_terms(t1, q1, tail1, SLICE)
-            kk2, kq2 = _key_terms(t2, q2, tail2, SLICE)
-            kk, kq = kk + kk1 + kk2, kq + kq1 + kq2
+            if KEY0 == 0:
+                kk1, kq1 = _key_terms(t1, q1, tail1, SLICE)
+                kk2, kq2 = _key_terms(t2, q2, tail2, SLICE)
+                kk, kq = kk + kk1 + kk2, kq + kq1 + kq2
+            else:  # chunks before KEY0 hold no key column: no q.k terms, |k|^2 terms only for "full"
+                kk, kq = _key_terms(t2, q2, tail2, SLICE)
+                if KEY0 == 1:
+                    kk1, kq1 = _key_terms(t1, q1, tail1, SLICE)
+                    kk, kq = kk + kk1, kq + kq1
+                if not SLICE:
+                    kk = kk + t0 * t0
+                    if KEY0 == 2:
+                        kk = kk + t1 * t1
         m, l, alpha, pw, z, rinv = _softmax_step(kk, kq, m, l, inv_n, eps, FUSED)
         acc0 = _mix(acc0, alpha, pw, t0)
         if NCH == 3:
@@ -452,7 +464,7 @@ def _fwd_body(
 def _bwd_body(
     q_ptr, h_ptr, res_ptr, g_ptr, st_ptr, dq_part_ptr, N, S, d, r, stride_g, inv_n,
     SLICE: tl.constexpr, HAS_RES: tl.constexpr, RES_STEP: tl.constexpr, BLOCK_D: tl.constexpr, NCH: tl.constexpr,
-    SB: tl.constexpr, PREFETCH: tl.constexpr, EVICT: tl.constexpr, STAGES: tl.constexpr,
+    KEY0: tl.constexpr, SB: tl.constexpr, PREFETCH: tl.constexpr, EVICT: tl.constexpr, STAGES: tl.constexpr,
     TABLE: tl.constexpr, src0_ptr, src_offs, src_strides, ALIGN: tl.constexpr, grad0_ptr, grad_offs,
     GALIGN: tl.constexpr, NSLOT: tl.constexpr,
     x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,  # sources (None for TABLE)
@@ -520,16 +532,26 @@ def _bwd_body(
             w, c, coef = _bwd_weights(tl.sum(go, axis=1), gh, lse, js, S, N, row, st_ptr, inv_n)
             gp = _grad_ptrs(js, S, TABLE, grad0_ptr, grad_offs, GALIGN, NSLOT,
                             dx0, dx1, dx2, dx3, dx4, dx5, dx6, dx7, dx8, dx9, dx10, dx11, dx12, dx13, dx14, dx15)
-            _store_grad(gp, row64, d, offs0, ok0, js, S, _bwd_grad(t0, g0, q0, tail0, w, c, coef, SLICE))
-            dq0 += tl.sum(c[:, None] * t0, axis=0)
+            if KEY0 > 0 and SLICE:  # no key column in chunk 0: its gradient is w g
+                _store_grad(gp, row64, d, offs0, ok0, js, S, w[:, None] * g0[None, :])
+            else:
+                _store_grad(gp, row64, d, offs0, ok0, js, S, _bwd_grad(t0, g0, q0, tail0, w, c, coef, SLICE))
+            if KEY0 == 0:  # the query gradient lives on key columns only
+                dq0 += tl.sum(c[:, None] * t0, axis=0)
             if NCH == 3:
-                _store_grad(gp, row64, d, offs1, ok1, js, S, _bwd_grad(t1, g1, q1, tail1, w, c, coef, SLICE))
-                dq1 += tl.sum(c[:, None] * t1, axis=0)
+                if KEY0 > 1 and SLICE:
+                    _store_grad(gp, row64, d, offs1, ok1, js, S, w[:, None] * g1[None, :])
+                else:
+                    _store_grad(gp, row64, d, offs1, ok1, js, S, _bwd_grad(t1, g1, q1, tail1, w, c, coef, SLICE))
+                if KEY0 <= 1:
+                    dq1 += tl.sum(c[:, None] * t1, axis=0)
                 _store_grad(gp, row64, d, offs2, ok2, js, S, _bwd_grad(t2, g2, q2, tail2, w, c, coef, SLICE))
                 dq2 += tl.sum(c[:, None] * t2, axis=0)
-    _dq_store(dq0, dq_part_ptr, pid, r, d, offs0, tail0)
+    if KEY0 == 0:
+        _dq_store(dq0, dq_part_ptr, pid, r, d, offs0, tail0)
     if NCH == 3:
-        _dq_store(dq1, dq_part_ptr, pid, r, d, offs1, tail1)
+        if KEY0 <= 1:
+            _dq_store(dq1, dq_part_ptr, pid, r, d, offs1, tail1)
         _dq_store(dq2, dq_part_ptr, pid, r, d, offs2, tail2)
 
 
@@ -537,7 +559,7 @@ def _bwd_body(
 def _bwd_tile_body(
     q_ptr, h_ptr, res_ptr, g_ptr, st_ptr, dq_part_ptr, N, S, d, r, stride_g, inv_n,
     SLICE: tl.constexpr, HAS_RES: tl.constexpr, RES_STEP: tl.constexpr, BLOCK_D: tl.constexpr, NCH: tl.constexpr,
-    BLOCK_T: tl.constexpr, PREFETCH: tl.constexpr, EVICT: tl.constexpr, STAGES: tl.constexpr,
+    KEY0: tl.constexpr, BLOCK_T: tl.constexpr, PREFETCH: tl.constexpr, EVICT: tl.constexpr, STAGES: tl.constexpr,
     TABLE: tl.constexpr, src0_ptr, src_offs, src_strides, ALIGN: tl.constexpr, grad0_ptr, grad_offs,
     GALIGN: tl.constexpr, NSLOT: tl.constexpr,
     x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
@@ -604,16 +626,26 @@ def _bwd_tile_body(
         w, c, coef = _bwd_tile_weights(tl.sum(go, axis=1), gh, lse, i, S, N, rows, row_ok, st_ptr, inv_n)
         gp = _grad_ptrs(i, S, TABLE, grad0_ptr, grad_offs, GALIGN, NSLOT,
                         dx0, dx1, dx2, dx3, dx4, dx5, dx6, dx7, dx8, dx9, dx10, dx11, dx12, dx13, dx14, dx15)
-        _store_tile(gp, rows64, row_ok, d, offs0, ok0, _bwd_tile_grad(t0, g0, q0, tail0, w, c, coef, SLICE))
-        dq0 += tl.sum(c[:, None] * t0, axis=0)
+        if KEY0 > 0 and SLICE:  # no key column in chunk 0: its gradient is w g
+            _store_tile(gp, rows64, row_ok, d, offs0, ok0, w[:, None] * g0)
+        else:
+            _store_tile(gp, rows64, row_ok, d, offs0, ok0, _bwd_tile_grad(t0, g0, q0, tail0, w, c, coef, SLICE))
+        if KEY0 == 0:
+            dq0 += tl.sum(c[:, None] * t0, axis=0)
         if NCH == 3:
-            _store_tile(gp, rows64, row_ok, d, offs1, ok1, _bwd_tile_grad(t1, g1, q1, tail1, w, c, coef, SLICE))
-            dq1 += tl.sum(c[:, None] * t1, axis=0)
+            if KEY0 > 1 and SLICE:
+                _store_tile(gp, rows64, row_ok, d, offs1, ok1, w[:, None] * g1)
+            else:
+                _store_tile(gp, rows64, row_ok, d, offs1, ok1, _bwd_tile_grad(t1, g1, q1, tail1, w, c, coef, SLICE))
+            if KEY0 <= 1:
+                dq1 += tl.sum(c[:, None] * t1, axis=0)
             _store_tile(gp, rows64, row_ok, d, offs2, ok2, _bwd_tile_grad(t2, g2, q2, tail2, w, c, coef, SLICE))
             dq2 += tl.sum(c[:, None] * t2, axis=0)
-    _dq_store(dq0, dq_part_ptr, pid, r, d, offs0, tail0)
+    if KEY0 == 0:
+        _dq_store(dq0, dq_part_ptr, pid, r, d, offs0, tail0)
     if NCH == 3:
-        _dq_store(dq1, dq_part_ptr, pid, r, d, offs1, tail1)
+        if KEY0 <= 1:
+            _dq_store(dq1, dq_part_ptr, pid, r, d, offs1, tail1)
         _dq_store(dq2, dq_part_ptr, pid, r, d, offs2, tail2)
 
 
@@ -641,6 +673,7 @@ def _attnres_fwd_kernel(
     ALIGN: tl.constexpr,  # offsets and strides are multiples of this many elements
     BLOCK_D: tl.constexpr,  # columns per chunk
     NCH: tl.constexpr,  # column chunks per row: 1 or 3
+    KEY0: tl.constexpr,  # first column chunk holding key columns (0: compute as if every chunk may)
     BLOCK_T: tl.constexpr,  # tokens per program
     PREFETCH: tl.constexpr,  # load the next source's tile before this one's arithmetic (0, 1)
     EVICT: tl.constexpr,  # evict-first hint on the source reads
@@ -648,7 +681,7 @@ def _attnres_fwd_kernel(
     FUSED: tl.constexpr,  # multi-operand row reductions (GPU); separate tl.sum (interpreter)
 ):
     _fwd_body(q_ptr, out_ptr, res_ptr, st_ptr, N, S, d, r, inv_n, eps, SLICE, HAS_RES, RES_STEP, BLOCK_D, NCH,
-              BLOCK_T, PREFETCH, EVICT, STAGES, FUSED, True, src0_ptr, src_offs, src_strides, ALIGN, 0,
+              KEY0, BLOCK_T, PREFETCH, EVICT, STAGES, FUSED, True, src0_ptr, src_offs, src_strides, ALIGN, 0,
               None, None, None, None, None, None, None, None, None, None, None, None, None, None, None, None,  # no x_i
               None, None, None, None, None, None, None, None, None, None, None, None, None, None, None, None)  # no xs_i
 
@@ -680,6 +713,7 @@ def _attnres_bwd_kernel(
     GALIGN: tl.constexpr,
     BLOCK_D: tl.constexpr,  # columns per chunk
     NCH: tl.constexpr,  # column chunks per row: 1 or 3
+    KEY0: tl.constexpr,  # first column chunk holding key columns (0: compute as if every chunk may)
     SB: tl.constexpr,  # sources per step (persistent grid)
     BLOCK_T: tl.constexpr,  # tokens per program (0: the persistent grid)
     PREFETCH: tl.constexpr,
@@ -688,14 +722,14 @@ def _attnres_bwd_kernel(
 ):
     if BLOCK_T > 0:
         _bwd_tile_body(q_ptr, h_ptr, res_ptr, g_ptr, st_ptr, dq_part_ptr, N, S, d, r, stride_g, inv_n, SLICE,
-                       HAS_RES, RES_STEP, BLOCK_D, NCH, BLOCK_T, PREFETCH, EVICT, STAGES, True, src0_ptr, src_offs,
+                       HAS_RES, RES_STEP, BLOCK_D, NCH, KEY0, BLOCK_T, PREFETCH, EVICT, STAGES, True, src0_ptr, src_offs,
                        src_strides, ALIGN, grad0_ptr, grad_offs, GALIGN, 0,
                        None, None, None, None, None, None, None, None, None, None, None, None, None, None, None, None,
                        None, None, None, None, None, None, None, None, None, None, None, None, None, None, None, None,
                        None, None, None, None, None, None, None, None, None, None, None, None, None, None, None, None)
     else:
         _bwd_body(q_ptr, h_ptr, res_ptr, g_ptr, st_ptr, dq_part_ptr, N, S, d, r, stride_g, inv_n, SLICE, HAS_RES,
-                  RES_STEP, BLOCK_D, NCH, SB, PREFETCH, EVICT, STAGES, True, src0_ptr, src_offs, src_strides, ALIGN,
+                  RES_STEP, BLOCK_D, NCH, KEY0, SB, PREFETCH, EVICT, STAGES, True, src0_ptr, src_offs, src_strides, ALIGN,
                   grad0_ptr, grad_offs, GALIGN, 0,
                   None, None, None, None, None, None, None, None, None, None, None, None, None, None, None, None,  # x_i
                   None, None, None, None, None, None, None, None, None, None, None, None, None, None, None, None,  # xs_i
@@ -737,6 +771,7 @@ def _attnres_fwd_args_kernel(
     RES_STEP: tl.constexpr,
     BLOCK_D: tl.constexpr,  # columns per chunk
     NCH: tl.constexpr,  # column chunks per row: 1 or 3
+    KEY0: tl.constexpr,  # first column chunk holding key columns (0: compute as if every chunk may)
     BLOCK_T: tl.constexpr,
     PREFETCH: tl.constexpr,
     EVICT: tl.constexpr,
@@ -744,7 +779,7 @@ def _attnres_fwd_args_kernel(
     FUSED: tl.constexpr,
 ):
     _fwd_body(q_ptr, out_ptr, res_ptr, st_ptr, N, S, d, r, _inv_key_width(r, d, SLICE), EPS, SLICE, HAS_RES,
-              RES_STEP, BLOCK_D, NCH, BLOCK_T, PREFETCH, EVICT, STAGES, FUSED, False, None, None, None, 1, NSLOT,
+              RES_STEP, BLOCK_D, NCH, KEY0, BLOCK_T, PREFETCH, EVICT, STAGES, FUSED, False, None, None, None, 1, NSLOT,
               x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
               xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7, xs8, xs9, xs10, xs11, xs12, xs13, xs14, xs15)
 
@@ -775,6 +810,7 @@ def _attnres_bwd_args_kernel(
     RES_STEP: tl.constexpr,
     BLOCK_D: tl.constexpr,  # columns per chunk
     NCH: tl.constexpr,  # column chunks per row: 1 or 3
+    KEY0: tl.constexpr,  # first column chunk holding key columns (0: compute as if every chunk may)
     SB: tl.constexpr,
     BLOCK_T: tl.constexpr,  # tokens per program (0: the persistent grid)
     PREFETCH: tl.constexpr,
@@ -783,14 +819,14 @@ def _attnres_bwd_args_kernel(
 ):
     if BLOCK_T > 0:
         _bwd_tile_body(q_ptr, h_ptr, res_ptr, g_ptr, st_ptr, dq_part_ptr, N, S, d, r, stride_g,
-                       _inv_key_width(r, d, SLICE), SLICE, HAS_RES, RES_STEP, BLOCK_D, NCH, BLOCK_T, PREFETCH, EVICT,
+                       _inv_key_width(r, d, SLICE), SLICE, HAS_RES, RES_STEP, BLOCK_D, NCH, KEY0, BLOCK_T, PREFETCH, EVICT,
                        STAGES, False, None, None, None, 1, None, None, 1, NSLOT,
                        x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
                        xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7, xs8, xs9, xs10, xs11, xs12, xs13, xs14, xs15,
                        dx0, dx1, dx2, dx3, dx4, dx5, dx6, dx7, dx8, dx9, dx10, dx11, dx12, dx13, dx14, dx15)
     else:
         _bwd_body(q_ptr, h_ptr, res_ptr, g_ptr, st_ptr, dq_part_ptr, N, S, d, r, stride_g,
-                  _inv_key_width(r, d, SLICE), SLICE, HAS_RES, RES_STEP, BLOCK_D, NCH, SB, PREFETCH, EVICT, STAGES,
+                  _inv_key_width(r, d, SLICE), SLICE, HAS_RES, RES_STEP, BLOCK_D, NCH, KEY0, SB, PREFETCH, EVICT, STAGES,
                   False, None, None, None, 1, None, None, 1, NSLOT,
                   x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
                   xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7, xs8, xs9, xs10, xs11, xs12, xs13, xs14, xs15,

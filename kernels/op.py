@@ -23,7 +23,9 @@ with NaN before the kernels write them (tests); KERNELS_EAGER_FUNCTION=0 sends e
 custom op too (by default they take a plain autograd.Function over the same kernels: less host time);
 KERNELS_COMPILED_PATH=op sends compiled CUDA calls to the opaque custom op instead of the triton_op
 that Inductor traces (see "Compiled path" below); KERNELS_SPLIT_COLUMNS=0 reads every row as one
-power-of-two tile instead of three equal column chunks where those pad less (see _col_layout).
+power-of-two tile instead of three equal column chunks where those pad less (see _col_layout);
+KERNELS_KEY_CHUNKS=1 compiles the chunks before the key's first column without the key's work (see
+_key_chunk; untimed, off by default).
 """
 
 from __future__ import annotations
@@ -43,7 +45,8 @@ POISON = os.environ.get("KERNELS_POISON", "0") == "1"
 # Launch configuration overrides: {"fwd": {BLOCK_T, num_warps, PREFETCH}, "bwd": {SB, num_warps,
 # PREFETCH}}, either optionally with num_stages, EVICT (the evict-first hint on source reads), STAGES
 # (Triton's software pipelining of the source loop, 1 = none; slower on the H200 wherever timed) and
-# SPLIT (the column layout, see _col_layout; read by the host, not passed to the kernel).  A "bwd"
+# SPLIT (the column layout, see _col_layout) and KEYCH (see _key_chunk), both read by the host, not
+# passed to the kernel.  A "bwd"
 # with BLOCK_T > 0 runs the token-tile backward (BLOCK_T tokens per program, one query-gradient
 # partial row each) instead of the persistent one; not among the autotuned candidates (see
 # docs/kernel_notes.md, seventh session).
@@ -186,6 +189,23 @@ def _col_layout(d: int, split: bool | None = None) -> tuple[int, int]:
     if (SPLIT_COLUMNS if split is None else split) and third >= MIN_CHUNK and 3 * third < one:
         return third, 3
     return one, 1
+
+
+# Key-chunk specialisation: with three column chunks and a key (the last r columns) inside the last
+# one or two, the chunks before it need no q.k terms, no |k|^2 terms ("slice") and no query-gradient
+# work, and their source gradients are w g.  The kernels learn where the key starts as the
+# compile-time KEY0 (one build per value).  An offline sm_90 build at d = 1536, r = 384 drops the
+# forward's loop instructions by a fifth (benchmarks/offline_sass.py, config split-key); not yet
+# timed on a GPU, so off by default: KERNELS_KEY_CHUNKS=1, or CONFIG_OVERRIDE's KEYCH per kernel.
+KEY_CHUNKS = os.environ.get("KERNELS_KEY_CHUNKS", "0") == "1"
+
+
+def _key_chunk(kind: str, d: int, r: int, block_d: int, nch: int) -> int:
+    """KEY0 for ``kind``'s kernel: the first column chunk holding a key column, or 0 (no
+    specialisation: one chunk, or turned off)."""
+    if nch == 1 or not CONFIG_OVERRIDE.get(kind, {}).get("KEYCH", KEY_CHUNKS):
+        return 0
+    return min(nch - 1, (d - r) // block_d)
 
 
 def _stats_shape(n_sources: int, lead: tuple) -> tuple:
@@ -385,7 +405,8 @@ def _fwd_triton(sources: Sequence[torch.Tensor], query: torch.Tensor, norm: str,
             rows[0], table[0], table[1], query.contiguous(), out, res if has_res else out, stats,
             n_tok, len(rows), d, r, 1.0 / (r if norm == "slice" else d), float(eps),
             SLICE=(norm == "slice"), HAS_RES=has_res, RES_STEP=_res_step(dtype), ALIGN=align,
-            BLOCK_D=block_d, NCH=nch, FUSED=_fused(dev), **_launch_kwargs(cfg),
+            BLOCK_D=block_d, NCH=nch, KEY0=_key_chunk("fwd", d, r, block_d, nch), FUSED=_fused(dev),
+            **_launch_kwargs(cfg),
         )
         if cfg is None:
             _remember("fwd", block_d, nch, key, fn)
@@ -452,7 +473,7 @@ def _bwd_triton(sources, query, h, stats, res, g, norm: str, eps: float):
         rows[0], table[0], table[1], grads[0], table[2], query.contiguous(), h2, res2, g, stats2, part,
         n_tok, len(rows), d, r, gs, 1.0 / (r if norm == "slice" else d), float(eps),
         SLICE=(norm == "slice"), HAS_RES=has_res, RES_STEP=_res_step(dtype), ALIGN=align, GALIGN=galign,
-        BLOCK_D=block_d, NCH=nch, **_launch_kwargs(cfg, "bwd"),
+        BLOCK_D=block_d, NCH=nch, KEY0=_key_chunk("bwd", d, r, block_d, nch), **_launch_kwargs(cfg, "bwd"),
     )
     if cfg is None:
         _remember("bwd", block_d, nch, key, fn)
@@ -474,12 +495,12 @@ def triton_cdiv(a: int, b: int) -> int:
 
 def _launch_kwargs(cfg: dict | None, kind: str = "fwd") -> dict:
     """A fixed configuration's keyword arguments (EVICT off and STAGES 1 unless it names them, SPLIT
-    dropped: the host read it; for the backward SB 1 and BLOCK_T 0, the persistent grid, unless it
+    and KEYCH dropped: the host read them; for the backward SB 1 and BLOCK_T 0, the persistent grid, unless it
     names them); {"EVICT": False, "STAGES": 1} when autotuning chooses the rest."""
     out = {"EVICT": False, "STAGES": 1}
     if cfg is not None and kind == "bwd":
         out.update(SB=1, BLOCK_T=0)
-    out.update({k: v for k, v in (cfg or {}).items() if k != "SPLIT"})
+    out.update({k: v for k, v in (cfg or {}).items() if k not in ("SPLIT", "KEYCH")})
     return out
 
 
@@ -690,7 +711,8 @@ def _fwd_args(sources: Sequence[torch.Tensor], query: torch.Tensor, norm: str, e
             *_slots(rows), *_slots(strides), query.contiguous(), out, res if has_res else None, stats,
             n_tok, len(rows), d, r,
             NSLOT=len(rows), EPS=float(eps), SLICE=(norm == "slice"), HAS_RES=has_res, RES_STEP=_res_step(dtype),
-            BLOCK_D=block_d, NCH=nch, FUSED=_fused(dev), **_launch_kwargs(cfg),
+            BLOCK_D=block_d, NCH=nch, KEY0=_key_chunk("fwd", d, r, block_d, nch), FUSED=_fused(dev),
+            **_launch_kwargs(cfg),
         )
     return out, stats, res
 
@@ -716,7 +738,7 @@ def _bwd_args(sources, query, h, stats, res, g, norm: str, eps: float):
         res.contiguous() if has_res else None, g, stats.contiguous(), part,
         n_tok, len(rows), d, r, gs,
         NSLOT=len(rows), EPS=float(eps), SLICE=(norm == "slice"), HAS_RES=has_res, RES_STEP=_res_step(dtype),
-        BLOCK_D=block_d, NCH=nch, **_launch_kwargs(cfg, "bwd"),
+        BLOCK_D=block_d, NCH=nch, KEY0=_key_chunk("bwd", d, r, block_d, nch), **_launch_kwargs(cfg, "bwd"),
     )
     return grads, part.sum(0).to(query.dtype)
 

@@ -172,6 +172,15 @@ CONFIG_CASES = [
      (513, 7, 9, "full", "transposed")),  # 21 tokens: a partial last block; pipelined loop
     ({"BLOCK_T": 1, "num_warps": 1, "PREFETCH": 1}, {"BLOCK_T": 2, "num_warps": 1, "PREFETCH": 1, "SPLIT": False},
      (64, 64, 1, "slice", "colstride")),  # one source
+    # key-chunk specialisation (KEYCH): the key inside the last chunk (KEY0 2) or the last two (KEY0 1)
+    ({"BLOCK_T": 1, "num_warps": 2, "PREFETCH": 1, "KEYCH": True}, {"SB": 1, "num_warps": 2, "PREFETCH": 0, "KEYCH": True},
+     (300, 40, 5, "slice", "mixed")),
+    ({"BLOCK_T": 2, "num_warps": 4, "PREFETCH": 0, "KEYCH": True},
+     {"BLOCK_T": 1, "num_warps": 2, "PREFETCH": 1, "KEYCH": True}, (513, 7, 4, "full", "transposed")),
+    ({"BLOCK_T": 1, "num_warps": 2, "PREFETCH": 1, "KEYCH": True}, {"SB": 2, "num_warps": 2, "PREFETCH": 1, "KEYCH": True},
+     (600, 50, 9, "full", "rowpad")),
+    ({"BLOCK_T": 1, "num_warps": 2, "PREFETCH": 0, "KEYCH": True}, {"BLOCK_T": 2, "num_warps": 2, "PREFETCH": 0, "KEYCH": True},
+     (300, 100, 3, "slice", "contig")),
 ]
 
 
@@ -204,6 +213,24 @@ def _fp32_against_reference(fn, d, r, S, norm, layout, seed):
     for a, b in zip(gs, gs_ref):
         torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-3)
     torch.testing.assert_close(gq, gq_ref, rtol=1e-3, atol=2e-3 * max(1.0, gq_ref.abs().max().item()))
+
+
+def test_key_chunk(monkeypatch):
+    """KEY0: the first of three column chunks that holds a key column (0 when off or one chunk)."""
+    monkeypatch.setattr(op, "CONFIG_OVERRIDE", {"fwd": {"KEYCH": True}})
+    assert op._key_chunk("fwd", 1536, 384, 512, 3) == 2
+    assert op._key_chunk("fwd", 1536, 600, 512, 3) == 1
+    assert op._key_chunk("fwd", 1536, 1536, 512, 3) == 0
+    assert op._key_chunk("fwd", 1024, 1, 1024, 1) == 0  # one chunk: nothing to skip
+    monkeypatch.setattr(op, "KEY_CHUNKS", False)  # a kernel the override leaves alone follows KERNELS_KEY_CHUNKS
+    assert op._key_chunk("bwd", 1536, 384, 512, 3) == 0
+    monkeypatch.setattr(op, "KEY_CHUNKS", True)
+    assert op._key_chunk("bwd", 1536, 384, 512, 3) == 2
+    for d in range(130, 5000, 7):  # the last chunk always holds column d - 1
+        block_d, nch = op._col_layout(d, True)
+        if nch == 3:
+            assert 2 * block_d < d <= 3 * block_d
+            assert op._key_chunk("fwd", d, 1, block_d, nch) == 2
 
 
 def test_launch_config_candidates():
@@ -565,7 +592,7 @@ class _Target:
 S, N, d, r = 3, 40, 96, 16
 BLOCK_D, NCH, STAGES = (32, 3, 2) if sys.argv[1] == "3" else (128, 1, 1)  # the pipelined loop with three chunks
 common = dict(N=N, S=S, d=d, r=r, NSLOT=S, EPS=1e-6, SLICE=True, HAS_RES=True, RES_STEP=2.0**-15, BLOCK_D=BLOCK_D,
-              NCH=NCH, PREFETCH=1, EVICT=False, STAGES=STAGES, q_ptr=torch.empty(r, dtype=torch.bfloat16),
+              NCH=NCH, KEY0=int(sys.argv[3]), PREFETCH=1, EVICT=False, STAGES=STAGES, q_ptr=torch.empty(r, dtype=torch.bfloat16),
               res_ptr=torch.empty(N, d, dtype=torch.int8), st_ptr=torch.empty(1 + 2 * S, N))
 fwd = dict(common, out_ptr=torch.empty(N, d, dtype=torch.bfloat16), BLOCK_T=2, FUSED=True)
 bwd = dict(common, h_ptr=torch.empty(N, d, dtype=torch.bfloat16), g_ptr=torch.empty(N, d, dtype=torch.bfloat16),
@@ -597,12 +624,13 @@ def test_compiled_kernels_write_only_their_outputs():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    for nch, block_t in (("1", "0"), ("3", "0"), ("3", "2")):  # column chunks; backward grid (persistent, tokens)
-        proc = subprocess.run([sys.executable, "-c", _WRITES_SCRIPT, nch, block_t], env=env, capture_output=True,
-                              text=True, timeout=300)
+    # column chunks; the backward's grid (0 persistent, 2 tokens per program); KEY0 (key-chunk specialisation)
+    for nch, block_t, key0 in (("1", "0", "0"), ("3", "0", "0"), ("3", "2", "2"), ("3", "0", "2")):
+        proc = subprocess.run([sys.executable, "-c", _WRITES_SCRIPT, nch, block_t, key0], env=env,
+                              capture_output=True, text=True, timeout=300)
         assert proc.returncode == 0, proc.stderr[-3000:]
         written = json.loads(proc.stdout.strip().splitlines()[-1])
         if written is None:
             pytest.skip("this torch has no identify_accessed_tensors")
-        assert written["fwd"] == ["out_ptr", "res_ptr", "st_ptr"], nch
-        assert written["bwd"] == ["dq_part_ptr", "dx0", "dx1", "dx2"], nch
+        assert written["fwd"] == ["out_ptr", "res_ptr", "st_ptr"], (nch, block_t, key0)
+        assert written["bwd"] == ["dq_part_ptr", "dx0", "dx1", "dx2"], (nch, block_t, key0)
