@@ -373,6 +373,25 @@ def _grad_ptrs(js, S, TABLE: tl.constexpr, grad0_ptr, grad_offs, GALIGN: tl.cons
     return gp
 
 
+@triton.jit
+def _src_tiles(j, S, rows, rows64, row_ok, offs0, ok0, offs1, ok1, offs2, ok2, NCH: tl.constexpr, EVICT: tl.constexpr,
+               TABLE: tl.constexpr, src0_ptr, src_offs, src_strides, ALIGN: tl.constexpr, NSLOT: tl.constexpr,
+               x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
+               xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7, xs8, xs9, xs10, xs11, xs12, xs13, xs14, xs15):
+    """Source j's raw tiles [BLOCK_T, BLOCK_D] of tokens ``rows``, one per column chunk (chunk 0's
+    repeated where NCH is 1; zeros when j >= S): the token-block bodies' one load per loop step."""
+    p, st = _src(j, S, TABLE, src0_ptr, src_offs, src_strides, ALIGN, NSLOT,
+                 x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
+                 xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7, xs8, xs9, xs10, xs11, xs12, xs13, xs14, xs15)
+    u0 = _tile(p, st, j, S, rows, rows64, row_ok, offs0, ok0, EVICT)
+    u1 = u0
+    u2 = u0
+    if NCH == 3:
+        u1 = _tile(p, st, j, S, rows, rows64, row_ok, offs1, ok1, EVICT)
+        u2 = _tile(p, st, j, S, rows, rows64, row_ok, offs2, ok2, EVICT)
+    return u0, u1, u2
+
+
 # ---------------------------------------------------------------------------------------------- kernel bodies
 
 
@@ -393,6 +412,7 @@ def _fwd_body(
     offs0, ok0, tail0 = _cols(d, r, 0, BLOCK_D)
     q0 = _query(q_ptr, offs0, d, r, tail0)
     acc0 = tl.zeros([BLOCK_T, BLOCK_D], tl.float32)
+    offs1, ok1, offs2, ok2 = offs0, ok0, offs0, ok0  # chunk 0's where NCH is 1 (unused)
     if NCH == 3:
         offs1, ok1, tail1 = _cols(d, r, BLOCK_D, BLOCK_D)
         q1 = _query(q_ptr, offs1, d, r, tail1)
@@ -401,32 +421,20 @@ def _fwd_body(
         q2 = _query(q_ptr, offs2, d, r, tail2)
         acc2 = tl.zeros([BLOCK_T, BLOCK_D], tl.float32)
     if PREFETCH:
-        p, st = _src(0, S, TABLE, src0_ptr, src_offs, src_strides, ALIGN, NSLOT,
-                     x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
-                     xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7, xs8, xs9, xs10, xs11, xs12, xs13, xs14, xs15)
-        tn0 = _tile(p, st, 0, S, rows, rows64, row_ok, offs0, ok0, EVICT)
-        if NCH == 3:
-            tn1 = _tile(p, st, 0, S, rows, rows64, row_ok, offs1, ok1, EVICT)
-            tn2 = _tile(p, st, 0, S, rows, rows64, row_ok, offs2, ok2, EVICT)
+        tn0, tn1, tn2 = _src_tiles(0, S, rows, rows64, row_ok, offs0, ok0, offs1, ok1, offs2, ok2, NCH, EVICT,
+                                   TABLE, src0_ptr, src_offs, src_strides, ALIGN, NSLOT,
+                                   x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
+                                   xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7, xs8, xs9, xs10, xs11, xs12, xs13, xs14, xs15)
     for i in tl.range(0, S, num_stages=STAGES):
         j = i + PREFETCH  # the source this step loads: the next one when prefetching
-        p, st = _src(j, S, TABLE, src0_ptr, src_offs, src_strides, ALIGN, NSLOT,
-                     x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
-                     xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7, xs8, xs9, xs10, xs11, xs12, xs13, xs14, xs15)
-        u0 = _tile(p, st, j, S, rows, rows64, row_ok, offs0, ok0, EVICT)
-        if NCH == 3:
-            u1 = _tile(p, st, j, S, rows, rows64, row_ok, offs1, ok1, EVICT)
-            u2 = _tile(p, st, j, S, rows, rows64, row_ok, offs2, ok2, EVICT)
-        if PREFETCH:
-            t0, tn0 = tn0, u0
-            if NCH == 3:
-                t1, tn1 = tn1, u1
-                t2, tn2 = tn2, u2
+        u0, u1, u2 = _src_tiles(j, S, rows, rows64, row_ok, offs0, ok0, offs1, ok1, offs2, ok2, NCH, EVICT,
+                                TABLE, src0_ptr, src_offs, src_strides, ALIGN, NSLOT,
+                                x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
+                                xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7, xs8, xs9, xs10, xs11, xs12, xs13, xs14, xs15)
+        if PREFETCH:  # use the tiles loaded a step ago; keep this step's for the next
+            t0, t1, t2, tn0, tn1, tn2 = tn0, tn1, tn2, u0, u1, u2
         else:
-            t0 = u0
-            if NCH == 3:
-                t1 = u1
-                t2 = u2
+            t0, t1, t2 = u0, u1, u2
         t0 = t0.to(tl.float32)
         if KEY0 == 0:
             kk, kq = _key_terms(t0, q0, tail0, SLICE)
@@ -578,6 +586,7 @@ def _bwd_tile_body(
     q0 = _query(q_ptr, offs0, d, r, tail0)
     g0, gh = _bwd_rows(g_ptr, h_ptr, res_ptr, rows64, row_ok, offs0, ok0, d, stride_g, HAS_RES, RES_STEP)
     dq0 = tl.zeros([BLOCK_D], tl.float32)
+    offs1, ok1, offs2, ok2 = offs0, ok0, offs0, ok0  # chunk 0's where NCH is 1 (unused)
     if NCH == 3:
         offs1, ok1, tail1 = _cols(d, r, BLOCK_D, BLOCK_D)
         q1 = _query(q_ptr, offs1, d, r, tail1)
@@ -591,32 +600,20 @@ def _bwd_tile_body(
     gh = tl.sum(gh, axis=1)
     lse = tl.load(st_ptr + rows, mask=row_ok, other=0.0)
     if PREFETCH:
-        p, st = _src(0, S, TABLE, src0_ptr, src_offs, src_strides, ALIGN, NSLOT,
-                     x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
-                     xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7, xs8, xs9, xs10, xs11, xs12, xs13, xs14, xs15)
-        tn0 = _tile(p, st, 0, S, rows, rows64, row_ok, offs0, ok0, EVICT)
-        if NCH == 3:
-            tn1 = _tile(p, st, 0, S, rows, rows64, row_ok, offs1, ok1, EVICT)
-            tn2 = _tile(p, st, 0, S, rows, rows64, row_ok, offs2, ok2, EVICT)
+        tn0, tn1, tn2 = _src_tiles(0, S, rows, rows64, row_ok, offs0, ok0, offs1, ok1, offs2, ok2, NCH, EVICT,
+                                   TABLE, src0_ptr, src_offs, src_strides, ALIGN, NSLOT,
+                                   x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
+                                   xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7, xs8, xs9, xs10, xs11, xs12, xs13, xs14, xs15)
     for i in tl.range(0, S, num_stages=STAGES):
         j = i + PREFETCH  # the source this step loads: the next one when prefetching
-        p, st = _src(j, S, TABLE, src0_ptr, src_offs, src_strides, ALIGN, NSLOT,
-                     x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
-                     xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7, xs8, xs9, xs10, xs11, xs12, xs13, xs14, xs15)
-        u0 = _tile(p, st, j, S, rows, rows64, row_ok, offs0, ok0, EVICT)
-        if NCH == 3:
-            u1 = _tile(p, st, j, S, rows, rows64, row_ok, offs1, ok1, EVICT)
-            u2 = _tile(p, st, j, S, rows, rows64, row_ok, offs2, ok2, EVICT)
-        if PREFETCH:
-            t0, tn0 = tn0, u0
-            if NCH == 3:
-                t1, tn1 = tn1, u1
-                t2, tn2 = tn2, u2
+        u0, u1, u2 = _src_tiles(j, S, rows, rows64, row_ok, offs0, ok0, offs1, ok1, offs2, ok2, NCH, EVICT,
+                                TABLE, src0_ptr, src_offs, src_strides, ALIGN, NSLOT,
+                                x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
+                                xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7, xs8, xs9, xs10, xs11, xs12, xs13, xs14, xs15)
+        if PREFETCH:  # use the tiles loaded a step ago; keep this step's for the next
+            t0, t1, t2, tn0, tn1, tn2 = tn0, tn1, tn2, u0, u1, u2
         else:
-            t0 = u0
-            if NCH == 3:
-                t1 = u1
-                t2 = u2
+            t0, t1, t2 = u0, u1, u2
         t0 = t0.to(tl.float32)
         go = g0 * t0
         if NCH == 3:
