@@ -4,7 +4,8 @@
     python benchmarks/offline_sass.py --against 7476a53     # same machine code as that revision?
 
 Compiles each kernel with triton.compile for a Hopper target (GPUTarget("cuda", 90, 128)) and reads
-the cubin with the cuobjdump that Triton's wheel ships.  Why: device time is scarce, and a change
+the cubin with the cuobjdump that Triton's wheel ships: registers, instructions in the whole kernel
+and in its innermost loop (the source loop), cp.async copies.  Why: device time is scarce, and a change
 meant to leave the measured kernels alone (a refactor, a new launch option at its default) can be
 shown to leave their machine code byte for byte the same; a change meant to alter them (a layout,
 a pipelined loop) shows its instruction and register counts before any GPU run.  Run it without
@@ -120,7 +121,20 @@ def build(fn, sig: dict, const: dict, warps: int) -> dict:
         res = subprocess.run([_cuobjdump(), "-res-usage", path], capture_output=True, text=True, check=True).stdout
     lines = [re.sub(r"/\*[0-9a-f]+\*/", "", x).strip() for x in sass.splitlines() if re.match(r"\s+/\*[0-9a-f]{4}\*/", x)]
     return {"registers": int(re.search(r"REG:(\d+)", res).group(1)), "instructions": len(lines),
-            "ldgsts": sum("LDGSTS" in x for x in lines), "code": "\n".join(lines)}
+            "loop_instructions": inner_loop_size(sass), "ldgsts": sum("LDGSTS" in x for x in lines),
+            "code": "\n".join(lines)}
+
+
+def inner_loop_size(sass: str) -> int | None:
+    """Instructions in the innermost loop of a cuobjdump listing (the shortest span from a backward
+    branch's target to the branch, the trap's branch-to-self left out): the per-step cost that the
+    source loop repeats S times, which whole-kernel counts blur."""
+    spans = []
+    for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?BRA\s+(?:`\(\.L_x_\d+\)\s*)?0x([0-9a-f]+)", sass):
+        here, target = int(m.group(1), 16), int(m.group(2), 16)
+        if target < here:
+            spans.append((here - target) // 16 + 1)
+    return min(spans) if spans else None
 
 
 def _load(path: str, name: str):

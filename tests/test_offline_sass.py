@@ -43,3 +43,20 @@ def test_unknown_configuration_is_named():
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "offline_sass.py"), "--configs", "nope"],
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0 and "unknown --configs ['nope']" in proc.stderr
+
+
+def test_inner_loop_size_reads_the_shortest_backward_branch():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import offline_sass
+
+    listing = "\n".join([
+        "        /*0000*/                   MOV R1, c[0x0][0x28] ;",
+        "        /*0c60*/              @!P0 BRA 0x1fc0 ;",  # forward branch: not a loop
+        "        /*1000*/                   IADD3 R2, R2, 0x1, RZ ;",
+        "        /*1150*/                   LDG.E R4, [R2.64] ;",
+        "        /*1fb0*/               @P6 BRA 0x1150 ;",  # inner loop: 0x1150 .. 0x1fb0
+        "        /*2000*/                   BRA 0x1000 ;",  # outer loop
+        "        /*3b00*/                   BRA 0x3b00;",  # the trap's branch to itself
+    ])
+    assert offline_sass.inner_loop_size(listing) == (0x1FB0 - 0x1150) // 16 + 1
+    assert offline_sass.inner_loop_size("        /*0000*/  EXIT ;") is None
