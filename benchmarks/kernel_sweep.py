@@ -7,8 +7,8 @@ times the forward kernel and the backward kernel separately under every candidat
 configuration (forward: tokens per program BLOCK_T; backward: sources per step SB; num_warps,
 PREFETCH; then, for the two best of each kernel, the evict-first hint, Triton's software pipelining
 of the source loop (STAGES 2 and 3, without the hand-written prefetch) and, for the backward, the
-persistent grid's programs per SM, and the key-chunk specialisation KEYCH where the key starts past
-the first of three chunks), under each column layout the width allows (one power-of-two
+persistent grid's programs per SM, the key-chunk specialisation KEYCH where the key starts past
+the first of three chunks, and a two-deep prefetch ring, PREFETCH 2, for the token-block kernels), under each column layout the width allows (one power-of-two
 chunk, and three equal chunks where they pad less: kernels.op._col_layout), through
 ``kernels.op.CONFIG_OVERRIDE``, for
 either kernel pair (``:table``, ``:args`` after a shape; see PATHS).  Each timing replays
@@ -136,6 +136,11 @@ def sweep_shape(N, d, S, r, bw, budget_end, path="table", quick=False, only=None
         return {k: row[k] for k in ("BLOCK_T", "SB", "num_warps", "PREFETCH", "EVICT", "STAGES", "SPLIT", "KEYCH")
                 if k in row}
 
+    def ringed(kind, fn, ppsm=None):  # the best two token-block configurations with a two-deep prefetch ring
+        for b in best(kind, 2):
+            if (kind == "fwd" or b.get("BLOCK_T")) and b["PREFETCH"] == 1 and time.time() < budget_end:
+                run(kind, dict(cfg_of(b), PREFETCH=2), fn, ppsm)
+
     def keyed(kind, fn, ppsm=None):  # the best two three-chunk configurations with KEYCH
         block_d, nch = kop._col_layout(d, True)
         if nch == 1 or (d - r) // block_d == 0:
@@ -161,6 +166,7 @@ def sweep_shape(N, d, S, r, bw, budget_end, path="table", quick=False, only=None
             run("fwd", dict(cfg_of(b), EVICT=True), fwd)
     pipelined("fwd", fwd)
     keyed("fwd", fwd)
+    ringed("fwd", fwd)
     if only == "fwd":
         return {"tokens": N, "d": d, "S": S, "r": r, "kernels": path, "rows": rows}
     kop.CONFIG_OVERRIDE.clear()
@@ -174,6 +180,7 @@ def sweep_shape(N, d, S, r, bw, budget_end, path="table", quick=False, only=None
             run("bwd", cfg, bwd, default_ppsm)
     pipelined("bwd", bwd, default_ppsm)
     keyed("bwd", bwd, default_ppsm)
+    ringed("bwd", bwd, default_ppsm)
     try:
         for b in best("bwd", 2):
             if time.time() < budget_end:

@@ -43,6 +43,7 @@ CONFIGS = {
     "split-tile": (512, 3, 1, 4, 1, 1, "tile"),
     "split-key": (512, 3, 1, 4, 1, 1, "persistent", 2),  # key (r = 384) inside the last chunk: KEY0 = 2
     "split-tile-key": (512, 3, 1, 4, 1, 1, "tile", 2),
+    "split-tile-key-ring": (512, 3, 1, 4, 2, 1, "tile", 2),  # PREFETCH 2: a two-deep ring
 }
 _NSLOT = 9
 

@@ -420,18 +420,25 @@ def _fwd_body(
         offs2, ok2, tail2 = _cols(d, r, 2 * BLOCK_D, BLOCK_D)
         q2 = _query(q_ptr, offs2, d, r, tail2)
         acc2 = tl.zeros([BLOCK_T, BLOCK_D], tl.float32)
-    if PREFETCH:
+    if PREFETCH >= 1:
         tn0, tn1, tn2 = _src_tiles(0, S, rows, rows64, row_ok, offs0, ok0, offs1, ok1, offs2, ok2, NCH, EVICT,
                                    TABLE, src0_ptr, src_offs, src_strides, ALIGN, NSLOT,
                                    x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
                                    xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7, xs8, xs9, xs10, xs11, xs12, xs13, xs14, xs15)
+    if PREFETCH == 2:
+        tm0, tm1, tm2 = _src_tiles(1, S, rows, rows64, row_ok, offs0, ok0, offs1, ok1, offs2, ok2, NCH, EVICT,
+                                   TABLE, src0_ptr, src_offs, src_strides, ALIGN, NSLOT,
+                                   x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
+                                   xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7, xs8, xs9, xs10, xs11, xs12, xs13, xs14, xs15)
     for i in tl.range(0, S, num_stages=STAGES):
-        j = i + PREFETCH  # the source this step loads: the next one when prefetching
+        j = i + PREFETCH  # the source this step loads: PREFETCH sources ahead
         u0, u1, u2 = _src_tiles(j, S, rows, rows64, row_ok, offs0, ok0, offs1, ok1, offs2, ok2, NCH, EVICT,
                                 TABLE, src0_ptr, src_offs, src_strides, ALIGN, NSLOT,
                                 x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
                                 xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7, xs8, xs9, xs10, xs11, xs12, xs13, xs14, xs15)
-        if PREFETCH:  # use the tiles loaded a step ago; keep this step's for the next
+        if PREFETCH == 2:  # a two-deep ring: use the oldest tiles, keep the two newer sets
+            t0, t1, t2, tn0, tn1, tn2, tm0, tm1, tm2 = tn0, tn1, tn2, tm0, tm1, tm2, u0, u1, u2
+        elif PREFETCH == 1:  # use the tiles loaded a step ago; keep this step's for the next
             t0, t1, t2, tn0, tn1, tn2 = tn0, tn1, tn2, u0, u1, u2
         else:
             t0, t1, t2 = u0, u1, u2
@@ -480,7 +487,8 @@ def _bwd_body(
     dx0, dx1, dx2, dx3, dx4, dx5, dx6, dx7, dx8, dx9, dx10, dx11, dx12, dx13, dx14, dx15,  # gradients
 ):
     """The backward's persistent program (the kernels' arguments are described at
-    _attnres_bwd_kernel)."""
+    _attnres_bwd_kernel); PREFETCH 0 or 1."""
+    tl.static_assert(PREFETCH <= 1, "the persistent backward prefetches at most one step")
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     sbs = tl.arange(0, SB)
@@ -599,18 +607,25 @@ def _bwd_tile_body(
         gh = gh + gh1 + gh2
     gh = tl.sum(gh, axis=1)
     lse = tl.load(st_ptr + rows, mask=row_ok, other=0.0)
-    if PREFETCH:
+    if PREFETCH >= 1:
         tn0, tn1, tn2 = _src_tiles(0, S, rows, rows64, row_ok, offs0, ok0, offs1, ok1, offs2, ok2, NCH, EVICT,
                                    TABLE, src0_ptr, src_offs, src_strides, ALIGN, NSLOT,
                                    x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
                                    xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7, xs8, xs9, xs10, xs11, xs12, xs13, xs14, xs15)
+    if PREFETCH == 2:
+        tm0, tm1, tm2 = _src_tiles(1, S, rows, rows64, row_ok, offs0, ok0, offs1, ok1, offs2, ok2, NCH, EVICT,
+                                   TABLE, src0_ptr, src_offs, src_strides, ALIGN, NSLOT,
+                                   x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
+                                   xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7, xs8, xs9, xs10, xs11, xs12, xs13, xs14, xs15)
     for i in tl.range(0, S, num_stages=STAGES):
-        j = i + PREFETCH  # the source this step loads: the next one when prefetching
+        j = i + PREFETCH  # the source this step loads: PREFETCH sources ahead
         u0, u1, u2 = _src_tiles(j, S, rows, rows64, row_ok, offs0, ok0, offs1, ok1, offs2, ok2, NCH, EVICT,
                                 TABLE, src0_ptr, src_offs, src_strides, ALIGN, NSLOT,
                                 x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
                                 xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7, xs8, xs9, xs10, xs11, xs12, xs13, xs14, xs15)
-        if PREFETCH:  # use the tiles loaded a step ago; keep this step's for the next
+        if PREFETCH == 2:  # a two-deep ring: use the oldest tiles, keep the two newer sets
+            t0, t1, t2, tn0, tn1, tn2, tm0, tm1, tm2 = tn0, tn1, tn2, tm0, tm1, tm2, u0, u1, u2
+        elif PREFETCH == 1:  # use the tiles loaded a step ago; keep this step's for the next
             t0, t1, t2, tn0, tn1, tn2 = tn0, tn1, tn2, u0, u1, u2
         else:
             t0, t1, t2 = u0, u1, u2
@@ -672,7 +687,7 @@ def _attnres_fwd_kernel(
     NCH: tl.constexpr,  # column chunks per row: 1 or 3
     KEY0: tl.constexpr,  # first column chunk holding key columns (0: compute as if every chunk may)
     BLOCK_T: tl.constexpr,  # tokens per program
-    PREFETCH: tl.constexpr,  # load the next source's tile before this one's arithmetic (0, 1)
+    PREFETCH: tl.constexpr,  # load the source's tiles this many steps ahead (0, 1, 2)
     EVICT: tl.constexpr,  # evict-first hint on the source reads
     STAGES: tl.constexpr,  # Triton software-pipeline stages of the source loop (1: none)
     FUSED: tl.constexpr,  # multi-operand row reductions (GPU); separate tl.sum (interpreter)

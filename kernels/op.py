@@ -43,7 +43,8 @@ _CPU_TRITON = os.environ.get("KERNELS_CPU_TRITON", "0") == "1"
 # unwritten element shows up.
 POISON = os.environ.get("KERNELS_POISON", "0") == "1"
 # Launch configuration overrides: {"fwd": {BLOCK_T, num_warps, PREFETCH}, "bwd": {SB, num_warps,
-# PREFETCH}}, either optionally with num_stages, EVICT (the evict-first hint on source reads), STAGES
+# PREFETCH}} (PREFETCH 0-1; 2, a two-deep ring, for the forward and the token-tile backward; untimed),
+# either optionally with num_stages, EVICT (the evict-first hint on source reads), STAGES
 # (Triton's software pipelining of the source loop, 1 = none; slower on the H200 wherever timed) and
 # SPLIT (the column layout, see _col_layout) and KEYCH (see _key_chunk), both read by the host, not
 # passed to the kernel.  A "bwd"

@@ -181,6 +181,13 @@ CONFIG_CASES = [
      (600, 50, 9, "full", "rowpad")),
     ({"BLOCK_T": 1, "num_warps": 2, "PREFETCH": 0, "KEYCH": True}, {"BLOCK_T": 2, "num_warps": 2, "PREFETCH": 0, "KEYCH": True},
      (300, 100, 3, "slice", "contig")),
+    # a two-deep prefetch ring (forward and token-tile backward), S below, at and above the ring
+    ({"BLOCK_T": 2, "num_warps": 2, "PREFETCH": 2}, {"BLOCK_T": 1, "num_warps": 2, "PREFETCH": 2, "KEYCH": True},
+     (300, 40, 2, "slice", "mixed")),
+    ({"BLOCK_T": 1, "num_warps": 2, "PREFETCH": 2, "KEYCH": True}, {"BLOCK_T": 2, "num_warps": 4, "PREFETCH": 2},
+     (513, 200, 7, "full", "transposed")),
+    ({"BLOCK_T": 1, "num_warps": 1, "PREFETCH": 2}, {"BLOCK_T": 1, "num_warps": 1, "PREFETCH": 2, "SPLIT": False},
+     (64, 64, 1, "slice", "colstride")),
 ]
 
 
