@@ -4,14 +4,15 @@
 
 For a few shapes (default: 8192 tokens, d in {1024, 1536, 2560}, S = 9, r = d/4; ``--shapes``) it
 times the forward kernel and the backward kernel separately under every candidate launch
-configuration (forward: tokens per program BLOCK_T; backward: sources per step SB; num_warps,
-PREFETCH; then, for the two best of each kernel, the evict-first hint, Triton's software pipelining
-of the source loop (STAGES 2 and 3, without the hand-written prefetch) and, for the backward, the
-persistent grid's programs per SM, the key-chunk specialisation KEYCH where the key starts past
-the first of three chunks, and a two-deep prefetch ring, PREFETCH 2, for the token-block kernels), under each column layout the width allows (one power-of-two
-chunk, and three equal chunks where they pad less: kernels.op._col_layout), through
-``kernels.op.CONFIG_OVERRIDE``, for
-either kernel pair (``:table``, ``:args`` after a shape; see PATHS).  Each timing replays
+configuration (forward: tokens per program BLOCK_T; backward: sources per step SB on the persistent
+grid, or BLOCK_T tokens per program on the token-tile grid; num_warps, PREFETCH), under each column
+layout the width allows (one power-of-two chunk, and three equal chunks where they pad less:
+kernels.op._col_layout); then, for the two best of each kernel, the evict-first hint, Triton's
+software pipelining of the source loop (STAGES 2 and 3, without the hand-written prefetch), the
+key-chunk specialisation KEYCH (where the key starts past the first of three chunks), a two-deep
+prefetch ring (PREFETCH 2, token-block kernels) and the persistent grid's programs per SM; all
+through ``kernels.op.CONFIG_OVERRIDE``, for either kernel pair (``:table``, ``:args`` after a shape;
+see PATHS).  Each timing replays
 a CUDA graph of the launch (no host-side dispatch in the number; the inputs are several times the L2,
 so the cache helps little), median of ``triton.testing.do_bench_cudagraph``.  Every row also gives
 the fraction of the measured copy bandwidth for the bytes this design moves:

@@ -43,14 +43,13 @@ _CPU_TRITON = os.environ.get("KERNELS_CPU_TRITON", "0") == "1"
 # unwritten element shows up.
 POISON = os.environ.get("KERNELS_POISON", "0") == "1"
 # Launch configuration overrides: {"fwd": {BLOCK_T, num_warps, PREFETCH}, "bwd": {SB, num_warps,
-# PREFETCH}} (PREFETCH 0-1; 2, a two-deep ring, for the forward and the token-tile backward; untimed),
-# either optionally with num_stages, EVICT (the evict-first hint on source reads), STAGES
-# (Triton's software pipelining of the source loop, 1 = none; slower on the H200 wherever timed) and
-# SPLIT (the column layout, see _col_layout) and KEYCH (see _key_chunk), both read by the host, not
-# passed to the kernel.  A "bwd"
-# with BLOCK_T > 0 runs the token-tile backward (BLOCK_T tokens per program, one query-gradient
-# partial row each) instead of the persistent one; not among the autotuned candidates (see
-# docs/kernel_notes.md, seventh session).
+# PREFETCH}}, either optionally with num_stages, EVICT (the evict-first hint on source reads), STAGES
+# (Triton's software pipelining of the source loop, 1 = none; slower on the H200 wherever timed),
+# SPLIT (the column layout, see _col_layout) and KEYCH (see _key_chunk); the host reads SPLIT and
+# KEYCH, the kernel never sees them.  A "bwd" with BLOCK_T > 0 instead of SB runs the token-tile
+# backward (BLOCK_T tokens per program, one query-gradient partial row each), not among the
+# autotuned candidates (docs/kernel_notes.md, seventh session).  PREFETCH is 0 or 1; 2, a two-deep
+# prefetch ring, exists for the forward and the token-tile backward (untimed).
 CONFIG_OVERRIDE: dict = {}
 # Call statistics for benchmarks: set to a collections.Counter and every Triton launch adds one
 # count under (kind, S, tokens, d, r, align) with align the vector width the tables allowed (a
@@ -195,9 +194,10 @@ def _col_layout(d: int, split: bool | None = None) -> tuple[int, int]:
 # Key-chunk specialisation: with three column chunks and a key (the last r columns) inside the last
 # one or two, the chunks before it need no q.k terms, no |k|^2 terms ("slice") and no query-gradient
 # work, and their source gradients are w g.  The kernels learn where the key starts as the
-# compile-time KEY0 (one build per value).  An offline sm_90 build at d = 1536, r = 384 drops the
-# forward's loop instructions by a fifth (benchmarks/offline_sass.py, config split-key); not yet
-# timed on a GPU, so off by default: KERNELS_KEY_CHUNKS=1, or CONFIG_OVERRIDE's KEYCH per kernel.
+# compile-time KEY0 (one build per value).  An offline sm_90 build at d = 1536, r = 384 drops a
+# quarter of the forward's source-loop instructions, 231 -> 174 (benchmarks/offline_sass.py, config
+# split-key); not yet timed on a GPU, so off by default: KERNELS_KEY_CHUNKS=1, or CONFIG_OVERRIDE's
+# KEYCH per kernel.
 KEY_CHUNKS = os.environ.get("KERNELS_KEY_CHUNKS", "0") == "1"
 
 
