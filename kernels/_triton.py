@@ -583,8 +583,8 @@ def _bwd_tile_body(
     dx0, dx1, dx2, dx3, dx4, dx5, dx6, dx7, dx8, dx9, dx10, dx11, dx12, dx13, dx14, dx15,
 ):
     """The backward of BLOCK_T tokens, one program per block (no persistent loop): the forward's
-    layout, walking the sources one at a time with the next one's tiles loaded early (PREFETCH) or
-    Triton's pipeliner (STAGES).  Each program writes its own query-gradient partial row.  Why: the
+    layout, walking the sources one at a time with the tiles of the next one or two loaded early
+    (PREFETCH 1 or 2) or Triton's pipeliner (STAGES).  Each program writes its own query-gradient partial row.  Why: the
     persistent backward waits on every source load (ncu on the H200, 8192 tokens, d = 1536, S = 9:
     12 of its 18 cycles per issued instruction stalled on global loads), while many resident
     programs of one token block each keep more loads in flight."""
