@@ -128,7 +128,7 @@ lane_ksweep() {  # ONLY=fwd or bwd sweeps one kernel
     --shapes "${SHAPES:-4096x1536x9x384,8192x1536x9x384,4096x1536x9x384:args,8192x1024x9x256,4096x1536x3x384}"
 }
 lane_kcheck() {
-  timeout 260 $PYTHON -m pytest -q -p no:cacheprovider tests/test_kernels.py -rA --tb=short 2>&1 | tee "$L/pytest.txt" \
+  timeout 380 $PYTHON -m pytest -q -p no:cacheprovider tests/test_kernels.py -rA --tb=short 2>&1 | tee "$L/pytest.txt" \
     | grep -v "^PASSED" | tail -40
   $PYTHON benchmarks/kernel_bench.py --out "$L" --tokens 8192 --no-compile --budget-s "$(left $((DUR - 30)))"
 }
@@ -159,7 +159,7 @@ lane_kncu() {
   $PYTHON benchmarks/ncu_profile.py summarize "$L" && cat "$L/ncu_summary.md"
 }
 lane_kgpuncu() {  # the kernels' GPU tests, then lane kncu with the time left
-  timeout 260 $PYTHON -m pytest -q -p no:cacheprovider tests/test_kernels.py -rA --tb=short 2>&1 \
+  timeout 380 $PYTHON -m pytest -q -p no:cacheprovider tests/test_kernels.py -rA --tb=short 2>&1 \
     | tee "$L/pytest.txt" | grep -v "^PASSED" | tail -30
   lane_kncu
 }
