@@ -27,8 +27,9 @@
 #   kcheck      tests/test_kernels.py on the GPU (all of it: the interpreter cases run in fp32 on CUDA), then
 #               kernel_bench.py at 8192 tokens (the goals' S = 9 shapes first) with the default variant
 #   kncu        Nsight Compute counters of one forward+backward, ours and fast-attnres, at 8192 tokens,
-#               d = 1536, r = 384, S = 9 and 2 (benchmarks/ncu_profile.py; NCU_VARIANTS adds variants of
-#               ours as LABEL=JSON overrides, space-separated), then the summary table
+#               d = 1536, r = 384 (NCU_SHAPE=TOKENSxDxR), S = 9 and 2 (NCU_S) (benchmarks/ncu_profile.py;
+#               NCU_VARIANTS adds variants of ours as LABEL=JSON overrides, space-separated; NCU_BASE=""
+#               leaves out the plain runs), then the summary table
 #   kgpuncu     tests/test_kernels.py on the GPU (all of it), then kncu
 #   traingrid   train, then as much of the gpu scale as fits (benchmarks/gpu_grid.sh)
 #   grid        benchmarks/gpu_grid.sh alone
@@ -136,9 +137,12 @@ lane_kncu() {
   local ncu
   ncu=$(command -v ncu || ls -d /opt/nvidia/nsight-compute/*/ncu 2> /dev/null | head -1)
   [ -n "$ncu" ] || { echo "no ncu on this machine"; return 1; }
-  $PYTHON -c 'import json, datetime, torch, triton; print(json.dumps({"device": torch.cuda.get_device_name(),
-    "torch": torch.__version__, "triton": triton.__version__, "shape": "8192 tokens, d=1536, r=384",
-    "commit": __import__("os").environ.get("LRATTNRES_COMMIT"),
+  local tok dd rr
+  IFS=x read -r tok dd rr <<< "${NCU_SHAPE:-8192x1536x384}"  # tokens x d x r
+  NCU_DESC="$tok tokens, d=$dd, r=$rr" $PYTHON -c 'import json, datetime, os, torch, triton; print(json.dumps({
+    "device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+    "shape": os.environ["NCU_DESC"],
+    "commit": os.environ.get("LRATTNRES_COMMIT"),
     "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}))' > "$L/meta.json"
   "$ncu" --version > "$L/ncu_version.txt" 2>&1
   local runs=(${NCU_BASE-ours= fast-attnres=}) S label ov impl  # NCU_BASE="" profiles the variants alone
@@ -151,7 +155,7 @@ lane_kncu() {
       timeout "$(left $((DUR - 30)))" "$ncu" --clock-control none --profile-from-start off --csv --page raw \
         --section SpeedOfLight --section LaunchStats --section Occupancy --section WarpStateStats \
         --section MemoryWorkloadAnalysis --metrics dram__bytes_read.sum,dram__bytes_write.sum,smsp__inst_executed.sum \
-        $PYTHON benchmarks/ncu_profile.py run --impl $impl --S "$S" --tokens 8192 --d 1536 --r 384 \
+        $PYTHON benchmarks/ncu_profile.py run --impl $impl --S "$S" --tokens "$tok" --d "$dd" --r "$rr" \
         ${ov:+--override "$ov"} > "$L/${label}_S$S.csv" 2> "$L/${label}_S$S.err"
       echo "ncu $label S=$S exit $? at $(( $(date +%s) - LT0 ))s"
     done
