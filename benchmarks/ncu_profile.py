@@ -56,16 +56,6 @@ _STALL = re.compile(r"^smsp__average_warps_issue_stalled_(\w+?)_per_issue_active
 # ---------------------------------------------------------------------------------------------- run (GPU)
 
 
-def _inputs(S, N, d, r, seed=0):
-    import torch
-
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    srcs = [torch.randn(N, d, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(S)]
-    q = (torch.randn(r, device="cuda", generator=gen) * 0.5).to(torch.bfloat16)
-    g = torch.randn(N, d, device="cuda", generator=gen).to(torch.bfloat16)
-    return srcs, q, g
-
-
 def _step(impl: str, srcs, q, g):
     """One forward+backward of ``impl`` as a callable (kernels only for ours, as in kernel_sweep)."""
     import torch
@@ -115,6 +105,8 @@ def run(a) -> int:
         import kernels.op as kop
 
         kop.CONFIG_OVERRIDE.update(json.loads(a.override))
+    from kernel_bench import _inputs  # the side-by-side benchmark's inputs (bf16, the same seed)
+
     srcs, q, g = _inputs(a.S, a.tokens, a.d, a.r)
     fb = _step(a.impl, srcs, q, g)
     for _ in range(3):  # autotuning and compilation happen here, outside the profiled window

@@ -193,24 +193,26 @@ def _bwd_row(g_ptr, h_ptr, res_ptr, row64, offs, col_ok, d, stride_g, HAS_RES: t
 
 
 @triton.jit
-def _bwd_weights(go, gh, lse, js, S, N, row, st_ptr, inv_n):
-    """From g.o_i [SB] and the forward's scores: the weights w, c = dL/dz * rinv (the query
-    gradient's weight; 0 where js >= S) and the key term's coefficient z rinv / n."""
-    live = js < S
-    z = tl.load(st_ptr + (1 + js).to(tl.int64) * N + row, mask=live, other=0.0)
-    rinv = tl.load(st_ptr + (1 + S + js).to(tl.int64) * N + row, mask=live, other=0.0)
+def _bwd_weights(go, gh, lse, js, S, N, rows, live, st_ptr, inv_n):
+    """From g.o (sources js of one token, or one source of tokens ``rows``) and the forward's
+    scores: the weights w, c = dL/dz * rinv (the query gradient's weight; 0 where not ``live``) and
+    the key term's coefficient z rinv / n."""
+    # tl.cast, not .to: js is a loop index, which the interpreter passes as a Python int
+    z = tl.load(st_ptr + tl.cast(1 + js, tl.int64) * N + rows, mask=live, other=0.0)
+    rinv = tl.load(st_ptr + tl.cast(1 + S + js, tl.int64) * N + rows, mask=live, other=0.0)
     w = tl.exp(z - lse)
     return w, w * (go - gh) * rinv, z * rinv * inv_n
 
 
 @triton.jit
 def _bwd_grad(x, g, q, tail, w, c, coef, SLICE: tl.constexpr):
-    """Gradient rows [SB, BLOCK_D] of one column chunk of the fp32 source rows x."""
+    """Gradient rows [SB or BLOCK_T, BLOCK_D] of one column chunk of the fp32 source rows x (g
+    broadcast against them: one token's [1, BLOCK_D], or a token block's)."""
     if SLICE:
         k = tl.where(tail[None, :], x, 0.0)
     else:
         k = x
-    return w[:, None] * g[None, :] + c[:, None] * (q[None, :] - coef[:, None] * k)
+    return w[:, None] * g + c[:, None] * (q[None, :] - coef[:, None] * k)
 
 
 @triton.jit
@@ -238,25 +240,6 @@ def _bwd_rows(g_ptr, h_ptr, res_ptr, rows64, row_ok, offs, col_ok, d, stride_g,
         base, ok = _res_base(hh)
         hh = tl.where(ok, hh + code * (base * RES_STEP), hh)
     return g, g * hh
-
-
-@triton.jit
-def _bwd_tile_weights(go, gh, lse, i, S, N, rows, row_ok, st_ptr, inv_n):
-    """_bwd_weights for source i over a block of tokens: w, c and coef, each [BLOCK_T]."""
-    z = tl.load(st_ptr + tl.cast(1 + i, tl.int64) * N + rows, mask=row_ok, other=0.0)
-    rinv = tl.load(st_ptr + tl.cast(1 + S + i, tl.int64) * N + rows, mask=row_ok, other=0.0)
-    w = tl.exp(z - lse)
-    return w, w * (go - gh) * rinv, z * rinv * inv_n
-
-
-@triton.jit
-def _bwd_tile_grad(x, g, q, tail, w, c, coef, SLICE: tl.constexpr):
-    """Gradient tile [BLOCK_T, BLOCK_D] of one source over a block of tokens (g per token)."""
-    if SLICE:
-        k = tl.where(tail[None, :], x, 0.0)
-    else:
-        k = x
-    return w[:, None] * g + c[:, None] * (q[None, :] - coef[:, None] * k)
 
 
 @triton.jit
@@ -545,23 +528,23 @@ def _bwd_body(
                 t1 = t1.to(tl.float32)
                 t2 = t2.to(tl.float32)
                 go = go + g1[None, :] * t1 + g2[None, :] * t2
-            w, c, coef = _bwd_weights(tl.sum(go, axis=1), gh, lse, js, S, N, row, st_ptr, inv_n)
+            w, c, coef = _bwd_weights(tl.sum(go, axis=1), gh, lse, js, S, N, row, js < S, st_ptr, inv_n)
             gp = _grad_ptrs(js, S, TABLE, grad0_ptr, grad_offs, GALIGN, NSLOT,
                             dx0, dx1, dx2, dx3, dx4, dx5, dx6, dx7, dx8, dx9, dx10, dx11, dx12, dx13, dx14, dx15)
             if KEY0 > 0 and SLICE:  # no key column in chunk 0: its gradient is w g
                 _store_grad(gp, row64, d, offs0, ok0, js, S, w[:, None] * g0[None, :])
             else:
-                _store_grad(gp, row64, d, offs0, ok0, js, S, _bwd_grad(t0, g0, q0, tail0, w, c, coef, SLICE))
+                _store_grad(gp, row64, d, offs0, ok0, js, S, _bwd_grad(t0, g0[None, :], q0, tail0, w, c, coef, SLICE))
             if KEY0 == 0:  # the query gradient lives on key columns only
                 dq0 += tl.sum(c[:, None] * t0, axis=0)
             if NCH == 3:
                 if KEY0 > 1 and SLICE:
                     _store_grad(gp, row64, d, offs1, ok1, js, S, w[:, None] * g1[None, :])
                 else:
-                    _store_grad(gp, row64, d, offs1, ok1, js, S, _bwd_grad(t1, g1, q1, tail1, w, c, coef, SLICE))
+                    _store_grad(gp, row64, d, offs1, ok1, js, S, _bwd_grad(t1, g1[None, :], q1, tail1, w, c, coef, SLICE))
                 if KEY0 <= 1:
                     dq1 += tl.sum(c[:, None] * t1, axis=0)
-                _store_grad(gp, row64, d, offs2, ok2, js, S, _bwd_grad(t2, g2, q2, tail2, w, c, coef, SLICE))
+                _store_grad(gp, row64, d, offs2, ok2, js, S, _bwd_grad(t2, g2[None, :], q2, tail2, w, c, coef, SLICE))
                 dq2 += tl.sum(c[:, None] * t2, axis=0)
     if KEY0 == 0:
         _dq_store(dq0, dq_part_ptr, pid, r, d, offs0, tail0)
@@ -635,23 +618,23 @@ def _bwd_tile_body(
             t1 = t1.to(tl.float32)
             t2 = t2.to(tl.float32)
             go = go + g1 * t1 + g2 * t2
-        w, c, coef = _bwd_tile_weights(tl.sum(go, axis=1), gh, lse, i, S, N, rows, row_ok, st_ptr, inv_n)
+        w, c, coef = _bwd_weights(tl.sum(go, axis=1), gh, lse, i, S, N, rows, row_ok, st_ptr, inv_n)
         gp = _grad_ptrs(i, S, TABLE, grad0_ptr, grad_offs, GALIGN, NSLOT,
                         dx0, dx1, dx2, dx3, dx4, dx5, dx6, dx7, dx8, dx9, dx10, dx11, dx12, dx13, dx14, dx15)
         if KEY0 > 0 and SLICE:  # no key column in chunk 0: its gradient is w g
             _store_tile(gp, rows64, row_ok, d, offs0, ok0, w[:, None] * g0)
         else:
-            _store_tile(gp, rows64, row_ok, d, offs0, ok0, _bwd_tile_grad(t0, g0, q0, tail0, w, c, coef, SLICE))
+            _store_tile(gp, rows64, row_ok, d, offs0, ok0, _bwd_grad(t0, g0, q0, tail0, w, c, coef, SLICE))
         if KEY0 == 0:
             dq0 += tl.sum(c[:, None] * t0, axis=0)
         if NCH == 3:
             if KEY0 > 1 and SLICE:
                 _store_tile(gp, rows64, row_ok, d, offs1, ok1, w[:, None] * g1)
             else:
-                _store_tile(gp, rows64, row_ok, d, offs1, ok1, _bwd_tile_grad(t1, g1, q1, tail1, w, c, coef, SLICE))
+                _store_tile(gp, rows64, row_ok, d, offs1, ok1, _bwd_grad(t1, g1, q1, tail1, w, c, coef, SLICE))
             if KEY0 <= 1:
                 dq1 += tl.sum(c[:, None] * t1, axis=0)
-            _store_tile(gp, rows64, row_ok, d, offs2, ok2, _bwd_tile_grad(t2, g2, q2, tail2, w, c, coef, SLICE))
+            _store_tile(gp, rows64, row_ok, d, offs2, ok2, _bwd_grad(t2, g2, q2, tail2, w, c, coef, SLICE))
             dq2 += tl.sum(c[:, None] * t2, axis=0)
     if KEY0 == 0:
         _dq_store(dq0, dq_part_ptr, pid, r, d, offs0, tail0)

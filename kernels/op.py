@@ -261,6 +261,8 @@ def _bwd_configs(block_d: int, nch: int = 1) -> list[dict]:
 AUTOTUNE = os.environ.get("KERNELS_AUTOTUNE", "1") == "1"
 _TUNED: dict = {}
 BWD_PROGRAMS_PER_SM = 8
+# The backward's grid constexprs a configuration may leave out: one source per step, persistent grid.
+_BWD_DEFAULTS = {"SB": 1, "BLOCK_T": 0}
 
 
 # The autotuner's choice per (kind, BLOCK_D, autotune key, dtypes), once made: later calls launch the
@@ -296,7 +298,7 @@ def _launcher(kind: str, block_d: int, nch: int, device: torch.device, key: tupl
     if tk not in _TUNED:
         import triton
 
-        fill = {"SB": 1, "BLOCK_T": 0} if kind == "bwd" else {}
+        fill = _BWD_DEFAULTS if kind == "bwd" else {}
         configs = [triton.Config(dict(fill, **{k: v for k, v in c.items() if k not in ("num_warps", "num_stages")}),
                                  num_warps=c["num_warps"], num_stages=c.get("num_stages", 3)) for c in cfgs]
         _TUNED[tk] = triton.autotune(configs=configs, key=["d", "SLICE", "HAS_RES"])(raw)
@@ -500,7 +502,7 @@ def _launch_kwargs(cfg: dict | None, kind: str = "fwd") -> dict:
     names them); {"EVICT": False, "STAGES": 1} when autotuning chooses the rest."""
     out = {"EVICT": False, "STAGES": 1}
     if cfg is not None and kind == "bwd":
-        out.update(SB=1, BLOCK_T=0)
+        out.update(_BWD_DEFAULTS)
     out.update({k: v for k, v in (cfg or {}).items() if k not in ("SPLIT", "KEYCH")})
     return out
 
