@@ -48,7 +48,7 @@ class _NoLaunch:
 def _stub_launches() -> None:
     fwd = kop._fwd_configs(2048)[0]
     bwd = kop._bwd_configs(2048)[0]
-    kop._launcher = lambda kind, block_d, nch, dev, key=(): (_NoLaunch(), dict(fwd if kind == "fwd" else bwd))
+    kop._launcher = lambda kind, block_d, nch, key_pos, dev, key=(): (_NoLaunch(), dict(fwd if kind == "fwd" else bwd))
     kop.set_cpu_triton(True)
 
 

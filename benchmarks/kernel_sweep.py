@@ -78,12 +78,13 @@ def _tile_candidates(block_d: int, nch: int, warps=(2, 4, 8)) -> list[dict]:
 
 
 def _quick(kind: str, block_d: int, nch: int) -> list[dict]:
-    """The candidates worth timing on a short budget (--quick): the shipped ones for one column
-    chunk; 2-8 warps for three chunks (smaller tiles per chunk); the backward's token-tile grid."""
+    """The candidates worth timing on a short budget (--quick): the shipped ones; for three chunks
+    also 2-8 warps (smaller tiles per chunk); the backward's token-tile grid."""
     tiles = _tile_candidates(block_d, nch) if kind == "bwd" else []
     if nch == 1:
         return [dict(c, SPLIT=False) for c in kop._candidates(kind, block_d, 1)] + tiles
-    return _candidates(kind, block_d, nch, warps=(2, 4, 8))  # (its own list has the token tiles)
+    shipped = [dict(c, SPLIT=True) for c in kop._candidates(kind, block_d, nch)]
+    return shipped + [c for c in _candidates(kind, block_d, nch, warps=(2, 4, 8)) if c not in shipped]
 
 
 PROGRAMS_PER_SM = (2, 4, 6, 12, 16)  # the backward's persistent grid, tried for the best configurations
@@ -147,7 +148,7 @@ def sweep_shape(N, d, S, r, bw, budget_end, path="table", quick=False, only=None
         if nch == 1 or (d - r) // block_d == 0:
             return  # the key starts in the first chunk: nothing to leave out
         for b in best(kind, 2):
-            if b.get("SPLIT") and time.time() < budget_end:
+            if b.get("SPLIT") and not b.get("KEYCH") and time.time() < budget_end:
                 run(kind, dict(cfg_of(b), KEYCH=True), fn, ppsm)
 
     def pipelined(kind, fn, ppsm=None):  # the best two with Triton's pipeliner instead of PREFETCH

@@ -33,7 +33,7 @@ sys.path.insert(0, ROOT)
 _COMMON = dict(SLICE=True, HAS_RES=True, RES_STEP=2.0**-15, EVICT=False)
 # name: (column chunk width, chunks, tokens or sources per step, warps, PREFETCH, STAGES[, backward grid[,
 # KEY0]]).  The backward's grid: "persistent" (n = SB sources per step) or "tile" (n = BLOCK_T tokens per
-# program); KEY0 the first column chunk holding key columns (kernels.op._key_chunk; 0 = no specialisation).
+# program); KEY0 the first column chunk holding key columns (kernels.op._key_pos; 0 = no specialisation).
 CONFIGS = {
     "split": (512, 3, 1, 4, 0, 1),
     "split-prefetch": (512, 3, 1, 4, 1, 1),
@@ -44,6 +44,7 @@ CONFIGS = {
     "split-key": (512, 3, 1, 4, 1, 1, "persistent", 2),  # key (r = 384) inside the last chunk: KEY0 = 2
     "split-tile-key": (512, 3, 1, 4, 1, 1, "tile", 2),
     "split-tile-key-ring": (512, 3, 1, 4, 2, 1, "tile", 2),  # PREFETCH 2: a two-deep ring
+    "split-tile-key-stages3": (512, 3, 1, 2, 0, 3, "tile", 2),  # the per-argument backward's default
 }
 _NSLOT = 9
 

@@ -24,8 +24,8 @@ custom op too (by default they take a plain autograd.Function over the same kern
 KERNELS_COMPILED_PATH=op sends compiled CUDA calls to the opaque custom op instead of the triton_op
 that Inductor traces (see "Compiled path" below); KERNELS_SPLIT_COLUMNS=0 reads every row as one
 power-of-two tile instead of three equal column chunks where those pad less (see _col_layout);
-KERNELS_KEY_CHUNKS=1 compiles the chunks before the key's first column without the key's work (see
-_key_chunk; untimed, off by default).
+KERNELS_KEY_CHUNKS=0 turns off the key-chunk specialisation that some candidate configurations ask
+for (see _key_pos).
 """
 
 from __future__ import annotations
@@ -45,11 +45,11 @@ POISON = os.environ.get("KERNELS_POISON", "0") == "1"
 # Launch configuration overrides: {"fwd": {BLOCK_T, num_warps, PREFETCH}, "bwd": {SB, num_warps,
 # PREFETCH}}, either optionally with num_stages, EVICT (the evict-first hint on source reads), STAGES
 # (Triton's software pipelining of the source loop, 1 = none; slower on the H200 wherever timed),
-# SPLIT (the column layout, see _col_layout) and KEYCH (see _key_chunk); the host reads SPLIT and
+# SPLIT (the column layout, see _col_layout) and KEYCH (see _key_pos); the host reads SPLIT and
 # KEYCH, the kernel never sees them.  A "bwd" with BLOCK_T > 0 instead of SB runs the token-tile
-# backward (BLOCK_T tokens per program, one query-gradient partial row each), not among the
-# autotuned candidates (docs/kernel_notes.md, seventh session).  PREFETCH is 0 or 1; 2, a two-deep
-# prefetch ring, exists for the forward and the token-tile backward (untimed).
+# backward (BLOCK_T tokens per program, one query-gradient partial row each).  PREFETCH is 0 or 1;
+# 2, a two-deep prefetch ring, exists for the forward and the token-tile backward (slower wherever
+# timed: kernel_sweep_h200_2026-11-30_key).
 CONFIG_OVERRIDE: dict = {}
 # Call statistics for benchmarks: set to a collections.Counter and every Triton launch adds one
 # count under (kind, S, tokens, d, r, align) with align the vector width the tables allowed (a
@@ -194,19 +194,23 @@ def _col_layout(d: int, split: bool | None = None) -> tuple[int, int]:
 # Key-chunk specialisation: with three column chunks and a key (the last r columns) inside the last
 # one or two, the chunks before it need no q.k terms, no |k|^2 terms ("slice") and no query-gradient
 # work, and their source gradients are w g.  The kernels learn where the key starts as the
-# compile-time KEY0 (one build per value).  An offline sm_90 build at d = 1536, r = 384 drops a
-# quarter of the forward's source-loop instructions, 231 -> 174 (benchmarks/offline_sass.py, config
-# split-key); not yet timed on a GPU, so off by default: KERNELS_KEY_CHUNKS=1, or CONFIG_OVERRIDE's
-# KEYCH per kernel.
-KEY_CHUNKS = os.environ.get("KERNELS_KEY_CHUNKS", "0") == "1"
+# compile-time KEY0 (one build per value; 0 = no specialisation).  A configuration asks for it with
+# KEYCH.  On the H200 (kernel_sweep_h200_2026-11-30_key) it cut the forward at 8192 tokens, d = 1536,
+# r = 384, S = 9 from 96.6 to 78.2 us and the backward from 177 to 154 (with the token-tile grid),
+# and at S = 25 207 -> 179 and 414 -> 354; the forward at d = 2560 (key in the last two chunks) lost,
+# 192 -> 207, so the candidates carry it per configuration and the autotuner chooses.
+# KERNELS_KEY_CHUNKS=0 turns it off everywhere.
+KEY_CHUNKS = os.environ.get("KERNELS_KEY_CHUNKS", "1") == "1"
 
 
-def _key_chunk(kind: str, d: int, r: int, block_d: int, nch: int) -> int:
-    """KEY0 for ``kind``'s kernel: the first column chunk holding a key column, or 0 (no
-    specialisation: one chunk, or turned off)."""
-    if nch == 1 or not CONFIG_OVERRIDE.get(kind, {}).get("KEYCH", KEY_CHUNKS):
-        return 0
-    return min(nch - 1, (d - r) // block_d)
+def _key_pos(d: int, r: int, block_d: int, nch: int) -> int:
+    """The first column chunk holding a key column (0 with one chunk: nothing to skip)."""
+    return 0 if nch == 1 else min(nch - 1, (d - r) // block_d)
+
+
+def _key0(cfg: dict, key_pos: int) -> int:
+    """KEY0 for a configuration: the key's first chunk where it asks for KEYCH, else 0."""
+    return key_pos if (KEY_CHUNKS and cfg.get("KEYCH")) else 0
 
 
 def _stats_shape(n_sources: int, lead: tuple) -> tuple:
@@ -216,48 +220,68 @@ def _stats_shape(n_sources: int, lead: tuple) -> tuple:
 
 def _configs(block_d: int, key: str, shapes) -> list[dict]:
     """Launch configurations from (tokens or sources per tile ``key``, elements per thread and
-    column chunk, PREFETCH): num_warps follows from the chunk's tile [n, BLOCK_D]; n grows for
-    narrow rows so that a tile has >= 512 elements."""
+    column chunk, PREFETCH[, further options]): num_warps follows from the chunk's tile
+    [n, BLOCK_D]; n grows for narrow rows so that a tile has >= 512 elements.  The further options
+    (a dict) may name EVICT, STAGES, KEYCH, or BLOCK_T for the backward's token-tile grid (then n
+    is its tokens per program)."""
     out = []
-    for n, per_thread, pf in shapes:
+    for n, per_thread, pf, *more in shapes:
+        extra = dict(more[0]) if more else {}
         n = max(n, 512 // block_d)
-        cfg = {key: n, "num_warps": max(1, min(16, n * block_d // (32 * per_thread))), "PREFETCH": pf}
+        k = "BLOCK_T" if extra.pop("BLOCK_T", False) else key
+        cfg = {k: n, "num_warps": max(1, min(16, n * block_d // (32 * per_thread))), "PREFETCH": pf, **extra}
         if cfg not in out:
             out.append(cfg)
     return out
 
 
+_KEYED = {"KEYCH": True}
+_TILE = {"BLOCK_T": True}
+
+
 def _fwd_configs(block_d: int, nch: int = 1) -> list[dict]:
     """Candidate launch configurations of the forward kernel (BLOCK_T tokens per program, num_warps,
-    PREFETCH): autotuned on CUDA; the first is the default without autotuning.  One chunk: tiles
-    of 16-32 elements per thread; on the H200, BLOCK_T 2 with 32 elements per thread and prefetch
-    was the fastest at d = 1536 padded to 2048 columns: 100 us against 114 us for the best one-token
-    tile (kernel_sweep *_sb/_variants).  Three chunks (kernel_sweep_h200_2026-11-29_split): one
-    token with 4 warps and prefetch the fastest at d = 1536 (96 us against 101 for the one-chunk
-    tile at 8192 tokens, S = 9; 52 against 52 at 4096), one token with 2 warps at d = 2560 (193
-    against 210); four tokens with 4 warps next at d = 1536.  Elements per thread and chunk 4 to 16:
-    4, 2 and 1 warps per token at 512 columns, 8, 4 and 2 at 1024."""
+    PREFETCH, options): autotuned on CUDA; the first is the default without autotuning.  One chunk:
+    tiles of 16-32 elements per thread; on the H200, BLOCK_T 2 with 32 elements per thread and
+    prefetch was the fastest at d = 1536 padded to 2048 columns: 100 us against 114 us for the best
+    one-token tile (kernel_sweep *_sb/_variants).  Three chunks (kernel_sweep_h200_2026-11-30_key, 8192
+    tokens unless named): with the key-chunk specialisation, one token with 4 warps and prefetch
+    (84.4 us at d = 1536, S = 9; 46.8 for the per-argument kernels at 4096 tokens; 36.3 at S = 2),
+    four tokens with 4 warps and prefetch (78.2 at S = 9), four tokens with Triton's three-stage
+    pipelining (179 at S = 25 against 207 without the specialisation); without it, one token with 2
+    warps at d = 2560 (192 against 207 with it), and one token with 4 warps (96.6 at d = 1536, S = 9).
+    Elements per thread and chunk: 4, 2 and 1 warps per token at 512 columns, 8, 4 and 2 at 1024."""
     if nch == 3:
-        return _configs(block_d, "BLOCK_T", ((1, 4, 1), (1, 8, 1), (4, 16, 1), (1, 16, 1)))
+        return _configs(block_d, "BLOCK_T", (
+            (1, 4, 1, dict(_KEYED, EVICT=True)), (4, 16, 1, dict(_KEYED, EVICT=True)),
+            (4, 16, 0, dict(_KEYED, STAGES=3)), (1, 16, 1, {"EVICT": True}), (1, 4, 1)))
     return _configs(block_d, "BLOCK_T", ((2, 32, 1), (1, 16, 1), (1, 16, 0), (1, 8, 1), (2, 16, 1)))
 
 
 def _bwd_configs(block_d: int, nch: int = 1) -> list[dict]:
-    """Candidate launch configurations of the backward kernel (SB sources per step, num_warps,
-    PREFETCH).  One chunk: on the H200 at d = 1536 one source per step with 8 warps and prefetch was
-    the fastest (table kernels: 97.6 us at 4096 tokens, S = 9), two sources with 4 warps and no
-    prefetch next (107; 102 for the per-argument kernels), and the latter the fastest at d = 1024.
-    Three chunks (kernel_sweep_h200_2026-11-29_split): one source per step with no prefetch, 4 or
-    2 warps, the fastest at d = 1536 (174 us against 196 for the one-chunk kernel at 8192 tokens,
-    S = 9; per-argument kernels at 4096 tokens 95 against 109, with 2 warps), one source with 2 warps
-    and prefetch at d = 2560 (328 against 391).  Two or more sources per step ran 1.3-9x slower.
-    Elements per thread and chunk 4 to 16, as for the forward."""
+    """Candidate launch configurations of the backward kernel (SB sources per step on the persistent
+    grid, or BLOCK_T tokens per program on the token-tile grid; num_warps, PREFETCH, options).  One
+    chunk: on the H200 at d = 1536 one source per step with 8 warps and prefetch was the fastest
+    (table kernels: 97.6 us at 4096 tokens, S = 9), two sources with 4 warps and no prefetch next
+    (107; 102 for the per-argument kernels), and the latter the fastest at d = 1024.  Three chunks
+    (kernel_sweep_h200_2026-11-30_key, 8192 tokens unless named; times include the sum of the
+    query-gradient partials): with the key-chunk specialisation, the token-tile grid with one token
+    per program, 4 warps and prefetch (154 us at d = 1536, S = 9, against 177 for the persistent
+    grid without it; 354 at S = 25 against 433), with 2 warps and Triton's three-stage pipelining
+    (the per-argument kernels at 4096 tokens: 83.8 against 96.4), with 4 warps at d = 2560 (274
+    against 336); the persistent grid with the specialisation at S = 2 (58.3 against 66.6; its
+    fewer partial rows).  Two or more sources per step ran 1.3-9x slower.  Elements per thread
+    and chunk 4 to 16, as for the forward."""
     if nch == 3:
-        return _configs(block_d, "SB", ((1, 4, 0), (1, 8, 0), (1, 16, 1), (1, 8, 1)))
+        tile_keyed = dict(_TILE, **_KEYED)
+        return _configs(block_d, "SB", (
+            (1, 4, 1, tile_keyed), (1, 8, 0, dict(tile_keyed, STAGES=3)), (1, 8, 1, tile_keyed),
+            (1, 4, 0, _KEYED), (1, 4, 0), (1, 16, 1)))
     return _configs(block_d, "SB", ((1, 8, 1), (2, 32, 0), (2, 16, 0), (1, 16, 1), (2, 16, 1)))
 
 
-# Autotuning (CUDA only): one triton.autotune wrapper per (kernel, BLOCK_D), keyed on d and the norm.
+# Autotuning (CUDA only): one triton.autotune wrapper per (kernel, BLOCK_D, chunks, key chunk), keyed
+# on d and the norm.
 AUTOTUNE = os.environ.get("KERNELS_AUTOTUNE", "1") == "1"
 _TUNED: dict = {}
 BWD_PROGRAMS_PER_SM = 8
@@ -265,9 +289,9 @@ BWD_PROGRAMS_PER_SM = 8
 _BWD_DEFAULTS = {"SB": 1, "BLOCK_T": 0}
 
 
-# The autotuner's choice per (kind, BLOCK_D, autotune key, dtypes), once made: later calls launch the
-# plain kernel with it, skipping the autotuner's per-call argument dictionary and key (host time on
-# every read of a model whose step the host must keep ahead of).
+# The autotuner's choice per (kind, BLOCK_D, chunks, key chunk, autotune key, dtypes), once made: later
+# calls launch the plain kernel with it, skipping the autotuner's per-call argument dictionary and
+# key (host time on every read of a model whose step the host must keep ahead of).
 _CHOSEN: dict = {}
 
 
@@ -280,7 +304,7 @@ def _candidates(kind: str, block_d: int, nch: int) -> list[dict]:
     return _fwd_configs(block_d, nch) if kind == "fwd" else _bwd_configs(block_d, nch)
 
 
-def _launcher(kind: str, block_d: int, nch: int, device: torch.device, key: tuple = ()):
+def _launcher(kind: str, block_d: int, nch: int, key_pos: int, device: torch.device, key: tuple = ()):
     """(kernel to launch, fixed config or None when the kernel is autotuned); ``key`` extends the
     autotuner's own key (d, norm, residual, dtypes) to look up a choice already made."""
     from . import _triton as K
@@ -291,34 +315,38 @@ def _launcher(kind: str, block_d: int, nch: int, device: torch.device, key: tupl
     cfgs = _candidates(kind, block_d, nch)
     if device.type != "cuda" or not AUTOTUNE:
         return raw, dict(cfgs[0])
-    chosen = _CHOSEN.get((kind, block_d, nch) + key)
+    tk = (kind, block_d, nch, key_pos)
+    chosen = _CHOSEN.get(tk + key)
     if chosen is not None:
         return raw, chosen
-    tk = (kind, block_d, nch)
     if tk not in _TUNED:
         import triton
 
-        fill = _BWD_DEFAULTS if kind == "bwd" else {}
-        configs = [triton.Config(dict(fill, **{k: v for k, v in c.items() if k not in ("num_warps", "num_stages")}),
-                                 num_warps=c["num_warps"], num_stages=c.get("num_stages", 3)) for c in cfgs]
+        configs, seen = [], []
+        for c in cfgs:  # (a keyed candidate is its plain twin where the key starts in chunk 0)
+            kw = {k: v for k, v in _launch_kwargs(c, kind, key_pos).items() if k not in ("num_warps", "num_stages")}
+            if (kw, c["num_warps"]) not in seen:
+                seen.append((kw, c["num_warps"]))
+                configs.append(triton.Config(kw, num_warps=c["num_warps"], num_stages=c.get("num_stages", 3)))
         _TUNED[tk] = triton.autotune(configs=configs, key=["d", "SLICE", "HAS_RES"])(raw)
     return _TUNED[tk], None
 
 
-def _remember(kind: str, block_d: int, nch: int, key: tuple, tuned) -> None:
+def _remember(kind: str, block_d: int, nch: int, key_pos: int, key: tuple, tuned) -> None:
     """Record the configuration the autotuner used for this key (see _CHOSEN)."""
     best = getattr(tuned, "best_config", None)
     if best is not None:
-        _CHOSEN[(kind, block_d, nch) + key] = dict(best.all_kwargs())
+        _CHOSEN[(kind, block_d, nch, key_pos) + key] = dict(best.all_kwargs())
 
 
 def tuned_configs() -> dict:
-    """The configurations autotuning chose so far: {"fwd/512x3": {...}, ...} (chunk width x chunks)."""
+    """The configurations autotuning chose so far: {"fwd/512x3": {...}, "fwd/512x3/key2": {...}, ...}
+    (chunk width x chunks, and the key's first chunk where it is not the first)."""
     out = {}
-    for (kind, block_d, nch), fn in _TUNED.items():
+    for (kind, block_d, nch, key_pos), fn in _TUNED.items():
         best = getattr(fn, "best_config", None)
         if best is not None:
-            out[f"{kind}/{block_d}x{nch}"] = dict(best.kwargs, num_warps=best.num_warps)
+            out[f"{kind}/{block_d}x{nch}" + (f"/key{key_pos}" if key_pos else "")] = dict(best.kwargs, num_warps=best.num_warps)
     return out
 
 
@@ -399,7 +427,8 @@ def _fwd_triton(sources: Sequence[torch.Tensor], query: torch.Tensor, norm: str,
         if STATS is not None:
             STATS[("fwd", len(rows), n_tok, d, r, align)] += 1
         key = (d, norm == "slice", has_res, dtype, query.dtype)
-        fn, cfg = _launcher("fwd", block_d, nch, dev, key)
+        key_pos = _key_pos(d, r, block_d, nch)
+        fn, cfg = _launcher("fwd", block_d, nch, key_pos, dev, key)
         if cfg is None:
             grid = lambda meta: (triton_cdiv(n_tok, meta["BLOCK_T"]),)  # noqa: E731
         else:
@@ -408,11 +437,10 @@ def _fwd_triton(sources: Sequence[torch.Tensor], query: torch.Tensor, norm: str,
             rows[0], table[0], table[1], query.contiguous(), out, res if has_res else out, stats,
             n_tok, len(rows), d, r, 1.0 / (r if norm == "slice" else d), float(eps),
             SLICE=(norm == "slice"), HAS_RES=has_res, RES_STEP=_res_step(dtype), ALIGN=align,
-            BLOCK_D=block_d, NCH=nch, KEY0=_key_chunk("fwd", d, r, block_d, nch), FUSED=_fused(dev),
-            **_launch_kwargs(cfg),
+            BLOCK_D=block_d, NCH=nch, FUSED=_fused(dev), **_launch_kwargs(cfg, "fwd", key_pos),
         )
         if cfg is None:
-            _remember("fwd", block_d, nch, key, fn)
+            _remember("fwd", block_d, nch, key_pos, key, fn)
     return out, stats, res
 
 
@@ -464,7 +492,8 @@ def _bwd_triton(sources, query, h, stats, res, g, norm: str, eps: float):
     if STATS is not None:
         STATS[("bwd", len(rows), n_tok, d, r, min(align, galign))] += 1
     key = (d, norm == "slice", has_res, dtype, query.dtype, g.dtype)
-    fn, cfg = _launcher("bwd", block_d, nch, dev, key)
+    key_pos = _key_pos(d, r, block_d, nch)
+    fn, cfg = _launcher("bwd", block_d, nch, key_pos, dev, key)
     if cfg is None:  # autotuning: room for the largest grid among the candidates
         nprog = max(_bwd_programs(c, n_tok, dev) for c in _candidates("bwd", block_d, nch))
         grid = lambda meta: (_bwd_programs(meta, n_tok, dev),)  # noqa: E731
@@ -476,11 +505,11 @@ def _bwd_triton(sources, query, h, stats, res, g, norm: str, eps: float):
         rows[0], table[0], table[1], grads[0], table[2], query.contiguous(), h2, res2, g, stats2, part,
         n_tok, len(rows), d, r, gs, 1.0 / (r if norm == "slice" else d), float(eps),
         SLICE=(norm == "slice"), HAS_RES=has_res, RES_STEP=_res_step(dtype), ALIGN=align, GALIGN=galign,
-        BLOCK_D=block_d, NCH=nch, KEY0=_key_chunk("bwd", d, r, block_d, nch), **_launch_kwargs(cfg, "bwd"),
+        BLOCK_D=block_d, NCH=nch, **_launch_kwargs(cfg, "bwd", key_pos),
     )
     if cfg is None:
-        _remember("bwd", block_d, nch, key, fn)
-        nprog = _bwd_programs(_CHOSEN.get(("bwd", block_d, nch) + key, {}), n_tok, dev)
+        _remember("bwd", block_d, nch, key_pos, key, fn)
+        nprog = _bwd_programs(_CHOSEN.get(("bwd", block_d, nch, key_pos) + key, {}), n_tok, dev)
     return grads, part[:nprog].sum(0).to(query.dtype)
 
 
@@ -496,14 +525,18 @@ def triton_cdiv(a: int, b: int) -> int:
     return (a + b - 1) // b
 
 
-def _launch_kwargs(cfg: dict | None, kind: str = "fwd") -> dict:
-    """A fixed configuration's keyword arguments (EVICT off and STAGES 1 unless it names them, SPLIT
-    and KEYCH dropped: the host read them; for the backward SB 1 and BLOCK_T 0, the persistent grid, unless it
-    names them); {"EVICT": False, "STAGES": 1} when autotuning chooses the rest."""
+def _launch_kwargs(cfg: dict | None, kind: str, key_pos: int) -> dict:
+    """A configuration's kernel keyword arguments: EVICT off, STAGES 1 and, for the backward, the
+    persistent grid with one source per step unless it names them; KEY0 from its KEYCH (a choice the
+    autotuner made already names KEY0); SPLIT and KEYCH dropped (the host read them).  {} when the
+    autotuner chooses (its configurations carry all of these)."""
+    if cfg is None:
+        return {}
     out = {"EVICT": False, "STAGES": 1}
-    if cfg is not None and kind == "bwd":
+    if kind == "bwd":
         out.update(_BWD_DEFAULTS)
-    out.update({k: v for k, v in (cfg or {}).items() if k not in ("SPLIT", "KEYCH")})
+    out.update({k: v for k, v in cfg.items() if k not in ("SPLIT", "KEYCH")})
+    out.setdefault("KEY0", _key0(cfg, key_pos))
     return out
 
 
@@ -676,7 +709,7 @@ COMPILED_PATH = os.environ.get("KERNELS_COMPILED_PATH", "triton_op")
 # autotuner): index into _fwd_configs / _bwd_configs.  The forward's first candidate and the
 # backward's second were the per-argument kernels' fastest at the 1B step's shapes (4096 tokens,
 # d 1536, r 384, S = 9) in both column layouts (one chunk: kernel_sweep_h200_2026-11-29_sb.md,
-# _variants.md; three chunks: kernel_sweep_h200_2026-11-29_split.md).
+# _variants.md; three chunks, with the key-chunk specialisation: kernel_sweep_h200_2026-11-30_key.md).
 ARGS_FWD_CONFIG = 0
 ARGS_BWD_CONFIG = 1
 
@@ -714,8 +747,7 @@ def _fwd_args(sources: Sequence[torch.Tensor], query: torch.Tensor, norm: str, e
             *_slots(rows), *_slots(strides), query.contiguous(), out, res if has_res else None, stats,
             n_tok, len(rows), d, r,
             NSLOT=len(rows), EPS=float(eps), SLICE=(norm == "slice"), HAS_RES=has_res, RES_STEP=_res_step(dtype),
-            BLOCK_D=block_d, NCH=nch, KEY0=_key_chunk("fwd", d, r, block_d, nch), FUSED=_fused(dev),
-            **_launch_kwargs(cfg),
+            BLOCK_D=block_d, NCH=nch, FUSED=_fused(dev), **_launch_kwargs(cfg, "fwd", _key_pos(d, r, block_d, nch)),
         )
     return out, stats, res
 
@@ -741,7 +773,7 @@ def _bwd_args(sources, query, h, stats, res, g, norm: str, eps: float):
         res.contiguous() if has_res else None, g, stats.contiguous(), part,
         n_tok, len(rows), d, r, gs,
         NSLOT=len(rows), EPS=float(eps), SLICE=(norm == "slice"), HAS_RES=has_res, RES_STEP=_res_step(dtype),
-        BLOCK_D=block_d, NCH=nch, KEY0=_key_chunk("bwd", d, r, block_d, nch), **_launch_kwargs(cfg, "bwd"),
+        BLOCK_D=block_d, NCH=nch, **_launch_kwargs(cfg, "bwd", _key_pos(d, r, block_d, nch)),
     )
     return grads, part.sum(0).to(query.dtype)
 

@@ -223,21 +223,57 @@ def _fp32_against_reference(fn, d, r, S, norm, layout, seed):
 
 
 def test_key_chunk(monkeypatch):
-    """KEY0: the first of three column chunks that holds a key column (0 when off or one chunk)."""
-    monkeypatch.setattr(op, "CONFIG_OVERRIDE", {"fwd": {"KEYCH": True}})
-    assert op._key_chunk("fwd", 1536, 384, 512, 3) == 2
-    assert op._key_chunk("fwd", 1536, 600, 512, 3) == 1
-    assert op._key_chunk("fwd", 1536, 1536, 512, 3) == 0
-    assert op._key_chunk("fwd", 1024, 1, 1024, 1) == 0  # one chunk: nothing to skip
-    monkeypatch.setattr(op, "KEY_CHUNKS", False)  # a kernel the override leaves alone follows KERNELS_KEY_CHUNKS
-    assert op._key_chunk("bwd", 1536, 384, 512, 3) == 0
-    monkeypatch.setattr(op, "KEY_CHUNKS", True)
-    assert op._key_chunk("bwd", 1536, 384, 512, 3) == 2
+    """KEY0: the first of three column chunks that holds a key column, where a configuration asks
+    for it (KEYCH) and KERNELS_KEY_CHUNKS leaves it on; 0 otherwise or with one chunk."""
+    assert op._key_pos(1536, 384, 512, 3) == 2
+    assert op._key_pos(1536, 600, 512, 3) == 1
+    assert op._key_pos(1536, 1536, 512, 3) == 0
+    assert op._key_pos(1024, 1, 1024, 1) == 0  # one chunk: nothing to skip
     for d in range(130, 5000, 7):  # the last chunk always holds column d - 1
         block_d, nch = op._col_layout(d, True)
         if nch == 3:
             assert 2 * block_d < d <= 3 * block_d
-            assert op._key_chunk("fwd", d, 1, block_d, nch) == 2
+            assert op._key_pos(d, 1, block_d, nch) == 2
+    assert op._launch_kwargs({"BLOCK_T": 1, "KEYCH": True, "SPLIT": True}, "fwd", 2) == {
+        "BLOCK_T": 1, "EVICT": False, "STAGES": 1, "KEY0": 2}
+    assert op._launch_kwargs({"BLOCK_T": 1}, "bwd", 2) == {"SB": 1, "BLOCK_T": 1, "EVICT": False, "STAGES": 1, "KEY0": 0}
+    assert op._launch_kwargs({"SB": 1, "KEY0": 1}, "bwd", 2)["KEY0"] == 1  # a remembered choice keeps its own
+    assert op._launch_kwargs(None, "fwd", 2) == {}
+    monkeypatch.setattr(op, "KEY_CHUNKS", False)  # KERNELS_KEY_CHUNKS=0
+    assert op._launch_kwargs({"BLOCK_T": 1, "KEYCH": True}, "fwd", 2)["KEY0"] == 0
+
+
+@pytest.mark.parametrize("kind", ["fwd", "bwd"])
+def test_autotune_configs(kind, monkeypatch):
+    """The autotuner's configurations carry every option the host would otherwise pass (EVICT, STAGES,
+    KEY0, the backward's grid), with KEY0 where the key starts; a keyed candidate whose key starts in
+    chunk 0 is its plain twin and appears once; a choice made for one key chunk is not reused for
+    another."""
+    pytest.importorskip("triton")
+    monkeypatch.setattr(op, "_TUNED", {})
+    monkeypatch.setattr(op, "_CHOSEN", {})
+    monkeypatch.setattr(op, "AUTOTUNE", True)
+    cuda = torch.device("cuda")
+    cands = op._candidates(kind, 512, 3)
+    for key_pos in (2, 0):
+        fn, cfg = op._launcher(kind, 512, 3, key_pos, cuda, ("k",))
+        assert cfg is None
+        kws = [c.kwargs for c in fn.configs]
+        assert all({"EVICT", "STAGES", "KEY0"} <= set(k) for k in kws)
+        if kind == "bwd":
+            assert all({"SB", "BLOCK_T"} <= set(k) for k in kws) and any(k["BLOCK_T"] for k in kws)
+        want = []
+        for c in cands:
+            plain = {k: v for k, v in c.items() if k != "KEYCH"}
+            item = (plain, key_pos if c.get("KEYCH") else 0)
+            if item not in want:
+                want.append(item)
+        assert sorted(k["KEY0"] for k in kws) == sorted(k0 for _, k0 in want)
+    if kind == "bwd":  # at key chunk 0 the keyed persistent candidate is its plain twin
+        assert len(kws) == len(cands) - 1
+    op._CHOSEN[(kind, 512, 3, 2, "k")] = {"KEY0": 2, "num_warps": 4}
+    assert op._launcher(kind, 512, 3, 2, cuda, ("k",))[1] == {"KEY0": 2, "num_warps": 4}
+    assert op._launcher(kind, 512, 3, 0, cuda, ("k",))[1] is None
 
 
 def test_launch_config_candidates():
