@@ -44,7 +44,7 @@ _CPU_TRITON = os.environ.get("KERNELS_CPU_TRITON", "0") == "1"
 POISON = os.environ.get("KERNELS_POISON", "0") == "1"
 # Launch configuration overrides: {"fwd": {BLOCK_T, num_warps, PREFETCH}, "bwd": {SB, num_warps,
 # PREFETCH}}, either optionally with num_stages, EVICT (the evict-first hint on source reads), STAGES
-# (Triton's software pipelining of the source loop, 1 = none; slower on the H200 wherever timed),
+# (Triton's software pipelining of the source loop, 1 = none; 3 wins only with KEYCH, see the candidates),
 # SPLIT (the column layout, see _col_layout) and KEYCH (see _key_pos); the host reads SPLIT and
 # KEYCH, the kernel never sees them.  A "bwd" with BLOCK_T > 0 instead of SB runs the token-tile
 # backward (BLOCK_T tokens per program, one query-gradient partial row each).  PREFETCH is 0 or 1;
