@@ -38,10 +38,9 @@ The query gradient is accumulated per program into an fp32 partial [programs, r]
 (deterministic).  Persistent grid: programs loop over tokens.  A second grid, the token-tile backward
 (_bwd_tile_body, chosen by BLOCK_T > 0), gives each program BLOCK_T tokens in the forward's layout
 and no token loop, and writes one partial row per BLOCK_T tokens.  On the H200 its kernel stalled
-less on loads than the persistent one (ncu), and the backward with it ran 3-6% faster at d = 2560
-and at S = 25, 2-17% slower at 8192 tokens with d = 1024-1536 and S = 2-9 (timed with a slower
-partial sum than the one here); a launch option for the sweeps, not the default
-(docs/kernel_notes.md, seventh session).
+less on loads than the persistent one (ncu); with the key-chunk specialisation (KEY0) it is the
+fastest backward at most three-chunk shapes timed, and an autotuned candidate beside the persistent
+grid (docs/kernel_notes.md, seventh and eighth sessions).
 
 Math (fp32).  k_i = o_i restricted to the key coordinates (the last r for "slice", all d for
 "full"), n = their count, rinv_i = 1/sqrt(|k_i|^2/n + eps), z_i = rinv_i * (q . o_i[tail]),
@@ -205,9 +204,12 @@ def _bwd_weights(go, gh, lse, js, S, N, rows, live, st_ptr, inv_n):
 
 
 @triton.jit
-def _bwd_grad(x, g, q, tail, w, c, coef, SLICE: tl.constexpr):
+def _bwd_grad(x, g, q, tail, w, c, coef, SLICE: tl.constexpr, KEYLESS: tl.constexpr = False):
     """Gradient rows [SB or BLOCK_T, BLOCK_D] of one column chunk of the fp32 source rows x (g
-    broadcast against them: one token's [1, BLOCK_D], or a token block's)."""
+    broadcast against them: one token's [1, BLOCK_D], or a token block's).  KEYLESS: the chunk lies
+    before the key (KEY0), so under "slice" its gradient is w g alone."""
+    if KEYLESS and SLICE:
+        return w[:, None] * g
     if SLICE:
         k = tl.where(tail[None, :], x, 0.0)
     else:
@@ -531,17 +533,12 @@ def _bwd_body(
             w, c, coef = _bwd_weights(tl.sum(go, axis=1), gh, lse, js, S, N, row, js < S, st_ptr, inv_n)
             gp = _grad_ptrs(js, S, TABLE, grad0_ptr, grad_offs, GALIGN, NSLOT,
                             dx0, dx1, dx2, dx3, dx4, dx5, dx6, dx7, dx8, dx9, dx10, dx11, dx12, dx13, dx14, dx15)
-            if KEY0 > 0 and SLICE:  # no key column in chunk 0: its gradient is w g
-                _store_grad(gp, row64, d, offs0, ok0, js, S, w[:, None] * g0[None, :])
-            else:
-                _store_grad(gp, row64, d, offs0, ok0, js, S, _bwd_grad(t0, g0[None, :], q0, tail0, w, c, coef, SLICE))
+            _store_grad(gp, row64, d, offs0, ok0, js, S, _bwd_grad(t0, g0[None, :], q0, tail0, w, c, coef, SLICE, KEY0 > 0))
             if KEY0 == 0:  # the query gradient lives on key columns only
                 dq0 += tl.sum(c[:, None] * t0, axis=0)
             if NCH == 3:
-                if KEY0 > 1 and SLICE:
-                    _store_grad(gp, row64, d, offs1, ok1, js, S, w[:, None] * g1[None, :])
-                else:
-                    _store_grad(gp, row64, d, offs1, ok1, js, S, _bwd_grad(t1, g1[None, :], q1, tail1, w, c, coef, SLICE))
+                _store_grad(gp, row64, d, offs1, ok1, js, S,
+                            _bwd_grad(t1, g1[None, :], q1, tail1, w, c, coef, SLICE, KEY0 > 1))
                 if KEY0 <= 1:
                     dq1 += tl.sum(c[:, None] * t1, axis=0)
                 _store_grad(gp, row64, d, offs2, ok2, js, S, _bwd_grad(t2, g2[None, :], q2, tail2, w, c, coef, SLICE))
@@ -621,17 +618,11 @@ def _bwd_tile_body(
         w, c, coef = _bwd_weights(tl.sum(go, axis=1), gh, lse, i, S, N, rows, row_ok, st_ptr, inv_n)
         gp = _grad_ptrs(i, S, TABLE, grad0_ptr, grad_offs, GALIGN, NSLOT,
                         dx0, dx1, dx2, dx3, dx4, dx5, dx6, dx7, dx8, dx9, dx10, dx11, dx12, dx13, dx14, dx15)
-        if KEY0 > 0 and SLICE:  # no key column in chunk 0: its gradient is w g
-            _store_tile(gp, rows64, row_ok, d, offs0, ok0, w[:, None] * g0)
-        else:
-            _store_tile(gp, rows64, row_ok, d, offs0, ok0, _bwd_grad(t0, g0, q0, tail0, w, c, coef, SLICE))
+        _store_tile(gp, rows64, row_ok, d, offs0, ok0, _bwd_grad(t0, g0, q0, tail0, w, c, coef, SLICE, KEY0 > 0))
         if KEY0 == 0:
             dq0 += tl.sum(c[:, None] * t0, axis=0)
         if NCH == 3:
-            if KEY0 > 1 and SLICE:
-                _store_tile(gp, rows64, row_ok, d, offs1, ok1, w[:, None] * g1)
-            else:
-                _store_tile(gp, rows64, row_ok, d, offs1, ok1, _bwd_grad(t1, g1, q1, tail1, w, c, coef, SLICE))
+            _store_tile(gp, rows64, row_ok, d, offs1, ok1, _bwd_grad(t1, g1, q1, tail1, w, c, coef, SLICE, KEY0 > 1))
             if KEY0 <= 1:
                 dq1 += tl.sum(c[:, None] * t1, axis=0)
             _store_tile(gp, rows64, row_ok, d, offs2, ok2, _bwd_grad(t2, g2, q2, tail2, w, c, coef, SLICE))
