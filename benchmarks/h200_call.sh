@@ -23,7 +23,8 @@
 #   trainargs   the 1B step (ATTN, default flex): baseline, LR via the triton_op and via the custom op, AttnRes
 #   paper1      the 1B step under the paper's protocol (accumulation 64, flex): baseline and LR-AttnRes fused
 #   paper2      the same for AttnRes fused and both reference routers
-#   ksweep      kernel_sweep.py --quick at the 1B step's and the goals' shapes (SHAPES overrides)
+#   ksweep      kernel_sweep.py --quick at the 1B step's and the goals' shapes (SHAPES overrides; SHAPE_S caps a shape)
+#   ksweep2     tests/test_kernels.py on the GPU (TESTS=0: not), then ksweep at SHAPES2 (results stem STEM2)
 #   kcheck      tests/test_kernels.py on the GPU (all of it: the interpreter cases run in fp32 on CUDA), then
 #               kernel_bench.py at 8192 tokens (the goals' S = 9 shapes first) with the default variant
 #   kncu        Nsight Compute counters of one forward+backward, ours and fast-attnres, at 8192 tokens,
@@ -123,10 +124,17 @@ paper_step() {  # the paper's protocol (microbatch 2, 64 accumulation steps: 262
 }
 lane_paper1() { paper_step train_step_bench_paper_main baseline,lr-fused "$(left 300)"; }
 lane_paper2() { paper_step train_step_bench_paper_other attnres-fused,lr-ref,attnres-ref "$(left 400)"; }
-lane_ksweep() {  # ONLY=fwd or bwd sweeps one kernel
+lane_ksweep() {  # ONLY=fwd or bwd sweeps one kernel; SHAPE_S caps each shape's seconds
   $PYTHON benchmarks/kernel_sweep.py --out "$L" --stem "${STEM:-kernel_sweep_final}" --quick --budget-s "$(left $((DUR - 20)))" \
-    ${ONLY:+--only "$ONLY"} \
+    ${ONLY:+--only "$ONLY"} ${SHAPE_S:+--shape-budget-s "$SHAPE_S"} \
     --shapes "${SHAPES:-4096x1536x9x384,8192x1536x9x384,4096x1536x9x384:args,8192x1024x9x256,4096x1536x3x384}"
+}
+lane_ksweep2() {  # a second sweep lane: the kernels' GPU tests first (TESTS=0 leaves them out), then SHAPES2
+  if [ "${TESTS:-1}" = 1 ]; then
+    timeout 300 $PYTHON -m pytest -q -p no:cacheprovider tests/test_kernels.py -rA --tb=short 2>&1 | tee "$L/pytest.txt" \
+      | grep -v "^PASSED" | tail -30
+  fi
+  SHAPES=$SHAPES2 STEM=${STEM2:-kernel_sweep_final2} lane_ksweep
 }
 lane_kcheck() {
   timeout 380 $PYTHON -m pytest -q -p no:cacheprovider tests/test_kernels.py -rA --tb=short 2>&1 | tee "$L/pytest.txt" \
@@ -169,7 +177,7 @@ lane_kgpuncu() {  # the kernels' GPU tests, then lane kncu with the time left
 }
 lane_grid() { OUT="$L" DEADLINE_S=$(left $((DUR - 15))) PYTHON=$PYTHON bash benchmarks/gpu_grid.sh; }
 lane_throughput() { OUT="$L" PYTHON=$PYTHON bash benchmarks/throughput_gpu.sh; }
-export -f lane_kncu lane_kgpuncu lane_kgrid8192 lane_kgrid4096 lane_ksweep lane_kcheck left paper_step lane_paper1 lane_paper2 lane_argscheck lane_trainargs lane_kernel lane_kernel4096 lane_sweep lane_train lane_trainflex lane_sweeptrain lane_hostprof lane_traingrid lane_grid lane_throughput
+export -f lane_kncu lane_kgpuncu lane_kgrid8192 lane_kgrid4096 lane_ksweep lane_ksweep2 lane_kcheck left paper_step lane_paper1 lane_paper2 lane_argscheck lane_trainargs lane_kernel lane_kernel4096 lane_sweep lane_train lane_trainflex lane_sweeptrain lane_hostprof lane_traingrid lane_grid lane_throughput
 
 run_lane() {  # name:seconds gpu-list cpu-list
   local name=${1%%:*} dur=${1##*:} gpus=$2 cpus=$3

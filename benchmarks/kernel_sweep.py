@@ -6,11 +6,11 @@ For a few shapes (default: 8192 tokens, d in {1024, 1536, 2560}, S = 9, r = d/4;
 times the forward kernel and the backward kernel separately under every candidate launch
 configuration (forward: tokens per program BLOCK_T; backward: sources per step SB on the persistent
 grid, or BLOCK_T tokens per program on the token-tile grid; num_warps, PREFETCH), under each column
-layout the width allows (one power-of-two chunk, and three equal chunks where they pad less:
-kernels.op._col_layout); then, for the two best of each kernel, the evict-first hint, Triton's
+layout compared (_layouts: the width's own from kernels.op._col_layout, one power-of-two chunk, and three
+equal chunks where they pad less); then, for the two best of each kernel, the evict-first hint, Triton's
 software pipelining of the source loop (STAGES 2 and 3, without the hand-written prefetch), the
-key-chunk specialisation KEYCH (where the key starts past the first of three chunks), a two-deep
-prefetch ring (PREFETCH 2, token-block kernels) and the persistent grid's programs per SM; all
+key-chunk specialisation KEYCH (where the key starts past the first chunk) and the persistent grid's
+programs per SM; all
 through ``kernels.op.CONFIG_OVERRIDE``, for either kernel pair (``:table``, ``:args`` after a shape;
 see PATHS).  Each timing replays
 a CUDA graph of the launch (no host-side dispatch in the number; the inputs are several times the L2,
@@ -60,7 +60,7 @@ def _candidates(kind: str, block_d: int, nch: int, warps=(2, 4, 8, 16)) -> list[
             for pf in (1, 0):
                 per_thread = n * block_d // (32 * nw)
                 if 4 <= per_thread and per_thread * nch <= 64:
-                    out.append({key: n, "num_warps": nw, "PREFETCH": pf, "SPLIT": nch > 1})
+                    out.append({key: n, "num_warps": nw, "PREFETCH": pf, "SPLIT": nch})
     return out + (_tile_candidates(block_d, nch) if kind == "bwd" else [])
 
 
@@ -73,18 +73,32 @@ def _tile_candidates(block_d: int, nch: int, warps=(2, 4, 8)) -> list[dict]:
             for pf in (1, 0):
                 per_thread = n * block_d // (32 * nw)
                 if 4 <= per_thread <= 32:
-                    out.append({"BLOCK_T": n, "num_warps": nw, "PREFETCH": pf, "SPLIT": nch > 1})
+                    out.append({"BLOCK_T": n, "num_warps": nw, "PREFETCH": pf, "SPLIT": nch})
     return out
 
 
-def _quick(kind: str, block_d: int, nch: int) -> list[dict]:
-    """The candidates worth timing on a short budget (--quick): the shipped ones; for three chunks
-    also 2-8 warps (smaller tiles per chunk); the backward's token-tile grid."""
+def _quick(kind: str, block_d: int, nch: int, default: bool = True) -> list[dict]:
+    """The candidates worth timing on a short budget (--quick): the shipped ones; for the width's own
+    layout (``default``) with several chunks also 2-8 warps (smaller tiles per chunk) and the
+    backward's token-tile grid; for another layout only the shipped ones (the comparison)."""
+    shipped = [dict(c, SPLIT=nch) for c in kop._candidates(kind, block_d, nch)]
+    if not default:
+        return shipped
     tiles = _tile_candidates(block_d, nch) if kind == "bwd" else []
     if nch == 1:
-        return [dict(c, SPLIT=False) for c in kop._candidates(kind, block_d, 1)] + tiles
-    shipped = [dict(c, SPLIT=True) for c in kop._candidates(kind, block_d, nch)]
+        return shipped + [c for c in tiles if c not in shipped]
     return shipped + [c for c in _candidates(kind, block_d, nch, warps=(2, 4, 8)) if c not in shipped]
+
+
+def _layouts(d: int) -> list[tuple[int, int]]:
+    """The column layouts to compare at width d: its own (kernels.op._col_layout), one chunk, and
+    three chunks where those pad less than one (the layout of every multi-chunk width until the
+    ninth session)."""
+    out = [kop._col_layout(d, True), kop._col_layout(d, False)]
+    three = kop._col_layout(d, 3)
+    if three[0] * 3 < out[1][0]:
+        out.append(three)
+    return list(dict.fromkeys(out))
 
 
 PROGRAMS_PER_SM = (2, 4, 6, 12, 16)  # the backward's persistent grid, tried for the best configurations
@@ -102,16 +116,26 @@ def _time(fn) -> float:
 PATHS = {"table": (kop._fwd_triton, kop._bwd_triton), "args": (kop._fwd_args, kop._bwd_args)}
 
 
-def sweep_shape(N, d, S, r, bw, budget_end, path="table", quick=False, only=None):
-    """Time every candidate configuration of both kernels at one shape."""
+def sweep_shape(N, d, S, r, bw, budget_end, path="table", quick=False, only=None, shape_s=None):
+    """Time every candidate configuration of both kernels at one shape (within ``shape_s`` seconds
+    when given: 40% for the forward; the shipped candidates of every layout go first)."""
+    if shape_s:
+        t_start = time.time()
+        bwd_end = min(budget_end, t_start + shape_s)
+        budget_end = min(budget_end, t_start + (0.4 * shape_s if only is None else shape_s))
     fwd_fn, bwd_fn = PATHS[path]
     gen = torch.Generator(device="cuda").manual_seed(d + S + r)
     srcs = [torch.randn(N, d, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(S)]
     q = (torch.randn(r, device="cuda", generator=gen) * 0.5).to(torch.bfloat16)
     g = torch.randn(N, d, device="cuda", generator=gen).to(torch.bfloat16)
     unit = N * d * 2
-    layouts = sorted({kop._col_layout(d, True), kop._col_layout(d, False)}, key=lambda x: -x[1])
-    pick = _quick if quick else _candidates
+    layouts = _layouts(d)
+
+    def pick(kind):  # every layout's shipped candidates first (quick), then the rest
+        if not quick:
+            return [c for lay in layouts for c in _candidates(kind, *lay)]
+        out = [dict(c, SPLIT=lay[1]) for lay in layouts for c in kop._candidates(kind, *lay)]
+        return out + [c for lay in layouts for c in _quick(kind, *lay, lay == layouts[0]) if c not in out]
     rows = []
 
     def pct(kind, t):
@@ -138,17 +162,12 @@ def sweep_shape(N, d, S, r, bw, budget_end, path="table", quick=False, only=None
         return {k: row[k] for k in ("BLOCK_T", "SB", "num_warps", "PREFETCH", "EVICT", "STAGES", "SPLIT", "KEYCH")
                 if k in row}
 
-    def ringed(kind, fn, ppsm=None):  # the best two token-block configurations with a two-deep prefetch ring
+    def keyed(kind, fn, ppsm=None):  # the best two multi-chunk configurations with KEYCH
         for b in best(kind, 2):
-            if (kind == "fwd" or b.get("BLOCK_T")) and b["PREFETCH"] == 1 and time.time() < budget_end:
-                run(kind, dict(cfg_of(b), PREFETCH=2), fn, ppsm)
-
-    def keyed(kind, fn, ppsm=None):  # the best two three-chunk configurations with KEYCH
-        block_d, nch = kop._col_layout(d, True)
-        if nch == 1 or (d - r) // block_d == 0:
-            return  # the key starts in the first chunk: nothing to leave out
-        for b in best(kind, 2):
-            if b.get("SPLIT") and not b.get("KEYCH") and time.time() < budget_end:
+            block_d, nch = kop._col_layout(d, b.get("SPLIT"))
+            if nch == 1 or kop._key_pos(d, r, block_d, nch) == 0:
+                continue  # the key starts in the first chunk: nothing to leave out
+            if not b.get("KEYCH") and time.time() < budget_end:
                 run(kind, dict(cfg_of(b), KEYCH=True), fn, ppsm)
 
     def pipelined(kind, fn, ppsm=None):  # the best two with Triton's pipeliner instead of PREFETCH
@@ -158,31 +177,29 @@ def sweep_shape(N, d, S, r, bw, budget_end, path="table", quick=False, only=None
                     run(kind, dict(cfg_of(b), PREFETCH=0, STAGES=stages), fn, ppsm)
 
     fwd = lambda: fwd_fn(srcs, q, "slice", EPS)  # noqa: E731
-    for block_d, nch in layouts if only != "bwd" else ():
-        for cfg in pick("fwd", block_d, nch):
-            if time.time() > budget_end:
-                break
-            run("fwd", cfg, fwd)
+    for cfg in pick("fwd") if only != "bwd" else ():
+        if time.time() > budget_end:
+            break
+        run("fwd", cfg, fwd)
     for b in best("fwd", 2):
         if time.time() < budget_end:
             run("fwd", dict(cfg_of(b), EVICT=True), fwd)
     pipelined("fwd", fwd)
     keyed("fwd", fwd)
-    ringed("fwd", fwd)
     if only == "fwd":
         return {"tokens": N, "d": d, "S": S, "r": r, "kernels": path, "rows": rows}
     kop.CONFIG_OVERRIDE.clear()
     h, stats, res = kop._fwd_triton(srcs, q, "slice", EPS)
     bwd = lambda: bwd_fn(srcs, q, h, stats, res, g, "slice", EPS)  # noqa: E731
     default_ppsm = kop.BWD_PROGRAMS_PER_SM
-    for block_d, nch in layouts:
-        for cfg in pick("bwd", block_d, nch):
-            if time.time() > budget_end:
-                break
-            run("bwd", cfg, bwd, default_ppsm)
+    if shape_s:
+        budget_end = bwd_end
+    for cfg in pick("bwd"):
+        if time.time() > budget_end:
+            break
+        run("bwd", cfg, bwd, default_ppsm)
     pipelined("bwd", bwd, default_ppsm)
     keyed("bwd", bwd, default_ppsm)
-    ringed("bwd", bwd, default_ppsm)
     try:
         for b in best("bwd", 2):
             if time.time() < budget_end:
@@ -231,6 +248,7 @@ def main(argv=None) -> int:
     p.add_argument("--stem", default="kernel_sweep", help="output file name stem")
     p.add_argument("--quick", action="store_true", help="fewer candidate configurations (4 and 8 warps)")
     p.add_argument("--only", choices=("fwd", "bwd"), help="sweep one kernel (the backward's inputs come from the default forward)")
+    p.add_argument("--shape-budget-s", type=float, help="at most this long per shape (40%% of it for the forward)")
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("kernel_sweep needs a CUDA GPU", file=sys.stderr)
@@ -249,7 +267,7 @@ def main(argv=None) -> int:
         N, d, S, r = (int(x) for x in shape.split("x"))
         if time.time() > end:
             break
-        doc["shapes"].append(sweep_shape(N, d, S, r, bw, end, path or "table", a.quick, a.only))
+        doc["shapes"].append(sweep_shape(N, d, S, r, bw, end, path or "table", a.quick, a.only, a.shape_budget_s))
         best = {k: min((x for x in doc["shapes"][-1]["rows"] if x["kernel"] == k and "us" in x),
                        key=lambda x: x["us"], default=None) for k in ("fwd", "bwd")}
         print(f"[{time.time() - t0:.0f}s] {spec}: " + "  ".join(

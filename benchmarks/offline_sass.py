@@ -12,7 +12,8 @@ a pipelined loop) shows its instruction and register counts before any GPU run. 
 TRITON_INTERPRET (the interpreter builds nothing).
 
 Configurations: --configs NAME[,NAME...] from CONFIGS (default: all), each one launch setting of the
-four kernels at d = 1536 bf16 (three column chunks of 512, and the one padded chunk of 2048).
+four kernels in bf16 (mostly d = 1536's layouts: three column chunks of 512, the one padded chunk of
+2048; and five and two chunks of 512, d = 2560's and d = 1024's layouts).
 """
 
 from __future__ import annotations
@@ -43,8 +44,9 @@ CONFIGS = {
     "split-tile": (512, 3, 1, 4, 1, 1, "tile"),
     "split-key": (512, 3, 1, 4, 1, 1, "persistent", 2),  # key (r = 384) inside the last chunk: KEY0 = 2
     "split-tile-key": (512, 3, 1, 4, 1, 1, "tile", 2),
-    "split-tile-key-ring": (512, 3, 1, 4, 2, 1, "tile", 2),  # PREFETCH 2: a two-deep ring
     "split-tile-key-stages3": (512, 3, 1, 2, 0, 3, "tile", 2),  # the per-argument backward's default
+    "five-tile-key": (512, 5, 1, 4, 1, 1, "tile", 3),  # d = 2560 as 5 x 512, r = 640 (built at d = 1536's signature)
+    "two-tile-key": (512, 2, 1, 4, 1, 1, "tile", 1),  # d = 1024 as 2 x 512, r = 256
 }
 _NSLOT = 9
 

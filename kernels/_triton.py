@@ -359,25 +359,162 @@ def _grad_ptrs(js, S, TABLE: tl.constexpr, grad0_ptr, grad_offs, GALIGN: tl.cons
 
 
 @triton.jit
-def _src_tiles(j, S, rows, rows64, row_ok, offs0, ok0, offs1, ok1, offs2, ok2, NCH: tl.constexpr, EVICT: tl.constexpr,
+def _src_tiles(j, S, rows, rows64, row_ok, offs0, ok0, offs1, ok1, offs2, ok2, offs3, ok3, offs4, ok4,
+               NCH: tl.constexpr, EVICT: tl.constexpr,
                TABLE: tl.constexpr, src0_ptr, src_offs, src_strides, ALIGN: tl.constexpr, NSLOT: tl.constexpr,
                x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
                xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7, xs8, xs9, xs10, xs11, xs12, xs13, xs14, xs15):
     """Source j's raw tiles [BLOCK_T, BLOCK_D] of tokens ``rows``, one per column chunk (chunk 0's
-    repeated where NCH is 1; zeros when j >= S): the token-block bodies' one load per loop step."""
+    repeated past NCH; zeros when j >= S): the token-block bodies' one load per loop step."""
     p, st = _src(j, S, TABLE, src0_ptr, src_offs, src_strides, ALIGN, NSLOT,
                  x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
                  xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7, xs8, xs9, xs10, xs11, xs12, xs13, xs14, xs15)
     u0 = _tile(p, st, j, S, rows, rows64, row_ok, offs0, ok0, EVICT)
-    u1 = u0
-    u2 = u0
-    if NCH == 3:
+    u1, u2, u3, u4 = u0, u0, u0, u0
+    if NCH >= 2:
         u1 = _tile(p, st, j, S, rows, rows64, row_ok, offs1, ok1, EVICT)
+    if NCH >= 3:
         u2 = _tile(p, st, j, S, rows, rows64, row_ok, offs2, ok2, EVICT)
-    return u0, u1, u2
+    if NCH >= 4:
+        u3 = _tile(p, st, j, S, rows, rows64, row_ok, offs3, ok3, EVICT)
+    if NCH >= 5:
+        u4 = _tile(p, st, j, S, rows, rows64, row_ok, offs4, ok4, EVICT)
+    return u0, u1, u2, u3, u4
+
+
+@triton.jit
+def _src_rows(p, st, row64, js, S, offs0, ok0, offs1, ok1, offs2, ok2, offs3, ok3, offs4, ok4,
+              NCH: tl.constexpr, EVICT: tl.constexpr):
+    """Row ``row64`` of sources js [SB] (pointers p, row strides st), one [SB, BLOCK_D] tile per column
+    chunk (chunk 0's repeated past NCH): the persistent backward's one load per loop step."""
+    u0 = _rows_tile(p, st, row64, js, S, offs0, ok0, EVICT)
+    u1, u2, u3, u4 = u0, u0, u0, u0
+    if NCH >= 2:
+        u1 = _rows_tile(p, st, row64, js, S, offs1, ok1, EVICT)
+    if NCH >= 3:
+        u2 = _rows_tile(p, st, row64, js, S, offs2, ok2, EVICT)
+    if NCH >= 4:
+        u3 = _rows_tile(p, st, row64, js, S, offs3, ok3, EVICT)
+    if NCH >= 5:
+        u4 = _rows_tile(p, st, row64, js, S, offs4, ok4, EVICT)
+    return u0, u1, u2, u3, u4
+
+
+@triton.jit
+def _to_f32(t1, t2, t3, t4, NCH: tl.constexpr):
+    """Chunks 1 to NCH - 1 of a step's raw tiles in fp32 (the rest passed through unused)."""
+    if NCH >= 2:
+        t1 = t1.to(tl.float32)
+    if NCH >= 3:
+        t2 = t2.to(tl.float32)
+    if NCH >= 4:
+        t3 = t3.to(tl.float32)
+    if NCH >= 5:
+        t4 = t4.to(tl.float32)
+    return t1, t2, t3, t4
+
+
+@triton.jit
+def _pick(c: tl.constexpr, a0, a1, a2, a3, a4):
+    """a_c for a compile-time chunk index c (the chunks' values are separate names)."""
+    v = a0
+    if c == 1:
+        v = a1
+    if c == 2:
+        v = a2
+    if c == 3:
+        v = a3
+    if c == 4:
+        v = a4
+    return v
+
+
+@triton.jit
+def _key_add(kk, kq, x, q, tail, SLICE: tl.constexpr):
+    kk1, kq1 = _key_terms(x, q, tail, SLICE)
+    return kk + kk1, kq + kq1
+
+
+@triton.jit
+def _key_sum(kk, kq, t1, t2, t3, t4, q1, q2, q3, q4, tail1, tail2, tail3, tail4, NCH: tl.constexpr,
+             SLICE: tl.constexpr):
+    """Chunk 0's key terms (kk, kq) plus those of chunks 1 to NCH - 1 (every chunk may hold key
+    columns: KEY0 = 0), all chunks' terms first, then the sums (the order the kernels were timed in)."""
+    kk1, kq1 = _key_terms(t1, q1, tail1, SLICE)
+    if NCH >= 3:
+        kk2, kq2 = _key_terms(t2, q2, tail2, SLICE)
+    if NCH >= 4:
+        kk3, kq3 = _key_terms(t3, q3, tail3, SLICE)
+    if NCH >= 5:
+        kk4, kq4 = _key_terms(t4, q4, tail4, SLICE)
+    kk = kk + kk1
+    if NCH >= 3:
+        kk = kk + kk2
+    if NCH >= 4:
+        kk = kk + kk3
+    if NCH >= 5:
+        kk = kk + kk4
+    kq = kq + kq1
+    if NCH >= 3:
+        kq = kq + kq2
+    if NCH >= 4:
+        kq = kq + kq3
+    if NCH >= 5:
+        kq = kq + kq4
+    return kk, kq
+
+
+@triton.jit
+def _key_skip(t0, t1, t2, t3, t4, q1, q2, q3, q4, tail1, tail2, tail3, tail4, NCH: tl.constexpr,
+              KEY0: tl.constexpr, SLICE: tl.constexpr):
+    """The key terms of a row whose key starts in chunk KEY0 > 0: the chunks before it hold no key
+    column, so no q.k terms, and |k|^2 terms only under "full".  The key chunks are added from the
+    last one down (the order the three-chunk kernels were timed in)."""
+    kk, kq = _key_terms(_pick(NCH - 1, t0, t1, t2, t3, t4), _pick(NCH - 1, q1, q1, q2, q3, q4),
+                        _pick(NCH - 1, tail1, tail1, tail2, tail3, tail4), SLICE)
+    if NCH >= 5 and KEY0 <= 3:
+        kk, kq = _key_add(kk, kq, t3, q3, tail3, SLICE)
+    if NCH >= 4 and KEY0 <= 2:
+        kk, kq = _key_add(kk, kq, t2, q2, tail2, SLICE)
+    if NCH >= 3 and KEY0 <= 1:
+        kk, kq = _key_add(kk, kq, t1, q1, tail1, SLICE)
+    if not SLICE:
+        kk = kk + t0 * t0
+        if KEY0 >= 2:
+            kk = kk + t1 * t1
+        if KEY0 >= 3:
+            kk = kk + t2 * t2
+        if KEY0 >= 4:
+            kk = kk + t3 * t3
+    return kk, kq
+
+
+@triton.jit
+def _tile_grad(gp, rows64, row_ok, d, offs, col_ok, x, g, q, tail, w, c, coef, dq, SLICE: tl.constexpr,
+               KEYLESS: tl.constexpr):
+    """One column chunk of a token block's step: store the source's gradient [BLOCK_T, BLOCK_D], and
+    add the chunk's share of the query gradient (none before the key)."""
+    _store_tile(gp, rows64, row_ok, d, offs, col_ok, _bwd_grad(x, g, q, tail, w, c, coef, SLICE, KEYLESS))
+    if not KEYLESS:
+        dq += tl.sum(c[:, None] * x, axis=0)
+    return dq
+
+
+@triton.jit
+def _rows_grad(gp, row64, d, offs, col_ok, js, S, x, g, q, tail, w, c, coef, dq, SLICE: tl.constexpr,
+               KEYLESS: tl.constexpr):
+    """_tile_grad for one token's rows of sources js [SB, BLOCK_D] (g one token's [BLOCK_D])."""
+    _store_grad(gp, row64, d, offs, col_ok, js, S, _bwd_grad(x, g[None, :], q, tail, w, c, coef, SLICE, KEYLESS))
+    if not KEYLESS:
+        dq += tl.sum(c[:, None] * x, axis=0)
+    return dq
 
 
 # ---------------------------------------------------------------------------------------------- kernel bodies
+#
+# A row's NCH column chunks (1 to 5) are separate names (offs0..offs4, t0..t4, acc0..acc4, ...): Triton
+# has no arrays of tiles.  Names past NCH are chunk 0's and never used; the compile-time guards
+# (NCH >= c + 1) leave no code for them.  Chunk c is "keyless" when KEY0 > c (see kernels.op._key_pos).
 
 
 @triton.jit
@@ -391,72 +528,82 @@ def _fwd_body(
     xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7, xs8, xs9, xs10, xs11, xs12, xs13, xs14, xs15,  # their row strides
 ):
     """The forward of BLOCK_T tokens (the kernels' arguments are described at _attnres_fwd_kernel)."""
+    tl.static_assert(PREFETCH <= 1, "the forward prefetches at most one step")
     rows, row_ok, rows64 = _token_rows(tl.program_id(0), N, BLOCK_T)
     m = tl.full([BLOCK_T], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_T], tl.float32)
     offs0, ok0, tail0 = _cols(d, r, 0, BLOCK_D)
     q0 = _query(q_ptr, offs0, d, r, tail0)
     acc0 = tl.zeros([BLOCK_T, BLOCK_D], tl.float32)
-    offs1, ok1, offs2, ok2 = offs0, ok0, offs0, ok0  # chunk 0's where NCH is 1 (unused)
-    if NCH == 3:
+    offs1, ok1, tail1, q1 = offs0, ok0, tail0, q0  # chunk 0's past NCH (unused)
+    offs2, ok2, tail2, q2 = offs0, ok0, tail0, q0
+    offs3, ok3, tail3, q3 = offs0, ok0, tail0, q0
+    offs4, ok4, tail4, q4 = offs0, ok0, tail0, q0
+    if NCH >= 2:
         offs1, ok1, tail1 = _cols(d, r, BLOCK_D, BLOCK_D)
         q1 = _query(q_ptr, offs1, d, r, tail1)
         acc1 = tl.zeros([BLOCK_T, BLOCK_D], tl.float32)
+    if NCH >= 3:
         offs2, ok2, tail2 = _cols(d, r, 2 * BLOCK_D, BLOCK_D)
         q2 = _query(q_ptr, offs2, d, r, tail2)
         acc2 = tl.zeros([BLOCK_T, BLOCK_D], tl.float32)
-    if PREFETCH >= 1:
-        tn0, tn1, tn2 = _src_tiles(0, S, rows, rows64, row_ok, offs0, ok0, offs1, ok1, offs2, ok2, NCH, EVICT,
-                                   TABLE, src0_ptr, src_offs, src_strides, ALIGN, NSLOT,
-                                   x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
-                                   xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7, xs8, xs9, xs10, xs11, xs12, xs13, xs14, xs15)
-    if PREFETCH == 2:
-        tm0, tm1, tm2 = _src_tiles(1, S, rows, rows64, row_ok, offs0, ok0, offs1, ok1, offs2, ok2, NCH, EVICT,
-                                   TABLE, src0_ptr, src_offs, src_strides, ALIGN, NSLOT,
-                                   x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
-                                   xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7, xs8, xs9, xs10, xs11, xs12, xs13, xs14, xs15)
+    if NCH >= 4:
+        offs3, ok3, tail3 = _cols(d, r, 3 * BLOCK_D, BLOCK_D)
+        q3 = _query(q_ptr, offs3, d, r, tail3)
+        acc3 = tl.zeros([BLOCK_T, BLOCK_D], tl.float32)
+    if NCH >= 5:
+        offs4, ok4, tail4 = _cols(d, r, 4 * BLOCK_D, BLOCK_D)
+        q4 = _query(q_ptr, offs4, d, r, tail4)
+        acc4 = tl.zeros([BLOCK_T, BLOCK_D], tl.float32)
+    if PREFETCH:
+        tn0, tn1, tn2, tn3, tn4 = _src_tiles(0, S, rows, rows64, row_ok, offs0, ok0, offs1, ok1, offs2, ok2, offs3, ok3,
+                                             offs4, ok4, NCH, EVICT, TABLE, src0_ptr, src_offs, src_strides, ALIGN, NSLOT,
+                                             x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
+                                             xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7, xs8, xs9, xs10, xs11, xs12, xs13,
+                                             xs14, xs15)
     for i in tl.range(0, S, num_stages=STAGES):
-        j = i + PREFETCH  # the source this step loads: PREFETCH sources ahead
-        u0, u1, u2 = _src_tiles(j, S, rows, rows64, row_ok, offs0, ok0, offs1, ok1, offs2, ok2, NCH, EVICT,
-                                TABLE, src0_ptr, src_offs, src_strides, ALIGN, NSLOT,
-                                x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
-                                xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7, xs8, xs9, xs10, xs11, xs12, xs13, xs14, xs15)
-        if PREFETCH == 2:  # a two-deep ring: use the oldest tiles, keep the two newer sets
-            t0, t1, t2, tn0, tn1, tn2, tm0, tm1, tm2 = tn0, tn1, tn2, tm0, tm1, tm2, u0, u1, u2
-        elif PREFETCH == 1:  # use the tiles loaded a step ago; keep this step's for the next
-            t0, t1, t2, tn0, tn1, tn2 = tn0, tn1, tn2, u0, u1, u2
-        else:
-            t0, t1, t2 = u0, u1, u2
+        u0, u1, u2, u3, u4 = _src_tiles(i + PREFETCH, S, rows, rows64, row_ok, offs0, ok0, offs1, ok1, offs2, ok2,
+                                        offs3, ok3, offs4, ok4, NCH, EVICT, TABLE, src0_ptr, src_offs, src_strides,
+                                        ALIGN, NSLOT, x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14,
+                                        x15, xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7, xs8, xs9, xs10, xs11, xs12, xs13,
+                                        xs14, xs15)
+        t0, t1, t2, t3, t4 = u0, u1, u2, u3, u4
+        if PREFETCH:  # use the tiles loaded a step ago; keep this step's (the next source's) for the next
+            t0, t1, t2, tn0, tn1, tn2 = tn0, tn1, tn2, u0, u1, u2  # three even for fewer chunks: the code as timed
+            if NCH >= 4:
+                t3, tn3 = tn3, u3
+            if NCH >= 5:
+                t4, tn4 = tn4, u4
         t0 = t0.to(tl.float32)
         if KEY0 == 0:
             kk, kq = _key_terms(t0, q0, tail0, SLICE)
-        if NCH == 3:
-            t1 = t1.to(tl.float32)
-            t2 = t2.to(tl.float32)
+        t1, t2, t3, t4 = _to_f32(t1, t2, t3, t4, NCH)
+        if NCH >= 2:
             if KEY0 == 0:
-                kk1, kq1 = _key_terms(t1, q1, tail1, SLICE)
-                kk2, kq2 = _key_terms(t2, q2, tail2, SLICE)
-                kk, kq = kk + kk1 + kk2, kq + kq1 + kq2
-            else:  # chunks before KEY0 hold no key column: no q.k terms, |k|^2 terms only for "full"
-                kk, kq = _key_terms(t2, q2, tail2, SLICE)
-                if KEY0 == 1:
-                    kk1, kq1 = _key_terms(t1, q1, tail1, SLICE)
-                    kk, kq = kk + kk1, kq + kq1
-                if not SLICE:
-                    kk = kk + t0 * t0
-                    if KEY0 == 2:
-                        kk = kk + t1 * t1
+                kk, kq = _key_sum(kk, kq, t1, t2, t3, t4, q1, q2, q3, q4, tail1, tail2, tail3, tail4, NCH, SLICE)
+            else:
+                kk, kq = _key_skip(t0, t1, t2, t3, t4, q1, q2, q3, q4, tail1, tail2, tail3, tail4, NCH, KEY0, SLICE)
         m, l, alpha, pw, z, rinv = _softmax_step(kk, kq, m, l, inv_n, eps, FUSED)
         acc0 = _mix(acc0, alpha, pw, t0)
-        if NCH == 3:
+        if NCH >= 2:
             acc1 = _mix(acc1, alpha, pw, t1)
+        if NCH >= 3:
             acc2 = _mix(acc2, alpha, pw, t2)
+        if NCH >= 4:
+            acc3 = _mix(acc3, alpha, pw, t3)
+        if NCH >= 5:
+            acc4 = _mix(acc4, alpha, pw, t4)
         _store_scores(st_ptr, i, S, N, z, rinv, rows, row_ok)
     inv_l = 1.0 / l
     _store_mix(acc0, inv_l, out_ptr, res_ptr, rows64, row_ok, offs0, ok0, d, HAS_RES, RES_STEP)
-    if NCH == 3:
+    if NCH >= 2:
         _store_mix(acc1, inv_l, out_ptr, res_ptr, rows64, row_ok, offs1, ok1, d, HAS_RES, RES_STEP)
+    if NCH >= 3:
         _store_mix(acc2, inv_l, out_ptr, res_ptr, rows64, row_ok, offs2, ok2, d, HAS_RES, RES_STEP)
+    if NCH >= 4:
+        _store_mix(acc3, inv_l, out_ptr, res_ptr, rows64, row_ok, offs3, ok3, d, HAS_RES, RES_STEP)
+    if NCH >= 5:
+        _store_mix(acc4, inv_l, out_ptr, res_ptr, rows64, row_ok, offs4, ok4, d, HAS_RES, RES_STEP)
     tl.store(st_ptr + rows, m + tl.log(l), mask=row_ok)
 
 
@@ -480,75 +627,103 @@ def _bwd_body(
     offs0, ok0, tail0 = _cols(d, r, 0, BLOCK_D)
     q0 = _query(q_ptr, offs0, d, r, tail0)
     dq0 = tl.zeros([BLOCK_D], tl.float32)
-    if NCH == 3:
+    offs1, ok1, offs2, ok2, offs3, ok3, offs4, ok4 = offs0, ok0, offs0, ok0, offs0, ok0, offs0, ok0  # unused past NCH
+    if NCH >= 2:
         offs1, ok1, tail1 = _cols(d, r, BLOCK_D, BLOCK_D)
         q1 = _query(q_ptr, offs1, d, r, tail1)
         dq1 = tl.zeros([BLOCK_D], tl.float32)
+    if NCH >= 3:
         offs2, ok2, tail2 = _cols(d, r, 2 * BLOCK_D, BLOCK_D)
         q2 = _query(q_ptr, offs2, d, r, tail2)
         dq2 = tl.zeros([BLOCK_D], tl.float32)
+    if NCH >= 4:
+        offs3, ok3, tail3 = _cols(d, r, 3 * BLOCK_D, BLOCK_D)
+        q3 = _query(q_ptr, offs3, d, r, tail3)
+        dq3 = tl.zeros([BLOCK_D], tl.float32)
+    if NCH >= 5:
+        offs4, ok4, tail4 = _cols(d, r, 4 * BLOCK_D, BLOCK_D)
+        q4 = _query(q_ptr, offs4, d, r, tail4)
+        dq4 = tl.zeros([BLOCK_D], tl.float32)
     for row in range(pid, N, nprog):
         row64 = tl.cast(row, tl.int64)
         g0, gh = _bwd_row(g_ptr, h_ptr, res_ptr, row64, offs0, ok0, d, stride_g, HAS_RES, RES_STEP)
-        if NCH == 3:
+        if NCH >= 2:
             g1, gh1 = _bwd_row(g_ptr, h_ptr, res_ptr, row64, offs1, ok1, d, stride_g, HAS_RES, RES_STEP)
+        if NCH >= 3:
             g2, gh2 = _bwd_row(g_ptr, h_ptr, res_ptr, row64, offs2, ok2, d, stride_g, HAS_RES, RES_STEP)
-            gh = gh + gh1 + gh2
+        if NCH >= 4:
+            g3, gh3 = _bwd_row(g_ptr, h_ptr, res_ptr, row64, offs3, ok3, d, stride_g, HAS_RES, RES_STEP)
+        if NCH >= 5:
+            g4, gh4 = _bwd_row(g_ptr, h_ptr, res_ptr, row64, offs4, ok4, d, stride_g, HAS_RES, RES_STEP)
+        if NCH >= 2:
+            gh = gh + gh1
+        if NCH >= 3:
+            gh = gh + gh2
+        if NCH >= 4:
+            gh = gh + gh3
+        if NCH >= 5:
+            gh = gh + gh4
         gh = tl.sum(gh, axis=0)
         lse = tl.load(st_ptr + row)
         if PREFETCH:
             p, st = _src(sbs, S, TABLE, src0_ptr, src_offs, src_strides, ALIGN, NSLOT,
                          x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
                          xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7, xs8, xs9, xs10, xs11, xs12, xs13, xs14, xs15)
-            tn0 = _rows_tile(p, st, row64, sbs, S, offs0, ok0, EVICT)
-            if NCH == 3:
-                tn1 = _rows_tile(p, st, row64, sbs, S, offs1, ok1, EVICT)
-                tn2 = _rows_tile(p, st, row64, sbs, S, offs2, ok2, EVICT)
+            tn0, tn1, tn2, tn3, tn4 = _src_rows(p, st, row64, sbs, S, offs0, ok0, offs1, ok1, offs2, ok2, offs3, ok3,
+                                                offs4, ok4, NCH, EVICT)
         for b in tl.range(0, S, SB, num_stages=STAGES):
             js = b + sbs
             jl = js + PREFETCH * SB  # the sources this step loads: the next SB when prefetching
             p, st = _src(jl, S, TABLE, src0_ptr, src_offs, src_strides, ALIGN, NSLOT,
                          x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
                          xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7, xs8, xs9, xs10, xs11, xs12, xs13, xs14, xs15)
-            u0 = _rows_tile(p, st, row64, jl, S, offs0, ok0, EVICT)
-            if NCH == 3:
-                u1 = _rows_tile(p, st, row64, jl, S, offs1, ok1, EVICT)
-                u2 = _rows_tile(p, st, row64, jl, S, offs2, ok2, EVICT)
-            if PREFETCH:
+            u0, u1, u2, u3, u4 = _src_rows(p, st, row64, jl, S, offs0, ok0, offs1, ok1, offs2, ok2, offs3, ok3,
+                                           offs4, ok4, NCH, EVICT)
+            t0, t1, t2, t3, t4 = u0, u1, u2, u3, u4
+            if PREFETCH:  # rotate only the chunks there are (the code timed for one chunk carried one tile)
                 t0, tn0 = tn0, u0
-                if NCH == 3:
+                if NCH >= 2:
                     t1, tn1 = tn1, u1
+                if NCH >= 3:
                     t2, tn2 = tn2, u2
-            else:
-                t0 = u0
-                if NCH == 3:
-                    t1 = u1
-                    t2 = u2
+                if NCH >= 4:
+                    t3, tn3 = tn3, u3
+                if NCH >= 5:
+                    t4, tn4 = tn4, u4
             t0 = t0.to(tl.float32)
             go = g0[None, :] * t0
-            if NCH == 3:
-                t1 = t1.to(tl.float32)
-                t2 = t2.to(tl.float32)
-                go = go + g1[None, :] * t1 + g2[None, :] * t2
+            t1, t2, t3, t4 = _to_f32(t1, t2, t3, t4, NCH)
+            if NCH >= 2:
+                go = go + g1[None, :] * t1
+            if NCH >= 3:
+                go = go + g2[None, :] * t2
+            if NCH >= 4:
+                go = go + g3[None, :] * t3
+            if NCH >= 5:
+                go = go + g4[None, :] * t4
             w, c, coef = _bwd_weights(tl.sum(go, axis=1), gh, lse, js, S, N, row, js < S, st_ptr, inv_n)
             gp = _grad_ptrs(js, S, TABLE, grad0_ptr, grad_offs, GALIGN, NSLOT,
                             dx0, dx1, dx2, dx3, dx4, dx5, dx6, dx7, dx8, dx9, dx10, dx11, dx12, dx13, dx14, dx15)
-            _store_grad(gp, row64, d, offs0, ok0, js, S, _bwd_grad(t0, g0[None, :], q0, tail0, w, c, coef, SLICE, KEY0 > 0))
-            if KEY0 == 0:  # the query gradient lives on key columns only
-                dq0 += tl.sum(c[:, None] * t0, axis=0)
-            if NCH == 3:
-                _store_grad(gp, row64, d, offs1, ok1, js, S,
-                            _bwd_grad(t1, g1[None, :], q1, tail1, w, c, coef, SLICE, KEY0 > 1))
-                if KEY0 <= 1:
-                    dq1 += tl.sum(c[:, None] * t1, axis=0)
-                _store_grad(gp, row64, d, offs2, ok2, js, S, _bwd_grad(t2, g2[None, :], q2, tail2, w, c, coef, SLICE))
-                dq2 += tl.sum(c[:, None] * t2, axis=0)
+            dq0 = _rows_grad(gp, row64, d, offs0, ok0, js, S, t0, g0, q0, tail0, w, c, coef, dq0, SLICE, KEY0 > 0)
+            if NCH >= 2:
+                dq1 = _rows_grad(gp, row64, d, offs1, ok1, js, S, t1, g1, q1, tail1, w, c, coef, dq1, SLICE, KEY0 > 1)
+            if NCH >= 3:
+                dq2 = _rows_grad(gp, row64, d, offs2, ok2, js, S, t2, g2, q2, tail2, w, c, coef, dq2, SLICE, KEY0 > 2)
+            if NCH >= 4:
+                dq3 = _rows_grad(gp, row64, d, offs3, ok3, js, S, t3, g3, q3, tail3, w, c, coef, dq3, SLICE, KEY0 > 3)
+            if NCH >= 5:
+                dq4 = _rows_grad(gp, row64, d, offs4, ok4, js, S, t4, g4, q4, tail4, w, c, coef, dq4, SLICE, KEY0 > 4)
+    # the query gradient lives on key columns only: nothing to write for the chunks before KEY0
     if KEY0 == 0:
         _dq_store(dq0, dq_part_ptr, pid, r, d, offs0, tail0)
-    if NCH == 3:
-        if KEY0 <= 1:
-            _dq_store(dq1, dq_part_ptr, pid, r, d, offs1, tail1)
+    if NCH >= 2 and KEY0 <= 1:
+        _dq_store(dq1, dq_part_ptr, pid, r, d, offs1, tail1)
+    if NCH >= 3 and KEY0 <= 2:
         _dq_store(dq2, dq_part_ptr, pid, r, d, offs2, tail2)
+    if NCH >= 4 and KEY0 <= 3:
+        _dq_store(dq3, dq_part_ptr, pid, r, d, offs3, tail3)
+    if NCH >= 5:
+        _dq_store(dq4, dq_part_ptr, pid, r, d, offs4, tail4)
 
 
 @triton.jit
@@ -563,76 +738,101 @@ def _bwd_tile_body(
     dx0, dx1, dx2, dx3, dx4, dx5, dx6, dx7, dx8, dx9, dx10, dx11, dx12, dx13, dx14, dx15,
 ):
     """The backward of BLOCK_T tokens, one program per block (no persistent loop): the forward's
-    layout, walking the sources one at a time with the tiles of the next one or two loaded early
-    (PREFETCH 1 or 2) or Triton's pipeliner (STAGES).  Each program writes its own query-gradient partial row.  Why: the
+    layout, walking the sources one at a time with the next one's tiles loaded early (PREFETCH) or
+    Triton's pipeliner (STAGES).  Each program writes its own query-gradient partial row.  Why: the
     persistent backward waits on every source load (ncu on the H200, 8192 tokens, d = 1536, S = 9:
     12 of its 18 cycles per issued instruction stalled on global loads), while many resident
     programs of one token block each keep more loads in flight."""
+    tl.static_assert(PREFETCH <= 1, "the token-tile backward prefetches at most one step")
     pid = tl.program_id(0)
     rows, row_ok, rows64 = _token_rows(pid, N, BLOCK_T)
     offs0, ok0, tail0 = _cols(d, r, 0, BLOCK_D)
     q0 = _query(q_ptr, offs0, d, r, tail0)
     g0, gh = _bwd_rows(g_ptr, h_ptr, res_ptr, rows64, row_ok, offs0, ok0, d, stride_g, HAS_RES, RES_STEP)
     dq0 = tl.zeros([BLOCK_D], tl.float32)
-    offs1, ok1, offs2, ok2 = offs0, ok0, offs0, ok0  # chunk 0's where NCH is 1 (unused)
-    if NCH == 3:
+    offs1, ok1, offs2, ok2, offs3, ok3, offs4, ok4 = offs0, ok0, offs0, ok0, offs0, ok0, offs0, ok0  # unused past NCH
+    if NCH >= 2:
         offs1, ok1, tail1 = _cols(d, r, BLOCK_D, BLOCK_D)
         q1 = _query(q_ptr, offs1, d, r, tail1)
         g1, gh1 = _bwd_rows(g_ptr, h_ptr, res_ptr, rows64, row_ok, offs1, ok1, d, stride_g, HAS_RES, RES_STEP)
         dq1 = tl.zeros([BLOCK_D], tl.float32)
+    if NCH >= 3:
         offs2, ok2, tail2 = _cols(d, r, 2 * BLOCK_D, BLOCK_D)
         q2 = _query(q_ptr, offs2, d, r, tail2)
         g2, gh2 = _bwd_rows(g_ptr, h_ptr, res_ptr, rows64, row_ok, offs2, ok2, d, stride_g, HAS_RES, RES_STEP)
         dq2 = tl.zeros([BLOCK_D], tl.float32)
-        gh = gh + gh1 + gh2
+    if NCH >= 4:
+        offs3, ok3, tail3 = _cols(d, r, 3 * BLOCK_D, BLOCK_D)
+        q3 = _query(q_ptr, offs3, d, r, tail3)
+        g3, gh3 = _bwd_rows(g_ptr, h_ptr, res_ptr, rows64, row_ok, offs3, ok3, d, stride_g, HAS_RES, RES_STEP)
+        dq3 = tl.zeros([BLOCK_D], tl.float32)
+    if NCH >= 5:
+        offs4, ok4, tail4 = _cols(d, r, 4 * BLOCK_D, BLOCK_D)
+        q4 = _query(q_ptr, offs4, d, r, tail4)
+        g4, gh4 = _bwd_rows(g_ptr, h_ptr, res_ptr, rows64, row_ok, offs4, ok4, d, stride_g, HAS_RES, RES_STEP)
+        dq4 = tl.zeros([BLOCK_D], tl.float32)
+    if NCH >= 2:
+        gh = gh + gh1
+    if NCH >= 3:
+        gh = gh + gh2
+    if NCH >= 4:
+        gh = gh + gh3
+    if NCH >= 5:
+        gh = gh + gh4
     gh = tl.sum(gh, axis=1)
     lse = tl.load(st_ptr + rows, mask=row_ok, other=0.0)
-    if PREFETCH >= 1:
-        tn0, tn1, tn2 = _src_tiles(0, S, rows, rows64, row_ok, offs0, ok0, offs1, ok1, offs2, ok2, NCH, EVICT,
-                                   TABLE, src0_ptr, src_offs, src_strides, ALIGN, NSLOT,
-                                   x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
-                                   xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7, xs8, xs9, xs10, xs11, xs12, xs13, xs14, xs15)
-    if PREFETCH == 2:
-        tm0, tm1, tm2 = _src_tiles(1, S, rows, rows64, row_ok, offs0, ok0, offs1, ok1, offs2, ok2, NCH, EVICT,
-                                   TABLE, src0_ptr, src_offs, src_strides, ALIGN, NSLOT,
-                                   x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
-                                   xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7, xs8, xs9, xs10, xs11, xs12, xs13, xs14, xs15)
+    if PREFETCH:
+        tn0, tn1, tn2, tn3, tn4 = _src_tiles(0, S, rows, rows64, row_ok, offs0, ok0, offs1, ok1, offs2, ok2, offs3, ok3,
+                                             offs4, ok4, NCH, EVICT, TABLE, src0_ptr, src_offs, src_strides, ALIGN, NSLOT,
+                                             x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
+                                             xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7, xs8, xs9, xs10, xs11, xs12, xs13,
+                                             xs14, xs15)
     for i in tl.range(0, S, num_stages=STAGES):
-        j = i + PREFETCH  # the source this step loads: PREFETCH sources ahead
-        u0, u1, u2 = _src_tiles(j, S, rows, rows64, row_ok, offs0, ok0, offs1, ok1, offs2, ok2, NCH, EVICT,
-                                TABLE, src0_ptr, src_offs, src_strides, ALIGN, NSLOT,
-                                x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
-                                xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7, xs8, xs9, xs10, xs11, xs12, xs13, xs14, xs15)
-        if PREFETCH == 2:  # a two-deep ring: use the oldest tiles, keep the two newer sets
-            t0, t1, t2, tn0, tn1, tn2, tm0, tm1, tm2 = tn0, tn1, tn2, tm0, tm1, tm2, u0, u1, u2
-        elif PREFETCH == 1:  # use the tiles loaded a step ago; keep this step's for the next
-            t0, t1, t2, tn0, tn1, tn2 = tn0, tn1, tn2, u0, u1, u2
-        else:
-            t0, t1, t2 = u0, u1, u2
+        u0, u1, u2, u3, u4 = _src_tiles(i + PREFETCH, S, rows, rows64, row_ok, offs0, ok0, offs1, ok1, offs2, ok2,
+                                        offs3, ok3, offs4, ok4, NCH, EVICT, TABLE, src0_ptr, src_offs, src_strides,
+                                        ALIGN, NSLOT, x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14,
+                                        x15, xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7, xs8, xs9, xs10, xs11, xs12, xs13,
+                                        xs14, xs15)
+        t0, t1, t2, t3, t4 = u0, u1, u2, u3, u4
+        if PREFETCH:  # use the tiles loaded a step ago; keep this step's (the next source's) for the next
+            t0, t1, t2, tn0, tn1, tn2 = tn0, tn1, tn2, u0, u1, u2  # three even for fewer chunks: the code as timed
+            if NCH >= 4:
+                t3, tn3 = tn3, u3
+            if NCH >= 5:
+                t4, tn4 = tn4, u4
         t0 = t0.to(tl.float32)
         go = g0 * t0
-        if NCH == 3:
-            t1 = t1.to(tl.float32)
-            t2 = t2.to(tl.float32)
-            go = go + g1 * t1 + g2 * t2
+        t1, t2, t3, t4 = _to_f32(t1, t2, t3, t4, NCH)
+        if NCH >= 2:
+            go = go + g1 * t1
+        if NCH >= 3:
+            go = go + g2 * t2
+        if NCH >= 4:
+            go = go + g3 * t3
+        if NCH >= 5:
+            go = go + g4 * t4
         w, c, coef = _bwd_weights(tl.sum(go, axis=1), gh, lse, i, S, N, rows, row_ok, st_ptr, inv_n)
         gp = _grad_ptrs(i, S, TABLE, grad0_ptr, grad_offs, GALIGN, NSLOT,
                         dx0, dx1, dx2, dx3, dx4, dx5, dx6, dx7, dx8, dx9, dx10, dx11, dx12, dx13, dx14, dx15)
-        _store_tile(gp, rows64, row_ok, d, offs0, ok0, _bwd_grad(t0, g0, q0, tail0, w, c, coef, SLICE, KEY0 > 0))
-        if KEY0 == 0:
-            dq0 += tl.sum(c[:, None] * t0, axis=0)
-        if NCH == 3:
-            _store_tile(gp, rows64, row_ok, d, offs1, ok1, _bwd_grad(t1, g1, q1, tail1, w, c, coef, SLICE, KEY0 > 1))
-            if KEY0 <= 1:
-                dq1 += tl.sum(c[:, None] * t1, axis=0)
-            _store_tile(gp, rows64, row_ok, d, offs2, ok2, _bwd_grad(t2, g2, q2, tail2, w, c, coef, SLICE))
-            dq2 += tl.sum(c[:, None] * t2, axis=0)
+        dq0 = _tile_grad(gp, rows64, row_ok, d, offs0, ok0, t0, g0, q0, tail0, w, c, coef, dq0, SLICE, KEY0 > 0)
+        if NCH >= 2:
+            dq1 = _tile_grad(gp, rows64, row_ok, d, offs1, ok1, t1, g1, q1, tail1, w, c, coef, dq1, SLICE, KEY0 > 1)
+        if NCH >= 3:
+            dq2 = _tile_grad(gp, rows64, row_ok, d, offs2, ok2, t2, g2, q2, tail2, w, c, coef, dq2, SLICE, KEY0 > 2)
+        if NCH >= 4:
+            dq3 = _tile_grad(gp, rows64, row_ok, d, offs3, ok3, t3, g3, q3, tail3, w, c, coef, dq3, SLICE, KEY0 > 3)
+        if NCH >= 5:
+            dq4 = _tile_grad(gp, rows64, row_ok, d, offs4, ok4, t4, g4, q4, tail4, w, c, coef, dq4, SLICE, KEY0 > 4)
     if KEY0 == 0:
         _dq_store(dq0, dq_part_ptr, pid, r, d, offs0, tail0)
-    if NCH == 3:
-        if KEY0 <= 1:
-            _dq_store(dq1, dq_part_ptr, pid, r, d, offs1, tail1)
+    if NCH >= 2 and KEY0 <= 1:
+        _dq_store(dq1, dq_part_ptr, pid, r, d, offs1, tail1)
+    if NCH >= 3 and KEY0 <= 2:
         _dq_store(dq2, dq_part_ptr, pid, r, d, offs2, tail2)
+    if NCH >= 4 and KEY0 <= 3:
+        _dq_store(dq3, dq_part_ptr, pid, r, d, offs3, tail3)
+    if NCH >= 5:
+        _dq_store(dq4, dq_part_ptr, pid, r, d, offs4, tail4)
 
 
 # ---------------------------------------------------------------------------------------------- table kernels
@@ -658,10 +858,10 @@ def _attnres_fwd_kernel(
     RES_STEP: tl.constexpr,  # 2^-(mantissa bits + 8)
     ALIGN: tl.constexpr,  # offsets and strides are multiples of this many elements
     BLOCK_D: tl.constexpr,  # columns per chunk
-    NCH: tl.constexpr,  # column chunks per row: 1 or 3
+    NCH: tl.constexpr,  # column chunks per row: 1 to 5
     KEY0: tl.constexpr,  # first column chunk holding key columns (0: compute as if every chunk may)
     BLOCK_T: tl.constexpr,  # tokens per program
-    PREFETCH: tl.constexpr,  # load the source's tiles this many steps ahead (0, 1, 2)
+    PREFETCH: tl.constexpr,  # load the next source's tiles one step ahead (0 or 1)
     EVICT: tl.constexpr,  # evict-first hint on the source reads
     STAGES: tl.constexpr,  # Triton software-pipeline stages of the source loop (1: none)
     FUSED: tl.constexpr,  # multi-operand row reductions (GPU); separate tl.sum (interpreter)
@@ -698,7 +898,7 @@ def _attnres_bwd_kernel(
     ALIGN: tl.constexpr,
     GALIGN: tl.constexpr,
     BLOCK_D: tl.constexpr,  # columns per chunk
-    NCH: tl.constexpr,  # column chunks per row: 1 or 3
+    NCH: tl.constexpr,  # column chunks per row: 1 to 5
     KEY0: tl.constexpr,  # first column chunk holding key columns (0: compute as if every chunk may)
     SB: tl.constexpr,  # sources per step (persistent grid)
     BLOCK_T: tl.constexpr,  # tokens per program (0: the persistent grid)
@@ -756,7 +956,7 @@ def _attnres_fwd_args_kernel(
     HAS_RES: tl.constexpr,
     RES_STEP: tl.constexpr,
     BLOCK_D: tl.constexpr,  # columns per chunk
-    NCH: tl.constexpr,  # column chunks per row: 1 or 3
+    NCH: tl.constexpr,  # column chunks per row: 1 to 5
     KEY0: tl.constexpr,  # first column chunk holding key columns (0: compute as if every chunk may)
     BLOCK_T: tl.constexpr,
     PREFETCH: tl.constexpr,
@@ -795,7 +995,7 @@ def _attnres_bwd_args_kernel(
     HAS_RES: tl.constexpr,
     RES_STEP: tl.constexpr,
     BLOCK_D: tl.constexpr,  # columns per chunk
-    NCH: tl.constexpr,  # column chunks per row: 1 or 3
+    NCH: tl.constexpr,  # column chunks per row: 1 to 5
     KEY0: tl.constexpr,  # first column chunk holding key columns (0: compute as if every chunk may)
     SB: tl.constexpr,
     BLOCK_T: tl.constexpr,  # tokens per program (0: the persistent grid)

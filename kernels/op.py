@@ -23,7 +23,7 @@ with NaN before the kernels write them (tests); KERNELS_EAGER_FUNCTION=0 sends e
 custom op too (by default they take a plain autograd.Function over the same kernels: less host time);
 KERNELS_COMPILED_PATH=op sends compiled CUDA calls to the opaque custom op instead of the triton_op
 that Inductor traces (see "Compiled path" below); KERNELS_SPLIT_COLUMNS=0 reads every row as one
-power-of-two tile instead of three equal column chunks where those pad less (see _col_layout);
+power-of-two tile instead of up to five equal column chunks where those pad less (see _col_layout);
 KERNELS_KEY_CHUNKS=0 turns off the key-chunk specialisation that some candidate configurations ask
 for (see _key_pos).
 """
@@ -47,9 +47,8 @@ POISON = os.environ.get("KERNELS_POISON", "0") == "1"
 # (Triton's software pipelining of the source loop, 1 = none; 3 wins only with KEYCH, see the candidates),
 # SPLIT (the column layout, see _col_layout) and KEYCH (see _key_pos); the host reads SPLIT and
 # KEYCH, the kernel never sees them.  A "bwd" with BLOCK_T > 0 instead of SB runs the token-tile
-# backward (BLOCK_T tokens per program, one query-gradient partial row each).  PREFETCH is 0 or 1;
-# 2, a two-deep prefetch ring, exists for the forward and the token-tile backward (slower wherever
-# timed: kernel_sweep_h200_2026-11-30_key).
+# backward (BLOCK_T tokens per program, one query-gradient partial row each).  PREFETCH is 0 or 1 (a
+# two-deep ring, PREFETCH 2, was slower wherever timed and is gone: kernel_sweep_h200_2026-11-30_key).
 CONFIG_OVERRIDE: dict = {}
 # Call statistics for benchmarks: set to a collections.Counter and every Triton launch adds one
 # count under (kind, S, tokens, d, r, align) with align the vector width the tables allowed (a
@@ -171,28 +170,47 @@ def _res_step(dtype: torch.dtype) -> float:
     return 2.0 ** -(_MANT[dtype] + 8) if dtype in _MANT else 1.0
 
 
-# Column layout: a row of d columns is read as NCH chunks of BLOCK_D columns, all of one register
-# layout, so that the chunks' elementwise terms add up before a single row sum.  One chunk of
-# next_pow2(d) columns pads d = 1536 to 2048 lanes: a quarter of the loop's issue slots go to masked
-# lanes.  Three chunks of 512 cover it exactly: 28% fewer loop instructions per byte in an offline
-# sm_90 build; on the H200 the forward ran 5% faster and the backward 11% (docs/kernel_notes.md).
-# Only equal chunks share a layout, and two chunks of 2^k pad as much as one of 2^(k+1), so the
-# choice is one chunk or three.  KERNELS_SPLIT_COLUMNS=0 keeps one chunk.
+# Column layout: a row of d columns is read as NCH chunks of BLOCK_D columns (a power of two), all of
+# one register layout, so that the chunks' elementwise terms add up before a single row sum.  One
+# chunk of next_pow2(d) columns pads d = 1536 to 2048 lanes: a quarter of the loop's issue slots go to
+# masked lanes.  Three chunks of 512 cover it exactly: 28% fewer loop instructions per byte in an
+# offline sm_90 build; on the H200 the forward ran 5% faster and the backward 11% (docs/kernel_notes.md).
+# The layout is the one with the fewest lanes (NCH * BLOCK_D) among 1 to MAX_CHUNKS chunks of at
+# least MIN_CHUNK columns; among equals, the chunk width nearest PREFERRED_CHUNK (512, the width timed
+# fastest at d = 1536), then the fewer chunks: d = 2560 as 5 x 512, 1024 as 2 x 512, 513 as 5 x 128.
+# More chunks also let the key-chunk specialisation (below) leave more of a row out of the key's work.
+# KERNELS_SPLIT_COLUMNS=0 keeps one chunk everywhere; a launch configuration's SPLIT (True, False, or a
+# chunk count) forces one layout.
 SPLIT_COLUMNS = os.environ.get("KERNELS_SPLIT_COLUMNS", "1") == "1"
 MIN_CHUNK = 128  # narrower rows gain little from splitting
+MAX_CHUNKS = 5  # the kernel bodies name five chunks (kernels/_triton.py)
+PREFERRED_CHUNK = 512
 
 
-def _col_layout(d: int, split: bool | None = None) -> tuple[int, int]:
-    """(BLOCK_D, NCH): chunk width and chunk count (1 or 3) the kernels read a row of d columns as."""
-    one = _next_pow2(d)
-    third = _next_pow2(-(-d // 3))
-    if (SPLIT_COLUMNS if split is None else split) and third >= MIN_CHUNK and 3 * third < one:
-        return third, 3
-    return one, 1
+def _chunks_of(d: int, nch: int) -> tuple[int, int]:
+    """(BLOCK_D, nch): nch equal power-of-two chunks covering d columns."""
+    return _next_pow2(-(-d // nch)), nch
 
 
-# Key-chunk specialisation: with three column chunks and a key (the last r columns) inside the last
-# one or two, the chunks before it need no q.k terms, no |k|^2 terms ("slice") and no query-gradient
+def _col_layout(d: int, split: bool | int | None = None) -> tuple[int, int]:
+    """(BLOCK_D, NCH): chunk width and chunk count (1 to MAX_CHUNKS) the kernels read a row of d columns
+    as; ``split`` False forces one chunk, an int that many chunks, None or True the rule above."""
+    if split is None:
+        split = SPLIT_COLUMNS
+    if split is False or split == 0:
+        return _chunks_of(d, 1)
+    if split is not True:
+        if not 1 <= int(split) <= MAX_CHUNKS:
+            raise ValueError(f"SPLIT: expected a chunk count from 1 to {MAX_CHUNKS} or a bool, got {split!r}")
+        return _chunks_of(d, int(split))
+    layouts = [_chunks_of(d, n) for n in range(1, MAX_CHUNKS + 1)]
+    layouts = [(b, n) for b, n in layouts if n == 1 or b >= MIN_CHUNK]
+    pref = PREFERRED_CHUNK.bit_length()
+    return min(layouts, key=lambda x: (x[0] * x[1], abs(x[0].bit_length() - pref), x[1]))
+
+
+# Key-chunk specialisation: with several column chunks and a key (the last r columns) starting past
+# the first, the chunks before it need no q.k terms, no |k|^2 terms ("slice") and no query-gradient
 # work, and their source gradients are w g.  The kernels learn where the key starts as the
 # compile-time KEY0 (one build per value; 0 = no specialisation).  A configuration asks for it with
 # KEYCH.  On the H200 (kernel_sweep_h200_2026-11-30_key) it cut the forward at 8192 tokens, d = 1536,
@@ -251,7 +269,7 @@ def _fwd_configs(block_d: int, nch: int = 1) -> list[dict]:
     pipelining (179 at S = 25 against 207 without the specialisation); without it, one token with 2
     warps at d = 2560 (192 against 207 with it), and one token with 4 warps (96.6 at d = 1536, S = 9).
     Elements per thread and chunk: 4, 2 and 1 warps per token at 512 columns, 8, 4 and 2 at 1024."""
-    if nch == 3:
+    if nch > 1:
         return _configs(block_d, "BLOCK_T", (
             (1, 4, 1, dict(_KEYED, EVICT=True)), (4, 16, 1, dict(_KEYED, EVICT=True)),
             (4, 16, 0, dict(_KEYED, STAGES=3)), (1, 16, 1, {"EVICT": True}), (1, 4, 1)))
@@ -272,7 +290,7 @@ def _bwd_configs(block_d: int, nch: int = 1) -> list[dict]:
     against 336); the persistent grid with the specialisation at S = 2 (58.3 against 66.6; its
     fewer partial rows).  Two or more sources per step ran 1.3-9x slower.  Elements per thread
     and chunk 4 to 16, as for the forward."""
-    if nch == 3:
+    if nch > 1:
         tile_keyed = dict(_TILE, **_KEYED)
         return _configs(block_d, "SB", (
             (1, 4, 1, tile_keyed), (1, 8, 0, dict(tile_keyed, STAGES=3)), (1, 8, 1, tile_keyed),

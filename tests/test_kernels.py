@@ -106,6 +106,8 @@ CPU_CASES = [
     (1536, 7, 1, "full", "contig"),
     (1536, 192, 9, "slice", "contig"),
     (1536, 1536, 2, "full", "colstride"),
+    (1024, 256, 5, "full", "mixed"),  # two chunks of 512
+    (2560, 640, 3, "slice", "rowpad"),  # five chunks of 512
 ]
 
 
@@ -181,12 +183,18 @@ CONFIG_CASES = [
      (600, 50, 9, "full", "rowpad")),
     ({"BLOCK_T": 1, "num_warps": 2, "PREFETCH": 0, "KEYCH": True}, {"BLOCK_T": 2, "num_warps": 2, "PREFETCH": 0, "KEYCH": True},
      (300, 100, 3, "slice", "contig")),
-    # a two-deep prefetch ring (forward and token-tile backward), S below, at and above the ring
-    ({"BLOCK_T": 2, "num_warps": 2, "PREFETCH": 2}, {"BLOCK_T": 1, "num_warps": 2, "PREFETCH": 2, "KEYCH": True},
-     (300, 40, 2, "slice", "mixed")),
-    ({"BLOCK_T": 1, "num_warps": 2, "PREFETCH": 2, "KEYCH": True}, {"BLOCK_T": 2, "num_warps": 4, "PREFETCH": 2},
-     (513, 200, 7, "full", "transposed")),
-    ({"BLOCK_T": 1, "num_warps": 1, "PREFETCH": 2}, {"BLOCK_T": 1, "num_warps": 1, "PREFETCH": 2, "SPLIT": False},
+    # other chunk counts (SPLIT forces one): two, four (the last chunk past d: empty), five
+    ({"BLOCK_T": 2, "num_warps": 2, "PREFETCH": 1, "SPLIT": 2},
+     {"BLOCK_T": 1, "num_warps": 2, "PREFETCH": 1, "KEYCH": True, "SPLIT": 2}, (300, 40, 2, "slice", "mixed")),
+    ({"BLOCK_T": 1, "num_warps": 2, "PREFETCH": 1, "KEYCH": True, "SPLIT": 4},
+     {"SB": 2, "num_warps": 2, "PREFETCH": 1, "KEYCH": True, "SPLIT": 4}, (513, 200, 7, "full", "transposed")),
+    ({"BLOCK_T": 1, "num_warps": 1, "PREFETCH": 0, "KEYCH": True, "SPLIT": 5},
+     {"BLOCK_T": 2, "num_warps": 1, "PREFETCH": 0, "KEYCH": True, "SPLIT": 5}, (640, 100, 4, "slice", "colstride")),
+    ({"BLOCK_T": 2, "num_warps": 2, "PREFETCH": 1, "KEYCH": True, "SPLIT": 5},
+     {"SB": 1, "num_warps": 2, "PREFETCH": 1, "KEYCH": True, "SPLIT": 5}, (640, 250, 3, "full", "mixed")),
+    ({"BLOCK_T": 1, "num_warps": 2, "PREFETCH": 1, "SPLIT": 5}, {"SB": 1, "num_warps": 2, "PREFETCH": 0, "SPLIT": 5},
+     (600, 600, 2, "slice", "contig")),  # the key in every chunk
+    ({"BLOCK_T": 1, "num_warps": 1, "PREFETCH": 1}, {"BLOCK_T": 1, "num_warps": 1, "PREFETCH": 1, "SPLIT": False},
      (64, 64, 1, "slice", "colstride")),
 ]
 
@@ -223,17 +231,19 @@ def _fp32_against_reference(fn, d, r, S, norm, layout, seed):
 
 
 def test_key_chunk(monkeypatch):
-    """KEY0: the first of three column chunks that holds a key column, where a configuration asks
-    for it (KEYCH) and KERNELS_KEY_CHUNKS leaves it on; 0 otherwise or with one chunk."""
+    """KEY0: the first column chunk that holds a key column, where a configuration asks for it
+    (KEYCH) and KERNELS_KEY_CHUNKS leaves it on; 0 otherwise or with one chunk."""
     assert op._key_pos(1536, 384, 512, 3) == 2
     assert op._key_pos(1536, 600, 512, 3) == 1
     assert op._key_pos(1536, 1536, 512, 3) == 0
+    assert op._key_pos(2560, 640, 512, 5) == 3 and op._key_pos(2560, 320, 512, 5) == 4
+    assert op._key_pos(1024, 256, 512, 2) == 1
     assert op._key_pos(1024, 1, 1024, 1) == 0  # one chunk: nothing to skip
     for d in range(130, 5000, 7):  # the last chunk always holds column d - 1
         block_d, nch = op._col_layout(d, True)
-        if nch == 3:
-            assert 2 * block_d < d <= 3 * block_d
-            assert op._key_pos(d, 1, block_d, nch) == 2
+        if nch > 1:
+            assert (nch - 1) * block_d < d <= nch * block_d
+            assert op._key_pos(d, 1, block_d, nch) == nch - 1
     assert op._launch_kwargs({"BLOCK_T": 1, "KEYCH": True, "SPLIT": True}, "fwd", 2) == {
         "BLOCK_T": 1, "EVICT": False, "STAGES": 1, "KEY0": 2}
     assert op._launch_kwargs({"BLOCK_T": 1}, "bwd", 2) == {"SB": 1, "BLOCK_T": 1, "EVICT": False, "STAGES": 1, "KEY0": 0}
@@ -280,7 +290,7 @@ def test_launch_config_candidates():
     """Every candidate's tile has at least 512 elements and at most 32 per thread and column chunk
     unless 16 warps cannot spread it further."""
     for block_d in (1, 64, 1024, 2048, 8192):
-        for nch in (1, 3):
+        for nch in (1, 2, 3, 5):
             for cfg in op._fwd_configs(block_d, nch) + op._bwd_configs(block_d, nch):
                 tile = cfg.get("BLOCK_T", cfg.get("SB")) * block_d
                 assert tile >= 512 and 1 <= cfg["num_warps"] <= 16
@@ -288,20 +298,26 @@ def test_launch_config_candidates():
 
 
 def test_column_layout():
-    """Rows are read as one power-of-two chunk, or as three equal ones where those pad less."""
+    """Rows are read as the fewest lanes of 1 to 5 equal power-of-two chunks; among equals, chunks
+    nearest 512 columns."""
     assert op._col_layout(1536) == (512, 3)  # the 1B model: no padded lanes
-    assert op._col_layout(2560) == (1024, 3)  # 3072 lanes instead of 4096
-    assert op._col_layout(513) == (256, 3)
-    assert op._col_layout(1024) == (1024, 1) and op._col_layout(64) == (64, 1)
+    assert op._col_layout(2560) == (512, 5)  # 2560 lanes instead of 3072 (3 x 1024) or 4096
+    assert op._col_layout(1024) == (512, 2)  # as few lanes as one chunk, and a key chunk to specialise
+    assert op._col_layout(513) == (128, 5)
+    assert op._col_layout(64) == (64, 1)
     assert op._col_layout(200) == (256, 1)  # chunks under MIN_CHUNK columns are not worth it
+    assert op._col_layout(2048) == (512, 4) and op._col_layout(4096) == (1024, 4)
     assert op._col_layout(1536, split=False) == (2048, 1)
+    assert op._col_layout(2560, split=3) == (1024, 3)  # a configuration's SPLIT forces a chunk count
+    with pytest.raises(ValueError, match="SPLIT"):
+        op._col_layout(2560, split=6)
     for d in range(1, 5000, 7):
         block, nch = op._col_layout(d)
-        assert block * nch >= d and block & (block - 1) == 0 and nch in (1, 3)
-        assert block * nch <= op._next_pow2(d)
+        assert block * nch >= d and block & (block - 1) == 0 and 1 <= nch <= op.MAX_CHUNKS
+        assert nch == 1 or block >= op.MIN_CHUNK
+        assert block * nch <= op._next_pow2(d)  # never more lanes than one chunk
 
 
-@needs_triton
 @pytest.mark.parametrize("eager_function", [False, True], ids=["custom-op", "function"])
 @pytest.mark.parametrize("S", [1, 2])
 def test_custom_op_triton_path(S, eager_function, monkeypatch):
@@ -467,12 +483,14 @@ def test_gpu_bf16_paper_criterion(d, r, S, norm):
 @gpu
 @needs_cuda
 @pytest.mark.parametrize("bwd", [{"SB": 1, "num_warps": 4, "PREFETCH": 0},
-                                 {"BLOCK_T": 1, "num_warps": 4, "PREFETCH": 2}], ids=["persistent", "tile-ring"])
-@pytest.mark.parametrize("d,r,S,norm", [(1536, 384, 9, "slice"), (2560, 640, 5, "full"), (1536, 700, 9, "slice")])
+                                 {"BLOCK_T": 1, "num_warps": 4, "PREFETCH": 1}], ids=["persistent", "tile"])
+@pytest.mark.parametrize("d,r,S,norm", [(1536, 384, 9, "slice"), (2560, 640, 5, "full"), (1536, 700, 9, "slice"),
+                                        (2560, 320, 9, "slice"), (1024, 256, 9, "full")])
 def test_gpu_bf16_key_chunks(d, r, S, norm, bwd, monkeypatch):
-    """The untimed launch options (key-chunk specialisation, token-tile backward, prefetch ring) under
-    the paper's bf16 criterion, which the interpreter cannot check (its bf16 is wrong)."""
-    monkeypatch.setattr(op, "CONFIG_OVERRIDE", {"fwd": {"BLOCK_T": 1, "num_warps": 4, "PREFETCH": 2, "KEYCH": True},
+    """The key-chunk specialisation at every chunk count the grid's widths take (3 x 512, 5 x 512 with
+    the key in the last two chunks or the last one, 2 x 512), both backward grids, under the paper's
+    bf16 criterion, which the interpreter cannot check (its bf16 is wrong)."""
+    monkeypatch.setattr(op, "CONFIG_OVERRIDE", {"fwd": {"BLOCK_T": 1, "num_warps": 4, "PREFETCH": 1, "KEYCH": True},
                                                 "bwd": dict(bwd, KEYCH=True)})
     errs = bf16_check(d, r, S, norm, layout="mixed", seed=d + r + S)
     assert errs["out_rel_l2"] < 1e-2 and errs["src_grad_rel_l2"] < 2e-2
