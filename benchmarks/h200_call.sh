@@ -12,7 +12,9 @@
 #   kernel4096  benchmarks/kernel_bench.py at 4096 tokens (no check), then benchmarks/kernel_sweep.py
 #   kgrid8192   benchmarks/kernel_bench.py at 8192 tokens alone (its bf16 check first; no pytest)
 #   kgrid4096   benchmarks/kernel_bench.py at 4096 tokens alone (no check, no torch.compile row)
-#               (SKIP8192 / SKIP4096 leave out the first shapes of each, measured by an earlier call)
+#               (SKIP8192 / SKIP4096 leave out the first shapes of each, measured by an earlier call; SKIP_MEASURED=JSON
+#               those a kernel_bench result has, but for the widths in REDO_WIDTHS; GRID_TESTS=EXPR runs the
+#               kernel tests pytest -k EXPR selects first, in lane kgrid8192)
 #   sweep       benchmarks/kernel_sweep.py
 #   train       benchmarks/train_step_bench.py (1B)
 #   trainflex   the 1B step with flex document masking (ATTN=sdpa for the dense mask): baseline, LR and
@@ -73,13 +75,20 @@ lane_kernel4096() {
   $PYTHON benchmarks/kernel_bench.py --out "$L" --tokens 4096 --no-check --stem kernel_bench_4096 --budget-s "$(left $((DUR - 150)))"
   $PYTHON benchmarks/kernel_sweep.py --out "$L" --budget-s "$(left $((DUR - 20)))"
 }
-lane_kgrid8192() {  # the side-by-side grid at 8192 tokens, no tests (kernel_bench's own bf16 check runs first)
-  $PYTHON benchmarks/kernel_bench.py --out "$L" --tokens 8192 --stem kernel_bench_8192 --skip "${SKIP8192:-0}" \
-    --budget-s "$(left $((DUR - 130)))" $([ "${SKIP8192:-0}" -gt 0 ] && echo --no-check)
+grid_skip() {  # kernel_bench's options for the shapes measured before (SKIP_MEASURED=JSON, REDO_WIDTHS=d,d)
+  [ -n "${SKIP_MEASURED:-}" ] && echo --skip-measured "$SKIP_MEASURED" --redo-widths "${REDO_WIDTHS:-}"
+}
+lane_kgrid8192() {  # the side-by-side grid at 8192 tokens (kernel_bench's own bf16 check first, unless skipping)
+  if [ -n "${GRID_TESTS:-}" ]; then  # a subset of the kernels' GPU tests first (a pytest -k expression)
+    timeout 240 $PYTHON -m pytest -q -p no:cacheprovider tests/test_kernels.py -k "$GRID_TESTS" -rA --tb=short 2>&1 \
+      | tee "$L/pytest.txt" | grep -v "^PASSED" | tail -20
+  fi
+  $PYTHON benchmarks/kernel_bench.py --out "$L" --tokens 8192 --stem kernel_bench_8192 --skip "${SKIP8192:-0}" $(grid_skip) \
+    --budget-s "$(left $((DUR - 130)))" $([ "${SKIP8192:-0}" -gt 0 ] || [ -n "${SKIP_MEASURED:-}" ] && echo --no-check)
 }
 lane_kgrid4096() {
   $PYTHON benchmarks/kernel_bench.py --out "$L" --tokens 4096 --no-check --no-compile --stem kernel_bench_4096 \
-    --skip "${SKIP4096:-0}" --budget-s "$(left $((DUR - 130)))"
+    --skip "${SKIP4096:-0}" $(grid_skip) --budget-s "$(left $((DUR - 130)))"
 }
 lane_sweep() { $PYTHON benchmarks/kernel_sweep.py --out "$L" --budget-s "$(left $((DUR - 20)))"; }
 lane_train() {
@@ -177,7 +186,7 @@ lane_kgpuncu() {  # the kernels' GPU tests, then lane kncu with the time left
 }
 lane_grid() { OUT="$L" DEADLINE_S=$(left $((DUR - 15))) PYTHON=$PYTHON bash benchmarks/gpu_grid.sh; }
 lane_throughput() { OUT="$L" PYTHON=$PYTHON bash benchmarks/throughput_gpu.sh; }
-export -f lane_kncu lane_kgpuncu lane_kgrid8192 lane_kgrid4096 lane_ksweep lane_ksweep2 lane_kcheck left paper_step lane_paper1 lane_paper2 lane_argscheck lane_trainargs lane_kernel lane_kernel4096 lane_sweep lane_train lane_trainflex lane_sweeptrain lane_hostprof lane_traingrid lane_grid lane_throughput
+export -f grid_skip lane_kncu lane_kgpuncu lane_kgrid8192 lane_kgrid4096 lane_ksweep lane_ksweep2 lane_kcheck left paper_step lane_paper1 lane_paper2 lane_argscheck lane_trainargs lane_kernel lane_kernel4096 lane_sweep lane_train lane_trainflex lane_sweeptrain lane_hostprof lane_traingrid lane_grid lane_throughput
 
 run_lane() {  # name:seconds gpu-list cpu-list
   local name=${1%%:*} dur=${1##*:} gpus=$2 cpus=$3

@@ -274,6 +274,17 @@ def full_grid(tokens) -> list[tuple[int, int, int, int]]:
     return out
 
 
+def measured_shapes(path: str) -> set:
+    """The (tokens, d, S, r) shapes a kernel_bench JSON has rows for."""
+    try:
+        with open(path) as f:
+            rows = json.load(f)["rows"]
+        return {(r["tokens"], r["d"], r["S"], r["r"]) for r in rows}
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise SystemExit(f"kernel_bench: --skip-measured {path}: expected a kernel_bench JSON with rows "
+                         f"(tokens, d, S, r): {e!r}")
+
+
 def run_grid(args):
     t0 = time.time()
     payload = {"env": _env(), "rows": [], "check": []}
@@ -293,6 +304,8 @@ def run_grid(args):
         compile_at = {(8192, 1536, 9, 384)}
     else:
         grid = full_grid(args.tokens)[args.skip:]
+        if args.skip_measured:
+            grid = [x for x in grid if x not in measured_shapes(args.skip_measured) or x[1] in args.redo_widths]
         compile_at = {(8192, 1536, 9, 384)}
     impls = _impls(want_compile=not args.no_compile)
     for N, d, S, r in grid:
@@ -394,6 +407,10 @@ def main(argv=None):
                    help="token counts of the full grid, in order (split a run across GPUs with this)")
     p.add_argument("--stem", default="kernel_bench", help="output file name stem")
     p.add_argument("--skip", type=int, default=0, help="leave out the grid's first SKIP shapes (measured by an earlier run)")
+    p.add_argument("--skip-measured", metavar="JSON",
+                   help="leave out the shapes an earlier result (kernel_bench JSON) has, except those of --redo-widths")
+    p.add_argument("--redo-widths", type=lambda x: {int(v) for v in x.split(",") if v}, default=set(),
+                   help="comma-separated widths d to measure again even where --skip-measured has them")
     p.add_argument("--merge", nargs="+", metavar="JSON", help="merge these runs' results into --out/--stem (no GPU)")
     p.add_argument("--note", default="", help="with --merge: what the merged runs were")
     args = p.parse_args(argv)

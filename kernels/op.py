@@ -259,19 +259,21 @@ _TILE = {"BLOCK_T": True}
 
 def _fwd_configs(block_d: int, nch: int = 1) -> list[dict]:
     """Candidate launch configurations of the forward kernel (BLOCK_T tokens per program, num_warps,
-    PREFETCH, options): autotuned on CUDA; the first is the default without autotuning.  One chunk:
-    tiles of 16-32 elements per thread; on the H200, BLOCK_T 2 with 32 elements per thread and
-    prefetch was the fastest at d = 1536 padded to 2048 columns: 100 us against 114 us for the best
-    one-token tile (kernel_sweep *_sb/_variants).  Three chunks (kernel_sweep_h200_2026-11-30_key, 8192
-    tokens unless named): with the key-chunk specialisation, one token with 4 warps and prefetch
-    (84.4 us at d = 1536, S = 9; 46.8 for the per-argument kernels at 4096 tokens; 36.3 at S = 2),
-    four tokens with 4 warps and prefetch (78.2 at S = 9), four tokens with Triton's three-stage
-    pipelining (179 at S = 25 against 207 without the specialisation); without it, one token with 2
-    warps at d = 2560 (192 against 207 with it), and one token with 4 warps (96.6 at d = 1536, S = 9).
-    Elements per thread and chunk: 4, 2 and 1 warps per token at 512 columns, 8, 4 and 2 at 1024."""
+    PREFETCH, options): autotuned on CUDA; the first is the default without autotuning and the
+    per-argument kernels' (ARGS_FWD_CONFIG).  One chunk: tiles of 16-32 elements per thread; on the
+    H200, BLOCK_T 2 with 32 elements per thread and prefetch was the fastest at d = 1536 padded to 2048
+    columns: 100 us against 114 us for the best one-token tile (kernel_sweep *_sb/_variants).  Several
+    chunks of 512 (kernel_sweep_h200_2026-11-30_key and _chunks, 8192 tokens unless named), all with
+    the key-chunk specialisation where it applies: four tokens with 4 warps and prefetch (78.2 us at
+    d = 1536, S = 9; 37.5 for the per-argument kernels at 4096 tokens, against 46.1 with one token;
+    573 at d = 2560, S = 49), one token with 4 warps and prefetch (36.3 at d = 1536, S = 2; 137 at
+    d = 2560, S = 9, r = 640, and 142 at r = d), four tokens with Triton's three-stage pipelining (179
+    at d = 1536, S = 25; 52.7 at d = 1024, S = 9); without the specialisation one token with 1 and 4
+    warps (96.6 at d = 1536, S = 9).  Elements per thread and chunk: 4, 2 and 1 warps per token at
+    512 columns, 8, 4 and 2 at 1024."""
     if nch > 1:
         return _configs(block_d, "BLOCK_T", (
-            (1, 4, 1, dict(_KEYED, EVICT=True)), (4, 16, 1, dict(_KEYED, EVICT=True)),
+            (4, 16, 1, dict(_KEYED, EVICT=True)), (1, 4, 1, dict(_KEYED, EVICT=True)),
             (4, 16, 0, dict(_KEYED, STAGES=3)), (1, 16, 1, {"EVICT": True}), (1, 4, 1)))
     return _configs(block_d, "BLOCK_T", ((2, 32, 1), (1, 16, 1), (1, 16, 0), (1, 8, 1), (2, 16, 1)))
 
@@ -281,20 +283,22 @@ def _bwd_configs(block_d: int, nch: int = 1) -> list[dict]:
     grid, or BLOCK_T tokens per program on the token-tile grid; num_warps, PREFETCH, options).  One
     chunk: on the H200 at d = 1536 one source per step with 8 warps and prefetch was the fastest
     (table kernels: 97.6 us at 4096 tokens, S = 9), two sources with 4 warps and no prefetch next
-    (107; 102 for the per-argument kernels), and the latter the fastest at d = 1024.  Three chunks
-    (kernel_sweep_h200_2026-11-30_key, 8192 tokens unless named; times include the sum of the
-    query-gradient partials): with the key-chunk specialisation, the token-tile grid with one token
-    per program, 4 warps and prefetch (154 us at d = 1536, S = 9, against 177 for the persistent
-    grid without it; 354 at S = 25 against 433), with 2 warps and Triton's three-stage pipelining
-    (the per-argument kernels at 4096 tokens: 83.8 against 96.4), with 4 warps at d = 2560 (274
-    against 336); the persistent grid with the specialisation at S = 2 (58.3 against 66.6; its
-    fewer partial rows).  Two or more sources per step ran 1.3-9x slower.  Elements per thread
-    and chunk 4 to 16, as for the forward."""
+    (107; 102 for the per-argument kernels), and the latter the fastest at d = 1024.  Several chunks
+    of 512 (kernel_sweep_h200_2026-11-30_key and _chunks, 8192 tokens unless named; times include
+    the sum of the query-gradient partials), with the key-chunk specialisation where it applies: the
+    token-tile grid with one token per program, 4 warps and prefetch (154 us at d = 1536, S = 9,
+    against 177 for the persistent grid without it; 354 at S = 25; 1081 at d = 2560, S = 49), with 2
+    warps and Triton's three-stage pipelining (the per-argument kernels at 4096 tokens: 83 against
+    96.4), with 2 warps and prefetch (109 at d = 1024, S = 9); the persistent grid with 4 warps (58.3
+    at d = 1536, S = 2, its fewer partial rows; 242 at d = 2560, S = 9, r = 640), and with 2 warps and
+    prefetch where the key spans the row (300 at d = 2560, r = d, against 329 for the best token
+    tile).  Two or more sources per step ran 1.3-9x slower.  Elements per thread and chunk 4 to 16,
+    as for the forward."""
     if nch > 1:
         tile_keyed = dict(_TILE, **_KEYED)
         return _configs(block_d, "SB", (
             (1, 4, 1, tile_keyed), (1, 8, 0, dict(tile_keyed, STAGES=3)), (1, 8, 1, tile_keyed),
-            (1, 4, 0, _KEYED), (1, 4, 0), (1, 16, 1)))
+            (1, 4, 0, _KEYED), (1, 4, 0), (1, 8, 1), (1, 16, 1)))
     return _configs(block_d, "SB", ((1, 8, 1), (2, 32, 0), (2, 16, 0), (1, 16, 1), (2, 16, 1)))
 
 
@@ -727,7 +731,8 @@ COMPILED_PATH = os.environ.get("KERNELS_COMPILED_PATH", "triton_op")
 # autotuner): index into _fwd_configs / _bwd_configs.  The forward's first candidate and the
 # backward's second were the per-argument kernels' fastest at the 1B step's shapes (4096 tokens,
 # d 1536, r 384, S = 9) in both column layouts (one chunk: kernel_sweep_h200_2026-11-29_sb.md,
-# _variants.md; three chunks, with the key-chunk specialisation: kernel_sweep_h200_2026-11-30_key.md).
+# _variants.md; three chunks, with the key-chunk specialisation: kernel_sweep_h200_2026-11-30_key.md
+# and, for the four-token forward, _chunks2.md).
 ARGS_FWD_CONFIG = 0
 ARGS_BWD_CONFIG = 1
 
