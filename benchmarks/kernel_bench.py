@@ -274,15 +274,18 @@ def full_grid(tokens) -> list[tuple[int, int, int, int]]:
     return out
 
 
-def measured_shapes(path: str) -> set:
-    """The (tokens, d, S, r) shapes a kernel_bench JSON has rows for."""
-    try:
-        with open(path) as f:
-            rows = json.load(f)["rows"]
-        return {(r["tokens"], r["d"], r["S"], r["r"]) for r in rows}
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise SystemExit(f"kernel_bench: --skip-measured {path}: expected a kernel_bench JSON with rows "
-                         f"(tokens, d, S, r): {e!r}")
+def measured_shapes(paths: str) -> set:
+    """The (tokens, d, S, r) shapes kernel_bench JSONs (comma-separated paths) have rows for."""
+    out = set()
+    for path in paths.split(","):
+        try:
+            with open(path) as f:
+                rows = json.load(f)["rows"]
+            out |= {(r["tokens"], r["d"], r["S"], r["r"]) for r in rows}
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise SystemExit(f"kernel_bench: --skip-measured {path}: expected a kernel_bench JSON with rows "
+                             f"(tokens, d, S, r): {e!r}")
+    return out
 
 
 def run_grid(args):
@@ -370,8 +373,8 @@ def run_grid(args):
 
 def merge(paths, out_dir, stem, note):
     """One document from runs that measured parts of the grid (lanes of one call, or calls that
-    continued a cut-off grid with --skip): the rows in grid order, the first bf16 check, every run's
-    environment under merged_from.  Each row keeps the percentages its own run computed against its
+    continued a cut-off grid with --skip): the rows in grid order (a shape several runs measured: the
+    last run's), the first bf16 check, every run's environment under merged_from.  Each row keeps the percentages its own run computed against its
     own copy bandwidth.  Refuses runs of different devices or software versions."""
     docs = []
     for p in paths:
@@ -381,7 +384,11 @@ def merge(paths, out_dir, stem, note):
     if len(set(keys)) != 1:
         raise SystemExit(f"--merge: runs differ in device or versions: {sorted(set(keys))}")
     order = {shape: i for i, shape in enumerate(full_grid([8192, 4096]))}
-    rows = [r for d in docs for r in d["rows"]]
+    latest = {}  # a shape measured by several runs keeps the last run's rows (e.g. after a kernel change)
+    for d in docs:
+        for shape in {(r["tokens"], r["d"], r["S"], r["r"]) for r in d["rows"]}:
+            latest[shape] = [r for r in d["rows"] if (r["tokens"], r["d"], r["S"], r["r"]) == shape]
+    rows = [r for shape_rows in latest.values() for r in shape_rows]
     rows.sort(key=lambda r: order.get((r["tokens"], r["d"], r["S"], r["r"]), len(order)))
     shapes = {(r["tokens"], r["d"], r["S"], r["r"]) for r in rows}
     out = {"env": dict(docs[0]["env"]), "note": note, "rows": rows,
@@ -407,8 +414,8 @@ def main(argv=None):
                    help="token counts of the full grid, in order (split a run across GPUs with this)")
     p.add_argument("--stem", default="kernel_bench", help="output file name stem")
     p.add_argument("--skip", type=int, default=0, help="leave out the grid's first SKIP shapes (measured by an earlier run)")
-    p.add_argument("--skip-measured", metavar="JSON",
-                   help="leave out the shapes an earlier result (kernel_bench JSON) has, except those of --redo-widths")
+    p.add_argument("--skip-measured", metavar="JSON[,JSON]",
+                   help="leave out the shapes earlier results (kernel_bench JSONs) have, except those of --redo-widths")
     p.add_argument("--redo-widths", type=lambda x: {int(v) for v in x.split(",") if v}, default=set(),
                    help="comma-separated widths d to measure again even where --skip-measured has them")
     p.add_argument("--merge", nargs="+", metavar="JSON", help="merge these runs' results into --out/--stem (no GPU)")
