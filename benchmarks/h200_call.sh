@@ -76,7 +76,7 @@ lane_kernel4096() {
   $PYTHON benchmarks/kernel_sweep.py --out "$L" --budget-s "$(left $((DUR - 20)))"
 }
 grid_skip() {  # kernel_bench's options for the shapes measured before (SKIP_MEASURED=JSON, REDO_WIDTHS=d,d)
-  [ -n "${SKIP_MEASURED:-}" ] && echo --skip-measured "$SKIP_MEASURED" --redo-widths "${REDO_WIDTHS:-}"
+  [ -n "${SKIP_MEASURED:-}" ] && echo --skip-measured "$SKIP_MEASURED" ${REDO_WIDTHS:+--redo-widths "$REDO_WIDTHS"}
 }
 lane_kgrid8192() {  # the side-by-side grid at 8192 tokens (kernel_bench's own bf16 check first, unless skipping)
   if [ -n "${GRID_TESTS:-}" ]; then  # a subset of the kernels' GPU tests first (a pytest -k expression)
