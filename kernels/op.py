@@ -215,8 +215,10 @@ def _col_layout(d: int, split: bool | int | None = None) -> tuple[int, int]:
 # compile-time KEY0 (one build per value; 0 = no specialisation).  A configuration asks for it with
 # KEYCH.  On the H200 (kernel_sweep_h200_2026-11-30_key) it cut the forward at 8192 tokens, d = 1536,
 # r = 384, S = 9 from 96.6 to 78.2 us and the backward from 177 to 154 (with the token-tile grid),
-# and at S = 25 207 -> 179 and 414 -> 354; the forward at d = 2560 (key in the last two chunks) lost,
-# 192 -> 207, so the candidates carry it per configuration and the autotuner chooses.
+# and at S = 25 207 -> 179 and 414 -> 354; with three chunks of 1024 at d = 2560 (the key in the last
+# two) the forward lost, 192 -> 207; with five of 512 (kernel_sweep_h200_2026-11-30_chunks, key in the
+# last two) it won, 142 -> 137, and the backward 328 -> 242.  The candidates carry it per
+# configuration and the autotuner chooses.
 # KERNELS_KEY_CHUNKS=0 turns it off everywhere.
 KEY_CHUNKS = os.environ.get("KERNELS_KEY_CHUNKS", "1") == "1"
 
