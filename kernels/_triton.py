@@ -1,9 +1,9 @@
 """Fused Triton kernels for depth routing (Fast-AttnRes style), forward and backward.
 
 Layout: every source is a [N, d] matrix with unit column stride and its own row stride, read at
-the full row width as NCH column chunks of BLOCK_D columns (a power of two, masked past d): one
-chunk of next_pow2(d) columns, or three equal chunks where those pad less (d = 1536 as 3 x 512, no
-masked lanes; kernels.op._col_layout).  All chunks share one register layout, so their elementwise
+the full row width as NCH column chunks of BLOCK_D columns (a power of two, masked past d), NCH from
+1 to 5, whichever pads least (d = 1536 as 3 x 512 and 2560 as 5 x 512: no masked lanes;
+kernels.op._col_layout).  All chunks share one register layout, so their elementwise
 terms add up before a single row sum.  The forward gives each program BLOCK_T tokens and walks the
 sources one at a time (the next source's tiles loaded before this one's arithmetic, PREFETCH).  The
 backward's persistent programs take one token at a time and walk the sources SB at a time: a step
@@ -11,8 +11,8 @@ loads [SB, BLOCK_D] tiles of SB sources' rows, whose row sums share one reductio
 d = 1536 the three-chunk kernels ran fastest with one token and one source per step: benchmarks/
 results/kernel_sweep_h200_2026-11-29_split.md.)  STAGES > 1 hands the source loop to Triton's
 software pipeliner (tl.range num_stages: an offline sm_90 build turns the source loads into cp.async
-copies through shared memory, issued stages - 1 iterations early); it is a launch option for the
-sweeps, not yet timed on a GPU, and 1 (a plain loop, the same machine code as range()) by default.
+copies through shared memory, issued stages - 1 iterations early); 1 is a plain loop (the same
+machine code as range()), 3 is in some autotuned candidates (docs/kernel_notes.md, eighth session).
 
 Sources are never stacked; two kernel families address them, around one shared body per pass
 (_fwd_body, _bwd_body):

@@ -57,3 +57,38 @@ def test_merge_refuses_runs_of_different_devices(tmp_path):
     b.write_text(json.dumps(_run("d2", "abc", [_row(8192, 1536, 9, 384)], device="GPU Y")))
     with pytest.raises(SystemExit, match="differ in device"):
         kb.merge([str(a), str(b)], str(tmp_path), "m", "")
+
+
+def test_merge_keeps_the_last_run_of_a_shape(tmp_path):
+    """A shape measured again after a kernel change: the later run's rows replace the earlier ones
+    (all of that shape's implementations), other shapes stay."""
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    old = [_row(8192, 2560, 9, 640), _row(8192, 2560, 9, 640, "fast-attnres"), _row(8192, 1536, 9, 384)]
+    a.write_text(json.dumps(_run("d1", "abc", old)))
+    new = _row(8192, 2560, 9, 640)
+    new["fwd_graph_us"] = 0.5
+    b.write_text(json.dumps(_run("d2", "def", [new])))
+    doc = kb.merge([str(a), str(b)], str(tmp_path / "out"), "merged", "")
+    rows = [(r["d"], r["impl"], r["fwd_graph_us"]) for r in doc["rows"]]
+    assert rows == [(1536, "ours", 1.0), (2560, "ours", 0.5)] and doc["shapes_measured"] == 2
+
+
+def test_measured_shapes_reads_several_files_and_names_a_bad_one(tmp_path):
+    a, b, bad = tmp_path / "a.json", tmp_path / "b.json", tmp_path / "bad.json"
+    a.write_text(json.dumps(_run("d1", "abc", [_row(4096, 1536, 9, 384), _row(4096, 1536, 9, 384, "fla")])))
+    b.write_text(json.dumps(_run("d2", "def", [_row(8192, 1024, 2, 128)])))
+    assert kb.measured_shapes(f"{a},{b}") == {(4096, 1536, 9, 384), (8192, 1024, 2, 128)}
+    bad.write_text(json.dumps({"rows": [{"tokens": 1}]}))
+    with pytest.raises(SystemExit, match="bad.json"):
+        kb.measured_shapes(str(bad))
+
+
+def test_sweep_compares_the_widths_layout_with_one_and_three_chunks():
+    import kernel_sweep as ks
+
+    assert ks._layouts(2560) == [(512, 5), (4096, 1), (1024, 3)]
+    assert ks._layouts(1536) == [(512, 3), (2048, 1)]
+    assert ks._layouts(1024) == [(512, 2), (1024, 1)]
+    shipped = ks._quick("bwd", 512, 5, default=False)
+    assert shipped and all(c["SPLIT"] == 5 for c in shipped)
+    assert len(ks._quick("bwd", 512, 5)) > len(shipped)  # the width's own layout gets more candidates
