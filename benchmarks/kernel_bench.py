@@ -9,7 +9,8 @@ the eager reference and torch.compile of the reference.
 Every row: median microseconds of triton.testing.do_bench (which clears the L2 before each call) for the
 forward and for forward+backward, called eagerly as a user would (host-side dispatch counts where it
 outlasts the L2 flush); the same two as CUDA-graph replays (GPU time alone, no dispatch; None where an
-implementation cannot be captured); and the fraction of the copy bandwidth measured in the same run,
+implementation cannot be captured) and as replays from a flushed L2 ("cold": every input from DRAM, as
+in a training step; plain replays let small inputs stay in the L2); and the fraction of the copy bandwidth measured in the same run,
 with roofline bytes forward (S+1)*tokens*d*2 and forward+backward (3S+2)*tokens*d*2.  The bf16
 correctness check (|x - ref| <= 0.05 + 0.05|ref|) runs first.  Writes kernel_bench.json and
 kernel_bench.md to --out, rewritten after every row so a cut-off run keeps
@@ -55,6 +56,31 @@ def _bench_graph(fn):
         return do_bench_cudagraph(fn, rep=25, return_mode="median") * 1e3
     except Exception as e:  # pragma: no cover - depends on the implementation
         print(f"  (graph capture failed: {type(e).__name__}: {str(e)[:120]})", flush=True)
+        torch.cuda.synchronize()
+        return None
+
+
+def _bench_graph_cold(fn):
+    """Median us of CUDA-graph replays of ``fn`` with the L2 flushed before each (do_bench's flush; the
+    timed region is the replay alone): GPU time with every input read from DRAM, as in a training step,
+    where a layer's sources were written long before.  Plain graph replays let inputs that fit in the
+    L2 (at S = 2, two 25 MB sources) be read from it on the next replay, which favours an
+    implementation whose reads leave them there.  None if ``fn`` cannot be captured."""
+    try:
+        fn()
+        torch.cuda.synchronize()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up off the default stream, as capture wants
+            fn()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        torch.cuda.synchronize()
+        return do_bench(graph.replay, warmup=5, rep=25, return_mode="median") * 1e3
+    except Exception as e:  # pragma: no cover - depends on the implementation
+        print(f"  (cold graph timing failed: {type(e).__name__}: {str(e)[:120]})", flush=True)
         torch.cuda.synchronize()
         return None
 
@@ -125,16 +151,17 @@ def time_kernels_only(srcs, q, g):
         return kop._bwd_triton(srcs, q, h, lse, res, g, "slice", EPS)
 
     fb()
-    return t_f, _bench(fb), _bench_graph(lambda: kop._fwd_triton(srcs, q, "slice", EPS)), _bench_graph(fb)
+    fwd = lambda: kop._fwd_triton(srcs, q, "slice", EPS)  # noqa: E731
+    return t_f, _bench(fb), _bench_graph(fwd), _bench_graph(fb), _bench_graph_cold(fwd), _bench_graph_cold(fb)
 
 
 def time_impl(fn, S, N, d, r, srcs, q, g):
-    """(fwd us, fwd+bwd us, the same two as CUDA-graph replays) for one implementation, None where it
-    cannot run."""
+    """(fwd us, fwd+bwd us, the same two as CUDA-graph replays, and as replays from a flushed L2) for
+    one implementation, None where it cannot run."""
     if fn == "kernels-only":
         return time_kernels_only(srcs, q, g)
     if fn(srcs, q, d) is None:
-        return None, None, None, None
+        return None, None, None, None, None, None
     t_f = _bench(lambda: fn(srcs, q, d))
     srcs_g = [s.detach().requires_grad_() for s in srcs]
     q_g = q.detach().requires_grad_()
@@ -146,7 +173,8 @@ def time_impl(fn, S, N, d, r, srcs, q, g):
 
     fb()
     t_fb = _bench(fb)
-    return t_f, t_fb, _bench_graph(lambda: fn(srcs, q, d)), _bench_graph(fb)
+    fwd = lambda: fn(srcs, q, d)  # noqa: E731
+    return t_f, t_fb, _bench_graph(fwd), _bench_graph(fb), _bench_graph_cold(fwd), _bench_graph_cold(fb)
 
 
 # ---------------------------------------------------------------------------------------- check
@@ -241,15 +269,18 @@ def _md(payload):
         lines.append("")
     lines += ["## Timings", "",
               "| tokens | d | S | r | impl | fwd us | fwd % | fwd+bwd us | fwd+bwd % | ours speedup fwd+bwd "
-              "| graph fwd us | graph fwd % | graph fwd+bwd us | graph fwd+bwd % | ours speedup graph fwd+bwd |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              "| graph fwd us | graph fwd % | graph fwd+bwd us | graph fwd+bwd % | ours speedup graph fwd+bwd "
+              "| cold graph fwd / fwd+bwd us | ours speedup cold graph fwd+bwd |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for row in payload["rows"]:
         def f(x, p=0):
             return "-" if x is None else f"{x:.{p}f}"
         lines.append(f"| {row['tokens']} | {row['d']} | {row['S']} | {row['r']} | {row['impl']} | {f(row['fwd_us'])} | "
                      f"{f(row['fwd_pct'])} | {f(row['fwdbwd_us'])} | {f(row['fwdbwd_pct'])} | {f(row.get('ours_speedup_fwdbwd'), 2)} | "
                      f"{f(row.get('fwd_graph_us'))} | {f(row.get('fwd_graph_pct'))} | {f(row.get('fwdbwd_graph_us'))} | "
-                     f"{f(row.get('fwdbwd_graph_pct'))} | {f(row.get('ours_speedup_fwdbwd_graph'), 2)} |")
+                     f"{f(row.get('fwdbwd_graph_pct'))} | {f(row.get('ours_speedup_fwdbwd_graph'), 2)} | "
+                     f"{f(row.get('fwd_graph_cold_us'))} / {f(row.get('fwdbwd_graph_cold_us'))} | "
+                     f"{f(row.get('ours_speedup_fwdbwd_graph_cold'), 2)} |")
     return "\n".join(lines) + "\n"
 
 
@@ -324,14 +355,15 @@ def run_grid(args):
             if name == "eager" and not args.eager_all and (N == 4096 or r != d // 4):
                 continue
             try:
-                t_f, t_fb, tg_f, tg_fb = time_impl(fn, S, N, d, r, srcs, q, g)
+                times = time_impl(fn, S, N, d, r, srcs, q, g)
+                t_f = times[0]
             except Exception as e:
                 print(f"{name} failed at N={N} d={d} S={S} r={r}: {e!r}", flush=True)
                 traceback.print_exc(limit=2)
                 continue
             if t_f is None:
                 continue
-            res[name] = (t_f, t_fb, tg_f, tg_fb)
+            res[name] = times
         fwd_bytes = (S + 1) * N * d * 2
         fb_bytes = (3 * S + 2) * N * d * 2
         def pct(nbytes, t):
@@ -340,12 +372,14 @@ def run_grid(args):
         def ratio(a, b):
             return None if a is None or b is None else a / b
 
-        for name, (t_f, t_fb, tg_f, tg_fb) in res.items():
+        for name, (t_f, t_fb, tg_f, tg_fb, tc_f, tc_fb) in res.items():
             row = {
                 "tokens": N, "d": d, "S": S, "r": r, "impl": name,
                 "fwd_us": t_f, "fwdbwd_us": t_fb, "fwd_pct": pct(fwd_bytes, t_f), "fwdbwd_pct": pct(fb_bytes, t_fb),
                 "fwd_graph_us": tg_f, "fwdbwd_graph_us": tg_fb,
                 "fwd_graph_pct": pct(fwd_bytes, tg_f), "fwdbwd_graph_pct": pct(fb_bytes, tg_fb),
+                "fwd_graph_cold_us": tc_f, "fwdbwd_graph_cold_us": tc_fb,
+                "fwd_graph_cold_pct": pct(fwd_bytes, tc_f), "fwdbwd_graph_cold_pct": pct(fb_bytes, tc_fb),
                 "fwd_bytes": fwd_bytes, "fwdbwd_bytes": fb_bytes,
             }
             if name != "ours" and "ours" in res:
@@ -354,11 +388,14 @@ def run_grid(args):
                 row["ours_speedup_fwdbwd"] = ratio(t_fb, o[1])
                 row["ours_speedup_fwd_graph"] = ratio(tg_f, o[2])
                 row["ours_speedup_fwdbwd_graph"] = ratio(tg_fb, o[3])
+                row["ours_speedup_fwd_graph_cold"] = ratio(tc_f, o[4])
+                row["ours_speedup_fwdbwd_graph_cold"] = ratio(tc_fb, o[5])
             payload["rows"].append(row)
         def us(x):
             return "-" if x is None else f"{x:.0f}"
 
-        line = " ".join(f"{k}={us(v[0])}/{us(v[1])} (graph {us(v[2])}/{us(v[3])})" for k, v in res.items())
+        line = " ".join(f"{k}={us(v[0])}/{us(v[1])} (graph {us(v[2])}/{us(v[3])}, cold {us(v[4])}/{us(v[5])})"
+                        for k, v in res.items())
         if "ours" in res:
             o = payload["rows"][-len(res)]
             line += f"  ours {us(o['fwd_pct'])}%/{us(o['fwdbwd_pct'])}% (graph {us(o['fwd_graph_pct'])}%/{us(o['fwdbwd_graph_pct'])}%)"

@@ -150,3 +150,20 @@ def test_recorded_gpu_grid_runs():
     assert "Read with care" in html and "3.2 times" in html
     assert "cut" in html and "update 7 of 10" in html
     assert "<img" in html and "figure-gpu-recorded" in html
+
+
+def test_kernel_section_shows_cold_graph_timings_only_when_recorded():
+    """The recorded kernel table gains the flushed-L2 graph columns when the rows carry them (runs
+    since the ninth session) and keeps its old columns for older files."""
+    from lrattnres.report.context import ReportContext
+    from lrattnres.report.sections import kernel as section
+
+    row = {"tokens": 8192, "d": 1536, "S": 2, "r": 384, "impl": "ours", "fwd_us": 54.0, "fwd_pct": 33.0,
+           "fwdbwd_us": 627.0, "fwdbwd_pct": 8.0, "fwd_graph_us": 34.0, "fwd_graph_pct": 52.0,
+           "fwdbwd_graph_us": 102.0, "fwdbwd_graph_pct": 46.0}
+    bench = {"env": {"device": "GPU X"}, "copy_bw_TBps": 4.27, "rows": [row], "_path": "k.json"}
+    ctx = ReportContext(scale="smoke", published={}, claims={}, recorded={"kernel": bench})
+    assert "cold graph" not in section.build(ctx)
+    bench["rows"] = [dict(row, fwd_graph_cold_us=29.5, fwdbwd_graph_cold_us=97.25, fwdbwd_graph_cold_pct=48.5)]
+    html = section.build(ctx)
+    assert "cold graph fwd+bwd µs" in html and "97.25" in html and "flushed before each" in html

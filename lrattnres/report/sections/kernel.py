@@ -53,13 +53,18 @@ def build(ctx) -> str:
                                "bf16 check on the GPU (|x − ref| ≤ 0.05 + 0.05|ref|)"))
         rows = bench.get("rows", [])
         if rows:
+            cold = any(r.get("fwdbwd_graph_cold_us") is not None for r in rows)  # recorded since the ninth session
+            extra = ["cold graph fwd µs", "cold graph fwd+bwd µs", "cold graph fwd+bwd %"] if cold else []
             parts.append(table(["tokens", "d", "S", "r", "impl", "fwd µs", "fwd %", "fwd+bwd µs", "fwd+bwd %",
-                                "graph fwd µs", "graph fwd %", "graph fwd+bwd µs", "graph fwd+bwd %"],
+                                "graph fwd µs", "graph fwd %", "graph fwd+bwd µs", "graph fwd+bwd %"] + extra,
                                [[r["tokens"], r["d"], r["S"], r["r"], r["impl"], r.get("fwd_us"), r.get("fwd_pct"),
                                  r.get("fwdbwd_us"), r.get("fwdbwd_pct"), r.get("fwd_graph_us"), r.get("fwd_graph_pct"),
-                                 r.get("fwdbwd_graph_us"), r.get("fwdbwd_graph_pct")] for r in rows],
+                                 r.get("fwdbwd_graph_us"), r.get("fwdbwd_graph_pct")]
+                                + ([r.get("fwd_graph_cold_us"), r.get("fwdbwd_graph_cold_us"), r.get("fwdbwd_graph_cold_pct")]
+                                   if cold else []) for r in rows],
                                "Timings: called eagerly (median of triton do_bench, L2 flushed; host-side dispatch "
-                               "counts where it outlasts the flush) and as CUDA-graph replays (GPU time alone)"))
+                               "counts where it outlasts the flush) and as CUDA-graph replays (GPU time alone)"
+                               + ("; cold: replays with the L2 flushed before each (every input from DRAM)" if cold else "")))
     else:
         parts.append('<p class="notrun">No GPU kernel benchmark is recorded (config <code>recorded.kernel</code>).</p>')
     parts.append(claims_table([c for c in ctx.claims.values() if ctx.published[c["id"]]["stage"] == "kernel"], "Kernel claims"))
