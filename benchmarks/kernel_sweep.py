@@ -90,11 +90,12 @@ def _quick(kind: str, block_d: int, nch: int, default: bool = True) -> list[dict
     return shipped + [c for c in _candidates(kind, block_d, nch, warps=(2, 4, 8)) if c not in shipped]
 
 
-def _layouts(d: int) -> list[tuple[int, int]]:
-    """The column layouts to compare at width d: its own (kernels.op._col_layout), one chunk, and
-    three chunks where those pad less than one (the layout of every multi-chunk width until the
-    ninth session)."""
-    out = [kop._col_layout(d, True), kop._col_layout(d, False)]
+def _layouts(d: int, r: int | None = None) -> list[tuple[int, int]]:
+    """The column layouts to compare at width d (key width r): its own (kernels.op._col_layout), one
+    chunk, the fewest-lanes layout nearest 512-column chunks (its own where the key allows the
+    specialisation), and three chunks where those pad less than one (the layout of every multi-chunk
+    width until the ninth session)."""
+    out = [kop._col_layout(d, True, r), kop._col_layout(d, False), kop._col_layout(d, True)]
     three = kop._col_layout(d, 3)
     if three[0] * 3 < out[1][0]:
         out.append(three)
@@ -129,7 +130,7 @@ def sweep_shape(N, d, S, r, bw, budget_end, path="table", quick=False, only=None
     q = (torch.randn(r, device="cuda", generator=gen) * 0.5).to(torch.bfloat16)
     g = torch.randn(N, d, device="cuda", generator=gen).to(torch.bfloat16)
     unit = N * d * 2
-    layouts = _layouts(d)
+    layouts = _layouts(d, r)
 
     def pick(kind):  # every layout's shipped candidates first (quick), then the rest
         if not quick:
@@ -150,7 +151,7 @@ def sweep_shape(N, d, S, r, bw, budget_end, path="table", quick=False, only=None
         except Exception as e:  # a configuration that does not compile (registers, shared memory)
             rows.append({"kernel": kind, **cfg, "error": repr(e)[:200]})
             return
-        row = {"kernel": kind, **cfg, "layout": "%dx%d" % kop._layout(kind, d), "us": t, **pct(kind, t)}
+        row = {"kernel": kind, **cfg, "layout": "%dx%d" % kop._layout(kind, d, r), "us": t, **pct(kind, t)}
         if ppsm is not None and not cfg.get("BLOCK_T"):
             row["programs_per_sm"] = ppsm
         rows.append(row)

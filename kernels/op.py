@@ -177,7 +177,9 @@ def _res_step(dtype: torch.dtype) -> float:
 # offline sm_90 build; on the H200 the forward ran 5% faster and the backward 11% (docs/kernel_notes.md).
 # The layout is the one with the fewest lanes (NCH * BLOCK_D) among 1 to MAX_CHUNKS chunks of at
 # least MIN_CHUNK columns; among equals, the chunk width nearest PREFERRED_CHUNK (512, the width timed
-# fastest at d = 1536), then the fewer chunks: d = 2560 as 5 x 512, 1024 as 2 x 512, 513 as 5 x 128.
+# fastest at d = 1536), then the fewer chunks: d = 2560 as 5 x 512, 1024 as 2 x 512, 513 as 5 x 128;
+# but where the key starts in the first chunk of every such layout (r = d), the fewest chunks (1024 as
+# one chunk: nothing to specialise, and one chunk ran faster).
 # More chunks also let the key-chunk specialisation (below) leave more of a row out of the key's work.
 # KERNELS_SPLIT_COLUMNS=0 keeps one chunk everywhere; a launch configuration's SPLIT (True, False, or a
 # chunk count) forces one layout.
@@ -192,9 +194,13 @@ def _chunks_of(d: int, nch: int) -> tuple[int, int]:
     return _next_pow2(-(-d // nch)), nch
 
 
-def _col_layout(d: int, split: bool | int | None = None) -> tuple[int, int]:
+def _col_layout(d: int, split: bool | int | None = None, r: int | None = None) -> tuple[int, int]:
     """(BLOCK_D, NCH): chunk width and chunk count (1 to MAX_CHUNKS) the kernels read a row of d columns
-    as; ``split`` False forces one chunk, an int that many chunks, None or True the rule above."""
+    as; ``split`` False forces one chunk, an int that many chunks, None or True the rule above.  With
+    the key width r: where no layout of the fewest lanes lets the key-chunk specialisation apply (the
+    key starts in the first chunk of each, e.g. r = d), the fewest chunks (on the H200 at d = 1024,
+    8192 tokens, S = 9, without the specialisation one chunk ran 4-5% faster than two: forward 57.3
+    against 60.0 us, backward 114 against 119; kernel_sweep_h200_2026-11-30_chunks2, r = 256)."""
     if split is None:
         split = SPLIT_COLUMNS
     if split is False or split == 0:
@@ -205,8 +211,12 @@ def _col_layout(d: int, split: bool | int | None = None) -> tuple[int, int]:
         return _chunks_of(d, int(split))
     layouts = [_chunks_of(d, n) for n in range(1, MAX_CHUNKS + 1)]
     layouts = [(b, n) for b, n in layouts if n == 1 or b >= MIN_CHUNK]
+    fewest = min(b * n for b, n in layouts)
+    layouts = [(b, n) for b, n in layouts if b * n == fewest]
+    if r is not None and all(_key_pos(d, r, b, n) == 0 for b, n in layouts):
+        return min(layouts, key=lambda x: x[1])
     pref = PREFERRED_CHUNK.bit_length()
-    return min(layouts, key=lambda x: (x[0] * x[1], abs(x[0].bit_length() - pref), x[1]))
+    return min(layouts, key=lambda x: (abs(x[0].bit_length() - pref), x[1]))
 
 
 # Key-chunk specialisation: with several column chunks and a key (the last r columns) starting past
@@ -319,9 +329,10 @@ _BWD_DEFAULTS = {"SB": 1, "BLOCK_T": 0}
 _CHOSEN: dict = {}
 
 
-def _layout(kind: str, d: int) -> tuple[int, int]:
-    """The column layout of ``kind``'s kernel for width d (CONFIG_OVERRIDE's SPLIT may force one)."""
-    return _col_layout(d, CONFIG_OVERRIDE.get(kind, {}).get("SPLIT"))
+def _layout(kind: str, d: int, r: int | None = None) -> tuple[int, int]:
+    """The column layout of ``kind``'s kernel for width d and key width r (CONFIG_OVERRIDE's SPLIT may
+    force one)."""
+    return _col_layout(d, CONFIG_OVERRIDE.get(kind, {}).get("SPLIT"), r)
 
 
 def _candidates(kind: str, block_d: int, nch: int) -> list[dict]:
@@ -447,7 +458,7 @@ def _fwd_triton(sources: Sequence[torch.Tensor], query: torch.Tensor, norm: str,
         rows, strides = _as_rows(sources, d, dtype)
         offs, align = _anchor_table(rows, strides)
         table = _table([offs, strides], dev)
-        block_d, nch = _layout("fwd", d)
+        block_d, nch = _layout("fwd", d, r)
         if STATS is not None:
             STATS[("fwd", len(rows), n_tok, d, r, align)] += 1
         key = (d, norm == "slice", has_res, dtype, query.dtype)
@@ -508,7 +519,7 @@ def _bwd_triton(sources, query, h, stats, res, g, norm: str, eps: float):
     dtype, dev = h2.dtype, h2.device
     res2 = res.contiguous() if has_res else h2
     stats2 = stats.contiguous()
-    block_d, nch = _layout("bwd", d)
+    block_d, nch = _layout("bwd", d, r)
     rows, strides = _as_rows(sources, d, dtype)
     offs, align = _anchor_table(rows, strides)
     goffs, galign = _anchor_table(grads, [d])
@@ -763,7 +774,7 @@ def _fwd_args(sources: Sequence[torch.Tensor], query: torch.Tensor, norm: str, e
     dtype, dev = out.dtype, out.device
     if n_tok > 0:
         rows, strides = _as_rows(sources, d, dtype)
-        block_d, nch = _layout("fwd", d)
+        block_d, nch = _layout("fwd", d, r)
         cfg = _args_config("fwd", block_d, nch)
         if STATS is not None:  # counted when traced, not per run, under torch.compile
             STATS[("fwd-args", len(rows), n_tok, d, r)] += 1
@@ -785,7 +796,7 @@ def _bwd_args(sources, query, h, stats, res, g, norm: str, eps: float):
         return grads, dq
     d, r, n_tok, has_res, grads, h2, g, gs = ops
     dtype = h2.dtype
-    block_d, nch = _layout("bwd", d)
+    block_d, nch = _layout("bwd", d, r)
     rows, strides = _as_rows(sources, d, dtype)
     cfg = _args_config("bwd", block_d, nch)
     nprog = _bwd_programs(cfg, n_tok, h2.device)

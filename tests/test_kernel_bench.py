@@ -88,7 +88,8 @@ def test_sweep_compares_the_widths_layout_with_one_and_three_chunks():
 
     assert ks._layouts(2560) == [(512, 5), (4096, 1), (1024, 3)]
     assert ks._layouts(1536) == [(512, 3), (2048, 1)]
-    assert ks._layouts(1024) == [(512, 2), (1024, 1)]
+    assert ks._layouts(1024) == [(512, 2), (1024, 1)] == ks._layouts(1024, 256)
+    assert ks._layouts(1024, 1024) == [(1024, 1), (512, 2)]  # the key spans the row: one chunk is its own
     shipped = ks._quick("bwd", 512, 5, default=False)
     assert shipped and all(c["SPLIT"] == 5 for c in shipped)
     assert len(ks._quick("bwd", 512, 5)) > len(shipped)  # the width's own layout gets more candidates

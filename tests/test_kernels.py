@@ -308,6 +308,10 @@ def test_column_layout():
     assert op._col_layout(200) == (256, 1)  # chunks under MIN_CHUNK columns are not worth it
     assert op._col_layout(2048) == (512, 4) and op._col_layout(4096) == (1024, 4)
     assert op._col_layout(1536, split=False) == (2048, 1)
+    # given the key width: where no layout of the fewest lanes can specialise the key, the fewest chunks
+    assert op._col_layout(1024, r=1024) == (1024, 1) and op._col_layout(1024, r=256) == (512, 2)
+    assert op._col_layout(2048, r=2048) == (2048, 1) and op._col_layout(2048, r=512) == (512, 4)
+    assert op._col_layout(1536, r=1536) == (512, 3) and op._col_layout(2560, r=2560) == (512, 5)  # fewer lanes first
     assert op._col_layout(2560, split=3) == (1024, 3)  # a configuration's SPLIT forces a chunk count
     with pytest.raises(ValueError, match="SPLIT"):
         op._col_layout(2560, split=6)
