@@ -280,8 +280,8 @@ def run_config(name, a, device):
     if kop is not None:
         row["compiled_path"] = kop.COMPILED_PATH if compile_ else None
         row["kernel_configs"] = kop.tuned_configs()  # the table kernels' autotuned choices
-        row["args_kernel_configs"] = {k: dict(kop._args_config(k, *kop._layout(k, d)), layout=kop._layout(k, d))
-                                      for k in ("fwd", "bwd")}
+        lay = {k: kop._layout(k, d, m.get("rank")) for k in ("fwd", "bwd")}
+        row["args_kernel_configs"] = {k: dict(kop._args_config(k, *lay[k]), layout=lay[k]) for k in ("fwd", "bwd")}
         kop.COMPILED_PATH = "triton_op"
     if device.type == "cuda":
         row["peak_allocated_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
