@@ -469,7 +469,8 @@ def _key_skip(t0, t1, t2, t3, t4, q1, q2, q3, q4, tail1, tail2, tail3, tail4, NC
               KEY0: tl.constexpr, SLICE: tl.constexpr):
     """The key terms of a row whose key starts in chunk KEY0 > 0: the chunks before it hold no key
     column, so no q.k terms, and |k|^2 terms only under "full".  The key chunks are added from the
-    last one down (the order the three-chunk kernels were timed in)."""
+    last one down (the order the three-chunk kernels were timed in).  NCH >= 2 here, so chunk 0's query
+    and tail are never picked (q1 and tail1 stand in for them)."""
     kk, kq = _key_terms(_pick(NCH - 1, t0, t1, t2, t3, t4), _pick(NCH - 1, q1, q1, q2, q3, q4),
                         _pick(NCH - 1, tail1, tail1, tail2, tail3, tail4), SLICE)
     if NCH >= 5 and KEY0 <= 3:
