@@ -9,8 +9,8 @@ grid, or BLOCK_T tokens per program on the token-tile grid; num_warps, PREFETCH)
 layout compared (_layouts: the width's own from kernels.op._col_layout, one power-of-two chunk, and three
 equal chunks where they pad less); then, for the two best of each kernel, the evict-first hint, Triton's
 software pipelining of the source loop (STAGES 2 and 3, without the hand-written prefetch), the
-key-chunk specialisation KEYCH (where the key starts past the first chunk) and the persistent grid's
-programs per SM; all
+key-chunk specialisation KEYCH (where the key starts past the first chunk), two sources per step in the
+token-tile backward (PAIR) and the persistent grid's programs per SM; all
 through ``kernels.op.CONFIG_OVERRIDE``, for either kernel pair (``:table``, ``:args`` after a shape;
 see PATHS).  Each timing replays
 a CUDA graph of the launch (no host-side dispatch in the number; the inputs are several times the L2,
@@ -160,7 +160,7 @@ def sweep_shape(N, d, S, r, bw, budget_end, path="table", quick=False, only=None
         return sorted((x for x in rows if x["kernel"] == kind and "us" in x), key=lambda x: x["us"])[:n]
 
     def cfg_of(row):
-        return {k: row[k] for k in ("BLOCK_T", "SB", "num_warps", "PREFETCH", "EVICT", "STAGES", "SPLIT", "KEYCH")
+        return {k: row[k] for k in ("BLOCK_T", "SB", "num_warps", "PREFETCH", "EVICT", "STAGES", "SPLIT", "KEYCH", "PAIR")
                 if k in row}
 
     def keyed(kind, fn, ppsm=None):  # the best two multi-chunk configurations with KEYCH
@@ -170,6 +170,11 @@ def sweep_shape(N, d, S, r, bw, budget_end, path="table", quick=False, only=None
                 continue  # the key starts in the first chunk: nothing to leave out
             if not b.get("KEYCH") and time.time() < budget_end:
                 run(kind, dict(cfg_of(b), KEYCH=True), fn, ppsm)
+
+    def paired(fn, ppsm=None):  # the best two token-tile backward configurations two sources per step
+        for b in best("bwd", 2):
+            if b.get("BLOCK_T") and not b.get("PAIR") and time.time() < budget_end:
+                run("bwd", dict(cfg_of(b), PAIR=True), fn, ppsm)
 
     def pipelined(kind, fn, ppsm=None):  # the best two with Triton's pipeliner instead of PREFETCH
         for b in best(kind, 2):
@@ -201,6 +206,7 @@ def sweep_shape(N, d, S, r, bw, budget_end, path="table", quick=False, only=None
         run("bwd", cfg, bwd, default_ppsm)
     pipelined("bwd", bwd, default_ppsm)
     keyed("bwd", bwd, default_ppsm)
+    paired(bwd, default_ppsm)
     try:
         for b in best("bwd", 2):
             if time.time() < budget_end:
@@ -229,6 +235,7 @@ def _md(doc) -> str:
                   "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in sorted(shp["rows"], key=lambda x: (x["kernel"] != "fwd", x.get("us", 1e9))):
             grid = "tokens" if r["kernel"] == "fwd" or r.get("BLOCK_T") else "persistent"
+            grid += ", 2 sources/step" if r.get("PAIR") else ""
             head = (f"| {r['kernel']} | {r.get('layout', '-')} | {grid} | {r.get('BLOCK_T', r.get('SB', '-'))} | {r['num_warps']} | {r['PREFETCH']} | "
                     f"{r.get('STAGES', 1)} | "
                     f"{r.get('EVICT', False)} | {r.get('KEYCH', False)} | {r.get('programs_per_sm', '-')} |")

@@ -33,7 +33,7 @@ sys.path.insert(0, ROOT)
 
 _COMMON = dict(SLICE=True, HAS_RES=True, RES_STEP=2.0**-15, EVICT=False)
 # name: (column chunk width, chunks, tokens or sources per step, warps, PREFETCH, STAGES[, backward grid[,
-# KEY0]]).  The backward's grid: "persistent" (n = SB sources per step) or "tile" (n = BLOCK_T tokens per
+# KEY0[, further backward constexprs]]]).  The backward's grid: "persistent" (n = SB sources per step) or "tile" (n = BLOCK_T tokens per
 # program); KEY0 the first column chunk holding key columns (kernels.op._key_pos; 0 = no specialisation).
 CONFIGS = {
     "split": (512, 3, 1, 4, 0, 1),
@@ -47,6 +47,8 @@ CONFIGS = {
     "split-tile-key-stages3": (512, 3, 1, 2, 0, 3, "tile", 2),  # the per-argument backward's default
     "five-tile-key": (512, 5, 1, 4, 1, 1, "tile", 3),  # d = 2560 as 5 x 512, r = 640 (built at d = 1536's signature)
     "two-tile-key": (512, 2, 1, 4, 1, 1, "tile", 1),  # d = 1024 as 2 x 512, r = 256
+    "split-tile-key-pair": (512, 3, 1, 4, 1, 1, "tile", 2, {"PAIR": True}),  # two sources per step (untimed)
+    "five-tile-key-pair": (512, 5, 1, 4, 1, 1, "tile", 3, {"PAIR": True}),
 }
 _NSLOT = 9
 
@@ -82,6 +84,8 @@ def _kernels(module, cfg):
     c = dict(_COMMON, BLOCK_D=block, NCH=nch, PREFETCH=prefetch, STAGES=stages, KEY0=cfg[7] if len(cfg) > 7 else 0)
     args = dict(NSLOT=_NSLOT, EPS=1e-6)
     bwd = dict(SB=1, BLOCK_T=n) if grid == "tile" else dict(SB=n, BLOCK_T=0)
+    bwd["PAIR"] = False  # a default constexpr (kernels since the ninth session): given, as build() names every one
+    bwd.update(cfg[8] if len(cfg) > 8 else {})
     return [
         ("table-fwd", module._attnres_fwd_kernel, _table_sig("fwd"), dict(c, ALIGN=8, BLOCK_T=n, FUSED=True), warps),
         ("table-bwd", module._attnres_bwd_kernel, _table_sig("bwd"), dict(c, ALIGN=8, GALIGN=8, **bwd), warps),

@@ -511,6 +511,42 @@ def _rows_grad(gp, row64, d, offs, col_ok, js, S, x, g, q, tail, w, c, coef, dq,
     return dq
 
 
+@triton.jit
+def _tiles_go(t0, t1, t2, t3, t4, g0, g1, g2, g3, g4, NCH: tl.constexpr):
+    """One source's raw tiles of a token block in fp32, and the terms of g.o over the row's chunks
+    (added up for one row sum)."""
+    t0 = t0.to(tl.float32)
+    go = g0 * t0
+    t1, t2, t3, t4 = _to_f32(t1, t2, t3, t4, NCH)
+    if NCH >= 2:
+        go = go + g1 * t1
+    if NCH >= 3:
+        go = go + g2 * t2
+    if NCH >= 4:
+        go = go + g3 * t3
+    if NCH >= 5:
+        go = go + g4 * t4
+    return t0, t1, t2, t3, t4, go
+
+
+@triton.jit
+def _tile_grads(gp, rows64, live, d, offs0, ok0, offs1, ok1, offs2, ok2, offs3, ok3, offs4, ok4,
+                t0, t1, t2, t3, t4, g0, g1, g2, g3, g4, q0, q1, q2, q3, q4, tail0, tail1, tail2, tail3, tail4,
+                w, c, coef, dq0, dq1, dq2, dq3, dq4, SLICE: tl.constexpr, KEY0: tl.constexpr, NCH: tl.constexpr):
+    """_tile_grad over a row's NCH chunks (tokens where ``live``): one source's gradient stored, the
+    query-gradient accumulators dq0..dq4 returned."""
+    dq0 = _tile_grad(gp, rows64, live, d, offs0, ok0, t0, g0, q0, tail0, w, c, coef, dq0, SLICE, KEY0 > 0)
+    if NCH >= 2:
+        dq1 = _tile_grad(gp, rows64, live, d, offs1, ok1, t1, g1, q1, tail1, w, c, coef, dq1, SLICE, KEY0 > 1)
+    if NCH >= 3:
+        dq2 = _tile_grad(gp, rows64, live, d, offs2, ok2, t2, g2, q2, tail2, w, c, coef, dq2, SLICE, KEY0 > 2)
+    if NCH >= 4:
+        dq3 = _tile_grad(gp, rows64, live, d, offs3, ok3, t3, g3, q3, tail3, w, c, coef, dq3, SLICE, KEY0 > 3)
+    if NCH >= 5:
+        dq4 = _tile_grad(gp, rows64, live, d, offs4, ok4, t4, g4, q4, tail4, w, c, coef, dq4, SLICE, KEY0 > 4)
+    return dq0, dq1, dq2, dq3, dq4
+
+
 # ---------------------------------------------------------------------------------------------- kernel bodies
 #
 # A row's NCH column chunks (1 to 5) are separate names (offs0..offs4, t0..t4, acc0..acc4, ...): Triton
@@ -728,10 +764,72 @@ def _bwd_body(
 
 
 @triton.jit
+def _bwd_tile_pairs(
+    rows, row_ok, rows64, N, S, d, gh, lse, st_ptr, inv_n, offs0, ok0, offs1, ok1, offs2, ok2, offs3, ok3, offs4, ok4,
+    g0, g1, g2, g3, g4, q0, q1, q2, q3, q4, tail0, tail1, tail2, tail3, tail4, dq0, dq1, dq2, dq3, dq4,
+    SLICE: tl.constexpr, NCH: tl.constexpr, KEY0: tl.constexpr, PREFETCH: tl.constexpr, EVICT: tl.constexpr,
+    STAGES: tl.constexpr, TABLE: tl.constexpr, src0_ptr, src_offs, src_strides, ALIGN: tl.constexpr, grad0_ptr,
+    grad_offs, GALIGN: tl.constexpr, NSLOT: tl.constexpr,
+    x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
+    xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7, xs8, xs9, xs10, xs11, xs12, xs13, xs14, xs15,
+    dx0, dx1, dx2, dx3, dx4, dx5, dx6, dx7, dx8, dx9, dx10, dx11, dx12, dx13, dx14, dx15,
+):
+    """The token-tile backward's source loop two sources at a time (PAIR): sources i and i + 1 loaded
+    together (the next pair early with PREFETCH), their row sums g.o in one two-operand reduction;
+    where S is odd the last pair's second source is masked out (zero tiles, no stores, no query
+    gradient).  Returns the query-gradient accumulators."""
+    if PREFETCH:
+        na0, na1, na2, na3, na4 = _src_tiles(0, S, rows, rows64, row_ok, offs0, ok0, offs1, ok1, offs2, ok2, offs3, ok3,
+                                             offs4, ok4, NCH, EVICT, TABLE, src0_ptr, src_offs, src_strides, ALIGN, NSLOT,
+                                             x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
+                                             xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7, xs8, xs9, xs10, xs11, xs12, xs13,
+                                             xs14, xs15)
+        nb0, nb1, nb2, nb3, nb4 = _src_tiles(1, S, rows, rows64, row_ok, offs0, ok0, offs1, ok1, offs2, ok2, offs3, ok3,
+                                             offs4, ok4, NCH, EVICT, TABLE, src0_ptr, src_offs, src_strides, ALIGN, NSLOT,
+                                             x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
+                                             xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7, xs8, xs9, xs10, xs11, xs12, xs13,
+                                             xs14, xs15)
+    for i in tl.range(0, S, 2, num_stages=STAGES):
+        a0, a1, a2, a3, a4 = _src_tiles(i + 2 * PREFETCH, S, rows, rows64, row_ok, offs0, ok0, offs1, ok1, offs2, ok2,
+                                        offs3, ok3, offs4, ok4, NCH, EVICT, TABLE, src0_ptr, src_offs, src_strides,
+                                        ALIGN, NSLOT, x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14,
+                                        x15, xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7, xs8, xs9, xs10, xs11, xs12, xs13,
+                                        xs14, xs15)
+        b0, b1, b2, b3, b4 = _src_tiles(i + 1 + 2 * PREFETCH, S, rows, rows64, row_ok, offs0, ok0, offs1, ok1, offs2,
+                                        ok2, offs3, ok3, offs4, ok4, NCH, EVICT, TABLE, src0_ptr, src_offs, src_strides,
+                                        ALIGN, NSLOT, x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14,
+                                        x15, xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7, xs8, xs9, xs10, xs11, xs12, xs13,
+                                        xs14, xs15)
+        if PREFETCH:  # use the pair loaded a step ago; keep this step's for the next
+            a0, a1, a2, a3, a4, na0, na1, na2, na3, na4 = na0, na1, na2, na3, na4, a0, a1, a2, a3, a4
+            b0, b1, b2, b3, b4, nb0, nb1, nb2, nb3, nb4 = nb0, nb1, nb2, nb3, nb4, b0, b1, b2, b3, b4
+        a0, a1, a2, a3, a4, goa = _tiles_go(a0, a1, a2, a3, a4, g0, g1, g2, g3, g4, NCH)
+        b0, b1, b2, b3, b4, gob = _tiles_go(b0, b1, b2, b3, b4, g0, g1, g2, g3, g4, NCH)
+        sa, sb = tl.reduce((goa, gob), 1, _add2)
+        live_b = row_ok & ((rows * 0 + i + 1) < S)  # the pair's second source exists
+        wa, ca, ka = _bwd_weights(sa, gh, lse, i, S, N, rows, row_ok, st_ptr, inv_n)
+        wb, cb, kb = _bwd_weights(sb, gh, lse, i + 1, S, N, rows, live_b, st_ptr, inv_n)
+        gpa = _grad_ptrs(i, S, TABLE, grad0_ptr, grad_offs, GALIGN, NSLOT,
+                         dx0, dx1, dx2, dx3, dx4, dx5, dx6, dx7, dx8, dx9, dx10, dx11, dx12, dx13, dx14, dx15)
+        gpb = _grad_ptrs(i + 1, S, TABLE, grad0_ptr, grad_offs, GALIGN, NSLOT,
+                         dx0, dx1, dx2, dx3, dx4, dx5, dx6, dx7, dx8, dx9, dx10, dx11, dx12, dx13, dx14, dx15)
+        dq0, dq1, dq2, dq3, dq4 = _tile_grads(gpa, rows64, row_ok, d, offs0, ok0, offs1, ok1, offs2, ok2, offs3, ok3,
+                                              offs4, ok4, a0, a1, a2, a3, a4, g0, g1, g2, g3, g4, q0, q1, q2, q3, q4,
+                                              tail0, tail1, tail2, tail3, tail4, wa, ca, ka, dq0, dq1, dq2, dq3, dq4,
+                                              SLICE, KEY0, NCH)
+        dq0, dq1, dq2, dq3, dq4 = _tile_grads(gpb, rows64, live_b, d, offs0, ok0, offs1, ok1, offs2, ok2, offs3, ok3,
+                                              offs4, ok4, b0, b1, b2, b3, b4, g0, g1, g2, g3, g4, q0, q1, q2, q3, q4,
+                                              tail0, tail1, tail2, tail3, tail4, wb, cb, kb, dq0, dq1, dq2, dq3, dq4,
+                                              SLICE, KEY0, NCH)
+    return dq0, dq1, dq2, dq3, dq4
+
+
+@triton.jit
 def _bwd_tile_body(
     q_ptr, h_ptr, res_ptr, g_ptr, st_ptr, dq_part_ptr, N, S, d, r, stride_g, inv_n,
     SLICE: tl.constexpr, HAS_RES: tl.constexpr, RES_STEP: tl.constexpr, BLOCK_D: tl.constexpr, NCH: tl.constexpr,
     KEY0: tl.constexpr, BLOCK_T: tl.constexpr, PREFETCH: tl.constexpr, EVICT: tl.constexpr, STAGES: tl.constexpr,
+    PAIR: tl.constexpr,
     TABLE: tl.constexpr, src0_ptr, src_offs, src_strides, ALIGN: tl.constexpr, grad0_ptr, grad_offs,
     GALIGN: tl.constexpr, NSLOT: tl.constexpr,
     x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
@@ -743,7 +841,9 @@ def _bwd_tile_body(
     Triton's pipeliner (STAGES).  Each program writes its own query-gradient partial row.  Why: the
     persistent backward waits on every source load (ncu on the H200, 8192 tokens, d = 1536, S = 9:
     12 of its 18 cycles per issued instruction stalled on global loads), while many resident
-    programs of one token block each keep more loads in flight."""
+    programs of one token block each keep more loads in flight.  PAIR walks the sources two at a
+    time: both sources' loads in flight together and both row sums in one reduction (fast-attnres's
+    backward takes two sources per step; not yet timed here)."""
     tl.static_assert(PREFETCH <= 1, "the token-tile backward prefetches at most one step")
     pid = tl.program_id(0)
     rows, row_ok, rows64 = _token_rows(pid, N, BLOCK_T)
@@ -752,6 +852,8 @@ def _bwd_tile_body(
     g0, gh = _bwd_rows(g_ptr, h_ptr, res_ptr, rows64, row_ok, offs0, ok0, d, stride_g, HAS_RES, RES_STEP)
     dq0 = tl.zeros([BLOCK_D], tl.float32)
     offs1, ok1, offs2, ok2, offs3, ok3, offs4, ok4 = offs0, ok0, offs0, ok0, offs0, ok0, offs0, ok0  # unused past NCH
+    tail1, tail2, tail3, tail4, q1, q2, q3, q4 = tail0, tail0, tail0, tail0, q0, q0, q0, q0
+    g1, g2, g3, g4, dq1, dq2, dq3, dq4 = g0, g0, g0, g0, dq0, dq0, dq0, dq0
     if NCH >= 2:
         offs1, ok1, tail1 = _cols(d, r, BLOCK_D, BLOCK_D)
         q1 = _query(q_ptr, offs1, d, r, tail1)
@@ -782,48 +884,43 @@ def _bwd_tile_body(
         gh = gh + gh4
     gh = tl.sum(gh, axis=1)
     lse = tl.load(st_ptr + rows, mask=row_ok, other=0.0)
-    if PREFETCH:
-        tn0, tn1, tn2, tn3, tn4 = _src_tiles(0, S, rows, rows64, row_ok, offs0, ok0, offs1, ok1, offs2, ok2, offs3, ok3,
-                                             offs4, ok4, NCH, EVICT, TABLE, src0_ptr, src_offs, src_strides, ALIGN, NSLOT,
-                                             x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
-                                             xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7, xs8, xs9, xs10, xs11, xs12, xs13,
-                                             xs14, xs15)
-    for i in tl.range(0, S, num_stages=STAGES):
-        u0, u1, u2, u3, u4 = _src_tiles(i + PREFETCH, S, rows, rows64, row_ok, offs0, ok0, offs1, ok1, offs2, ok2,
-                                        offs3, ok3, offs4, ok4, NCH, EVICT, TABLE, src0_ptr, src_offs, src_strides,
-                                        ALIGN, NSLOT, x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14,
-                                        x15, xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7, xs8, xs9, xs10, xs11, xs12, xs13,
-                                        xs14, xs15)
-        t0, t1, t2, t3, t4 = u0, u1, u2, u3, u4
-        if PREFETCH:  # use the tiles loaded a step ago; keep this step's (the next source's) for the next
-            t0, t1, t2, tn0, tn1, tn2 = tn0, tn1, tn2, u0, u1, u2  # three even for fewer chunks: the code as timed
-            if NCH >= 4:
-                t3, tn3 = tn3, u3
-            if NCH >= 5:
-                t4, tn4 = tn4, u4
-        t0 = t0.to(tl.float32)
-        go = g0 * t0
-        t1, t2, t3, t4 = _to_f32(t1, t2, t3, t4, NCH)
-        if NCH >= 2:
-            go = go + g1 * t1
-        if NCH >= 3:
-            go = go + g2 * t2
-        if NCH >= 4:
-            go = go + g3 * t3
-        if NCH >= 5:
-            go = go + g4 * t4
-        w, c, coef = _bwd_weights(tl.sum(go, axis=1), gh, lse, i, S, N, rows, row_ok, st_ptr, inv_n)
-        gp = _grad_ptrs(i, S, TABLE, grad0_ptr, grad_offs, GALIGN, NSLOT,
-                        dx0, dx1, dx2, dx3, dx4, dx5, dx6, dx7, dx8, dx9, dx10, dx11, dx12, dx13, dx14, dx15)
-        dq0 = _tile_grad(gp, rows64, row_ok, d, offs0, ok0, t0, g0, q0, tail0, w, c, coef, dq0, SLICE, KEY0 > 0)
-        if NCH >= 2:
-            dq1 = _tile_grad(gp, rows64, row_ok, d, offs1, ok1, t1, g1, q1, tail1, w, c, coef, dq1, SLICE, KEY0 > 1)
-        if NCH >= 3:
-            dq2 = _tile_grad(gp, rows64, row_ok, d, offs2, ok2, t2, g2, q2, tail2, w, c, coef, dq2, SLICE, KEY0 > 2)
-        if NCH >= 4:
-            dq3 = _tile_grad(gp, rows64, row_ok, d, offs3, ok3, t3, g3, q3, tail3, w, c, coef, dq3, SLICE, KEY0 > 3)
-        if NCH >= 5:
-            dq4 = _tile_grad(gp, rows64, row_ok, d, offs4, ok4, t4, g4, q4, tail4, w, c, coef, dq4, SLICE, KEY0 > 4)
+    if PAIR:
+        dq0, dq1, dq2, dq3, dq4 = _bwd_tile_pairs(
+            rows, row_ok, rows64, N, S, d, gh, lse, st_ptr, inv_n, offs0, ok0, offs1, ok1, offs2, ok2, offs3, ok3,
+            offs4, ok4, g0, g1, g2, g3, g4, q0, q1, q2, q3, q4, tail0, tail1, tail2, tail3, tail4,
+            dq0, dq1, dq2, dq3, dq4, SLICE, NCH, KEY0, PREFETCH, EVICT, STAGES, TABLE, src0_ptr, src_offs, src_strides,
+            ALIGN, grad0_ptr, grad_offs, GALIGN, NSLOT,
+            x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
+            xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7, xs8, xs9, xs10, xs11, xs12, xs13, xs14, xs15,
+            dx0, dx1, dx2, dx3, dx4, dx5, dx6, dx7, dx8, dx9, dx10, dx11, dx12, dx13, dx14, dx15)
+    else:
+        if PREFETCH:
+            tn0, tn1, tn2, tn3, tn4 = _src_tiles(0, S, rows, rows64, row_ok, offs0, ok0, offs1, ok1, offs2, ok2, offs3,
+                                                 ok3, offs4, ok4, NCH, EVICT, TABLE, src0_ptr, src_offs, src_strides,
+                                                 ALIGN, NSLOT, x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13,
+                                                 x14, x15, xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7, xs8, xs9, xs10, xs11,
+                                                 xs12, xs13, xs14, xs15)
+        for i in tl.range(0, S, num_stages=STAGES):
+            u0, u1, u2, u3, u4 = _src_tiles(i + PREFETCH, S, rows, rows64, row_ok, offs0, ok0, offs1, ok1, offs2, ok2,
+                                            offs3, ok3, offs4, ok4, NCH, EVICT, TABLE, src0_ptr, src_offs, src_strides,
+                                            ALIGN, NSLOT, x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13,
+                                            x14, x15, xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7, xs8, xs9, xs10, xs11,
+                                            xs12, xs13, xs14, xs15)
+            t0, t1, t2, t3, t4 = u0, u1, u2, u3, u4
+            if PREFETCH:  # use the tiles loaded a step ago; keep this step's (the next source's) for the next
+                t0, t1, t2, tn0, tn1, tn2 = tn0, tn1, tn2, u0, u1, u2  # three even for fewer chunks: the code as timed
+                if NCH >= 4:
+                    t3, tn3 = tn3, u3
+                if NCH >= 5:
+                    t4, tn4 = tn4, u4
+            t0, t1, t2, t3, t4, go = _tiles_go(t0, t1, t2, t3, t4, g0, g1, g2, g3, g4, NCH)
+            w, c, coef = _bwd_weights(tl.sum(go, axis=1), gh, lse, i, S, N, rows, row_ok, st_ptr, inv_n)
+            gp = _grad_ptrs(i, S, TABLE, grad0_ptr, grad_offs, GALIGN, NSLOT,
+                            dx0, dx1, dx2, dx3, dx4, dx5, dx6, dx7, dx8, dx9, dx10, dx11, dx12, dx13, dx14, dx15)
+            dq0, dq1, dq2, dq3, dq4 = _tile_grads(gp, rows64, row_ok, d, offs0, ok0, offs1, ok1, offs2, ok2, offs3, ok3,
+                                                  offs4, ok4, t0, t1, t2, t3, t4, g0, g1, g2, g3, g4, q0, q1, q2, q3, q4,
+                                                  tail0, tail1, tail2, tail3, tail4, w, c, coef, dq0, dq1, dq2, dq3, dq4,
+                                                  SLICE, KEY0, NCH)
     if KEY0 == 0:
         _dq_store(dq0, dq_part_ptr, pid, r, d, offs0, tail0)
     if NCH >= 2 and KEY0 <= 1:
@@ -906,15 +1003,17 @@ def _attnres_bwd_kernel(
     PREFETCH: tl.constexpr,
     EVICT: tl.constexpr,
     STAGES: tl.constexpr,  # Triton software-pipeline stages of the source loop (1: none)
+    PAIR: tl.constexpr = False,  # token-tile grid: two sources per step
 ):
     if BLOCK_T > 0:
         _bwd_tile_body(q_ptr, h_ptr, res_ptr, g_ptr, st_ptr, dq_part_ptr, N, S, d, r, stride_g, inv_n, SLICE,
-                       HAS_RES, RES_STEP, BLOCK_D, NCH, KEY0, BLOCK_T, PREFETCH, EVICT, STAGES, True, src0_ptr, src_offs,
+                       HAS_RES, RES_STEP, BLOCK_D, NCH, KEY0, BLOCK_T, PREFETCH, EVICT, STAGES, PAIR, True, src0_ptr, src_offs,
                        src_strides, ALIGN, grad0_ptr, grad_offs, GALIGN, 0,
                        None, None, None, None, None, None, None, None, None, None, None, None, None, None, None, None,
                        None, None, None, None, None, None, None, None, None, None, None, None, None, None, None, None,
                        None, None, None, None, None, None, None, None, None, None, None, None, None, None, None, None)
     else:
+        tl.static_assert(not PAIR, "PAIR (two sources per step) needs the token-tile grid: BLOCK_T > 0")
         _bwd_body(q_ptr, h_ptr, res_ptr, g_ptr, st_ptr, dq_part_ptr, N, S, d, r, stride_g, inv_n, SLICE, HAS_RES,
                   RES_STEP, BLOCK_D, NCH, KEY0, SB, PREFETCH, EVICT, STAGES, True, src0_ptr, src_offs, src_strides, ALIGN,
                   grad0_ptr, grad_offs, GALIGN, 0,
@@ -1003,15 +1102,17 @@ def _attnres_bwd_args_kernel(
     PREFETCH: tl.constexpr,
     EVICT: tl.constexpr,
     STAGES: tl.constexpr,  # Triton software-pipeline stages of the source loop (1: none)
+    PAIR: tl.constexpr = False,  # token-tile grid: two sources per step
 ):
     if BLOCK_T > 0:
         _bwd_tile_body(q_ptr, h_ptr, res_ptr, g_ptr, st_ptr, dq_part_ptr, N, S, d, r, stride_g,
                        _inv_key_width(r, d, SLICE), SLICE, HAS_RES, RES_STEP, BLOCK_D, NCH, KEY0, BLOCK_T, PREFETCH, EVICT,
-                       STAGES, False, None, None, None, 1, None, None, 1, NSLOT,
+                       STAGES, PAIR, False, None, None, None, 1, None, None, 1, NSLOT,
                        x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
                        xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7, xs8, xs9, xs10, xs11, xs12, xs13, xs14, xs15,
                        dx0, dx1, dx2, dx3, dx4, dx5, dx6, dx7, dx8, dx9, dx10, dx11, dx12, dx13, dx14, dx15)
     else:
+        tl.static_assert(not PAIR, "PAIR (two sources per step) needs the token-tile grid: BLOCK_T > 0")
         _bwd_body(q_ptr, h_ptr, res_ptr, g_ptr, st_ptr, dq_part_ptr, N, S, d, r, stride_g,
                   _inv_key_width(r, d, SLICE), SLICE, HAS_RES, RES_STEP, BLOCK_D, NCH, KEY0, SB, PREFETCH, EVICT, STAGES,
                   False, None, None, None, 1, None, None, 1, NSLOT,

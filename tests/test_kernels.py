@@ -196,6 +196,13 @@ CONFIG_CASES = [
      (600, 600, 2, "slice", "contig")),  # the key in every chunk
     ({"BLOCK_T": 1, "num_warps": 1, "PREFETCH": 1}, {"BLOCK_T": 1, "num_warps": 1, "PREFETCH": 1, "SPLIT": False},
      (64, 64, 1, "slice", "colstride")),
+    # the token-tile backward two sources per step (PAIR): S odd (a masked last source) and even, one source
+    ({"BLOCK_T": 1, "num_warps": 2, "PREFETCH": 1},
+     {"BLOCK_T": 1, "num_warps": 2, "PREFETCH": 1, "KEYCH": True, "PAIR": True}, (300, 40, 5, "slice", "mixed")),
+    ({"BLOCK_T": 2, "num_warps": 2, "PREFETCH": 0},
+     {"BLOCK_T": 2, "num_warps": 2, "PREFETCH": 0, "PAIR": True, "SPLIT": 5}, (640, 250, 4, "full", "transposed")),
+    ({"BLOCK_T": 1, "num_warps": 1, "PREFETCH": 1},
+     {"BLOCK_T": 4, "num_warps": 1, "PREFETCH": 1, "PAIR": True, "SPLIT": False}, (64, 64, 1, "slice", "colstride")),
 ]
 
 
