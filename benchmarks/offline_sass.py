@@ -84,7 +84,7 @@ def _kernels(module, cfg):
     c = dict(_COMMON, BLOCK_D=block, NCH=nch, PREFETCH=prefetch, STAGES=stages, KEY0=cfg[7] if len(cfg) > 7 else 0)
     args = dict(NSLOT=_NSLOT, EPS=1e-6)
     bwd = dict(SB=1, BLOCK_T=n) if grid == "tile" else dict(SB=n, BLOCK_T=0)
-    bwd["PAIR"] = False  # a default constexpr (kernels since the ninth session): given, as build() names every one
+    bwd["PAIR"] = False  # the two-sources-per-step token tile (kernels since the ninth session), off
     bwd.update(cfg[8] if len(cfg) > 8 else {})
     return [
         ("table-fwd", module._attnres_fwd_kernel, _table_sig("fwd"), dict(c, ALIGN=8, BLOCK_T=n, FUSED=True), warps),

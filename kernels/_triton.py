@@ -1003,7 +1003,7 @@ def _attnres_bwd_kernel(
     PREFETCH: tl.constexpr,
     EVICT: tl.constexpr,
     STAGES: tl.constexpr,  # Triton software-pipeline stages of the source loop (1: none)
-    PAIR: tl.constexpr = False,  # token-tile grid: two sources per step
+    PAIR: tl.constexpr,  # token-tile grid: two sources per step
 ):
     if BLOCK_T > 0:
         _bwd_tile_body(q_ptr, h_ptr, res_ptr, g_ptr, st_ptr, dq_part_ptr, N, S, d, r, stride_g, inv_n, SLICE,
@@ -1102,7 +1102,7 @@ def _attnres_bwd_args_kernel(
     PREFETCH: tl.constexpr,
     EVICT: tl.constexpr,
     STAGES: tl.constexpr,  # Triton software-pipeline stages of the source loop (1: none)
-    PAIR: tl.constexpr = False,  # token-tile grid: two sources per step
+    PAIR: tl.constexpr,  # token-tile grid: two sources per step
 ):
     if BLOCK_T > 0:
         _bwd_tile_body(q_ptr, h_ptr, res_ptr, g_ptr, st_ptr, dq_part_ptr, N, S, d, r, stride_g,

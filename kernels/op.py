@@ -319,8 +319,11 @@ def _bwd_configs(block_d: int, nch: int = 1) -> list[dict]:
 AUTOTUNE = os.environ.get("KERNELS_AUTOTUNE", "1") == "1"
 _TUNED: dict = {}
 BWD_PROGRAMS_PER_SM = 8
-# The backward's grid constexprs a configuration may leave out: one source per step, persistent grid.
-_BWD_DEFAULTS = {"SB": 1, "BLOCK_T": 0}
+# The backward's grid constexprs a configuration may leave out: one source per step, persistent grid
+# (PAIR: the token-tile grid's two sources per step, off).  Every constexpr is passed, none left to a
+# default: torch's analysis of which arguments a kernel writes (Inductor, compiled path) counted every
+# pointer as written when the kernel had a defaulted constexpr that the launch left out.
+_BWD_DEFAULTS = {"SB": 1, "BLOCK_T": 0, "PAIR": False}
 
 
 # The autotuner's choice per (kind, BLOCK_D, chunks, key chunk, autotune key, dtypes), once made: later

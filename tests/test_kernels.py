@@ -253,7 +253,8 @@ def test_key_chunk(monkeypatch):
             assert op._key_pos(d, 1, block_d, nch) == nch - 1
     assert op._launch_kwargs({"BLOCK_T": 1, "KEYCH": True, "SPLIT": True}, "fwd", 2) == {
         "BLOCK_T": 1, "EVICT": False, "STAGES": 1, "KEY0": 2}
-    assert op._launch_kwargs({"BLOCK_T": 1}, "bwd", 2) == {"SB": 1, "BLOCK_T": 1, "EVICT": False, "STAGES": 1, "KEY0": 0}
+    assert op._launch_kwargs({"BLOCK_T": 1}, "bwd", 2) == {"SB": 1, "BLOCK_T": 1, "PAIR": False, "EVICT": False,
+                                                          "STAGES": 1, "KEY0": 0}
     assert op._launch_kwargs({"SB": 1, "KEY0": 1}, "bwd", 2)["KEY0"] == 1  # a remembered choice keeps its own
     assert op._launch_kwargs(None, "fwd", 2) == {}
     monkeypatch.setattr(op, "KEY_CHUNKS", False)  # KERNELS_KEY_CHUNKS=0
@@ -682,7 +683,7 @@ common = dict(N=N, S=S, d=d, r=r, NSLOT=S, EPS=1e-6, SLICE=True, HAS_RES=True, R
               res_ptr=torch.empty(N, d, dtype=torch.int8), st_ptr=torch.empty(1 + 2 * S, N))
 fwd = dict(common, out_ptr=torch.empty(N, d, dtype=torch.bfloat16), BLOCK_T=2, FUSED=True)
 bwd = dict(common, h_ptr=torch.empty(N, d, dtype=torch.bfloat16), g_ptr=torch.empty(N, d, dtype=torch.bfloat16),
-           dq_part_ptr=torch.empty(4, r), stride_g=d, SB=2, BLOCK_T=int(sys.argv[2]))  # 0: persistent grid
+           dq_part_ptr=torch.empty(4, r), stride_g=d, SB=2, BLOCK_T=int(sys.argv[2]), PAIR=sys.argv[4] == "1")  # 0: persistent grid
 for i in range(16):
     for kw in (fwd, bwd):
         kw[f"x{i}"] = torch.empty(N, d, dtype=torch.bfloat16) if i < S else None
@@ -710,13 +711,15 @@ def test_compiled_kernels_write_only_their_outputs():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    # column chunks; the backward's grid (0 persistent, 2 tokens per program); KEY0 (key-chunk specialisation)
-    for nch, block_t, key0 in (("1", "0", "0"), ("3", "0", "0"), ("3", "2", "2"), ("3", "0", "2")):
-        proc = subprocess.run([sys.executable, "-c", _WRITES_SCRIPT, nch, block_t, key0], env=env,
+    # column chunks; the backward's grid (0 persistent, 2 tokens per program); KEY0 (key-chunk specialisation);
+    # PAIR (the token tile two sources per step)
+    for case in (("1", "0", "0", "0"), ("3", "0", "0", "0"), ("3", "2", "2", "0"), ("3", "0", "2", "0"), ("3", "2", "2", "1")):
+        nch, block_t, key0 = case[:3]
+        proc = subprocess.run([sys.executable, "-c", _WRITES_SCRIPT, *case], env=env,
                               capture_output=True, text=True, timeout=300)
         assert proc.returncode == 0, proc.stderr[-3000:]
         written = json.loads(proc.stdout.strip().splitlines()[-1])
         if written is None:
             pytest.skip("this torch has no identify_accessed_tensors")
-        assert written["fwd"] == ["out_ptr", "res_ptr", "st_ptr"], (nch, block_t, key0)
-        assert written["bwd"] == ["dq_part_ptr", "dx0", "dx1", "dx2"], (nch, block_t, key0)
+        assert written["fwd"] == ["out_ptr", "res_ptr", "st_ptr"], case
+        assert written["bwd"] == ["dq_part_ptr", "dx0", "dx1", "dx2"], case
