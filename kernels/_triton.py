@@ -436,32 +436,33 @@ def _key_add(kk, kq, x, q, tail, SLICE: tl.constexpr):
 
 
 @triton.jit
+def _sum_chunks(a0, a1, a2, a3, a4, NCH: tl.constexpr):
+    """a0 + a1 + ... over a row's NCH chunks, in chunk order (the terms past NCH are unused stand-ins)."""
+    if NCH >= 2:
+        a0 = a0 + a1
+    if NCH >= 3:
+        a0 = a0 + a2
+    if NCH >= 4:
+        a0 = a0 + a3
+    if NCH >= 5:
+        a0 = a0 + a4
+    return a0
+
+
+@triton.jit
 def _key_sum(kk, kq, t1, t2, t3, t4, q1, q2, q3, q4, tail1, tail2, tail3, tail4, NCH: tl.constexpr,
              SLICE: tl.constexpr):
     """Chunk 0's key terms (kk, kq) plus those of chunks 1 to NCH - 1 (every chunk may hold key
     columns: KEY0 = 0), all chunks' terms first, then the sums (the order the kernels were timed in)."""
     kk1, kq1 = _key_terms(t1, q1, tail1, SLICE)
+    kk2, kq2, kk3, kq3, kk4, kq4 = kk1, kq1, kk1, kq1, kk1, kq1  # past NCH: unused
     if NCH >= 3:
         kk2, kq2 = _key_terms(t2, q2, tail2, SLICE)
     if NCH >= 4:
         kk3, kq3 = _key_terms(t3, q3, tail3, SLICE)
     if NCH >= 5:
         kk4, kq4 = _key_terms(t4, q4, tail4, SLICE)
-    kk = kk + kk1
-    if NCH >= 3:
-        kk = kk + kk2
-    if NCH >= 4:
-        kk = kk + kk3
-    if NCH >= 5:
-        kk = kk + kk4
-    kq = kq + kq1
-    if NCH >= 3:
-        kq = kq + kq2
-    if NCH >= 4:
-        kq = kq + kq3
-    if NCH >= 5:
-        kq = kq + kq4
-    return kk, kq
+    return _sum_chunks(kk, kk1, kk2, kk3, kk4, NCH), _sum_chunks(kq, kq1, kq2, kq3, kq4, NCH)
 
 
 @triton.jit
@@ -684,6 +685,7 @@ def _bwd_body(
     for row in range(pid, N, nprog):
         row64 = tl.cast(row, tl.int64)
         g0, gh = _bwd_row(g_ptr, h_ptr, res_ptr, row64, offs0, ok0, d, stride_g, HAS_RES, RES_STEP)
+        gh1, gh2, gh3, gh4 = gh, gh, gh, gh  # past NCH: unused
         if NCH >= 2:
             g1, gh1 = _bwd_row(g_ptr, h_ptr, res_ptr, row64, offs1, ok1, d, stride_g, HAS_RES, RES_STEP)
         if NCH >= 3:
@@ -692,15 +694,7 @@ def _bwd_body(
             g3, gh3 = _bwd_row(g_ptr, h_ptr, res_ptr, row64, offs3, ok3, d, stride_g, HAS_RES, RES_STEP)
         if NCH >= 5:
             g4, gh4 = _bwd_row(g_ptr, h_ptr, res_ptr, row64, offs4, ok4, d, stride_g, HAS_RES, RES_STEP)
-        if NCH >= 2:
-            gh = gh + gh1
-        if NCH >= 3:
-            gh = gh + gh2
-        if NCH >= 4:
-            gh = gh + gh3
-        if NCH >= 5:
-            gh = gh + gh4
-        gh = tl.sum(gh, axis=0)
+        gh = tl.sum(_sum_chunks(gh, gh1, gh2, gh3, gh4, NCH), axis=0)
         lse = tl.load(st_ptr + row)
         if PREFETCH:
             p, st = _src(sbs, S, TABLE, src0_ptr, src_offs, src_strides, ALIGN, NSLOT,
@@ -854,6 +848,7 @@ def _bwd_tile_body(
     offs1, ok1, offs2, ok2, offs3, ok3, offs4, ok4 = offs0, ok0, offs0, ok0, offs0, ok0, offs0, ok0  # unused past NCH
     tail1, tail2, tail3, tail4, q1, q2, q3, q4 = tail0, tail0, tail0, tail0, q0, q0, q0, q0
     g1, g2, g3, g4, dq1, dq2, dq3, dq4 = g0, g0, g0, g0, dq0, dq0, dq0, dq0
+    gh1, gh2, gh3, gh4 = gh, gh, gh, gh
     if NCH >= 2:
         offs1, ok1, tail1 = _cols(d, r, BLOCK_D, BLOCK_D)
         q1 = _query(q_ptr, offs1, d, r, tail1)
@@ -874,15 +869,7 @@ def _bwd_tile_body(
         q4 = _query(q_ptr, offs4, d, r, tail4)
         g4, gh4 = _bwd_rows(g_ptr, h_ptr, res_ptr, rows64, row_ok, offs4, ok4, d, stride_g, HAS_RES, RES_STEP)
         dq4 = tl.zeros([BLOCK_D], tl.float32)
-    if NCH >= 2:
-        gh = gh + gh1
-    if NCH >= 3:
-        gh = gh + gh2
-    if NCH >= 4:
-        gh = gh + gh3
-    if NCH >= 5:
-        gh = gh + gh4
-    gh = tl.sum(gh, axis=1)
+    gh = tl.sum(_sum_chunks(gh, gh1, gh2, gh3, gh4, NCH), axis=1)
     lse = tl.load(st_ptr + rows, mask=row_ok, other=0.0)
     if PAIR:
         dq0, dq1, dq2, dq3, dq4 = _bwd_tile_pairs(
