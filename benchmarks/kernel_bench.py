@@ -339,7 +339,8 @@ def run_grid(args):
     else:
         grid = full_grid(args.tokens)[args.skip:]
         if args.skip_measured:
-            grid = [x for x in grid if x not in measured_shapes(args.skip_measured) or x[1] in args.redo_widths]
+            measured = measured_shapes(args.skip_measured)
+            grid = [x for x in grid if x not in measured or x[1] in args.redo_widths]
         compile_at = {(8192, 1536, 9, 384)}
     impls = _impls(want_compile=not args.no_compile)
     for N, d, S, r in grid:
