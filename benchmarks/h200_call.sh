@@ -14,7 +14,8 @@
 #   kgrid4096   benchmarks/kernel_bench.py at 4096 tokens alone (no check, no torch.compile row)
 #               (SKIP8192 / SKIP4096 leave out the first shapes of each, measured by an earlier call; SKIP_MEASURED=JSON
 #               those a kernel_bench result has, but for the widths in REDO_WIDTHS; GRID_TESTS=EXPR runs the
-#               kernel tests pytest -k EXPR selects first, in lane kgrid8192)
+#               kernel tests pytest -k EXPR selects first, in lane kgrid8192; SHAPES8192 / SHAPES4096=NxdxSxr,...
+#               measure those shapes instead of the grid)
 #   sweep       benchmarks/kernel_sweep.py
 #   train       benchmarks/train_step_bench.py (1B)
 #   trainflex   the 1B step with flex document masking (ATTN=sdpa for the dense mask): baseline, LR and
@@ -78,17 +79,21 @@ lane_kernel4096() {
 grid_skip() {  # kernel_bench's options for the shapes measured before (SKIP_MEASURED=JSON, REDO_WIDTHS=d,d)
   [ -n "${SKIP_MEASURED:-}" ] && echo --skip-measured "$SKIP_MEASURED" ${REDO_WIDTHS:+--redo-widths "$REDO_WIDTHS"}
 }
+grid_shapes() {  # this lane's own shape list instead of the grid (SHAPES8192 / SHAPES4096: NxdxSxr,...)
+  [ -n "${1:-}" ] && echo --shapes "$1"
+}
 lane_kgrid8192() {  # the side-by-side grid at 8192 tokens (kernel_bench's own bf16 check first, unless skipping)
   if [ -n "${GRID_TESTS:-}" ]; then  # a subset of the kernels' GPU tests first (a pytest -k expression)
     timeout 240 $PYTHON -m pytest -q -p no:cacheprovider tests/test_kernels.py -k "$GRID_TESTS" -rA --tb=short 2>&1 \
       | tee "$L/pytest.txt" | grep -v "^PASSED" | tail -20
   fi
   $PYTHON benchmarks/kernel_bench.py --out "$L" --tokens 8192 --stem kernel_bench_8192 --skip "${SKIP8192:-0}" $(grid_skip) \
-    --budget-s "$(left $((DUR - 130)))" $([ "${SKIP8192:-0}" -gt 0 ] || [ -n "${SKIP_MEASURED:-}" ] && echo --no-check)
+    $(grid_shapes "${SHAPES8192:-}") --budget-s "$(left $((DUR - 130)))" \
+    $([ "${SKIP8192:-0}" -gt 0 ] || [ -n "${SKIP_MEASURED:-}" ] || [ -n "${SHAPES8192:-}" ] && echo --no-check)
 }
 lane_kgrid4096() {
   $PYTHON benchmarks/kernel_bench.py --out "$L" --tokens 4096 --no-check --no-compile --stem kernel_bench_4096 \
-    --skip "${SKIP4096:-0}" $(grid_skip) --budget-s "$(left $((DUR - 130)))"
+    --skip "${SKIP4096:-0}" $(grid_skip) $(grid_shapes "${SHAPES4096:-}") --budget-s "$(left $((DUR - 130)))"
 }
 lane_sweep() { $PYTHON benchmarks/kernel_sweep.py --out "$L" --budget-s "$(left $((DUR - 20)))"; }
 lane_train() {
@@ -138,9 +143,10 @@ lane_ksweep() {  # ONLY=fwd or bwd sweeps one kernel; SHAPE_S caps each shape's 
     ${ONLY:+--only "$ONLY"} ${SHAPE_S:+--shape-budget-s "$SHAPE_S"} \
     --shapes "${SHAPES:-4096x1536x9x384,8192x1536x9x384,4096x1536x9x384:args,8192x1024x9x256,4096x1536x3x384}"
 }
-lane_ksweep2() {  # a second sweep lane: the kernels' GPU tests first (TESTS=0 leaves them out), then SHAPES2
-  if [ "${TESTS:-1}" = 1 ]; then
-    timeout 300 $PYTHON -m pytest -q -p no:cacheprovider tests/test_kernels.py -rA --tb=short 2>&1 | tee "$L/pytest.txt" \
+lane_ksweep2() {  # a second sweep lane: the kernels' GPU tests first (TESTS=0 leaves them out, TESTS_K=EXPR runs
+  if [ "${TESTS:-1}" = 1 ]; then  # those pytest -k EXPR selects), then SHAPES2
+    timeout "${TESTS_S:-300}" $PYTHON -m pytest -q -p no:cacheprovider tests/test_kernels.py ${TESTS_K:+-k "$TESTS_K"} -rA \
+      --tb=short 2>&1 | tee "$L/pytest.txt" \
       | grep -v "^PASSED" | tail -30
   fi
   SHAPES=$SHAPES2 STEM=${STEM2:-kernel_sweep_final2} lane_ksweep
@@ -186,7 +192,7 @@ lane_kgpuncu() {  # the kernels' GPU tests, then lane kncu with the time left
 }
 lane_grid() { OUT="$L" DEADLINE_S=$(left $((DUR - 15))) PYTHON=$PYTHON bash benchmarks/gpu_grid.sh; }
 lane_throughput() { OUT="$L" PYTHON=$PYTHON bash benchmarks/throughput_gpu.sh; }
-export -f grid_skip lane_kncu lane_kgpuncu lane_kgrid8192 lane_kgrid4096 lane_ksweep lane_ksweep2 lane_kcheck left paper_step lane_paper1 lane_paper2 lane_argscheck lane_trainargs lane_kernel lane_kernel4096 lane_sweep lane_train lane_trainflex lane_sweeptrain lane_hostprof lane_traingrid lane_grid lane_throughput
+export -f grid_skip grid_shapes lane_kncu lane_kgpuncu lane_kgrid8192 lane_kgrid4096 lane_ksweep lane_ksweep2 lane_kcheck left paper_step lane_paper1 lane_paper2 lane_argscheck lane_trainargs lane_kernel lane_kernel4096 lane_sweep lane_train lane_trainflex lane_sweeptrain lane_hostprof lane_traingrid lane_grid lane_throughput
 
 run_lane() {  # name:seconds gpu-list cpu-list
   local name=${1%%:*} dur=${1##*:} gpus=$2 cpus=$3

@@ -3,6 +3,7 @@ the eager reference and torch.compile of the reference.
 
     python benchmarks/kernel_bench.py --out DIR            # check, then the full grid
     python benchmarks/kernel_bench.py --quick --out DIR    # a few shapes
+    python benchmarks/kernel_bench.py --shapes 8192x2560x9x2560,4096x1536x2x384 --out DIR   # these shapes
     python benchmarks/kernel_bench.py --merge A.json B.json ... --out DIR --stem NAME   # one table from
                                                            # runs that each measured part of the grid
 
@@ -319,6 +320,20 @@ def measured_shapes(paths: str) -> set:
     return out
 
 
+def _shape_list(text: str) -> list[tuple[int, int, int, int]]:
+    """--shapes: "8192x1536x9x384,4096x2560x2x640" as (tokens, d, S, r) tuples."""
+    out = []
+    for spec in (x for x in text.split(",") if x):
+        try:
+            N, d, S, r = (int(v) for v in spec.split("x"))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"--shapes: {spec!r} is not TOKENSxDxSxR (four integers)") from None
+        if not (N > 0 and d > 0 and S > 0 and 0 < r <= d):
+            raise argparse.ArgumentTypeError(f"--shapes: {spec!r} needs positive sizes and r <= d")
+        out.append((N, d, S, r))
+    return out
+
+
 def run_grid(args):
     t0 = time.time()
     payload = {"env": _env(), "rows": [], "check": []}
@@ -335,6 +350,9 @@ def run_grid(args):
         print(f"check done at {time.time() - t0:.0f}s", flush=True)
     if args.quick:
         grid = [(8192, 1536, S, r) for S in (5, 9, 25) for r in (1536, 384)] + [(4096, 2560, 9, 320), (8192, 1024, 49, 1024)]
+        compile_at = {(8192, 1536, 9, 384)}
+    elif args.shapes:
+        grid = args.shapes
         compile_at = {(8192, 1536, 9, 384)}
     else:
         grid = full_grid(args.tokens)[args.skip:]
@@ -456,6 +474,7 @@ def main(argv=None):
                    help="leave out the shapes earlier results (kernel_bench JSONs) have, except those of --redo-widths")
     p.add_argument("--redo-widths", type=lambda x: {int(v) for v in x.split(",") if v}, default=set(),
                    help="comma-separated widths d to measure again even where --skip-measured has them")
+    p.add_argument("--shapes", type=_shape_list, help="comma-separated NxdxSxr: measure these instead of the grid")
     p.add_argument("--merge", nargs="+", metavar="JSON", help="merge these runs' results into --out/--stem (no GPU)")
     p.add_argument("--note", default="", help="with --merge: what the merged runs were")
     args = p.parse_args(argv)

@@ -30,6 +30,7 @@ for (see _key_pos).
 
 from __future__ import annotations
 
+import functools
 import os
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -228,7 +229,7 @@ def _col_layout(d: int, split: bool | int | None = None, r: int | None = None) -
 # and at S = 25 207 -> 179 and 414 -> 354; with three chunks of 1024 at d = 2560 (the key in the last
 # two) the forward lost, 192 -> 207; with five of 512 (kernel_sweep_h200_2026-11-30_chunks, key in the
 # last two) it won, 142 -> 137, and the backward 328 -> 242.  The candidates carry it per
-# configuration and the autotuner chooses.
+# configuration and tuning chooses.
 # KERNELS_KEY_CHUNKS=0 turns it off everywhere.
 KEY_CHUNKS = os.environ.get("KERNELS_KEY_CHUNKS", "1") == "1"
 
@@ -304,20 +305,28 @@ def _bwd_configs(block_d: int, nch: int = 1) -> list[dict]:
     96.4), with 2 warps and prefetch (109 at d = 1024, S = 9); the persistent grid with 4 warps (58.3
     at d = 1536, S = 2, its fewer partial rows; 242 at d = 2560, S = 9, r = 640), and with 2 warps and
     prefetch where the key spans the row (300 at d = 2560, r = d, against 329 for the best token
-    tile).  Two or more sources per step ran 1.3-9x slower.  Elements per thread and chunk 4 to 16,
-    as for the forward."""
+    tile).  Two or more sources per step ran 1.3-9x slower on the persistent grid; on the token tile
+    (PAIR: both sources' loads in flight together, as fast-attnres's backward does) the last two
+    candidates, not yet timed on a GPU.  Elements per thread and chunk 4 to 16, as for the forward."""
     if nch > 1:
         tile_keyed = dict(_TILE, **_KEYED)
         return _configs(block_d, "SB", (
             (1, 4, 1, tile_keyed), (1, 8, 0, dict(tile_keyed, STAGES=3)), (1, 8, 1, tile_keyed),
-            (1, 4, 0, _KEYED), (1, 4, 0), (1, 8, 1), (1, 16, 1)))
+            (1, 4, 0, _KEYED), (1, 4, 0), (1, 8, 1), (1, 16, 1),
+            (1, 4, 1, dict(tile_keyed, PAIR=True)), (1, 8, 1, dict(tile_keyed, PAIR=True))))
     return _configs(block_d, "SB", ((1, 8, 1), (2, 32, 0), (2, 16, 0), (1, 16, 1), (2, 16, 1)))
 
 
-# Autotuning (CUDA only): one triton.autotune wrapper per (kernel, BLOCK_D, chunks, key chunk), keyed
-# on d and the norm.
+# Tuning (CUDA only): the fastest candidate for each shape class, timed by the host over the whole
+# launch (for the backward: the kernel and the sum of its query-gradient partials).  It replaces
+# triton.autotune, which keyed on d alone and timed the kernel alone, so that the choice made at the
+# first S and token count served every other, and a token-tile backward whose [tokens, r] partials
+# cost more to sum than the kernel saved could win: at 8192 tokens, d = 2560, r = d, S = 9 it chose
+# the token tile (331 us in the side-by-side table) over the persistent grid (300 us with its sum in
+# kernel_sweep_h200_2026-11-30_chunks), and at d = 1536, S = 2 whatever S = 9 had chosen.
 AUTOTUNE = os.environ.get("KERNELS_AUTOTUNE", "1") == "1"
-_TUNED: dict = {}
+TUNE_WARMUP_MS = 10  # triton.testing.do_bench per candidate (L2 flushed before each run)
+TUNE_REP_MS = 40
 BWD_PROGRAMS_PER_SM = 8
 # The backward's grid constexprs a configuration may leave out: one source per step, persistent grid
 # (PAIR: the token-tile grid's two sources per step, off).  Every constexpr is passed, none left to a
@@ -326,9 +335,8 @@ BWD_PROGRAMS_PER_SM = 8
 _BWD_DEFAULTS = {"SB": 1, "BLOCK_T": 0, "PAIR": False}
 
 
-# The autotuner's choice per (kind, BLOCK_D, chunks, key chunk, autotune key, dtypes), once made: later
-# calls launch the plain kernel with it, skipping the autotuner's per-call argument dictionary and
-# key (host time on every read of a model whose step the host must keep ahead of).
+# The tuned choice per (kind, BLOCK_D, chunks, key chunk) + shape class (d, norm, residual, dtypes,
+# S, tokens rounded up to a power of two): launch keyword arguments with num_warps.
 _CHOSEN: dict = {}
 
 
@@ -342,49 +350,76 @@ def _candidates(kind: str, block_d: int, nch: int) -> list[dict]:
     return _fwd_configs(block_d, nch) if kind == "fwd" else _bwd_configs(block_d, nch)
 
 
-def _launcher(kind: str, block_d: int, nch: int, key_pos: int, device: torch.device, key: tuple = ()):
-    """(kernel to launch, fixed config or None when the kernel is autotuned); ``key`` extends the
-    autotuner's own key (d, norm, residual, dtypes) to look up a choice already made."""
-    from . import _triton as K
+def _tune_class(n_sources: int, n_tok: int) -> tuple:
+    """The part of a tuning key that follows the call's size: S, and the tokens rounded up to a power
+    of two (a model sends a few token counts; varying lengths should not each be tuned)."""
+    return (n_sources, _next_pow2(n_tok))
 
-    raw = K._attnres_fwd_kernel if kind == "fwd" else K._attnres_bwd_kernel
+
+def _distinct(cfgs: list[dict], kind: str, key_pos: int) -> list[dict]:
+    """The candidates as launch keyword arguments with num_warps, each once (a keyed candidate is its
+    plain twin where the key starts in chunk 0)."""
+    out = []
+    for c in cfgs:
+        kw = _launch_kwargs(c, kind, key_pos)
+        if kw not in out:
+            out.append(kw)
+    return out
+
+
+def _fastest(cands: list[dict], launch) -> dict:
+    """The candidate with the least median time of ``launch(cfg)`` (triton.testing.do_bench, L2
+    flushed before each run).  A candidate that does not build or launch (registers, shared memory)
+    is passed over; if none runs, the last error is raised."""
+    from triton.testing import do_bench
+
+    best, best_t, err = None, float("inf"), None
+    for cfg in cands:
+        try:
+            launch(cfg)  # compile and warm up outside the timing
+            t = do_bench(lambda: launch(cfg), warmup=TUNE_WARMUP_MS, rep=TUNE_REP_MS, return_mode="median")
+        except Exception as e:  # noqa: BLE001 - a configuration the device cannot run
+            err = e
+            continue
+        if t < best_t:
+            best, best_t = cfg, t
+    if best is None:
+        raise RuntimeError(f"attnres: no launch configuration ran ({len(cands)} tried)") from err
+    return best
+
+
+def _config(kind: str, block_d: int, nch: int, key_pos: int, device: torch.device, key: tuple, launch) -> dict:
+    """Launch keyword arguments for this call: CONFIG_OVERRIDE's; the first candidate on the CPU, with
+    KERNELS_AUTOTUNE=0, or while a CUDA graph is being captured (nothing can be timed then, and
+    nothing is remembered); else the fastest candidate for ``key``, timed once with ``launch(cfg)``
+    (which must run the whole launch, so that a grid's extra work is counted)."""
     if kind in CONFIG_OVERRIDE:
-        return raw, dict(CONFIG_OVERRIDE[kind])
-    cfgs = _candidates(kind, block_d, nch)
-    if device.type != "cuda" or not AUTOTUNE:
-        return raw, dict(cfgs[0])
-    tk = (kind, block_d, nch, key_pos)
-    chosen = _CHOSEN.get(tk + key)
+        return _launch_kwargs(CONFIG_OVERRIDE[kind], kind, key_pos)
+    tk = (kind, block_d, nch, key_pos) + key
+    chosen = _CHOSEN.get(tk)
     if chosen is not None:
-        return raw, chosen
-    if tk not in _TUNED:
-        import triton
-
-        configs, seen = [], []
-        for c in cfgs:  # (a keyed candidate is its plain twin where the key starts in chunk 0)
-            kw = {k: v for k, v in _launch_kwargs(c, kind, key_pos).items() if k not in ("num_warps", "num_stages")}
-            if (kw, c["num_warps"]) not in seen:
-                seen.append((kw, c["num_warps"]))
-                configs.append(triton.Config(kw, num_warps=c["num_warps"], num_stages=c.get("num_stages", 3)))
-        _TUNED[tk] = triton.autotune(configs=configs, key=["d", "SLICE", "HAS_RES"])(raw)
-    return _TUNED[tk], None
+        return chosen
+    if device.type != "cuda" or not AUTOTUNE or torch.cuda.is_current_stream_capturing():
+        return _first(kind, block_d, nch, key_pos, KEY_CHUNKS)
+    chosen = _CHOSEN[tk] = _fastest(_distinct(_candidates(kind, block_d, nch), kind, key_pos), launch)
+    return chosen
 
 
-def _remember(kind: str, block_d: int, nch: int, key_pos: int, key: tuple, tuned) -> None:
-    """Record the configuration the autotuner used for this key (see _CHOSEN)."""
-    best = getattr(tuned, "best_config", None)
-    if best is not None:
-        _CHOSEN[(kind, block_d, nch, key_pos) + key] = dict(best.all_kwargs())
+@functools.lru_cache(maxsize=None)
+def _first(kind: str, block_d: int, nch: int, key_pos: int, key_chunks: bool) -> dict:
+    """The first candidate's launch keyword arguments (the default without tuning; not to be mutated);
+    ``key_chunks`` (KEY_CHUNKS, which _launch_kwargs reads) is part of the cache key."""
+    return _launch_kwargs(_candidates(kind, block_d, nch)[0], kind, key_pos)
 
 
 def tuned_configs() -> dict:
-    """The configurations autotuning chose so far: {"fwd/512x3": {...}, "fwd/512x3/key2": {...}, ...}
-    (chunk width x chunks, and the key's first chunk where it is not the first)."""
+    """The configurations tuning chose so far: {"fwd/512x3/key2/S9/N8192": {...}, ...} (chunk width x
+    chunks, the key's first chunk where it is not the first, sources, tokens rounded up)."""
     out = {}
-    for (kind, block_d, nch, key_pos), fn in _TUNED.items():
-        best = getattr(fn, "best_config", None)
-        if best is not None:
-            out[f"{kind}/{block_d}x{nch}" + (f"/key{key_pos}" if key_pos else "")] = dict(best.kwargs, num_warps=best.num_warps)
+    for (kind, block_d, nch, key_pos, *key), cfg in _CHOSEN.items():
+        n_src, n_tok = key[-2:]
+        name = f"{kind}/{block_d}x{nch}" + (f"/key{key_pos}" if key_pos else "") + f"/S{n_src}/N{n_tok}"
+        out[name] = dict(cfg)
     return out
 
 
@@ -403,8 +438,8 @@ def _anchor_table(tensors: list[torch.Tensor], strides: list[int] | None):
 #
 # They run twice per routing read (768 times per update of the 1B step), and a compiled step whose
 # GPU work is short waits for them (docs/kernel_notes.md, third session): so no per-source views or
-# copies where the tensors can be read in place, outputs allocated in their final shape, and the
-# autotuner bypassed once it has chosen.
+# copies where the tensors can be read in place, outputs allocated in their final shape, and a
+# tuned choice looked up by one dictionary key.
 
 
 def _row_stride(t: torch.Tensor, d: int) -> int | None:
@@ -455,6 +490,8 @@ def _fwd_outputs(sources: Sequence[torch.Tensor], query: torch.Tensor, norm: str
 
 
 def _fwd_triton(sources: Sequence[torch.Tensor], query: torch.Tensor, norm: str, eps: float):
+    from . import _triton as K
+
     d, r, n_tok, has_res, out, stats, res = _fwd_outputs(sources, query, norm)
     dtype, dev = out.dtype, out.device
     if n_tok > 0:
@@ -464,21 +501,17 @@ def _fwd_triton(sources: Sequence[torch.Tensor], query: torch.Tensor, norm: str,
         block_d, nch = _layout("fwd", d, r)
         if STATS is not None:
             STATS[("fwd", len(rows), n_tok, d, r, align)] += 1
-        key = (d, norm == "slice", has_res, dtype, query.dtype)
+        key = (d, norm == "slice", has_res, dtype, query.dtype) + _tune_class(len(rows), n_tok)
         key_pos = _key_pos(d, r, block_d, nch)
-        fn, cfg = _launcher("fwd", block_d, nch, key_pos, dev, key)
-        if cfg is None:
-            grid = lambda meta: (triton_cdiv(n_tok, meta["BLOCK_T"]),)  # noqa: E731
-        else:
-            grid = (triton_cdiv(n_tok, cfg["BLOCK_T"]),)
-        fn[grid](
-            rows[0], table[0], table[1], query.contiguous(), out, res if has_res else out, stats,
-            n_tok, len(rows), d, r, 1.0 / (r if norm == "slice" else d), float(eps),
-            SLICE=(norm == "slice"), HAS_RES=has_res, RES_STEP=_res_step(dtype), ALIGN=align,
-            BLOCK_D=block_d, NCH=nch, FUSED=_fused(dev), **_launch_kwargs(cfg, "fwd", key_pos),
-        )
-        if cfg is None:
-            _remember("fwd", block_d, nch, key_pos, key, fn)
+        args = (rows[0], table[0], table[1], query.contiguous(), out, res if has_res else out, stats,
+                n_tok, len(rows), d, r, 1.0 / (r if norm == "slice" else d), float(eps))
+        consts = dict(SLICE=(norm == "slice"), HAS_RES=has_res, RES_STEP=_res_step(dtype), ALIGN=align,
+                      BLOCK_D=block_d, NCH=nch, FUSED=_fused(dev))
+
+        def launch(cfg):
+            K._attnres_fwd_kernel[(triton_cdiv(n_tok, cfg["BLOCK_T"]),)](*args, **consts, **cfg)
+
+        launch(_config("fwd", block_d, nch, key_pos, dev, key, launch))
     return out, stats, res
 
 
@@ -515,6 +548,8 @@ def _bwd_programs(cfg: dict, n_tok: int, dev: torch.device) -> int:
 
 
 def _bwd_triton(sources, query, h, stats, res, g, norm: str, eps: float):
+    from . import _triton as K
+
     ops, grads, dq = _bwd_inputs(sources, query, h, res, g, norm)
     if ops is None:
         return grads, dq
@@ -529,26 +564,20 @@ def _bwd_triton(sources, query, h, stats, res, g, norm: str, eps: float):
     table = _table([offs, strides, goffs], dev)
     if STATS is not None:
         STATS[("bwd", len(rows), n_tok, d, r, min(align, galign))] += 1
-    key = (d, norm == "slice", has_res, dtype, query.dtype, g.dtype)
+    key = (d, norm == "slice", has_res, dtype, query.dtype, g.dtype) + _tune_class(len(rows), n_tok)
     key_pos = _key_pos(d, r, block_d, nch)
-    fn, cfg = _launcher("bwd", block_d, nch, key_pos, dev, key)
-    if cfg is None:  # autotuning: room for the largest grid among the candidates
-        nprog = max(_bwd_programs(c, n_tok, dev) for c in _candidates("bwd", block_d, nch))
-        grid = lambda meta: (_bwd_programs(meta, n_tok, dev),)  # noqa: E731
-    else:
+    args = (rows[0], table[0], table[1], grads[0], table[2], query.contiguous(), h2, res2, g, stats2)
+    more = (n_tok, len(rows), d, r, gs, 1.0 / (r if norm == "slice" else d), float(eps))
+    consts = dict(SLICE=(norm == "slice"), HAS_RES=has_res, RES_STEP=_res_step(dtype), ALIGN=align, GALIGN=galign,
+                  BLOCK_D=block_d, NCH=nch)
+
+    def launch(cfg):  # the kernel and the sum of its query-gradient partials (one row per program)
         nprog = _bwd_programs(cfg, n_tok, dev)
-        grid = (nprog,)
-    part = _empty((nprog, r), torch.float32, dev)
-    fn[grid](
-        rows[0], table[0], table[1], grads[0], table[2], query.contiguous(), h2, res2, g, stats2, part,
-        n_tok, len(rows), d, r, gs, 1.0 / (r if norm == "slice" else d), float(eps),
-        SLICE=(norm == "slice"), HAS_RES=has_res, RES_STEP=_res_step(dtype), ALIGN=align, GALIGN=galign,
-        BLOCK_D=block_d, NCH=nch, **_launch_kwargs(cfg, "bwd", key_pos),
-    )
-    if cfg is None:
-        _remember("bwd", block_d, nch, key_pos, key, fn)
-        nprog = _bwd_programs(_CHOSEN.get(("bwd", block_d, nch, key_pos) + key, {}), n_tok, dev)
-    return grads, part[:nprog].sum(0).to(query.dtype)
+        part = _empty((nprog, r), torch.float32, dev)
+        K._attnres_bwd_kernel[(nprog,)](*args, part, *more, **consts, **cfg)
+        return part.sum(0).to(query.dtype)
+
+    return grads, launch(_config("bwd", block_d, nch, key_pos, dev, key, launch))
 
 
 # Multi-operand row reductions: None = on CUDA only (the interpreter runs them slowly).
@@ -563,13 +592,10 @@ def triton_cdiv(a: int, b: int) -> int:
     return (a + b - 1) // b
 
 
-def _launch_kwargs(cfg: dict | None, kind: str, key_pos: int) -> dict:
+def _launch_kwargs(cfg: dict, kind: str, key_pos: int) -> dict:
     """A configuration's kernel keyword arguments: EVICT off, STAGES 1 and, for the backward, the
-    persistent grid with one source per step unless it names them; KEY0 from its KEYCH (a choice the
-    autotuner made already names KEY0); SPLIT and KEYCH dropped (the host read them).  {} when the
-    autotuner chooses (its configurations carry all of these)."""
-    if cfg is None:
-        return {}
+    persistent grid with one source per step unless it names them; KEY0 from its KEYCH (a choice
+    already made names KEY0); SPLIT and KEYCH dropped (the host read them)."""
     out = {"EVICT": False, "STAGES": 1}
     if kind == "bwd":
         out.update(_BWD_DEFAULTS)

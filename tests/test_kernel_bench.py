@@ -3,6 +3,7 @@ part of it."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from pathlib import Path
@@ -93,3 +94,11 @@ def test_sweep_compares_the_widths_layout_with_one_and_three_chunks():
     shipped = ks._quick("bwd", 512, 5, default=False)
     assert shipped and all(c["SPLIT"] == 5 for c in shipped)
     assert len(ks._quick("bwd", 512, 5)) > len(shipped)  # the width's own layout gets more candidates
+
+
+def test_shapes_option_parses_and_names_a_bad_shape():
+    assert kb._shape_list("8192x1536x9x384,4096x2560x2x640") == [(8192, 1536, 9, 384), (4096, 2560, 2, 640)]
+    with pytest.raises(argparse.ArgumentTypeError, match="'8192x1536x9'"):
+        kb._shape_list("8192x1536x9")
+    with pytest.raises(argparse.ArgumentTypeError, match="r <= d"):
+        kb._shape_list("8192x512x9x1024")

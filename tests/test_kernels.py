@@ -256,42 +256,69 @@ def test_key_chunk(monkeypatch):
     assert op._launch_kwargs({"BLOCK_T": 1}, "bwd", 2) == {"SB": 1, "BLOCK_T": 1, "PAIR": False, "EVICT": False,
                                                           "STAGES": 1, "KEY0": 0}
     assert op._launch_kwargs({"SB": 1, "KEY0": 1}, "bwd", 2)["KEY0"] == 1  # a remembered choice keeps its own
-    assert op._launch_kwargs(None, "fwd", 2) == {}
     monkeypatch.setattr(op, "KEY_CHUNKS", False)  # KERNELS_KEY_CHUNKS=0
     assert op._launch_kwargs({"BLOCK_T": 1, "KEYCH": True}, "fwd", 2)["KEY0"] == 0
 
 
 @pytest.mark.parametrize("kind", ["fwd", "bwd"])
-def test_autotune_configs(kind, monkeypatch):
-    """The autotuner's configurations carry every option the host would otherwise pass (EVICT, STAGES,
-    KEY0, the backward's grid), with KEY0 where the key starts; a keyed candidate whose key starts in
-    chunk 0 is its plain twin and appears once; a choice made for one key chunk is not reused for
-    another."""
-    pytest.importorskip("triton")
-    monkeypatch.setattr(op, "_TUNED", {})
+def test_tuner_times_each_shape_class(kind, monkeypatch):
+    """Tuning times every distinct candidate once per shape class through the caller's whole launch
+    and keeps the fastest: a keyed candidate whose key starts in chunk 0 is its plain twin and is
+    timed once; every candidate carries the options the kernel needs (EVICT, STAGES, KEY0, the
+    backward's grid); a choice is reused for the same class, not for another S, token class or key
+    chunk; nothing is timed or remembered during a CUDA graph capture; a candidate that fails is
+    passed over."""
+    triton_testing = pytest.importorskip("triton.testing")
     monkeypatch.setattr(op, "_CHOSEN", {})
     monkeypatch.setattr(op, "AUTOTUNE", True)
+    capturing = [False]
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
+    launched, failing = [], []
+
+    def launch(cfg):
+        launched.append(cfg)
+        if cfg in failing:
+            raise RuntimeError("out of resources")
+
+    def fake_bench(fn, **kw):  # the last candidate that runs is the fastest
+        fn()
+        return 100.0 - len(launched)
+
+    monkeypatch.setattr(triton_testing, "do_bench", fake_bench)
     cuda = torch.device("cuda")
     cands = op._candidates(kind, 512, 3)
     for key_pos in (2, 0):
-        fn, cfg = op._launcher(kind, 512, 3, key_pos, cuda, ("k",))
-        assert cfg is None
-        kws = [c.kwargs for c in fn.configs]
-        assert all({"EVICT", "STAGES", "KEY0"} <= set(k) for k in kws)
+        launched.clear()
+        distinct = op._distinct(cands, kind, key_pos)
+        failing[:] = [distinct[-1]]  # the last would be the fastest, but does not run
+        key = ("k",) + op._tune_class(9, 8000)
+        cfg = op._config(kind, 512, 3, key_pos, cuda, key, launch)
+        assert all({"EVICT", "STAGES", "KEY0", "num_warps"} <= set(c) for c in distinct)
         if kind == "bwd":
-            assert all({"SB", "BLOCK_T"} <= set(k) for k in kws) and any(k["BLOCK_T"] for k in kws)
-        want = []
-        for c in cands:
-            plain = {k: v for k, v in c.items() if k != "KEYCH"}
-            item = (plain, key_pos if c.get("KEYCH") else 0)
-            if item not in want:
-                want.append(item)
-        assert sorted(k["KEY0"] for k in kws) == sorted(k0 for _, k0 in want)
+            assert all({"SB", "BLOCK_T", "PAIR"} <= set(c) for c in distinct) and any(c["BLOCK_T"] for c in distinct)
+        want = sorted(key_pos if c.get("KEYCH") else 0 for c in cands)
+        got = sorted(c["KEY0"] for c in distinct)
+        assert got == want if key_pos else len(distinct) <= len(cands)
+        # each candidate: a warm-up run, then the timed one; the failing one once
+        assert launched == [c for c in distinct[:-1] for _ in (0, 1)] + [distinct[-1]]
+        assert cfg == distinct[-2]
+        assert op._CHOSEN[(kind, 512, 3, key_pos) + key] == cfg
     if kind == "bwd":  # at key chunk 0 the keyed persistent candidate is its plain twin
-        assert len(kws) == len(cands) - 1
-    op._CHOSEN[(kind, 512, 3, 2, "k")] = {"KEY0": 2, "num_warps": 4}
-    assert op._launcher(kind, 512, 3, 2, cuda, ("k",))[1] == {"KEY0": 2, "num_warps": 4}
-    assert op._launcher(kind, 512, 3, 0, cuda, ("k",))[1] is None
+        assert len(op._distinct(cands, kind, 0)) == len(cands) - 1
+    launched.clear()
+    assert op._config(kind, 512, 3, 2, cuda, ("k",) + op._tune_class(9, 5000), launch) == op._CHOSEN[
+        (kind, 512, 3, 2, "k", 9, 8192)] and not launched  # same class: 5000 and 8000 tokens round to 8192
+    op._config(kind, 512, 3, 2, cuda, ("k",) + op._tune_class(2, 8000), launch)
+    assert launched  # another S is tuned again
+    capturing[0] = True
+    launched.clear()
+    n = len(op._CHOSEN)
+    assert op._config(kind, 512, 3, 2, cuda, ("k",) + op._tune_class(5, 8000), launch) == op._launch_kwargs(
+        cands[0], kind, 2) and not launched and len(op._CHOSEN) == n
+    assert "%s/512x3/key2/S9/N8192" % kind in op.tuned_configs()
+    capturing[0] = False
+    with pytest.raises(RuntimeError, match="no launch configuration ran"):
+        op._fastest(failing, launch)
 
 
 def test_launch_config_candidates():
@@ -495,12 +522,15 @@ def test_gpu_bf16_paper_criterion(d, r, S, norm):
 @gpu
 @needs_cuda
 @pytest.mark.parametrize("bwd", [{"SB": 1, "num_warps": 4, "PREFETCH": 0},
-                                 {"BLOCK_T": 1, "num_warps": 4, "PREFETCH": 1}], ids=["persistent", "tile"])
-@pytest.mark.parametrize("d,r,S,norm", [(1536, 384, 9, "slice"), (2560, 640, 5, "full"), (1536, 700, 9, "slice"),
+                                 {"BLOCK_T": 1, "num_warps": 4, "PREFETCH": 1},
+                                 {"BLOCK_T": 1, "num_warps": 4, "PREFETCH": 1, "PAIR": True}],
+                         ids=["persistent", "tile", "tile-pair"])
+@pytest.mark.parametrize("d,r,S,norm", [(1536, 384, 9, "slice"), (2560, 640, 5, "full"), (1536, 700, 8, "slice"),
                                         (2560, 320, 9, "slice"), (1024, 256, 9, "full")])
 def test_gpu_bf16_key_chunks(d, r, S, norm, bwd, monkeypatch):
     """The key-chunk specialisation at every chunk count the grid's widths take (3 x 512, 5 x 512 with
-    the key in the last two chunks or the last one, 2 x 512), both backward grids, under the paper's
+    the key in the last two chunks or the last one, 2 x 512), both backward grids (the token tile also
+    two sources per step, odd S and even), under the paper's
     bf16 criterion, which the interpreter cannot check (its bf16 is wrong)."""
     monkeypatch.setattr(op, "CONFIG_OVERRIDE", {"fwd": {"BLOCK_T": 1, "num_warps": 4, "PREFETCH": 1, "KEYCH": True},
                                                 "bwd": dict(bwd, KEYCH=True)})
