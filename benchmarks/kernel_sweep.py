@@ -17,7 +17,8 @@ a CUDA graph of the launch (no host-side dispatch in the number; the inputs are 
 so the cache helps little), median of ``triton.testing.do_bench_cudagraph``.  Every row also gives
 the fraction of the measured copy bandwidth for the bytes this design moves:
 forward S + 1.5 units of N*d*2 bytes (sources, h, int8 residual), backward 2S + 2.5 (g, h, residual,
-sources, source gradients).  Why: the autotuner only says which candidate won; this says by how much,
+sources, source gradients); without the residual (the deferred backward, DEFER, and its forward) S + 1
+and 2S + 1.  Why: the autotuner only says which candidate won; this says by how much,
 and whether any candidate reaches the bandwidth, which is what decides the next kernel change.
 
 Writes kernel_sweep.json and kernel_sweep.md to --out, rewritten after every shape.
@@ -132,26 +133,38 @@ def sweep_shape(N, d, S, r, bw, budget_end, path="table", quick=False, only=None
     unit = N * d * 2
     layouts = _layouts(d, r)
 
+    def deferred(kind):  # the deferred backward's candidates, for the layouts whose key is past chunk 0
+        if kind == "fwd":
+            return []
+        return [dict(c, SPLIT=lay[1]) for lay in layouts if kop._key_pos(d, r, *lay) > 0
+                for c in kop._defer_configs(*lay)]
+
     def pick(kind):  # every layout's shipped candidates first (quick), then the rest
         if not quick:
-            return [c for lay in layouts for c in _candidates(kind, *lay)]
-        out = [dict(c, SPLIT=lay[1]) for lay in layouts for c in kop._candidates(kind, *lay)]
+            return [c for lay in layouts for c in _candidates(kind, *lay)] + deferred(kind)
+        out = [dict(c, SPLIT=lay[1]) for lay in layouts for c in kop._candidates(kind, *lay)] + deferred(kind)
         return out + [c for lay in layouts for c in _quick(kind, *lay, lay == layouts[0]) if c not in out]
     rows = []
 
-    def pct(kind, t):
-        design, formula = ((S + 1.5), (S + 1)) if kind == "fwd" else ((2 * S + 2.5), (2 * S + 1))
+    def pct(kind, t, res):  # res: the forward writes, the backward reads h and the rounding residual
+        if kind == "fwd":
+            design, formula = (S + 1.5 if res else S + 1), S + 1
+        else:
+            design, formula = (2 * S + 2.5 if res else 2 * S + 1), 2 * S + 1
         return {"pct_design": 100 * design * unit / (t * 1e-6 * bw), "pct_formula": 100 * formula * unit / (t * 1e-6 * bw)}
 
-    def run(kind, cfg, fn, ppsm=None):
+    def run(kind, cfg, fn, ppsm=None, also=None):
         kop.CONFIG_OVERRIDE.clear()
+        kop.CONFIG_OVERRIDE.update(also or {})  # e.g. a backward without DEFER: the forward keeps the residual
         kop.CONFIG_OVERRIDE[kind] = cfg
+        res = kop._res_kept(torch.bfloat16, d, r, "slice") if kind == "fwd" else not cfg.get("DEFER")
         try:
             t = _time(fn)
         except Exception as e:  # a configuration that does not compile (registers, shared memory)
             rows.append({"kernel": kind, **cfg, "error": repr(e)[:200]})
             return
-        row = {"kernel": kind, **cfg, "layout": "%dx%d" % kop._layout(kind, d, r), "us": t, **pct(kind, t)}
+        row = {"kernel": kind, **cfg, "layout": "%dx%d" % kop._layout(kind, d, r), "us": t, "res": res,
+               **pct(kind, t, res)}
         if ppsm is not None and not cfg.get("BLOCK_T"):
             row["programs_per_sm"] = ppsm
         rows.append(row)
@@ -160,8 +173,8 @@ def sweep_shape(N, d, S, r, bw, budget_end, path="table", quick=False, only=None
         return sorted((x for x in rows if x["kernel"] == kind and "us" in x), key=lambda x: x["us"])[:n]
 
     def cfg_of(row):
-        return {k: row[k] for k in ("BLOCK_T", "SB", "num_warps", "PREFETCH", "EVICT", "STAGES", "SPLIT", "KEYCH", "PAIR")
-                if k in row}
+        return {k: row[k] for k in ("BLOCK_T", "SB", "num_warps", "PREFETCH", "EVICT", "STAGES", "SPLIT", "KEYCH", "PAIR",
+                                    "DEFER") if k in row}
 
     def keyed(kind, fn, ppsm=None):  # the best two multi-chunk configurations with KEYCH
         for b in best(kind, 2):
@@ -173,7 +186,7 @@ def sweep_shape(N, d, S, r, bw, budget_end, path="table", quick=False, only=None
 
     def paired(fn, ppsm=None):  # the best two token-tile backward configurations two sources per step
         for b in best("bwd", 2):
-            if b.get("BLOCK_T") and not b.get("PAIR") and time.time() < budget_end:
+            if b.get("BLOCK_T") and not b.get("PAIR") and not b.get("DEFER") and time.time() < budget_end:
                 run("bwd", dict(cfg_of(b), PAIR=True), fn, ppsm)
 
     def pipelined(kind, fn, ppsm=None):  # the best two with Triton's pipeliner instead of PREFETCH
@@ -192,10 +205,15 @@ def sweep_shape(N, d, S, r, bw, budget_end, path="table", quick=False, only=None
             run("fwd", dict(cfg_of(b), EVICT=True), fwd)
     pipelined("fwd", fwd)
     keyed("fwd", fwd)
+    for b in best("fwd", 2):  # the forward's cost of the rounding residual, where it is left out by default
+        if not b["res"] and time.time() < budget_end:
+            run("fwd", cfg_of(b), fwd, also={"bwd": {"BLOCK_T": 1}})
     if only == "fwd":
         return {"tokens": N, "d": d, "S": S, "r": r, "kernels": path, "rows": rows}
     kop.CONFIG_OVERRIDE.clear()
-    h, stats, res = kop._fwd_triton(srcs, q, "slice", EPS)
+    kop.CONFIG_OVERRIDE["bwd"] = {"BLOCK_T": 1}  # a backward without DEFER: the forward keeps the residual, so
+    h, stats, res = kop._fwd_triton(srcs, q, "slice", EPS)  # that every backward can run (DEFER ignores it)
+    kop.CONFIG_OVERRIDE.clear()
     bwd = lambda: bwd_fn(srcs, q, h, stats, res, g, "slice", EPS)  # noqa: E731
     default_ppsm = kop.BWD_PROGRAMS_PER_SM
     if shape_s:
@@ -227,18 +245,21 @@ def _md(doc) -> str:
     e = doc["env"]
     lines = [f"# Kernel launch-configuration sweep: {e['device']}, torch {e['torch']}, triton {e['triton']}, {e['date']}",
              "", f"Copy bandwidth {doc['copy_bw_TBps']:.2f} TB/s. CUDA-graph replay, median. % design = bytes this "
-             "design moves (fwd S+1.5, bwd 2S+2.5 units of N d 2) / (time x copy bandwidth); % formula = the "
+             "design moves (fwd S+1.5, bwd 2S+2.5 units of N d 2 with the rounding residual, S+1 and 2S+1 without) / "
+             "(time x copy bandwidth); % formula = the "
              "issue's bytes (fwd S+1, bwd 2S+1).", ""]
     for shp in doc["shapes"]:
         lines += [f"## {shp.get('kernels', 'table')} kernels: {shp['tokens']} tokens, d={shp['d']}, S={shp['S']}, r={shp['r']}", "",
-                  "| kernel | columns | grid | tokens or sources per step | warps | prefetch | stages | evict | key chunks | programs/SM | us | % design | % formula |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "| kernel | columns | grid | tokens or sources per step | warps | prefetch | stages | evict | key chunks | programs/SM | residual | us | % design | % formula |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in sorted(shp["rows"], key=lambda x: (x["kernel"] != "fwd", x.get("us", 1e9))):
             grid = "tokens" if r["kernel"] == "fwd" or r.get("BLOCK_T") else "persistent"
             grid += ", 2 sources/step" if r.get("PAIR") else ""
+            grid += ", deferred (2 passes)" if r.get("DEFER") else ""
             head = (f"| {r['kernel']} | {r.get('layout', '-')} | {grid} | {r.get('BLOCK_T', r.get('SB', '-'))} | {r['num_warps']} | {r['PREFETCH']} | "
                     f"{r.get('STAGES', 1)} | "
-                    f"{r.get('EVICT', False)} | {r.get('KEYCH', False)} | {r.get('programs_per_sm', '-')} |")
+                    f"{r.get('EVICT', False)} | {r.get('KEYCH', False)} | {r.get('programs_per_sm', '-')} | "
+                    f"{r.get('res', '-')} |")
             if "error" in r:
                 lines.append(head + " error | | |")
             else:

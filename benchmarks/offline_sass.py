@@ -49,6 +49,10 @@ CONFIGS = {
     "two-tile-key": (512, 2, 1, 4, 1, 1, "tile", 1),  # d = 1024 as 2 x 512, r = 256
     "split-tile-key-pair": (512, 3, 1, 4, 1, 1, "tile", 2, {"PAIR": True}),  # two sources per step (untimed)
     "five-tile-key-pair": (512, 5, 1, 4, 1, 1, "tile", 3, {"PAIR": True}),
+    # the deferred backward (two passes, g.h from the sources, no h or residual read; tenth session)
+    "split-tile-key-defer": (512, 3, 1, 4, 1, 1, "tile", 2, {"DEFER": True, "HAS_RES": False}),
+    "five-tile-key-defer": (512, 5, 1, 4, 1, 1, "tile", 3, {"DEFER": True, "HAS_RES": False}),
+    "two-tile-key-defer": (512, 2, 1, 4, 1, 1, "tile", 1, {"DEFER": True, "HAS_RES": False}),
 }
 _NSLOT = 9
 
@@ -60,8 +64,8 @@ def _table_sig(kind: str) -> dict:
                 "inv_n": "fp32", "eps": "fp32"}
     return {"src0_ptr": "*bf16", "src_offs": "*i64", "src_strides": "*i64", "grad0_ptr": "*bf16", "grad_offs": "*i64",
             "q_ptr": "*bf16", "h_ptr": "*bf16", "res_ptr": "*i8", "g_ptr": "*bf16", "st_ptr": "*fp32",
-            "dq_part_ptr": "*fp32", "N": "i32", "S": "i32", "d": "i32", "r": "i32", "stride_g": "i32",
-            "inv_n": "fp32", "eps": "fp32"}
+            "dq_part_ptr": "*fp32", "go_ptr": "constexpr", "N": "i32", "S": "i32", "d": "i32", "r": "i32",
+            "stride_g": "i32", "inv_n": "fp32", "eps": "fp32"}
 
 
 def _args_sig(kind: str) -> dict:
@@ -70,7 +74,8 @@ def _args_sig(kind: str) -> dict:
     if kind == "bwd":
         sig.update({f"dx{i}": "*bf16" if i < _NSLOT else "constexpr" for i in range(16)})
         sig.update({"q_ptr": "*bf16", "h_ptr": "*bf16", "res_ptr": "*i8", "g_ptr": "*bf16", "st_ptr": "*fp32",
-                    "dq_part_ptr": "*fp32", "N": "i32", "S": "i32", "d": "i32", "r": "i32", "stride_g": "i32"})
+                    "dq_part_ptr": "*fp32", "go_ptr": "constexpr", "N": "i32", "S": "i32", "d": "i32", "r": "i32",
+                    "stride_g": "i32"})
     else:
         sig.update({"q_ptr": "*bf16", "out_ptr": "*bf16", "res_ptr": "*i8", "st_ptr": "*fp32", "N": "i32", "S": "i32",
                     "d": "i32", "r": "i32"})
@@ -85,12 +90,18 @@ def _kernels(module, cfg):
     args = dict(NSLOT=_NSLOT, EPS=1e-6)
     bwd = dict(SB=1, BLOCK_T=n) if grid == "tile" else dict(SB=n, BLOCK_T=0)
     bwd["PAIR"] = False  # the two-sources-per-step token tile (kernels since the ninth session), off
+    bwd["DEFER"] = False  # the two-pass token tile (tenth session), off; its scratch go_ptr then None
     bwd.update(cfg[8] if len(cfg) > 8 else {})
+    fwd = {"HAS_RES": bwd["HAS_RES"]} if "HAS_RES" in bwd else {}  # the forward of a deferred backward keeps none
+    bsig = {"go_ptr": "*fp32"} if bwd["DEFER"] else {}
     return [
-        ("table-fwd", module._attnres_fwd_kernel, _table_sig("fwd"), dict(c, ALIGN=8, BLOCK_T=n, FUSED=True), warps),
-        ("table-bwd", module._attnres_bwd_kernel, _table_sig("bwd"), dict(c, ALIGN=8, GALIGN=8, **bwd), warps),
-        ("args-fwd", module._attnres_fwd_args_kernel, _args_sig("fwd"), dict(c, **args, BLOCK_T=n, FUSED=True), warps),
-        ("args-bwd", module._attnres_bwd_args_kernel, _args_sig("bwd"), dict(c, **args, **bwd), warps),
+        ("table-fwd", module._attnres_fwd_kernel, _table_sig("fwd"), dict(c, ALIGN=8, BLOCK_T=n, FUSED=True, **fwd),
+         warps),
+        ("table-bwd", module._attnres_bwd_kernel, dict(_table_sig("bwd"), **bsig), dict(c, ALIGN=8, GALIGN=8, **bwd),
+         warps),
+        ("args-fwd", module._attnres_fwd_args_kernel, _args_sig("fwd"), dict(c, **args, BLOCK_T=n, FUSED=True, **fwd),
+         warps),
+        ("args-bwd", module._attnres_bwd_args_kernel, dict(_args_sig("bwd"), **bsig), dict(c, **args, **bwd), warps),
     ]
 
 
@@ -112,7 +123,7 @@ def build(fn, sig: dict, const: dict, warps: int) -> dict:
 
     names = list(fn.arg_names)
     const = {k: v for k, v in const.items() if k in names}
-    sig = dict(sig)
+    sig = {k: v for k, v in sig.items() if k in names}  # (an argument a revision's kernel does not take)
     consts = {(names.index(a),): None for a in names if sig.get(a) == "constexpr" and a not in const}
     for k, v in const.items():
         sig[k] = "constexpr"

@@ -232,10 +232,13 @@ def _dq_store(acc, dq_part_ptr, pid, r, d, offs, tail):
 
 @triton.jit
 def _bwd_rows(g_ptr, h_ptr, res_ptr, rows64, row_ok, offs, col_ok, d, stride_g,
-              HAS_RES: tl.constexpr, RES_STEP: tl.constexpr):
-    """_bwd_row for a block of tokens: g [BLOCK_T, BLOCK_D] (fp32) and the terms of g.h."""
+              HAS_RES: tl.constexpr, RES_STEP: tl.constexpr, WITH_H: tl.constexpr = True):
+    """_bwd_row for a block of tokens: g [BLOCK_T, BLOCK_D] (fp32) and the terms of g.h (not read
+    without WITH_H: g stands in for them, unused)."""
     mask = row_ok[:, None] & col_ok[None, :]
     g = tl.load(g_ptr + rows64[:, None] * stride_g + offs[None, :], mask=mask, other=0.0).to(tl.float32)
+    if not WITH_H:
+        return g, g
     hh = tl.load(h_ptr + rows64[:, None] * d + offs[None, :], mask=mask, other=0.0).to(tl.float32)
     if HAS_RES:
         code = tl.load(res_ptr + rows64[:, None] * d + offs[None, :], mask=mask, other=0).to(tl.float32)
@@ -380,6 +383,29 @@ def _src_tiles(j, S, rows, rows64, row_ok, offs0, ok0, offs1, ok1, offs2, ok2, o
     if NCH >= 5:
         u4 = _tile(p, st, j, S, rows, rows64, row_ok, offs4, ok4, EVICT)
     return u0, u1, u2, u3, u4
+
+
+@triton.jit
+def _key_tiles(j, S, rows, rows64, row_ok, offs1, ok1, offs2, ok2, offs3, ok3, offs4, ok4,
+               NCH: tl.constexpr, KEY0: tl.constexpr, EVICT: tl.constexpr,
+               TABLE: tl.constexpr, src0_ptr, src_offs, src_strides, ALIGN: tl.constexpr, NSLOT: tl.constexpr,
+               x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
+               xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7, xs8, xs9, xs10, xs11, xs12, xs13, xs14, xs15):
+    """Source j's raw tiles of chunks KEY0 to NCH - 1 (the key's; KEY0 >= 1) as chunks 1 to 4, the last
+    chunk's tile standing in for the others: the deferred backward's second pass."""
+    p, st = _src(j, S, TABLE, src0_ptr, src_offs, src_strides, ALIGN, NSLOT,
+                 x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
+                 xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7, xs8, xs9, xs10, xs11, xs12, xs13, xs14, xs15)
+    last = _tile(p, st, j, S, rows, rows64, row_ok, _pick(NCH - 1, offs1, offs1, offs2, offs3, offs4),
+                 _pick(NCH - 1, ok1, ok1, ok2, ok3, ok4), EVICT)
+    u1, u2, u3, u4 = last, last, last, last
+    if NCH >= 3 and KEY0 <= 1:
+        u1 = _tile(p, st, j, S, rows, rows64, row_ok, offs1, ok1, EVICT)
+    if NCH >= 4 and KEY0 <= 2:
+        u2 = _tile(p, st, j, S, rows, rows64, row_ok, offs2, ok2, EVICT)
+    if NCH >= 5 and KEY0 <= 3:
+        u3 = _tile(p, st, j, S, rows, rows64, row_ok, offs3, ok3, EVICT)
+    return u1, u2, u3, u4
 
 
 @triton.jit
@@ -819,11 +845,88 @@ def _bwd_tile_pairs(
 
 
 @triton.jit
+def _bwd_tile_deferred(
+    rows, row_ok, rows64, N, S, d, lse, st_ptr, go_ptr, inv_n, offs0, ok0, offs1, ok1, offs2, ok2, offs3, ok3,
+    offs4, ok4, g0, g1, g2, g3, g4, q1, q2, q3, q4, tail1, tail2, tail3, tail4, dq1, dq2, dq3, dq4,
+    SLICE: tl.constexpr, NCH: tl.constexpr, KEY0: tl.constexpr, PREFETCH: tl.constexpr, EVICT: tl.constexpr,
+    STAGES: tl.constexpr, TABLE: tl.constexpr, src0_ptr, src_offs, src_strides, ALIGN: tl.constexpr, grad0_ptr,
+    grad_offs, GALIGN: tl.constexpr, NSLOT: tl.constexpr,
+    x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
+    xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7, xs8, xs9, xs10, xs11, xs12, xs13, xs14, xs15,
+    dx0, dx1, dx2, dx3, dx4, dx5, dx6, dx7, dx8, dx9, dx10, dx11, dx12, dx13, dx14, dx15,
+):
+    """The token-tile backward in two passes over the sources, with g.h from the sources instead of
+    from h and its rounding residual ("slice" with the key past the first chunk, KEY0 >= 1).  The
+    chunks before KEY0 need only w_i g, and w_i comes from the saved scores, so the first pass reads
+    every source's whole row once: it writes those chunks' gradients, keeps g.o_i (scratch go_ptr
+    [S, N] fp32) and adds up g.h = sum_i w_i g.o_i (fp32, as exact as the residual made it).  The
+    second pass reads the key's chunks again (just read by this program: the L2 holds them) and writes
+    their gradients.  DRAM traffic: g, the sources and their gradients (2S + 1 units of N d 2 bytes,
+    the formula's), against 2S + 2.5 with h and the residual; the forward writes no residual (S + 1
+    against S + 1.5).  Returns the query-gradient accumulators of chunks 1 to 4."""
+    tl.static_assert(KEY0 >= 1 and KEY0 < NCH, "the deferred backward needs key-free leading chunks")
+    tl.static_assert(SLICE, "the deferred backward needs 'slice' (under 'full' every chunk is in the key)")
+    gh = lse * 0.0
+    if PREFETCH:
+        tn0, tn1, tn2, tn3, tn4 = _src_tiles(0, S, rows, rows64, row_ok, offs0, ok0, offs1, ok1, offs2, ok2, offs3, ok3,
+                                             offs4, ok4, NCH, EVICT, TABLE, src0_ptr, src_offs, src_strides, ALIGN, NSLOT,
+                                             x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
+                                             xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7, xs8, xs9, xs10, xs11, xs12, xs13,
+                                             xs14, xs15)
+    for i in tl.range(0, S, num_stages=STAGES):  # pass 1: g.o_i, g.h, the key-free chunks' gradients
+        t0, t1, t2, t3, t4 = _src_tiles(i + PREFETCH, S, rows, rows64, row_ok, offs0, ok0, offs1, ok1, offs2, ok2,
+                                        offs3, ok3, offs4, ok4, NCH, EVICT, TABLE, src0_ptr, src_offs, src_strides,
+                                        ALIGN, NSLOT, x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13,
+                                        x14, x15, xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7, xs8, xs9, xs10, xs11,
+                                        xs12, xs13, xs14, xs15)
+        if PREFETCH:  # use the tiles loaded a step ago; keep this step's (the next source's) for the next
+            t0, t1, t2, t3, t4, tn0, tn1, tn2, tn3, tn4 = tn0, tn1, tn2, tn3, tn4, t0, t1, t2, t3, t4
+        t0, t1, t2, t3, t4, go = _tiles_go(t0, t1, t2, t3, t4, g0, g1, g2, g3, g4, NCH)
+        go = tl.sum(go, axis=1)
+        z = tl.load(st_ptr + tl.cast(1 + i, tl.int64) * N + rows, mask=row_ok, other=0.0)
+        w = tl.exp(z - lse)
+        gh += w * go
+        tl.store(go_ptr + tl.cast(i, tl.int64) * N + rows, go, mask=row_ok)
+        gp = _grad_ptrs(i, S, TABLE, grad0_ptr, grad_offs, GALIGN, NSLOT,
+                        dx0, dx1, dx2, dx3, dx4, dx5, dx6, dx7, dx8, dx9, dx10, dx11, dx12, dx13, dx14, dx15)
+        _store_tile(gp, rows64, row_ok, d, offs0, ok0, w[:, None] * g0)
+        if KEY0 >= 2:
+            _store_tile(gp, rows64, row_ok, d, offs1, ok1, w[:, None] * g1)
+        if KEY0 >= 3:
+            _store_tile(gp, rows64, row_ok, d, offs2, ok2, w[:, None] * g2)
+        if KEY0 >= 4:
+            _store_tile(gp, rows64, row_ok, d, offs3, ok3, w[:, None] * g3)
+    tl.debug_barrier()  # this program's g.o stores, visible to all its threads
+    for i in tl.range(0, S, num_stages=STAGES):  # pass 2: the key's chunks
+        k1, k2, k3, k4 = _key_tiles(i, S, rows, rows64, row_ok, offs1, ok1, offs2, ok2, offs3, ok3, offs4, ok4, NCH, KEY0,
+                                    EVICT, TABLE, src0_ptr, src_offs, src_strides, ALIGN, NSLOT,
+                                    x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
+                                    xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7, xs8, xs9, xs10, xs11, xs12, xs13, xs14, xs15)
+        go = tl.load(go_ptr + tl.cast(i, tl.int64) * N + rows, mask=row_ok, other=0.0)
+        w, c, coef = _bwd_weights(go, gh, lse, i, S, N, rows, row_ok, st_ptr, inv_n)
+        gp = _grad_ptrs(i, S, TABLE, grad0_ptr, grad_offs, GALIGN, NSLOT,
+                        dx0, dx1, dx2, dx3, dx4, dx5, dx6, dx7, dx8, dx9, dx10, dx11, dx12, dx13, dx14, dx15)
+        if KEY0 <= 1:
+            dq1 = _tile_grad(gp, rows64, row_ok, d, offs1, ok1, k1.to(tl.float32), g1, q1, tail1, w, c, coef, dq1,
+                             SLICE, False)
+        if NCH >= 3 and KEY0 <= 2:
+            dq2 = _tile_grad(gp, rows64, row_ok, d, offs2, ok2, k2.to(tl.float32), g2, q2, tail2, w, c, coef, dq2,
+                             SLICE, False)
+        if NCH >= 4 and KEY0 <= 3:
+            dq3 = _tile_grad(gp, rows64, row_ok, d, offs3, ok3, k3.to(tl.float32), g3, q3, tail3, w, c, coef, dq3,
+                             SLICE, False)
+        if NCH >= 5:
+            dq4 = _tile_grad(gp, rows64, row_ok, d, offs4, ok4, k4.to(tl.float32), g4, q4, tail4, w, c, coef, dq4,
+                             SLICE, False)
+    return dq1, dq2, dq3, dq4
+
+
+@triton.jit
 def _bwd_tile_body(
-    q_ptr, h_ptr, res_ptr, g_ptr, st_ptr, dq_part_ptr, N, S, d, r, stride_g, inv_n,
+    q_ptr, h_ptr, res_ptr, g_ptr, st_ptr, dq_part_ptr, go_ptr, N, S, d, r, stride_g, inv_n,
     SLICE: tl.constexpr, HAS_RES: tl.constexpr, RES_STEP: tl.constexpr, BLOCK_D: tl.constexpr, NCH: tl.constexpr,
     KEY0: tl.constexpr, BLOCK_T: tl.constexpr, PREFETCH: tl.constexpr, EVICT: tl.constexpr, STAGES: tl.constexpr,
-    PAIR: tl.constexpr,
+    PAIR: tl.constexpr, DEFER: tl.constexpr,
     TABLE: tl.constexpr, src0_ptr, src_offs, src_strides, ALIGN: tl.constexpr, grad0_ptr, grad_offs,
     GALIGN: tl.constexpr, NSLOT: tl.constexpr,
     x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
@@ -837,13 +940,16 @@ def _bwd_tile_body(
     12 of its 18 cycles per issued instruction stalled on global loads), while many resident
     programs of one token block each keep more loads in flight.  PAIR walks the sources two at a
     time: both sources' loads in flight together and both row sums in one reduction (fast-attnres's
-    backward takes two sources per step; not yet timed here)."""
+    backward takes two sources per step: about 1% faster at d = 1536, S = 9 on the H200).  DEFER:
+    two passes, g.h from the sources, h and the residual not read (_bwd_tile_deferred)."""
     tl.static_assert(PREFETCH <= 1, "the token-tile backward prefetches at most one step")
+    tl.static_assert(not (PAIR and DEFER), "PAIR and DEFER are separate source loops")
     pid = tl.program_id(0)
     rows, row_ok, rows64 = _token_rows(pid, N, BLOCK_T)
     offs0, ok0, tail0 = _cols(d, r, 0, BLOCK_D)
     q0 = _query(q_ptr, offs0, d, r, tail0)
-    g0, gh = _bwd_rows(g_ptr, h_ptr, res_ptr, rows64, row_ok, offs0, ok0, d, stride_g, HAS_RES, RES_STEP)
+    g0, gh = _bwd_rows(g_ptr, h_ptr, res_ptr, rows64, row_ok, offs0, ok0, d, stride_g, HAS_RES, RES_STEP,
+                          not DEFER)
     dq0 = tl.zeros([BLOCK_D], tl.float32)
     offs1, ok1, offs2, ok2, offs3, ok3, offs4, ok4 = offs0, ok0, offs0, ok0, offs0, ok0, offs0, ok0  # unused past NCH
     tail1, tail2, tail3, tail4, q1, q2, q3, q4 = tail0, tail0, tail0, tail0, q0, q0, q0, q0
@@ -852,26 +958,39 @@ def _bwd_tile_body(
     if NCH >= 2:
         offs1, ok1, tail1 = _cols(d, r, BLOCK_D, BLOCK_D)
         q1 = _query(q_ptr, offs1, d, r, tail1)
-        g1, gh1 = _bwd_rows(g_ptr, h_ptr, res_ptr, rows64, row_ok, offs1, ok1, d, stride_g, HAS_RES, RES_STEP)
+        g1, gh1 = _bwd_rows(g_ptr, h_ptr, res_ptr, rows64, row_ok, offs1, ok1, d, stride_g, HAS_RES, RES_STEP,
+                          not DEFER)
         dq1 = tl.zeros([BLOCK_D], tl.float32)
     if NCH >= 3:
         offs2, ok2, tail2 = _cols(d, r, 2 * BLOCK_D, BLOCK_D)
         q2 = _query(q_ptr, offs2, d, r, tail2)
-        g2, gh2 = _bwd_rows(g_ptr, h_ptr, res_ptr, rows64, row_ok, offs2, ok2, d, stride_g, HAS_RES, RES_STEP)
+        g2, gh2 = _bwd_rows(g_ptr, h_ptr, res_ptr, rows64, row_ok, offs2, ok2, d, stride_g, HAS_RES, RES_STEP,
+                          not DEFER)
         dq2 = tl.zeros([BLOCK_D], tl.float32)
     if NCH >= 4:
         offs3, ok3, tail3 = _cols(d, r, 3 * BLOCK_D, BLOCK_D)
         q3 = _query(q_ptr, offs3, d, r, tail3)
-        g3, gh3 = _bwd_rows(g_ptr, h_ptr, res_ptr, rows64, row_ok, offs3, ok3, d, stride_g, HAS_RES, RES_STEP)
+        g3, gh3 = _bwd_rows(g_ptr, h_ptr, res_ptr, rows64, row_ok, offs3, ok3, d, stride_g, HAS_RES, RES_STEP,
+                          not DEFER)
         dq3 = tl.zeros([BLOCK_D], tl.float32)
     if NCH >= 5:
         offs4, ok4, tail4 = _cols(d, r, 4 * BLOCK_D, BLOCK_D)
         q4 = _query(q_ptr, offs4, d, r, tail4)
-        g4, gh4 = _bwd_rows(g_ptr, h_ptr, res_ptr, rows64, row_ok, offs4, ok4, d, stride_g, HAS_RES, RES_STEP)
+        g4, gh4 = _bwd_rows(g_ptr, h_ptr, res_ptr, rows64, row_ok, offs4, ok4, d, stride_g, HAS_RES, RES_STEP,
+                          not DEFER)
         dq4 = tl.zeros([BLOCK_D], tl.float32)
     gh = tl.sum(_sum_chunks(gh, gh1, gh2, gh3, gh4, NCH), axis=1)
     lse = tl.load(st_ptr + rows, mask=row_ok, other=0.0)
-    if PAIR:
+    if DEFER:
+        dq1, dq2, dq3, dq4 = _bwd_tile_deferred(
+            rows, row_ok, rows64, N, S, d, lse, st_ptr, go_ptr, inv_n, offs0, ok0, offs1, ok1, offs2, ok2, offs3, ok3,
+            offs4, ok4, g0, g1, g2, g3, g4, q1, q2, q3, q4, tail1, tail2, tail3, tail4, dq1, dq2, dq3, dq4,
+            SLICE, NCH, KEY0, PREFETCH, EVICT, STAGES, TABLE, src0_ptr, src_offs, src_strides, ALIGN, grad0_ptr,
+            grad_offs, GALIGN, NSLOT,
+            x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
+            xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7, xs8, xs9, xs10, xs11, xs12, xs13, xs14, xs15,
+            dx0, dx1, dx2, dx3, dx4, dx5, dx6, dx7, dx8, dx9, dx10, dx11, dx12, dx13, dx14, dx15)
+    elif PAIR:
         dq0, dq1, dq2, dq3, dq4 = _bwd_tile_pairs(
             rows, row_ok, rows64, N, S, d, gh, lse, st_ptr, inv_n, offs0, ok0, offs1, ok1, offs2, ok2, offs3, ok3,
             offs4, ok4, g0, g1, g2, g3, g4, q0, q1, q2, q3, q4, tail0, tail1, tail2, tail3, tail4,
@@ -970,6 +1089,7 @@ def _attnres_bwd_kernel(
     g_ptr,  # [N, d] upstream gradient, row stride stride_g
     st_ptr,  # fp32 [1 + 2S, N]: the forward's statistics
     dq_part_ptr,  # fp32 [programs, r]
+    go_ptr,  # fp32 [S, N] scratch of the deferred backward (None unless DEFER)
     N,
     S,
     d,
@@ -991,16 +1111,19 @@ def _attnres_bwd_kernel(
     EVICT: tl.constexpr,
     STAGES: tl.constexpr,  # Triton software-pipeline stages of the source loop (1: none)
     PAIR: tl.constexpr,  # token-tile grid: two sources per step
+    DEFER: tl.constexpr,  # token-tile grid: two passes, g.h from the sources (no h, no residual)
 ):
     if BLOCK_T > 0:
-        _bwd_tile_body(q_ptr, h_ptr, res_ptr, g_ptr, st_ptr, dq_part_ptr, N, S, d, r, stride_g, inv_n, SLICE,
-                       HAS_RES, RES_STEP, BLOCK_D, NCH, KEY0, BLOCK_T, PREFETCH, EVICT, STAGES, PAIR, True, src0_ptr, src_offs,
+        _bwd_tile_body(q_ptr, h_ptr, res_ptr, g_ptr, st_ptr, dq_part_ptr, go_ptr, N, S, d, r, stride_g, inv_n, SLICE,
+                       HAS_RES, RES_STEP, BLOCK_D, NCH, KEY0, BLOCK_T, PREFETCH, EVICT, STAGES, PAIR, DEFER, True, src0_ptr,
+                       src_offs,
                        src_strides, ALIGN, grad0_ptr, grad_offs, GALIGN, 0,
                        None, None, None, None, None, None, None, None, None, None, None, None, None, None, None, None,
                        None, None, None, None, None, None, None, None, None, None, None, None, None, None, None, None,
                        None, None, None, None, None, None, None, None, None, None, None, None, None, None, None, None)
     else:
         tl.static_assert(not PAIR, "PAIR (two sources per step) needs the token-tile grid: BLOCK_T > 0")
+        tl.static_assert(not DEFER, "DEFER (two passes) needs the token-tile grid: BLOCK_T > 0")
         _bwd_body(q_ptr, h_ptr, res_ptr, g_ptr, st_ptr, dq_part_ptr, N, S, d, r, stride_g, inv_n, SLICE, HAS_RES,
                   RES_STEP, BLOCK_D, NCH, KEY0, SB, PREFETCH, EVICT, STAGES, True, src0_ptr, src_offs, src_strides, ALIGN,
                   grad0_ptr, grad_offs, GALIGN, 0,
@@ -1071,6 +1194,7 @@ def _attnres_bwd_args_kernel(
     g_ptr,  # [N, d] upstream gradient, row stride stride_g
     st_ptr,  # fp32 [1 + 2S, N]
     dq_part_ptr,  # fp32 [programs, r]
+    go_ptr,  # fp32 [S, N] scratch of the deferred backward (None unless DEFER)
     N,
     S,
     d,
@@ -1090,16 +1214,18 @@ def _attnres_bwd_args_kernel(
     EVICT: tl.constexpr,
     STAGES: tl.constexpr,  # Triton software-pipeline stages of the source loop (1: none)
     PAIR: tl.constexpr,  # token-tile grid: two sources per step
+    DEFER: tl.constexpr,  # token-tile grid: two passes, g.h from the sources (no h, no residual)
 ):
     if BLOCK_T > 0:
-        _bwd_tile_body(q_ptr, h_ptr, res_ptr, g_ptr, st_ptr, dq_part_ptr, N, S, d, r, stride_g,
+        _bwd_tile_body(q_ptr, h_ptr, res_ptr, g_ptr, st_ptr, dq_part_ptr, go_ptr, N, S, d, r, stride_g,
                        _inv_key_width(r, d, SLICE), SLICE, HAS_RES, RES_STEP, BLOCK_D, NCH, KEY0, BLOCK_T, PREFETCH, EVICT,
-                       STAGES, PAIR, False, None, None, None, 1, None, None, 1, NSLOT,
+                       STAGES, PAIR, DEFER, False, None, None, None, 1, None, None, 1, NSLOT,
                        x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
                        xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7, xs8, xs9, xs10, xs11, xs12, xs13, xs14, xs15,
                        dx0, dx1, dx2, dx3, dx4, dx5, dx6, dx7, dx8, dx9, dx10, dx11, dx12, dx13, dx14, dx15)
     else:
         tl.static_assert(not PAIR, "PAIR (two sources per step) needs the token-tile grid: BLOCK_T > 0")
+        tl.static_assert(not DEFER, "DEFER (two passes) needs the token-tile grid: BLOCK_T > 0")
         _bwd_body(q_ptr, h_ptr, res_ptr, g_ptr, st_ptr, dq_part_ptr, N, S, d, r, stride_g,
                   _inv_key_width(r, d, SLICE), SLICE, HAS_RES, RES_STEP, BLOCK_D, NCH, KEY0, SB, PREFETCH, EVICT, STAGES,
                   False, None, None, None, 1, None, None, 1, NSLOT,

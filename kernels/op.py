@@ -317,6 +317,40 @@ def _bwd_configs(block_d: int, nch: int = 1) -> list[dict]:
     return _configs(block_d, "SB", ((1, 8, 1), (2, 32, 0), (2, 16, 0), (1, 16, 1), (2, 16, 1)))
 
 
+def _defer_configs(block_d: int, nch: int) -> list[dict]:
+    """Candidate launch configurations of the deferred backward (DEFER: the token-tile grid in two
+    passes, g.h from the sources; see _defers): one token per program with 4, 2 and 1 warps per
+    512-column chunk, with and without prefetch."""
+    tile_keyed = dict(_TILE, **_KEYED, DEFER=True)
+    return _configs(block_d, "SB", ((1, 4, 1, tile_keyed), (1, 8, 1, tile_keyed), (1, 4, 0, tile_keyed),
+                                    (1, 16, 1, tile_keyed)))
+
+
+# The deferred backward (kernels._triton._bwd_tile_deferred) takes g.h from the sources in a first pass
+# instead of from h and its int8 rounding residual, so the forward writes no residual: DRAM bytes
+# S + 1 forward and 2S + 1 backward (the roofline formula's) instead of S + 1.5 and 2S + 2.5.  It
+# needs key-free leading chunks ("slice", the key past the first chunk of the backward's layout),
+# and it must be decided before the forward runs.  KERNELS_DEFER=0 turns it off.
+DEFER = os.environ.get("KERNELS_DEFER", "1") == "1"
+
+
+def _defers(dtype: torch.dtype, d: int, r: int, norm: str) -> bool:
+    """Whether calls of this dtype and shape run the deferred backward (and so keep no residual):
+    bf16/fp16, "slice", the key past the backward layout's first chunk, and, where CONFIG_OVERRIDE
+    pins a backward configuration, that it asks for DEFER."""
+    if not (DEFER and KEY_CHUNKS and dtype in _MANT and norm == "slice"):
+        return False
+    if "bwd" in CONFIG_OVERRIDE:
+        return bool(CONFIG_OVERRIDE["bwd"].get("DEFER"))
+    block_d, nch = _layout("bwd", d, r)
+    return _key_pos(d, r, block_d, nch) > 0
+
+
+def _res_kept(dtype: torch.dtype, d: int, r: int, norm: str) -> bool:
+    """Whether the forward writes the int8 rounding residual: bf16/fp16 unless the backward defers."""
+    return dtype in _MANT and not _defers(dtype, d, r, norm)
+
+
 # Tuning (CUDA only): the fastest candidate for each shape class, timed by the host over the whole
 # launch (for the backward: the kernel and the sum of its query-gradient partials).  It replaces
 # triton.autotune, which keyed on d alone and timed the kernel alone, so that the choice made at the
@@ -332,7 +366,7 @@ BWD_PROGRAMS_PER_SM = 8
 # (PAIR: the token-tile grid's two sources per step, off).  Every constexpr is passed, none left to a
 # default: torch's analysis of which arguments a kernel writes (Inductor, compiled path) counted every
 # pointer as written when the kernel had a defaulted constexpr that the launch left out.
-_BWD_DEFAULTS = {"SB": 1, "BLOCK_T": 0, "PAIR": False}
+_BWD_DEFAULTS = {"SB": 1, "BLOCK_T": 0, "PAIR": False, "DEFER": False}
 
 
 # The tuned choice per (kind, BLOCK_D, chunks, key chunk) + shape class (d, norm, residual, dtypes,
@@ -346,8 +380,10 @@ def _layout(kind: str, d: int, r: int | None = None) -> tuple[int, int]:
     return _col_layout(d, CONFIG_OVERRIDE.get(kind, {}).get("SPLIT"), r)
 
 
-def _candidates(kind: str, block_d: int, nch: int) -> list[dict]:
-    return _fwd_configs(block_d, nch) if kind == "fwd" else _bwd_configs(block_d, nch)
+def _candidates(kind: str, block_d: int, nch: int, deferred: bool = False) -> list[dict]:
+    if kind == "fwd":
+        return _fwd_configs(block_d, nch)
+    return _defer_configs(block_d, nch) if deferred else _bwd_configs(block_d, nch)
 
 
 def _tune_class(n_sources: int, n_tok: int) -> tuple:
@@ -388,37 +424,41 @@ def _fastest(cands: list[dict], launch) -> dict:
     return best
 
 
-def _config(kind: str, block_d: int, nch: int, key_pos: int, device: torch.device, key: tuple, launch) -> dict:
+def _config(kind: str, block_d: int, nch: int, key_pos: int, device: torch.device, key: tuple, launch,
+            deferred: bool = False) -> dict:
     """Launch keyword arguments for this call: CONFIG_OVERRIDE's; the first candidate on the CPU, with
     KERNELS_AUTOTUNE=0, or while a CUDA graph is being captured (nothing can be timed then, and
     nothing is remembered); else the fastest candidate for ``key``, timed once with ``launch(cfg)``
-    (which must run the whole launch, so that a grid's extra work is counted)."""
+    (which must run the whole launch, so that a grid's extra work is counted).  ``deferred``: the
+    forward kept no residual, so only the deferred backward's candidates can run."""
     if kind in CONFIG_OVERRIDE:
         return _launch_kwargs(CONFIG_OVERRIDE[kind], kind, key_pos)
-    tk = (kind, block_d, nch, key_pos) + key
+    tk = (kind, block_d, nch, key_pos, deferred) + key
     chosen = _CHOSEN.get(tk)
     if chosen is not None:
         return chosen
     if device.type != "cuda" or not AUTOTUNE or torch.cuda.is_current_stream_capturing():
-        return _first(kind, block_d, nch, key_pos, KEY_CHUNKS)
-    chosen = _CHOSEN[tk] = _fastest(_distinct(_candidates(kind, block_d, nch), kind, key_pos), launch)
+        return _first(kind, block_d, nch, key_pos, KEY_CHUNKS, deferred)
+    chosen = _CHOSEN[tk] = _fastest(_distinct(_candidates(kind, block_d, nch, deferred), kind, key_pos), launch)
     return chosen
 
 
 @functools.lru_cache(maxsize=None)
-def _first(kind: str, block_d: int, nch: int, key_pos: int, key_chunks: bool) -> dict:
+def _first(kind: str, block_d: int, nch: int, key_pos: int, key_chunks: bool, deferred: bool = False) -> dict:
     """The first candidate's launch keyword arguments (the default without tuning; not to be mutated);
     ``key_chunks`` (KEY_CHUNKS, which _launch_kwargs reads) is part of the cache key."""
-    return _launch_kwargs(_candidates(kind, block_d, nch)[0], kind, key_pos)
+    return _launch_kwargs(_candidates(kind, block_d, nch, deferred)[0], kind, key_pos)
 
 
 def tuned_configs() -> dict:
     """The configurations tuning chose so far: {"fwd/512x3/key2/S9/N8192": {...}, ...} (chunk width x
-    chunks, the key's first chunk where it is not the first, sources, tokens rounded up)."""
+    chunks, the key's first chunk where it is not the first, "deferred" for the deferred backward,
+    sources, tokens rounded up)."""
     out = {}
-    for (kind, block_d, nch, key_pos, *key), cfg in _CHOSEN.items():
+    for (kind, block_d, nch, key_pos, deferred, *key), cfg in _CHOSEN.items():
         n_src, n_tok = key[-2:]
-        name = f"{kind}/{block_d}x{nch}" + (f"/key{key_pos}" if key_pos else "") + f"/S{n_src}/N{n_tok}"
+        name = (f"{kind}/{block_d}x{nch}" + (f"/key{key_pos}" if key_pos else "") + ("/deferred" if deferred else "")
+                + f"/S{n_src}/N{n_tok}")
         out[name] = dict(cfg)
     return out
 
@@ -482,7 +522,7 @@ def _fwd_outputs(sources: Sequence[torch.Tensor], query: torch.Tensor, norm: str
     d, r = _check(sources, query, norm)
     s0 = sources[0]
     dtype, dev, lead = s0.dtype, s0.device, tuple(s0.shape[:-1])
-    has_res = dtype in _MANT
+    has_res = _res_kept(dtype, d, r, norm)
     out = _empty(lead + (d,), dtype, dev)
     stats = _empty(_stats_shape(len(sources), lead), torch.float32, dev)
     res = _empty(lead + (d,) if has_res else (0,), torch.int8, dev)
@@ -516,8 +556,8 @@ def _fwd_triton(sources: Sequence[torch.Tensor], query: torch.Tensor, norm: str,
 
 
 def _bwd_inputs(sources, query, h, res, g, norm: str):
-    """Checks and the backward's operands: (d, r, tokens, residual kept, source gradients, h and g
-    as rows, g's row stride, programs, query-gradient partials), or (None, gradients, query gradient)
+    """Checks and the backward's operands: (d, r, tokens, residual kept, deferred, source gradients, h
+    and g as rows, g's row stride), or (None, gradients, query gradient)
     when no kernel needs to run (one source, no tokens)."""
     d, r = _check(sources, query, norm)
     s0 = sources[0]
@@ -534,7 +574,8 @@ def _bwd_inputs(sources, query, h, res, g, norm: str):
     h2 = h if (h.dtype == dtype and h.is_contiguous()) else _rows(h, d, dtype).contiguous()
     (g,), (gs,) = _as_rows([g], d, g.dtype)
     has_res = dtype in _MANT and res.numel() > 0
-    return (d, r, n_tok, has_res, grads, h2, g, gs), None, None
+    deferred = dtype in _MANT and res.numel() == 0  # the forward kept no residual: see _defers
+    return (d, r, n_tok, has_res, deferred, grads, h2, g, gs), None, None
 
 
 def _bwd_programs(cfg: dict, n_tok: int, dev: torch.device) -> int:
@@ -553,7 +594,7 @@ def _bwd_triton(sources, query, h, stats, res, g, norm: str, eps: float):
     ops, grads, dq = _bwd_inputs(sources, query, h, res, g, norm)
     if ops is None:
         return grads, dq
-    d, r, n_tok, has_res, grads, h2, g, gs = ops
+    d, r, n_tok, has_res, deferred, grads, h2, g, gs = ops
     dtype, dev = h2.dtype, h2.device
     res2 = res.contiguous() if has_res else h2
     stats2 = stats.contiguous()
@@ -574,10 +615,24 @@ def _bwd_triton(sources, query, h, stats, res, g, norm: str, eps: float):
     def launch(cfg):  # the kernel and the sum of its query-gradient partials (one row per program)
         nprog = _bwd_programs(cfg, n_tok, dev)
         part = _empty((nprog, r), torch.float32, dev)
-        K._attnres_bwd_kernel[(nprog,)](*args, part, *more, **consts, **cfg)
+        go = _empty((len(rows), n_tok), torch.float32, dev) if cfg["DEFER"] else None
+        K._attnres_bwd_kernel[(nprog,)](*args, part, go, *more, **consts, **cfg)
         return part.sum(0).to(query.dtype)
 
-    return grads, launch(_config("bwd", block_d, nch, key_pos, dev, key, launch))
+    cfg = _config("bwd", block_d, nch, key_pos, dev, key, launch, deferred)
+    _check_deferred(cfg, deferred, key_pos)
+    return grads, launch(cfg)
+
+
+def _check_deferred(cfg: dict, deferred: bool, key_pos: int) -> None:
+    """A forward that kept no residual needs the deferred backward; the deferred backward needs the
+    token-tile grid and the key past the first chunk."""
+    if deferred and not cfg["DEFER"]:
+        raise ValueError("attnres backward: the forward kept no rounding residual (the deferred backward was "
+                         f"chosen for this shape), but the backward configuration {cfg} does not ask for DEFER")
+    if cfg["DEFER"] and (not cfg["BLOCK_T"] or cfg["KEY0"] < 1):
+        raise ValueError(f"attnres backward: DEFER needs BLOCK_T > 0 and the key past the first column chunk "
+                         f"(KEYCH, key chunk {key_pos}); got {cfg}")
 
 
 # Multi-operand row reductions: None = on CUDA only (the interpreter runs them slowly).
@@ -654,7 +709,9 @@ def _fwd_torch(sources, query, norm: str, eps: float):
     for wi, o in zip(w[1:], sources[1:]):
         h = h + wi.unsqueeze(-1) * o.to(w.dtype)
     hb = h.to(sources[0].dtype)
-    return hb, torch.cat([lse.unsqueeze(0), z, rinv]), _res_encode(h, hb)
+    d, r = sources[0].shape[-1], query.shape[-1]
+    res = _res_encode(h, hb) if _res_kept(hb.dtype, d, r, norm) else torch.empty(0, dtype=torch.int8, device=hb.device)
+    return hb, torch.cat([lse.unsqueeze(0), z, rinv]), res
 
 
 def _bwd_torch(sources, query, h, stats, res, g, norm: str, eps: float):
@@ -664,7 +721,10 @@ def _bwd_torch(sources, query, h, stats, res, g, norm: str, eps: float):
     wide = stats.dtype
     q = query.to(wide)
     g = g.to(wide)
-    gh = (g * _res_decode(h, res).to(wide)).sum(-1)
+    if h.dtype in _MANT and res.numel() == 0:  # no residual kept (_defers): g.h = sum_i w_i g.o_i
+        gh = sum(torch.exp(stats[1 + i] - stats[0]) * (g * o.to(wide)).sum(-1) for i, o in enumerate(sources))
+    else:
+        gh = (g * _res_decode(h, res).to(wide)).sum(-1)
     n = r if norm == "slice" else d
     dq = torch.zeros(r, dtype=wide, device=query.device)
     grads = []
@@ -707,7 +767,7 @@ def attnres_fwd(sources: list[torch.Tensor], query: torch.Tensor, norm: str, eps
 def _(sources, query, norm, eps):
     _check(sources, query, norm)
     s0 = sources[0]
-    res_shape = s0.shape if s0.dtype in _MANT else (0,)
+    res_shape = s0.shape if _res_kept(s0.dtype, s0.shape[-1], query.shape[-1], norm) else (0,)
     stats = s0.new_empty(_stats_shape(len(sources), s0.shape[:-1]), dtype=torch.promote_types(s0.dtype, torch.float32))
     return s0.new_empty(s0.shape), stats, s0.new_empty(res_shape, dtype=torch.int8)
 
@@ -777,11 +837,14 @@ COMPILED_PATH = os.environ.get("KERNELS_COMPILED_PATH", "triton_op")
 # and, for the four-token forward, _chunks2.md).
 ARGS_FWD_CONFIG = 0
 ARGS_BWD_CONFIG = 1
+ARGS_DEFER_CONFIG = 0  # the deferred backward's (_defer_configs), where the forward kept no residual
 
 
-def _args_config(kind: str, block_d: int, nch: int) -> dict:
+def _args_config(kind: str, block_d: int, nch: int, deferred: bool = False) -> dict:
     if kind in CONFIG_OVERRIDE:
         return dict(CONFIG_OVERRIDE[kind])
+    if deferred:
+        return dict(_defer_configs(block_d, nch)[ARGS_DEFER_CONFIG])
     cfgs = _candidates(kind, block_d, nch)
     return dict(cfgs[min(ARGS_FWD_CONFIG if kind == "fwd" else ARGS_BWD_CONFIG, len(cfgs) - 1)])
 
@@ -823,22 +886,25 @@ def _bwd_args(sources, query, h, stats, res, g, norm: str, eps: float):
     ops, grads, dq = _bwd_inputs(sources, query, h, res, g, norm)
     if ops is None:
         return grads, dq
-    d, r, n_tok, has_res, grads, h2, g, gs = ops
+    d, r, n_tok, has_res, deferred, grads, h2, g, gs = ops
     dtype = h2.dtype
     block_d, nch = _layout("bwd", d, r)
     rows, strides = _as_rows(sources, d, dtype)
-    cfg = _args_config("bwd", block_d, nch)
+    cfg = _args_config("bwd", block_d, nch, deferred)
+    kw = _launch_kwargs(cfg, "bwd", _key_pos(d, r, block_d, nch))
+    _check_deferred(kw, deferred, _key_pos(d, r, block_d, nch))
     nprog = _bwd_programs(cfg, n_tok, h2.device)
     part = _empty((nprog, r), torch.float32, h2.device)
+    go = _empty((len(rows), n_tok), torch.float32, h2.device) if kw["DEFER"] else None
     if STATS is not None:  # counted when traced, not per run, under torch.compile
         STATS[("bwd-args", len(rows), n_tok, d, r)] += 1
     _launch(
         K._attnres_bwd_args_kernel, (nprog,),
         *_slots(rows), *_slots(strides), *_slots(grads), query.contiguous(), h2,
-        res.contiguous() if has_res else None, g, stats.contiguous(), part,
+        res.contiguous() if has_res else None, g, stats.contiguous(), part, go,
         n_tok, len(rows), d, r, gs,
         NSLOT=len(rows), EPS=float(eps), SLICE=(norm == "slice"), HAS_RES=has_res, RES_STEP=_res_step(dtype),
-        BLOCK_D=block_d, NCH=nch, **_launch_kwargs(cfg, "bwd", _key_pos(d, r, block_d, nch)),
+        BLOCK_D=block_d, NCH=nch, **kw,
     )
     return grads, part.sum(0).to(query.dtype)
 

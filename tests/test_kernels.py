@@ -203,6 +203,18 @@ CONFIG_CASES = [
      {"BLOCK_T": 2, "num_warps": 2, "PREFETCH": 0, "PAIR": True, "SPLIT": 5}, (640, 250, 4, "full", "transposed")),
     ({"BLOCK_T": 1, "num_warps": 1, "PREFETCH": 1},
      {"BLOCK_T": 4, "num_warps": 1, "PREFETCH": 1, "PAIR": True, "SPLIT": False}, (64, 64, 1, "slice", "colstride")),
+    # the deferred backward (DEFER: two passes, g.h from the sources): the key from chunk 1 of 2 and of 3
+    # (chunk 1 read again beside the last), from chunk 2 of 3, 3 of 5 and 4 of 5; one and two tokens
+    ({"BLOCK_T": 1, "num_warps": 2, "PREFETCH": 1},
+     {"BLOCK_T": 1, "num_warps": 2, "PREFETCH": 1, "KEYCH": True, "DEFER": True, "SPLIT": 2}, (256, 100, 2, "slice", "contig")),
+    ({"BLOCK_T": 1, "num_warps": 2, "PREFETCH": 1},
+     {"BLOCK_T": 2, "num_warps": 2, "PREFETCH": 0, "KEYCH": True, "DEFER": True, "SPLIT": 3}, (384, 200, 6, "slice", "mixed")),
+    ({"BLOCK_T": 1, "num_warps": 2, "PREFETCH": 1, "KEYCH": True},
+     {"BLOCK_T": 1, "num_warps": 2, "PREFETCH": 1, "KEYCH": True, "DEFER": True}, (300, 40, 5, "slice", "mixed")),
+    ({"BLOCK_T": 2, "num_warps": 1, "PREFETCH": 1, "SPLIT": 5},
+     {"BLOCK_T": 2, "num_warps": 2, "PREFETCH": 0, "KEYCH": True, "DEFER": True, "SPLIT": 5}, (640, 250, 4, "slice", "transposed")),
+    ({"BLOCK_T": 1, "num_warps": 2, "PREFETCH": 1, "SPLIT": 5},
+     {"BLOCK_T": 1, "num_warps": 1, "PREFETCH": 1, "KEYCH": True, "DEFER": True, "SPLIT": 5}, (640, 100, 3, "slice", "colstride")),
 ]
 
 
@@ -302,14 +314,20 @@ def test_tuner_times_each_shape_class(kind, monkeypatch):
         # each candidate: a warm-up run, then the timed one; the failing one once
         assert launched == [c for c in distinct[:-1] for _ in (0, 1)] + [distinct[-1]]
         assert cfg == distinct[-2]
-        assert op._CHOSEN[(kind, 512, 3, key_pos) + key] == cfg
+        assert op._CHOSEN[(kind, 512, 3, key_pos, False) + key] == cfg
     if kind == "bwd":  # at key chunk 0 the keyed persistent candidate is its plain twin
         assert len(op._distinct(cands, kind, 0)) == len(cands) - 1
     launched.clear()
     assert op._config(kind, 512, 3, 2, cuda, ("k",) + op._tune_class(9, 5000), launch) == op._CHOSEN[
-        (kind, 512, 3, 2, "k", 9, 8192)] and not launched  # same class: 5000 and 8000 tokens round to 8192
+        (kind, 512, 3, 2, False, "k", 9, 8192)] and not launched  # same class: 5000 and 8000 tokens round to 8192
     op._config(kind, 512, 3, 2, cuda, ("k",) + op._tune_class(2, 8000), launch)
     assert launched  # another S is tuned again
+    if kind == "bwd":  # a forward without residual: only the deferred backward's candidates are timed
+        launched.clear()
+        failing.clear()
+        cfg = op._config(kind, 512, 3, 2, cuda, ("k",) + op._tune_class(9, 8000), launch, deferred=True)
+        assert cfg["DEFER"] and all(c["DEFER"] for c in launched)
+        assert launched[::2] == op._distinct(op._defer_configs(512, 3), kind, 2)
     capturing[0] = True
     launched.clear()
     n = len(op._CHOSEN)
@@ -318,7 +336,7 @@ def test_tuner_times_each_shape_class(kind, monkeypatch):
     assert "%s/512x3/key2/S9/N8192" % kind in op.tuned_configs()
     capturing[0] = False
     with pytest.raises(RuntimeError, match="no launch configuration ran"):
-        op._fastest(failing, launch)
+        op._fastest([{"num_warps": 4}], lambda cfg: 1 / 0)
 
 
 def test_launch_config_candidates():
@@ -400,6 +418,53 @@ def test_cpu_fallback_matches_reference(norm):
     for a, b in zip(gs, gs_ref):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(gq, gq_ref, rtol=1e-4, atol=1e-5)
+
+
+def test_deferral_rule_decides_the_residual(monkeypatch):
+    """The deferred backward (no residual kept) for bf16/fp16 "slice" with the key past the backward
+    layout's first chunk; not for fp32, "full", r = d, KERNELS_DEFER=0, or a pinned backward
+    configuration without DEFER.  The fake forward's residual shape follows the same rule."""
+    monkeypatch.setattr(op, "CONFIG_OVERRIDE", {})
+    assert op._defers(torch.bfloat16, 1536, 384, "slice") and op._defers(torch.float16, 2560, 640, "slice")
+    assert not op._defers(torch.float32, 1536, 384, "slice")
+    assert not op._defers(torch.bfloat16, 1536, 384, "full")
+    assert not op._defers(torch.bfloat16, 1536, 1536, "slice")  # the key starts in chunk 0
+    assert op._res_kept(torch.bfloat16, 1536, 1536, "slice") and not op._res_kept(torch.float32, 1536, 1536, "slice")
+    monkeypatch.setattr(op, "CONFIG_OVERRIDE", {"bwd": {"BLOCK_T": 1, "num_warps": 4, "PREFETCH": 1, "KEYCH": True}})
+    assert not op._defers(torch.bfloat16, 1536, 384, "slice")
+    monkeypatch.setattr(op, "CONFIG_OVERRIDE", {"bwd": {"BLOCK_T": 1, "num_warps": 4, "PREFETCH": 1, "DEFER": True}})
+    assert op._defers(torch.bfloat16, 1536, 384, "slice")
+    monkeypatch.setattr(op, "CONFIG_OVERRIDE", {})
+    monkeypatch.setattr(op, "DEFER", False)
+    assert not op._defers(torch.bfloat16, 1536, 384, "slice")
+    monkeypatch.setattr(op, "DEFER", True)
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    for r, kept in ((384, False), (1536, True)):
+        sources = [torch.randn(4, 1536, dtype=torch.bfloat16) for _ in range(3)]
+        res = kernels.attnres_fwd(sources, torch.randn(r, dtype=torch.bfloat16), "slice", 1e-6)[2]
+        assert (res.numel() > 0) == kept
+        with FakeTensorMode() as mode:
+            fake = kernels.attnres_fwd([mode.from_tensor(x) for x in sources],
+                                       mode.from_tensor(torch.randn(r, dtype=torch.bfloat16)), "slice", 1e-6)[2]
+        assert fake.shape == res.shape
+
+
+def test_cpu_fallback_without_residual_matches_reference():
+    """bf16 on the CPU where the backward defers: no residual kept, g.h from the sources, gradients
+    within the paper's criterion of the fp32 reference's."""
+    gen = torch.Generator().manual_seed(11)
+    d, r = 1536, 384
+    sources = [torch.randn(2, 5, d, generator=gen).to(torch.bfloat16).requires_grad_() for _ in range(4)]
+    query = (torch.randn(r, generator=gen) * 0.5).to(torch.bfloat16).requires_grad_()
+    g = torch.randn(2, 5, d, generator=gen).to(torch.bfloat16)
+    assert kernels.attnres_fwd(sources, query, "slice", 1e-6)[2].numel() == 0
+    h, gs, gq = _run(kernels.attnres, sources, query, g, "slice")
+    s32 = [s.detach().float().requires_grad_() for s in sources]
+    q32 = query.detach().float().requires_grad_()
+    h_ref, gs_ref, gq_ref = _run(route, s32, q32, g.float(), "slice")
+    for x, ref in [(h, h_ref), *zip(gs, gs_ref), (gq, gq_ref)]:
+        assert bool(((x.float() - ref).abs() <= 0.05 + 0.05 * ref.abs()).all())
 
 
 def test_opcheck():
@@ -523,14 +588,15 @@ def test_gpu_bf16_paper_criterion(d, r, S, norm):
 @needs_cuda
 @pytest.mark.parametrize("bwd", [{"SB": 1, "num_warps": 4, "PREFETCH": 0},
                                  {"BLOCK_T": 1, "num_warps": 4, "PREFETCH": 1},
-                                 {"BLOCK_T": 1, "num_warps": 4, "PREFETCH": 1, "PAIR": True}],
-                         ids=["persistent", "tile", "tile-pair"])
+                                 {"BLOCK_T": 1, "num_warps": 4, "PREFETCH": 1, "PAIR": True},
+                                 {"BLOCK_T": 1, "num_warps": 4, "PREFETCH": 1, "DEFER": True}],
+                         ids=["persistent", "tile", "tile-pair", "tile-deferred"])
 @pytest.mark.parametrize("d,r,S,norm", [(1536, 384, 9, "slice"), (2560, 640, 5, "full"), (1536, 700, 8, "slice"),
                                         (2560, 320, 9, "slice"), (1024, 256, 9, "full")])
 def test_gpu_bf16_key_chunks(d, r, S, norm, bwd, monkeypatch):
     """The key-chunk specialisation at every chunk count the grid's widths take (3 x 512, 5 x 512 with
     the key in the last two chunks or the last one, 2 x 512), both backward grids (the token tile also
-    two sources per step, odd S and even), under the paper's
+    two sources per step, odd S and even, and deferred: no residual, g.h from the sources), under the paper's
     bf16 criterion, which the interpreter cannot check (its bf16 is wrong)."""
     monkeypatch.setattr(op, "CONFIG_OVERRIDE", {"fwd": {"BLOCK_T": 1, "num_warps": 4, "PREFETCH": 1, "KEYCH": True},
                                                 "bwd": dict(bwd, KEYCH=True)})
