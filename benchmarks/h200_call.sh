@@ -28,6 +28,7 @@
 #   paper2      the same for AttnRes fused and both reference routers
 #   ksweep      kernel_sweep.py --quick at the 1B step's and the goals' shapes (SHAPES overrides; SHAPE_S caps a shape)
 #   ksweep2     tests/test_kernels.py on the GPU (TESTS=0: not), then ksweep at SHAPES2 (results stem STEM2)
+#   kmix        ksweep2, then kgrid4096 with the time left
 #   kcheck      tests/test_kernels.py on the GPU (all of it: the interpreter cases run in fp32 on CUDA), then
 #               kernel_bench.py at 8192 tokens (the goals' S = 9 shapes first) with the default variant
 #   kncu        Nsight Compute counters of one forward+backward, ours and fast-attnres, at 8192 tokens,
@@ -151,6 +152,10 @@ lane_ksweep2() {  # a second sweep lane: the kernels' GPU tests first (TESTS=0 l
   fi
   SHAPES=$SHAPES2 STEM=${STEM2:-kernel_sweep_final2} lane_ksweep
 }
+lane_kmix() {  # the kernels' GPU tests (TESTS_K), a sweep of SHAPES2 (ONLY, SHAPE_S), then the 4096-token grid lane
+  lane_ksweep2
+  lane_kgrid4096
+}
 lane_kcheck() {
   timeout 380 $PYTHON -m pytest -q -p no:cacheprovider tests/test_kernels.py -rA --tb=short 2>&1 | tee "$L/pytest.txt" \
     | grep -v "^PASSED" | tail -40
@@ -192,7 +197,7 @@ lane_kgpuncu() {  # the kernels' GPU tests, then lane kncu with the time left
 }
 lane_grid() { OUT="$L" DEADLINE_S=$(left $((DUR - 15))) PYTHON=$PYTHON bash benchmarks/gpu_grid.sh; }
 lane_throughput() { OUT="$L" PYTHON=$PYTHON bash benchmarks/throughput_gpu.sh; }
-export -f grid_skip grid_shapes lane_kncu lane_kgpuncu lane_kgrid8192 lane_kgrid4096 lane_ksweep lane_ksweep2 lane_kcheck left paper_step lane_paper1 lane_paper2 lane_argscheck lane_trainargs lane_kernel lane_kernel4096 lane_sweep lane_train lane_trainflex lane_sweeptrain lane_hostprof lane_traingrid lane_grid lane_throughput
+export -f grid_skip grid_shapes lane_kmix lane_kncu lane_kgpuncu lane_kgrid8192 lane_kgrid4096 lane_ksweep lane_ksweep2 lane_kcheck left paper_step lane_paper1 lane_paper2 lane_argscheck lane_trainargs lane_kernel lane_kernel4096 lane_sweep lane_train lane_trainflex lane_sweeptrain lane_hostprof lane_traingrid lane_grid lane_throughput
 
 run_lane() {  # name:seconds gpu-list cpu-list
   local name=${1%%:*} dur=${1##*:} gpus=$2 cpus=$3

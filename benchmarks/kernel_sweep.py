@@ -157,7 +157,7 @@ def sweep_shape(N, d, S, r, bw, budget_end, path="table", quick=False, only=None
         kop.CONFIG_OVERRIDE.clear()
         kop.CONFIG_OVERRIDE.update(also or {})  # e.g. a backward without DEFER: the forward keeps the residual
         kop.CONFIG_OVERRIDE[kind] = cfg
-        res = kop._res_kept(torch.bfloat16, d, r, "slice") if kind == "fwd" else not cfg.get("DEFER")
+        res = kop._res_kept(torch.bfloat16, d, r, "slice", S) if kind == "fwd" else not cfg.get("DEFER")
         try:
             t = _time(fn)
         except Exception as e:  # a configuration that does not compile (registers, shared memory)
@@ -205,9 +205,9 @@ def sweep_shape(N, d, S, r, bw, budget_end, path="table", quick=False, only=None
             run("fwd", dict(cfg_of(b), EVICT=True), fwd)
     pipelined("fwd", fwd)
     keyed("fwd", fwd)
-    for b in best("fwd", 2):  # the forward's cost of the rounding residual, where it is left out by default
-        if not b["res"] and time.time() < budget_end:
-            run("fwd", cfg_of(b), fwd, also={"bwd": {"BLOCK_T": 1}})
+    for b in best("fwd", 2):  # the forward's cost of the rounding residual: the best two with it toggled
+        if time.time() < budget_end:  # (a backward without DEFER keeps it, one with DEFER leaves it out)
+            run("fwd", cfg_of(b), fwd, also={"bwd": {"BLOCK_T": 1, "KEYCH": True, "DEFER": b["res"]}})
     if only == "fwd":
         return {"tokens": N, "d": d, "S": S, "r": r, "kernels": path, "rows": rows}
     kop.CONFIG_OVERRIDE.clear()

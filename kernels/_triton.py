@@ -897,11 +897,19 @@ def _bwd_tile_deferred(
         if KEY0 >= 4:
             _store_tile(gp, rows64, row_ok, d, offs3, ok3, w[:, None] * g3)
     tl.debug_barrier()  # this program's g.o stores, visible to all its threads
+    if PREFETCH:
+        kn1, kn2, kn3, kn4 = _key_tiles(0, S, rows, rows64, row_ok, offs1, ok1, offs2, ok2, offs3, ok3, offs4, ok4, NCH,
+                                        KEY0, EVICT, TABLE, src0_ptr, src_offs, src_strides, ALIGN, NSLOT,
+                                        x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
+                                        xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7, xs8, xs9, xs10, xs11, xs12, xs13, xs14,
+                                        xs15)
     for i in tl.range(0, S, num_stages=STAGES):  # pass 2: the key's chunks
-        k1, k2, k3, k4 = _key_tiles(i, S, rows, rows64, row_ok, offs1, ok1, offs2, ok2, offs3, ok3, offs4, ok4, NCH, KEY0,
-                                    EVICT, TABLE, src0_ptr, src_offs, src_strides, ALIGN, NSLOT,
+        k1, k2, k3, k4 = _key_tiles(i + PREFETCH, S, rows, rows64, row_ok, offs1, ok1, offs2, ok2, offs3, ok3, offs4, ok4,
+                                    NCH, KEY0, EVICT, TABLE, src0_ptr, src_offs, src_strides, ALIGN, NSLOT,
                                     x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
                                     xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7, xs8, xs9, xs10, xs11, xs12, xs13, xs14, xs15)
+        if PREFETCH:  # the key tiles loaded a step ago; keep this step's (the next source's) for the next
+            k1, k2, k3, k4, kn1, kn2, kn3, kn4 = kn1, kn2, kn3, kn4, k1, k2, k3, k4
         go = tl.load(go_ptr + tl.cast(i, tl.int64) * N + rows, mask=row_ok, other=0.0)
         w, c, coef = _bwd_weights(go, gh, lse, i, S, N, rows, row_ok, st_ptr, inv_n)
         gp = _grad_ptrs(i, S, TABLE, grad0_ptr, grad_offs, GALIGN, NSLOT,

@@ -330,25 +330,36 @@ def _defer_configs(block_d: int, nch: int) -> list[dict]:
 # instead of from h and its int8 rounding residual, so the forward writes no residual: DRAM bytes
 # S + 1 forward and 2S + 1 backward (the roofline formula's) instead of S + 1.5 and 2S + 2.5.  It
 # needs key-free leading chunks ("slice", the key past the first chunk of the backward's layout),
-# and it must be decided before the forward runs.  KERNELS_DEFER=0 turns it off.
+# and it must be decided before the forward runs, from the shape alone (a fake forward must give the
+# residual's shape).  On the H200 (tenth session, 8192 tokens, kernel_sweep_h200_2026-11-30_defer and
+# the side-by-side rows of the same call) the forward lost a quarter of its time at the shapes timed
+# (d = 1536, S = 9: 78 -> 68 us; d = 2560: 137 -> 107; S = 2: 34 -> 24), but the deferred backward
+# ran 8% slower than the residual one at S = 9 (163 against 150 us; 262 against 246 at d = 2560),
+# much slower at S = 25 (forward+backward 577 against 527: the second pass's reads of S key chunks per
+# token outgrow the L2), so it is used up to DEFER_MAX_S sources, where forward+backward gained
+# (S = 2: 94 -> 82 us; S = 5: 158 -> 145).  KERNELS_DEFER=0 turns it off.
 DEFER = os.environ.get("KERNELS_DEFER", "1") == "1"
+DEFER_MAX_S = int(os.environ.get("KERNELS_DEFER_MAX_S", "8"))
 
 
-def _defers(dtype: torch.dtype, d: int, r: int, norm: str) -> bool:
+def _defers(dtype: torch.dtype, d: int, r: int, norm: str, n_sources: int) -> bool:
     """Whether calls of this dtype and shape run the deferred backward (and so keep no residual):
-    bf16/fp16, "slice", the key past the backward layout's first chunk, and, where CONFIG_OVERRIDE
-    pins a backward configuration, that it asks for DEFER."""
+    bf16/fp16, "slice", at most DEFER_MAX_S sources, the key past the backward layout's first chunk,
+    and, where CONFIG_OVERRIDE pins a backward configuration, that it asks for DEFER (then S does not
+    matter)."""
     if not (DEFER and KEY_CHUNKS and dtype in _MANT and norm == "slice"):
         return False
     if "bwd" in CONFIG_OVERRIDE:
         return bool(CONFIG_OVERRIDE["bwd"].get("DEFER"))
+    if n_sources > DEFER_MAX_S:
+        return False
     block_d, nch = _layout("bwd", d, r)
     return _key_pos(d, r, block_d, nch) > 0
 
 
-def _res_kept(dtype: torch.dtype, d: int, r: int, norm: str) -> bool:
+def _res_kept(dtype: torch.dtype, d: int, r: int, norm: str, n_sources: int) -> bool:
     """Whether the forward writes the int8 rounding residual: bf16/fp16 unless the backward defers."""
-    return dtype in _MANT and not _defers(dtype, d, r, norm)
+    return dtype in _MANT and not _defers(dtype, d, r, norm, n_sources)
 
 
 # Tuning (CUDA only): the fastest candidate for each shape class, timed by the host over the whole
@@ -522,7 +533,7 @@ def _fwd_outputs(sources: Sequence[torch.Tensor], query: torch.Tensor, norm: str
     d, r = _check(sources, query, norm)
     s0 = sources[0]
     dtype, dev, lead = s0.dtype, s0.device, tuple(s0.shape[:-1])
-    has_res = _res_kept(dtype, d, r, norm)
+    has_res = _res_kept(dtype, d, r, norm, len(sources))
     out = _empty(lead + (d,), dtype, dev)
     stats = _empty(_stats_shape(len(sources), lead), torch.float32, dev)
     res = _empty(lead + (d,) if has_res else (0,), torch.int8, dev)
@@ -710,7 +721,8 @@ def _fwd_torch(sources, query, norm: str, eps: float):
         h = h + wi.unsqueeze(-1) * o.to(w.dtype)
     hb = h.to(sources[0].dtype)
     d, r = sources[0].shape[-1], query.shape[-1]
-    res = _res_encode(h, hb) if _res_kept(hb.dtype, d, r, norm) else torch.empty(0, dtype=torch.int8, device=hb.device)
+    kept = _res_kept(hb.dtype, d, r, norm, len(sources))
+    res = _res_encode(h, hb) if kept else torch.empty(0, dtype=torch.int8, device=hb.device)
     return hb, torch.cat([lse.unsqueeze(0), z, rinv]), res
 
 
@@ -767,7 +779,7 @@ def attnres_fwd(sources: list[torch.Tensor], query: torch.Tensor, norm: str, eps
 def _(sources, query, norm, eps):
     _check(sources, query, norm)
     s0 = sources[0]
-    res_shape = s0.shape if _res_kept(s0.dtype, s0.shape[-1], query.shape[-1], norm) else (0,)
+    res_shape = s0.shape if _res_kept(s0.dtype, s0.shape[-1], query.shape[-1], norm, len(sources)) else (0,)
     stats = s0.new_empty(_stats_shape(len(sources), s0.shape[:-1]), dtype=torch.promote_types(s0.dtype, torch.float32))
     return s0.new_empty(s0.shape), stats, s0.new_empty(res_shape, dtype=torch.int8)
 
