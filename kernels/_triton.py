@@ -40,7 +40,10 @@ The query gradient is accumulated per program into an fp32 partial [programs, r]
 and no token loop, and writes one partial row per BLOCK_T tokens.  On the H200 its kernel stalled
 less on loads than the persistent one (ncu); with the key-chunk specialisation (KEY0) it is the
 fastest backward at most three-chunk shapes timed, and an autotuned candidate beside the persistent
-grid (docs/kernel_notes.md, seventh and eighth sessions).
+grid (docs/kernel_notes.md, seventh and eighth sessions).  The deferred backward (DEFER, token-tile
+grid; _bwd_tile_deferred) takes g.h from the sources in a first pass instead of from h and the
+residual, writes the key's chunks in a second, and lets the forward skip the residual (kernels.op
+chooses it up to a few sources).
 
 Math (fp32).  k_i = o_i restricted to the key coordinates (the last r for "slice", all d for
 "full"), n = their count, rinv_i = 1/sqrt(|k_i|^2/n + eps), z_i = rinv_i * (q . o_i[tail]),
@@ -860,7 +863,8 @@ def _bwd_tile_deferred(
     chunks before KEY0 need only w_i g, and w_i comes from the saved scores, so the first pass reads
     every source's whole row once: it writes those chunks' gradients, keeps g.o_i (scratch go_ptr
     [S, N] fp32) and adds up g.h = sum_i w_i g.o_i (fp32, as exact as the residual made it).  The
-    second pass reads the key's chunks again (just read by this program: the L2 holds them) and writes
+    second pass reads the key's chunks again (just read by this program, so from the L2 while few
+    sources' key chunks per resident program fit; on the H200 they outgrew it by S = 25) and writes
     their gradients.  DRAM traffic: g, the sources and their gradients (2S + 1 units of N d 2 bytes,
     the formula's), against 2S + 2.5 with h and the residual; the forward writes no residual (S + 1
     against S + 1.5).  Returns the query-gradient accumulators of chunks 1 to 4."""

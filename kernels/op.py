@@ -14,8 +14,9 @@ Saved for backward: the sources (kept by autograd anyway), the query, the output
 sub-layer's input, so kept anyway in a model), per-token fp32 statistics [1 + 2S, tokens] (the
 logsumexp, each source's score and key 1/RMS: the backward then needs one row sum per source instead
 of three), and for bf16/fp16 an int8 residual per element (the mantissa bits that rounding h
-dropped; the backward's g.h needs them, see kernels/_triton.py).  The backward never builds an
-[S, tokens, d] temporary.
+dropped; the backward's g.h needs them, see kernels/_triton.py), except where the backward is
+deferred (_defers: g.h from the sources, no residual).  The backward never builds an [S, tokens, d]
+temporary.
 
 Environment: KERNELS_AUTOTUNE=0 turns autotuning off (first candidate configuration);
 KERNELS_CPU_TRITON=1 sends CPU tensors to the Triton interpreter; KERNELS_POISON=1 fills outputs
@@ -25,7 +26,8 @@ KERNELS_COMPILED_PATH=op sends compiled CUDA calls to the opaque custom op inste
 that Inductor traces (see "Compiled path" below); KERNELS_SPLIT_COLUMNS=0 reads every row as one
 power-of-two tile instead of up to five equal column chunks where those pad less (see _col_layout);
 KERNELS_KEY_CHUNKS=0 turns off the key-chunk specialisation that some candidate configurations ask
-for (see _key_pos).
+for (see _key_pos); KERNELS_DEFER=0 turns off the deferred backward and KERNELS_DEFER_MAX_S sets the
+most sources it serves (see _defers).
 """
 
 from __future__ import annotations
@@ -849,7 +851,10 @@ COMPILED_PATH = os.environ.get("KERNELS_COMPILED_PATH", "triton_op")
 # and, for the four-token forward, _chunks2.md).
 ARGS_FWD_CONFIG = 0
 ARGS_BWD_CONFIG = 1
-ARGS_DEFER_CONFIG = 0  # the deferred backward's (_defer_configs), where the forward kept no residual
+# The deferred backward's (_defer_configs), where the forward kept no residual: one token, 2 warps,
+# prefetch, the table kernels' tuned choice at 6 of the 10 deferred shape classes of the tenth session's
+# side-by-side runs (8192 and 4096 tokens, S = 2 and 5); the per-argument kernels' own not yet timed.
+ARGS_DEFER_CONFIG = 1
 
 
 def _args_config(kind: str, block_d: int, nch: int, deferred: bool = False) -> dict:
