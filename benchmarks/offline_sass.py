@@ -53,6 +53,9 @@ CONFIGS = {
     "split-tile-key-defer": (512, 3, 1, 4, 1, 1, "tile", 2, {"DEFER": True, "HAS_RES": False}),
     "five-tile-key-defer": (512, 5, 1, 4, 1, 1, "tile", 3, {"DEFER": True, "HAS_RES": False}),
     "two-tile-key-defer": (512, 2, 1, 4, 1, 1, "tile", 1, {"DEFER": True, "HAS_RES": False}),
+    "split-tile2-key-defer": (512, 3, 2, 4, 1, 1, "tile", 2, {"DEFER": True, "HAS_RES": False}),  # two tokens
+    "split-tile4-key-defer": (512, 3, 4, 8, 1, 1, "tile", 2, {"DEFER": True, "HAS_RES": False}),  # four tokens, 8 warps
+    "five-tile4-key-defer": (512, 5, 4, 8, 1, 1, "tile", 3, {"DEFER": True, "HAS_RES": False}),
 }
 _NSLOT = 9
 

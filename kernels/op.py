@@ -322,10 +322,13 @@ def _bwd_configs(block_d: int, nch: int = 1) -> list[dict]:
 def _defer_configs(block_d: int, nch: int) -> list[dict]:
     """Candidate launch configurations of the deferred backward (DEFER: the token-tile grid in two
     passes, g.h from the sources; see _defers): one token per program with 4, 2 and 1 warps per
-    512-column chunk, with and without prefetch."""
+    512-column chunk, with and without prefetch (timed on the H200: 2 warps with prefetch was the
+    tuner's most frequent choice); and two tokens per program with 4 warps, which writes half the
+    query-gradient partial rows (at S = 2 with one token per program those are about a tenth of the
+    backward's bytes; this candidate not yet timed, its code path GPU-tested with 2 warps)."""
     tile_keyed = dict(_TILE, **_KEYED, DEFER=True)
     return _configs(block_d, "SB", ((1, 4, 1, tile_keyed), (1, 8, 1, tile_keyed), (1, 4, 0, tile_keyed),
-                                    (1, 16, 1, tile_keyed)))
+                                    (1, 16, 1, tile_keyed), (2, 8, 1, tile_keyed)))
 
 
 # The deferred backward (kernels._triton._bwd_tile_deferred) takes g.h from the sources in a first pass

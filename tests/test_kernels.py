@@ -215,6 +215,8 @@ CONFIG_CASES = [
      {"BLOCK_T": 2, "num_warps": 2, "PREFETCH": 0, "KEYCH": True, "DEFER": True, "SPLIT": 5}, (640, 250, 4, "slice", "transposed")),
     ({"BLOCK_T": 1, "num_warps": 2, "PREFETCH": 1, "SPLIT": 5},
      {"BLOCK_T": 1, "num_warps": 1, "PREFETCH": 1, "KEYCH": True, "DEFER": True, "SPLIT": 5}, (640, 100, 3, "slice", "colstride")),
+    ({"BLOCK_T": 1, "num_warps": 2, "PREFETCH": 1},  # the two-token deferred candidate (4 warps)
+     {"BLOCK_T": 2, "num_warps": 4, "PREFETCH": 1, "KEYCH": True, "DEFER": True, "SPLIT": 3}, (384, 200, 9, "slice", "contig")),
 ]
 
 
@@ -265,7 +267,7 @@ def test_key_chunk(monkeypatch):
             assert op._key_pos(d, 1, block_d, nch) == nch - 1
     assert op._launch_kwargs({"BLOCK_T": 1, "KEYCH": True, "SPLIT": True}, "fwd", 2) == {
         "BLOCK_T": 1, "EVICT": False, "STAGES": 1, "KEY0": 2}
-    assert op._launch_kwargs({"BLOCK_T": 1}, "bwd", 2) == {"SB": 1, "BLOCK_T": 1, "PAIR": False, "EVICT": False,
+    assert op._launch_kwargs({"BLOCK_T": 1}, "bwd", 2) == {"SB": 1, "BLOCK_T": 1, "PAIR": False, "DEFER": False, "EVICT": False,
                                                           "STAGES": 1, "KEY0": 0}
     assert op._launch_kwargs({"SB": 1, "KEY0": 1}, "bwd", 2)["KEY0"] == 1  # a remembered choice keeps its own
     monkeypatch.setattr(op, "KEY_CHUNKS", False)  # KERNELS_KEY_CHUNKS=0
@@ -593,8 +595,9 @@ def test_gpu_bf16_paper_criterion(d, r, S, norm):
 @pytest.mark.parametrize("bwd", [{"SB": 1, "num_warps": 4, "PREFETCH": 0},
                                  {"BLOCK_T": 1, "num_warps": 4, "PREFETCH": 1},
                                  {"BLOCK_T": 1, "num_warps": 4, "PREFETCH": 1, "PAIR": True},
-                                 {"BLOCK_T": 1, "num_warps": 4, "PREFETCH": 1, "DEFER": True}],
-                         ids=["persistent", "tile", "tile-pair", "tile-deferred"])
+                                 {"BLOCK_T": 1, "num_warps": 4, "PREFETCH": 1, "DEFER": True},
+                                 {"BLOCK_T": 2, "num_warps": 4, "PREFETCH": 1, "DEFER": True}],
+                         ids=["persistent", "tile", "tile-pair", "tile-deferred", "tile2-deferred"])
 @pytest.mark.parametrize("d,r,S,norm", [(1536, 384, 9, "slice"), (2560, 640, 5, "full"), (1536, 700, 8, "slice"),
                                         (2560, 320, 9, "slice"), (1024, 256, 9, "full")])
 def test_gpu_bf16_key_chunks(d, r, S, norm, bwd, monkeypatch):
@@ -780,12 +783,14 @@ class _Target:
         return GPUTarget("cuda", 90, 32)
 S, N, d, r = 3, 40, 96, 16
 BLOCK_D, NCH, STAGES = (32, 3, 2) if sys.argv[1] == "3" else (128, 1, 1)  # the pipelined loop with three chunks
-common = dict(N=N, S=S, d=d, r=r, NSLOT=S, EPS=1e-6, SLICE=True, HAS_RES=True, RES_STEP=2.0**-15, BLOCK_D=BLOCK_D,
+DEFER = sys.argv[5] == "1"  # the deferred backward: no residual, a g.o scratch
+common = dict(N=N, S=S, d=d, r=r, NSLOT=S, EPS=1e-6, SLICE=True, HAS_RES=not DEFER, RES_STEP=2.0**-15, BLOCK_D=BLOCK_D,
               NCH=NCH, KEY0=int(sys.argv[3]), PREFETCH=1, EVICT=False, STAGES=STAGES, q_ptr=torch.empty(r, dtype=torch.bfloat16),
-              res_ptr=torch.empty(N, d, dtype=torch.int8), st_ptr=torch.empty(1 + 2 * S, N))
+              res_ptr=None if DEFER else torch.empty(N, d, dtype=torch.int8), st_ptr=torch.empty(1 + 2 * S, N))
 fwd = dict(common, out_ptr=torch.empty(N, d, dtype=torch.bfloat16), BLOCK_T=2, FUSED=True)
 bwd = dict(common, h_ptr=torch.empty(N, d, dtype=torch.bfloat16), g_ptr=torch.empty(N, d, dtype=torch.bfloat16),
-           dq_part_ptr=torch.empty(4, r), stride_g=d, SB=2, BLOCK_T=int(sys.argv[2]), PAIR=sys.argv[4] == "1")  # 0: persistent grid
+           dq_part_ptr=torch.empty(4, r), go_ptr=torch.empty(S, N) if DEFER else None, stride_g=d, SB=2,
+           BLOCK_T=int(sys.argv[2]), PAIR=sys.argv[4] == "1", DEFER=DEFER)  # BLOCK_T 0: persistent grid
 for i in range(16):
     for kw in (fwd, bwd):
         kw[f"x{i}"] = torch.empty(N, d, dtype=torch.bfloat16) if i < S else None
@@ -814,14 +819,15 @@ def test_compiled_kernels_write_only_their_outputs():
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
     # column chunks; the backward's grid (0 persistent, 2 tokens per program); KEY0 (key-chunk specialisation);
-    # PAIR (the token tile two sources per step)
-    for case in (("1", "0", "0", "0"), ("3", "0", "0", "0"), ("3", "2", "2", "0"), ("3", "0", "2", "0"), ("3", "2", "2", "1")):
-        nch, block_t, key0 = case[:3]
+    # PAIR (the token tile two sources per step); DEFER (the deferred backward, whose forward keeps no residual)
+    for case in (("1", "0", "0", "0", "0"), ("3", "0", "0", "0", "0"), ("3", "2", "2", "0", "0"), ("3", "0", "2", "0", "0"),
+                 ("3", "2", "2", "1", "0"), ("3", "2", "2", "0", "1")):
         proc = subprocess.run([sys.executable, "-c", _WRITES_SCRIPT, *case], env=env,
                               capture_output=True, text=True, timeout=300)
         assert proc.returncode == 0, proc.stderr[-3000:]
         written = json.loads(proc.stdout.strip().splitlines()[-1])
         if written is None:
             pytest.skip("this torch has no identify_accessed_tensors")
-        assert written["fwd"] == ["out_ptr", "res_ptr", "st_ptr"], case
-        assert written["bwd"] == ["dq_part_ptr", "dx0", "dx1", "dx2"], case
+        deferred = case[4] == "1"
+        assert written["fwd"] == (["out_ptr", "st_ptr"] if deferred else ["out_ptr", "res_ptr", "st_ptr"]), case
+        assert written["bwd"] == ["dq_part_ptr", "dx0", "dx1", "dx2"] + (["go_ptr"] if deferred else []), case
