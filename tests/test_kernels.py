@@ -717,17 +717,21 @@ def test_args_kernels_match_reference(d, r, S, norm, layout, cfg, monkeypatch):
     _fp32_against_reference(_attnres_args, d, r, S, norm, layout, seed=d + r + S)
 
 
-def test_args_path_traces_to_kernels(tmp_path):
+@pytest.mark.parametrize("dtype,d,r", [("float32", 64, 16), ("bfloat16", 1536, 384)])  # the second: deferred
+def test_args_path_traces_to_kernels(dtype, d, r):
     """The triton_op's body traces into Triton kernel launches (no opaque op, no data pointers), as
-    torch.compile needs; run in a fresh interpreter without TRITON_INTERPRET (whose kernels cannot
-    be traced), tracing only, so no GPU is needed."""
+    torch.compile needs, also where the backward is deferred (bf16, the key past the first chunk: no
+    residual, a scratch the backward writes); run in a fresh interpreter without TRITON_INTERPRET
+    (whose kernels cannot be traced), tracing only, so no GPU is needed."""
     import subprocess
 
     code = r'''
-import torch
+import sys, torch
 from torch._functorch.aot_autograd import aot_function
 import kernels.op as op
 op.set_cpu_triton(True)
+dtype, d, r = getattr(torch, sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+deferred = op._defers(dtype, d, r, "slice", 3)
 graphs = []
 class Traced(Exception):
     pass
@@ -736,20 +740,23 @@ def capture(gm, inputs):  # AOTAutograd's functionalized graph, as Inductor woul
     raise Traced
 def step(a, b, c, q, g):
     h, lse, res = op.attnres_fwd_args([a, b, c], q, "slice", 1e-6)
+    assert (res.numel() == 0) == (deferred or dtype == torch.float32)
     return h, op.attnres_bwd_args([a, b, c], q, h, lse, res, g, "slice", 1e-6)
-x = [torch.randn(2, 5, 64) for _ in range(3)]
+x = [torch.randn(2, 5, d, dtype=dtype) for _ in range(3)]
 try:
-    aot_function(step, fw_compiler=capture)(*x, torch.randn(16), torch.randn(2, 5, 64))
+    aot_function(step, fw_compiler=capture)(*x, torch.randn(r, dtype=dtype), torch.randn(2, 5, d, dtype=dtype))
 except Traced:
     pass
 text = graphs[0]
 print(text)
 assert text.count("higher_order.triton_kernel_wrapper_functional(") == 2, "expected one forward and one backward launch"
 assert "attnres_fwd_args" not in text and "attnres_bwd_args" not in text
+assert ("DEFER': True" in text) == deferred, "the backward launch's DEFER"
 '''
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = str(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    out = subprocess.run([sys.executable, "-c", code, dtype, str(d), str(r)], capture_output=True, text=True, env=env,
+                         timeout=300)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
 
 
