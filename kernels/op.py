@@ -604,6 +604,14 @@ def _bwd_programs(cfg: dict, n_tok: int, dev: torch.device) -> int:
     return max(1, min(n_tok, BWD_PROGRAMS_PER_SM * _num_sms(dev)))
 
 
+def _bwd_scratch(cfg: dict, n_tok: int, n_sources: int, r: int, dev: torch.device):
+    """The backward's fp32 work buffers under launch keywords ``cfg``: the query-gradient partials
+    (one row per program) and, for the deferred backward, its g.o scratch [S, tokens] (else None)."""
+    part = _empty((_bwd_programs(cfg, n_tok, dev), r), torch.float32, dev)
+    go = _empty((n_sources, n_tok), torch.float32, dev) if cfg["DEFER"] else None
+    return part, go
+
+
 def _bwd_triton(sources, query, h, stats, res, g, norm: str, eps: float):
     from . import _triton as K
 
@@ -629,10 +637,8 @@ def _bwd_triton(sources, query, h, stats, res, g, norm: str, eps: float):
                   BLOCK_D=block_d, NCH=nch)
 
     def launch(cfg):  # the kernel and the sum of its query-gradient partials (one row per program)
-        nprog = _bwd_programs(cfg, n_tok, dev)
-        part = _empty((nprog, r), torch.float32, dev)
-        go = _empty((len(rows), n_tok), torch.float32, dev) if cfg["DEFER"] else None
-        K._attnres_bwd_kernel[(nprog,)](*args, part, go, *more, **consts, **cfg)
+        part, go = _bwd_scratch(cfg, n_tok, len(rows), r, dev)
+        K._attnres_bwd_kernel[(part.shape[0],)](*args, part, go, *more, **consts, **cfg)
         return part.sum(0).to(query.dtype)
 
     cfg = _config("bwd", block_d, nch, key_pos, dev, key, launch, deferred)
@@ -738,8 +744,10 @@ def _bwd_torch(sources, query, h, stats, res, g, norm: str, eps: float):
     wide = stats.dtype
     q = query.to(wide)
     g = g.to(wide)
+    gos = None  # g.o_i, where g.h needs them first
     if h.dtype in _MANT and res.numel() == 0:  # no residual kept (_defers): g.h = sum_i w_i g.o_i
-        gh = sum(torch.exp(stats[1 + i] - stats[0]) * (g * o.to(wide)).sum(-1) for i, o in enumerate(sources))
+        gos = [(g * o.to(wide)).sum(-1) for o in sources]
+        gh = sum(torch.exp(stats[1 + i] - stats[0]) * go for i, go in enumerate(gos))
     else:
         gh = (g * _res_decode(h, res).to(wide)).sum(-1)
     n = r if norm == "slice" else d
@@ -749,7 +757,8 @@ def _bwd_torch(sources, query, h, stats, res, g, norm: str, eps: float):
         x = o.to(wide)
         z, rinv = stats[1 + i], stats[1 + S + i]
         w = torch.exp(z - stats[0])
-        c = w * ((g * x).sum(-1) - gh) * rinv  # dL/dz_i * rinv_i
+        go = gos[i] if gos is not None else (g * x).sum(-1)
+        c = w * (go - gh) * rinv  # dL/dz_i * rinv_i
         coef = (c * z * rinv / n).unsqueeze(-1)
         grad = w.unsqueeze(-1) * g
         grad[..., d - r :] += c.unsqueeze(-1) * q
@@ -910,16 +919,14 @@ def _bwd_args(sources, query, h, stats, res, g, norm: str, eps: float):
     dtype = h2.dtype
     block_d, nch = _layout("bwd", d, r)
     rows, strides = _as_rows(sources, d, dtype)
-    cfg = _args_config("bwd", block_d, nch, deferred)
-    kw = _launch_kwargs(cfg, "bwd", _key_pos(d, r, block_d, nch))
-    _check_deferred(kw, deferred, _key_pos(d, r, block_d, nch))
-    nprog = _bwd_programs(cfg, n_tok, h2.device)
-    part = _empty((nprog, r), torch.float32, h2.device)
-    go = _empty((len(rows), n_tok), torch.float32, h2.device) if kw["DEFER"] else None
+    key_pos = _key_pos(d, r, block_d, nch)
+    kw = _launch_kwargs(_args_config("bwd", block_d, nch, deferred), "bwd", key_pos)
+    _check_deferred(kw, deferred, key_pos)
+    part, go = _bwd_scratch(kw, n_tok, len(rows), r, h2.device)
     if STATS is not None:  # counted when traced, not per run, under torch.compile
         STATS[("bwd-args", len(rows), n_tok, d, r)] += 1
     _launch(
-        K._attnres_bwd_args_kernel, (nprog,),
+        K._attnres_bwd_args_kernel, (part.shape[0],),
         *_slots(rows), *_slots(strides), *_slots(grads), query.contiguous(), h2,
         res.contiguous() if has_res else None, g, stats.contiguous(), part, go,
         n_tok, len(rows), d, r, gs,
