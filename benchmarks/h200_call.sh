@@ -15,7 +15,9 @@
 #               (SKIP8192 / SKIP4096 leave out the first shapes of each, measured by an earlier call; SKIP_MEASURED=JSON
 #               those a kernel_bench result has, but for the widths in REDO_WIDTHS; GRID_TESTS=EXPR runs the
 #               kernel tests pytest -k EXPR selects first, in lane kgrid8192; SHAPES8192 / SHAPES4096=NxdxSxr,...
-#               measure those shapes instead of the grid)
+#               measure those shapes instead of the grid; VARIANTS="LABEL:ATTR=VALUE[;...] ..." also times ours
+#               with those kernels.op settings, e.g. scaled:RES_BITS=false defer16:DEFER_MAX_S=16)
+#   ktests4096  the kernels' whole GPU suite (TESTS_S, default 380 s), then lane kgrid4096
 #   sweep       benchmarks/kernel_sweep.py
 #   train       benchmarks/train_step_bench.py (1B)
 #   trainflex   the 1B step with flex document masking (ATTN=sdpa for the dense mask): baseline, LR and
@@ -83,18 +85,22 @@ grid_skip() {  # kernel_bench's options for the shapes measured before (SKIP_MEA
 grid_shapes() {  # this lane's own shape list instead of the grid (SHAPES8192 / SHAPES4096: NxdxSxr,...)
   [ -n "${1:-}" ] && echo --shapes "$1"
 }
+grid_variants() {  # VARIANTS="LABEL:ATTR=VALUE[;...] ...": kernel_bench also times ours with these kernels.op settings
+  local v
+  for v in ${VARIANTS:-}; do echo --variant "$v"; done
+}
 lane_kgrid8192() {  # the side-by-side grid at 8192 tokens (kernel_bench's own bf16 check first, unless skipping)
   if [ -n "${GRID_TESTS:-}" ]; then  # a subset of the kernels' GPU tests first (a pytest -k expression)
     timeout 240 $PYTHON -m pytest -q -p no:cacheprovider tests/test_kernels.py -k "$GRID_TESTS" -rA --tb=short 2>&1 \
       | tee "$L/pytest.txt" | grep -v "^PASSED" | tail -20
   fi
   $PYTHON benchmarks/kernel_bench.py --out "$L" --tokens 8192 --stem kernel_bench_8192 --skip "${SKIP8192:-0}" $(grid_skip) \
-    $(grid_shapes "${SHAPES8192:-}") --budget-s "$(left $((DUR - 130)))" \
+    $(grid_shapes "${SHAPES8192:-}") $(grid_variants) --budget-s "$(left $((DUR - 130)))" \
     $([ "${SKIP8192:-0}" -gt 0 ] || [ -n "${SKIP_MEASURED:-}" ] || [ -n "${SHAPES8192:-}" ] && echo --no-check)
 }
 lane_kgrid4096() {
   $PYTHON benchmarks/kernel_bench.py --out "$L" --tokens 4096 --no-check --no-compile --stem kernel_bench_4096 \
-    --skip "${SKIP4096:-0}" $(grid_skip) $(grid_shapes "${SHAPES4096:-}") --budget-s "$(left $((DUR - 130)))"
+    --skip "${SKIP4096:-0}" $(grid_skip) $(grid_shapes "${SHAPES4096:-}") $(grid_variants) --budget-s "$(left $((DUR - 130)))"
 }
 lane_sweep() { $PYTHON benchmarks/kernel_sweep.py --out "$L" --budget-s "$(left $((DUR - 20)))"; }
 lane_train() {
@@ -156,6 +162,11 @@ lane_kmix() {  # the kernels' GPU tests (TESTS_K), a sweep of SHAPES2 (ONLY, SHA
   lane_ksweep2
   lane_kgrid4096
 }
+lane_ktests4096() {  # the kernels' whole GPU suite (TESTS_S seconds at most), then the 4096-token grid lane
+  timeout "${TESTS_S:-380}" $PYTHON -m pytest -q -p no:cacheprovider tests/test_kernels.py -rA --tb=short 2>&1 \
+    | tee "$L/pytest.txt" | grep -v "^PASSED" | tail -30
+  lane_kgrid4096
+}
 lane_kcheck() {
   timeout 380 $PYTHON -m pytest -q -p no:cacheprovider tests/test_kernels.py -rA --tb=short 2>&1 | tee "$L/pytest.txt" \
     | grep -v "^PASSED" | tail -40
@@ -197,7 +208,7 @@ lane_kgpuncu() {  # the kernels' GPU tests, then lane kncu with the time left
 }
 lane_grid() { OUT="$L" DEADLINE_S=$(left $((DUR - 15))) PYTHON=$PYTHON bash benchmarks/gpu_grid.sh; }
 lane_throughput() { OUT="$L" PYTHON=$PYTHON bash benchmarks/throughput_gpu.sh; }
-export -f grid_skip grid_shapes lane_kmix lane_kncu lane_kgpuncu lane_kgrid8192 lane_kgrid4096 lane_ksweep lane_ksweep2 lane_kcheck left paper_step lane_paper1 lane_paper2 lane_argscheck lane_trainargs lane_kernel lane_kernel4096 lane_sweep lane_train lane_trainflex lane_sweeptrain lane_hostprof lane_traingrid lane_grid lane_throughput
+export -f grid_skip grid_shapes grid_variants lane_ktests4096 lane_kmix lane_kncu lane_kgpuncu lane_kgrid8192 lane_kgrid4096 lane_ksweep lane_ksweep2 lane_kcheck left paper_step lane_paper1 lane_paper2 lane_argscheck lane_trainargs lane_kernel lane_kernel4096 lane_sweep lane_train lane_trainflex lane_sweeptrain lane_hostprof lane_traingrid lane_grid lane_throughput
 
 run_lane() {  # name:seconds gpu-list cpu-list
   local name=${1%%:*} dur=${1##*:} gpus=$2 cpus=$3

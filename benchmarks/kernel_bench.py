@@ -156,6 +156,41 @@ def time_kernels_only(srcs, q, g):
     return t_f, _bench(fb), _bench_graph(fwd), _bench_graph(fb), _bench_graph_cold(fwd), _bench_graph_cold(fb)
 
 
+def _variant(spec: str) -> tuple[str, dict]:
+    """--variant LABEL:ATTR=VALUE[;ATTR=VALUE]: a row "ours[LABEL]" timed with these kernels.op
+    settings (VALUE as JSON: 0, 9, false), e.g. ``scaled:RES_BITS=false`` or ``defer9:DEFER_MAX_S=9``."""
+    label, sep, body = spec.partition(":")
+    if not label or not sep or not body:
+        raise argparse.ArgumentTypeError(f"--variant: {spec!r} is not LABEL:ATTR=VALUE[;ATTR=VALUE]")
+    settings = {}
+    for item in body.split(";"):
+        attr, eq, value = item.partition("=")
+        if not eq or not hasattr(kop, attr) or not attr.isupper():
+            raise argparse.ArgumentTypeError(f"--variant {label}: {attr!r} is not an upper-case kernels.op setting "
+                                             "(RES_BITS, DEFER, DEFER_MAX_S, AUTOTUNE, KEY_CHUNKS, ...)")
+        try:
+            settings[attr] = json.loads(value)
+        except json.JSONDecodeError:
+            raise argparse.ArgumentTypeError(f"--variant {label}: {attr}={value!r} is not a JSON value") from None
+    return label, settings
+
+
+class _settings:
+    """Sets kernels.op attributes for the time of a block (a variant's forward and backward both)."""
+
+    def __init__(self, settings: dict):
+        self.settings, self.saved = settings, {}
+
+    def __enter__(self):
+        self.saved = {k: getattr(kop, k) for k in self.settings}
+        for k, v in self.settings.items():
+            setattr(kop, k, v)
+
+    def __exit__(self, *exc):
+        for k, v in self.saved.items():
+            setattr(kop, k, v)
+
+
 def time_impl(fn, S, N, d, r, srcs, q, g):
     """(fwd us, fwd+bwd us, the same two as CUDA-graph replays, and as replays from a flushed L2) for
     one implementation, None where it cannot run."""
@@ -362,6 +397,11 @@ def run_grid(args):
             measured = measured_shapes(args.skip_measured)
             grid = [x for x in grid if x not in measured or x[1] in args.redo_widths]
     impls = _impls(want_compile=not args.no_compile)
+    variants = dict(args.variant or [])
+    if variants:  # right after "ours", so that each variant's row sits beside it
+        ours = impls.pop("ours")
+        impls = {"ours": ours, **{f"ours[{label}]": ours for label in variants}, **impls}
+        payload["variants"] = variants
     for N, d, S, r in grid:
         if time.time() - t0 > args.budget_s:
             print("time budget reached; stopping the grid", flush=True)
@@ -375,7 +415,9 @@ def run_grid(args):
             if name == "eager" and not args.eager_all and (N == 4096 or r != d // 4):
                 continue
             try:
-                times = time_impl(fn, S, N, d, r, srcs, q, g)
+                label = name[5:-1] if name.startswith("ours[") else None
+                with _settings(variants.get(label, {})):
+                    times = time_impl(fn, S, N, d, r, srcs, q, g)
                 t_f = times[0]
             except Exception as e:
                 print(f"{name} failed at N={N} d={d} S={S} r={r}: {e!r}", flush=True)
@@ -476,6 +518,8 @@ def main(argv=None):
     p.add_argument("--redo-widths", type=lambda x: {int(v) for v in x.split(",") if v}, default=set(),
                    help="comma-separated widths d to measure again even where --skip-measured has them")
     p.add_argument("--shapes", type=_shape_list, help="comma-separated NxdxSxr: measure these instead of the grid")
+    p.add_argument("--variant", type=_variant, action="append",
+                   help="LABEL:ATTR=VALUE[;ATTR=VALUE]: also time ours with these kernels.op settings (repeatable)")
     p.add_argument("--merge", nargs="+", metavar="JSON", help="merge these runs' results into --out/--stem (no GPU)")
     p.add_argument("--note", default="", help="with --merge: what the merged runs were")
     args = p.parse_args(argv)

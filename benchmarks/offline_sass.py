@@ -56,6 +56,11 @@ CONFIGS = {
     "split-tile2-key-defer": (512, 3, 2, 4, 1, 1, "tile", 2, {"DEFER": True, "HAS_RES": False}),  # two tokens
     "split-tile4-key-defer": (512, 3, 4, 8, 1, 1, "tile", 2, {"DEFER": True, "HAS_RES": False}),  # four tokens, 8 warps
     "five-tile4-key-defer": (512, 5, 4, 8, 1, 1, "tile", 3, {"DEFER": True, "HAS_RES": False}),
+    # the residual's code (eleventh session): RES_STEP 0 is bf16's bit code, 2^-15 (_COMMON) the scaled one
+    "split-tile4-key": (512, 3, 4, 4, 1, 1, "tile", 2),  # the forward the tuner takes at d = 1536, S = 9
+    "split-tile4-key-bits": (512, 3, 4, 4, 1, 1, "tile", 2, {"RES_STEP": 0.0}),
+    "five-tile-key-bits": (512, 5, 1, 4, 1, 1, "tile", 3, {"RES_STEP": 0.0}),
+    "split-tile-rd-bits": (512, 3, 1, 4, 1, 1, "tile", 0, {"RES_STEP": 0.0}),  # r = d: no key-free chunk
 }
 _NSLOT = 9
 
@@ -95,7 +100,7 @@ def _kernels(module, cfg):
     bwd["PAIR"] = False  # the two-sources-per-step token tile (kernels since the ninth session), off
     bwd["DEFER"] = False  # the two-pass token tile (tenth session), off; its scratch go_ptr then None
     bwd.update(cfg[8] if len(cfg) > 8 else {})
-    fwd = {"HAS_RES": bwd["HAS_RES"]} if "HAS_RES" in bwd else {}  # the forward of a deferred backward keeps none
+    fwd = {k: bwd[k] for k in ("HAS_RES", "RES_STEP") if k in bwd}  # a deferred backward's forward keeps none
     bsig = {"go_ptr": "*fp32"} if bwd["DEFER"] else {}
     return [
         ("table-fwd", module._attnres_fwd_kernel, _table_sig("fwd"), dict(c, ALIGN=8, BLOCK_T=n, FUSED=True, **fwd),

@@ -68,6 +68,33 @@ def _res_base(hb32):
 
 
 @triton.jit
+def _res_code(h, hb, RES_STEP: tl.constexpr):
+    """int8 residual of rounding the fp32 mix h to hb (bf16/fp16): the next 8 bits below hb's.
+    RES_STEP 0 (bf16): bf16 is the top half of an fp32, so h's fp32 bit pattern minus hb's is the
+    dropped part counted in fp32 units in the last place (|.| <= 2^15, h and hb of one sign), and the
+    code is that over 2^8, rounded: three integer operations, exact across binades, zeros and
+    subnormals.  Otherwise (fp16): round((h - hb) / (2^e(hb) RES_STEP)), 0 where hb is not a finite
+    normal number."""
+    hb32 = hb.to(tl.float32)
+    if RES_STEP == 0:
+        code = (h.to(tl.int32, bitcast=True) - hb32.to(tl.int32, bitcast=True) + 128) >> 8
+        return tl.minimum(tl.maximum(code, -127), 127).to(tl.int8)
+    base, ok = _res_base(hb32)
+    step = tl.where(ok, base * RES_STEP, 1.0)
+    code = tl.floor((h - hb32) / step + 0.5)
+    return tl.where(ok, tl.minimum(tl.maximum(code, -127.0), 127.0), 0.0).to(tl.int8)
+
+
+@triton.jit
+def _res_h(hh, code, RES_STEP: tl.constexpr):
+    """h (fp32) rebuilt from its rounded value hh (fp32) and int8 residual code (_res_code)."""
+    if RES_STEP == 0:
+        return (hh.to(tl.int32, bitcast=True) + (code.to(tl.int32) << 8)).to(tl.float32, bitcast=True)
+    base, ok = _res_base(hh)
+    return tl.where(ok, hh + code.to(tl.float32) * (base * RES_STEP), hh)
+
+
+@triton.jit
 def _add2(a0, b0, a1, b1):
     return a0 + a1, b0 + b1
 
@@ -173,12 +200,7 @@ def _store_mix(acc, inv_l, out_ptr, res_ptr, rows64, row_ok, offs, col_ok, d,
     mask = row_ok[:, None] & col_ok[None, :]
     tl.store(out_ptr + rows64[:, None] * d + offs[None, :], hb, mask=mask)
     if HAS_RES:
-        hb32 = hb.to(tl.float32)
-        base, ok = _res_base(hb32)
-        step = tl.where(ok, base * RES_STEP, 1.0)
-        code = tl.floor((h - hb32) / step + 0.5)
-        code = tl.where(ok, tl.minimum(tl.maximum(code, -127.0), 127.0), 0.0)
-        tl.store(res_ptr + rows64[:, None] * d + offs[None, :], code.to(tl.int8), mask=mask)
+        tl.store(res_ptr + rows64[:, None] * d + offs[None, :], _res_code(h, hb, RES_STEP), mask=mask)
 
 
 @triton.jit
@@ -188,9 +210,7 @@ def _bwd_row(g_ptr, h_ptr, res_ptr, row64, offs, col_ok, d, stride_g, HAS_RES: t
     g = tl.load(g_ptr + row64 * stride_g + offs, mask=col_ok, other=0.0).to(tl.float32)
     hh = tl.load(h_ptr + row64 * d + offs, mask=col_ok, other=0.0).to(tl.float32)
     if HAS_RES:
-        code = tl.load(res_ptr + row64 * d + offs, mask=col_ok, other=0).to(tl.float32)
-        base, ok = _res_base(hh)
-        hh = tl.where(ok, hh + code * (base * RES_STEP), hh)
+        hh = _res_h(hh, tl.load(res_ptr + row64 * d + offs, mask=col_ok, other=0), RES_STEP)
     return g, g * hh
 
 
@@ -244,9 +264,7 @@ def _bwd_rows(g_ptr, h_ptr, res_ptr, rows64, row_ok, offs, col_ok, d, stride_g,
         return g, g
     hh = tl.load(h_ptr + rows64[:, None] * d + offs[None, :], mask=mask, other=0.0).to(tl.float32)
     if HAS_RES:
-        code = tl.load(res_ptr + rows64[:, None] * d + offs[None, :], mask=mask, other=0).to(tl.float32)
-        base, ok = _res_base(hh)
-        hh = tl.where(ok, hh + code * (base * RES_STEP), hh)
+        hh = _res_h(hh, tl.load(res_ptr + rows64[:, None] * d + offs[None, :], mask=mask, other=0), RES_STEP)
     return g, g * hh
 
 
@@ -1071,7 +1089,7 @@ def _attnres_fwd_kernel(
     eps,
     SLICE: tl.constexpr,
     HAS_RES: tl.constexpr,
-    RES_STEP: tl.constexpr,  # 2^-(mantissa bits + 8)
+    RES_STEP: tl.constexpr,  # residual code (_res_code): 0 for bf16's bit code, 2^-18 for fp16
     ALIGN: tl.constexpr,  # offsets and strides are multiples of this many elements
     BLOCK_D: tl.constexpr,  # columns per chunk
     NCH: tl.constexpr,  # column chunks per row: 1 to 5

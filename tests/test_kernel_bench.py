@@ -102,3 +102,22 @@ def test_shapes_option_parses_and_names_a_bad_shape():
         kb._shape_list("8192x1536x9")
     with pytest.raises(argparse.ArgumentTypeError, match="r <= d"):
         kb._shape_list("8192x512x9x1024")
+
+
+def test_variant_option_sets_kernels_op_settings_for_its_rows_only():
+    """--variant LABEL:ATTR=VALUE;...: JSON values on upper-case kernels.op settings, set for the time of
+    the variant's timings and restored after (an exception inside too); a bad spec names what is wrong."""
+    import kernels.op as kop
+
+    label, settings = kb._variant("defer9:DEFER_MAX_S=9;RES_BITS=false")
+    assert label == "defer9" and settings == {"DEFER_MAX_S": 9, "RES_BITS": False}
+    before = (kop.DEFER_MAX_S, kop.RES_BITS)
+    with pytest.raises(RuntimeError):
+        with kb._settings(settings):
+            assert (kop.DEFER_MAX_S, kop.RES_BITS) == (9, False)
+            raise RuntimeError("inside")
+    assert (kop.DEFER_MAX_S, kop.RES_BITS) == before
+    for bad, named in (("nolabel", "LABEL:ATTR=VALUE"), ("x:NOT_A_SETTING=1", "NOT_A_SETTING"),
+                       ("x:_defers=1", "_defers"), ("x:DEFER_MAX_S=nine", "nine")):
+        with pytest.raises(argparse.ArgumentTypeError, match=named):
+            kb._variant(bad)

@@ -422,6 +422,73 @@ def test_cpu_fallback_matches_reference(norm):
     torch.testing.assert_close(gq, gq_ref, rtol=1e-4, atol=1e-5)
 
 
+def _residual_probe_values() -> torch.Tensor:
+    """fp32 mixes whose bf16 rounding is hard to undo: random of every sign and scale, values just
+    below and above powers of two (rounded up into the next binade), halfway cases, zeros and
+    subnormals, the largest finite bf16 neighbourhood."""
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(4096, generator=gen) * torch.exp2(torch.randint(-30, 30, (4096,), generator=gen).float())
+    pow2 = torch.exp2(torch.arange(-20, 21).float())
+    below = pow2 * (1 - 2.0 ** -9 + 2.0 ** -20)  # rounds up to the power of two
+    halfway = pow2 * (1 + 2.0 ** -8)  # exactly between two bf16 values
+    tiny = torch.tensor([0.0, -0.0, 1e-40, -1e-40, 1.2e-38, -3e-39, 3.38e38, -3.38e38])
+    coarse = (x[:1024].view(torch.int32) & ~0xFF).view(torch.float32)  # the dropped bits fit in 8
+    return torch.cat([x, -x[:64], pow2, below, -below, halfway, -halfway, tiny, coarse])
+
+
+if HAS_TRITON:
+    import triton.language as tl
+
+    from kernels._triton import _res_code, _res_h
+
+    @triton.jit
+    def _residual_probe(h_ptr, hb_ptr, code_ptr, back_ptr, n, RES_STEP: tl.constexpr, BLOCK: tl.constexpr):
+        """The residual helpers on fp32 inputs: h, its rounded value hb as an fp32, the code, h rebuilt."""
+        offs = tl.arange(0, BLOCK)
+        ok = offs < n
+        h = tl.load(h_ptr + offs, mask=ok, other=0.0)
+        hb = tl.load(hb_ptr + offs, mask=ok, other=0.0)
+        code = _res_code(h, hb, RES_STEP)
+        tl.store(code_ptr + offs, code, mask=ok)
+        tl.store(back_ptr + offs, _res_h(hb, code, RES_STEP), mask=ok)
+
+
+@needs_triton
+def test_residual_code_bit_exact():
+    """The bf16 rounding residual (kernels._triton._res_code / _res_h, RES_STEP 0: integer arithmetic
+    on the fp32 bit patterns): the kernels' code and the torch fallback's are the same bytes, h comes
+    back to 2^-16 of |h| (the 8 bits kept of the 16 dropped), exactly where the dropped bits fit in
+    8, and the fp16 code (RES_STEP 2^-18) still matches its torch twin.  Run through the interpreter in
+    fp32: the rounded value is handed to the helpers as an fp32 that bf16 represents exactly."""
+    h = _residual_probe_values()
+    for dtype in (torch.bfloat16, torch.float16):
+        hb = h.to(dtype)
+        fin = torch.isfinite(hb.float())
+        hh, hbb = h[fin], hb[fin]
+        step = op._res_step(dtype)
+        assert (step == 0) == (dtype == torch.bfloat16 and op.RES_BITS)
+        code = torch.empty(hh.numel(), dtype=torch.int8)
+        back = torch.empty(hh.numel())
+        _residual_probe[(1,)](hh, hbb.float(), code, back, hh.numel(), RES_STEP=step, BLOCK=triton.next_power_of_2(hh.numel()))
+        ref_code = op._res_encode(hh, hbb)
+        assert torch.equal(code, ref_code), f"{dtype}: kernel and torch residual codes differ"
+        torch.testing.assert_close(back, op._res_decode(hbb, ref_code), rtol=0, atol=0)
+        normal = hbb.float().abs() >= torch.finfo(dtype).tiny
+        err = (back - hh).abs()[normal]
+        # 2^-16 relative (bf16; 2^-19 for fp16); twice that at the clamped codes +-127 (exact ties)
+        bound = (2.0 ** -16 if dtype == torch.bfloat16 else 2.0 ** -19) * hh.abs()[normal]
+        bound = torch.where(ref_code[normal].abs() == 127, 2 * bound, bound)
+        assert bool((err <= bound).all()), f"{dtype}: h rebuilt to {float((err / bound).max()):.2f} of the bound"
+        assert float((back - hh).abs().max()) < 1e-3 * float(hh.abs().max())
+    # bf16: the code is the dropped bits; where they fit in 8 bits, h comes back bit for bit
+    hb = h.to(torch.bfloat16)
+    drop = h.view(torch.int32) - hb.float().view(torch.int32)
+    exact = ((h.view(torch.int32) & 0xFF) == 0) & (drop.abs() <= 127 * 256) & torch.isfinite(hb.float())
+    assert int(exact.sum()) > 1000
+    back = op._res_decode(hb, op._res_encode(h, hb))
+    assert torch.equal(back[exact].view(torch.int32), h[exact].view(torch.int32))
+
+
 def test_deferral_rule_decides_the_residual(monkeypatch):
     """The deferred backward (no residual kept) for bf16/fp16 "slice" with the key past the backward
     layout's first chunk and at most DEFER_MAX_S sources; not for fp32, "full", r = d, more sources,
