@@ -16,8 +16,9 @@
 #               those a kernel_bench result has, but for the widths in REDO_WIDTHS; GRID_TESTS=EXPR runs the
 #               kernel tests pytest -k EXPR selects first, in lane kgrid8192; SHAPES8192 / SHAPES4096=NxdxSxr,...
 #               measure those shapes instead of the grid; VARIANTS="LABEL:ATTR=VALUE[;...] ..." also times ours
-#               with those kernels.op settings, e.g. scaled:RES_BITS=false defer16:DEFER_MAX_S=16)
-#   ktests4096  the kernels' whole GPU suite (TESTS_S, default 380 s), then lane kgrid4096
+#               with those kernels.op settings, e.g. scaled:RES_BITS=false defer16:DEFER_MAX_S=16; VARIANTS8192 /
+#               VARIANTS4096 for one of the two lanes)
+#   ktests4096  the kernels' GPU suite (TESTS_K=EXPR selects; TESTS_S, default 380 s), then lane kgrid4096
 #   sweep       benchmarks/kernel_sweep.py
 #   train       benchmarks/train_step_bench.py (1B)
 #   trainflex   the 1B step with flex document masking (ATTN=sdpa for the dense mask): baseline, LR and
@@ -86,8 +87,8 @@ grid_shapes() {  # this lane's own shape list instead of the grid (SHAPES8192 / 
   [ -n "${1:-}" ] && echo --shapes "$1"
 }
 grid_variants() {  # VARIANTS="LABEL:ATTR=VALUE[;...] ...": kernel_bench also times ours with these kernels.op settings
-  local v
-  for v in ${VARIANTS:-}; do echo --variant "$v"; done
+  local v  # (VARIANTS8192 / VARIANTS4096, where set, for lane kgrid8192 / kgrid4096)
+  for v in ${1-${VARIANTS:-}}; do echo --variant "$v"; done
 }
 lane_kgrid8192() {  # the side-by-side grid at 8192 tokens (kernel_bench's own bf16 check first, unless skipping)
   if [ -n "${GRID_TESTS:-}" ]; then  # a subset of the kernels' GPU tests first (a pytest -k expression)
@@ -95,12 +96,12 @@ lane_kgrid8192() {  # the side-by-side grid at 8192 tokens (kernel_bench's own b
       | tee "$L/pytest.txt" | grep -v "^PASSED" | tail -20
   fi
   $PYTHON benchmarks/kernel_bench.py --out "$L" --tokens 8192 --stem kernel_bench_8192 --skip "${SKIP8192:-0}" $(grid_skip) \
-    $(grid_shapes "${SHAPES8192:-}") $(grid_variants) --budget-s "$(left $((DUR - 130)))" \
+    $(grid_shapes "${SHAPES8192:-}") $(grid_variants ${VARIANTS8192+"$VARIANTS8192"}) --budget-s "$(left $((DUR - 130)))" \
     $([ "${SKIP8192:-0}" -gt 0 ] || [ -n "${SKIP_MEASURED:-}" ] || [ -n "${SHAPES8192:-}" ] && echo --no-check)
 }
 lane_kgrid4096() {
   $PYTHON benchmarks/kernel_bench.py --out "$L" --tokens 4096 --no-check --no-compile --stem kernel_bench_4096 \
-    --skip "${SKIP4096:-0}" $(grid_skip) $(grid_shapes "${SHAPES4096:-}") $(grid_variants) --budget-s "$(left $((DUR - 130)))"
+    --skip "${SKIP4096:-0}" $(grid_skip) $(grid_shapes "${SHAPES4096:-}") $(grid_variants ${VARIANTS4096+"$VARIANTS4096"}) --budget-s "$(left $((DUR - 130)))"
 }
 lane_sweep() { $PYTHON benchmarks/kernel_sweep.py --out "$L" --budget-s "$(left $((DUR - 20)))"; }
 lane_train() {
@@ -162,8 +163,8 @@ lane_kmix() {  # the kernels' GPU tests (TESTS_K), a sweep of SHAPES2 (ONLY, SHA
   lane_ksweep2
   lane_kgrid4096
 }
-lane_ktests4096() {  # the kernels' whole GPU suite (TESTS_S seconds at most), then the 4096-token grid lane
-  timeout "${TESTS_S:-380}" $PYTHON -m pytest -q -p no:cacheprovider tests/test_kernels.py -rA --tb=short 2>&1 \
+lane_ktests4096() {  # the kernels' GPU suite (TESTS_K=EXPR: pytest -k EXPR; TESTS_S seconds at most), then kgrid4096
+  timeout "${TESTS_S:-380}" $PYTHON -m pytest -q -p no:cacheprovider tests/test_kernels.py ${TESTS_K:+-k "$TESTS_K"} -rA --tb=short 2>&1 \
     | tee "$L/pytest.txt" | grep -v "^PASSED" | tail -30
   lane_kgrid4096
 }

@@ -31,7 +31,7 @@ import tempfile
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-_COMMON = dict(SLICE=True, HAS_RES=True, RES_STEP=2.0**-15, EVICT=False)
+_COMMON = dict(SLICE=True, HAS_RES=True, RES_STEP=2.0**-15, EVICT=False, LAZY=0)
 # name: (column chunk width, chunks, tokens or sources per step, warps, PREFETCH, STAGES[, backward grid[,
 # KEY0[, further backward constexprs]]]).  The backward's grid: "persistent" (n = SB sources per step) or "tile" (n = BLOCK_T tokens per
 # program); KEY0 the first column chunk holding key columns (kernels.op._key_pos; 0 = no specialisation).
@@ -61,6 +61,13 @@ CONFIGS = {
     "split-tile4-key-bits": (512, 3, 4, 4, 1, 1, "tile", 2, {"RES_STEP": 0.0}),
     "five-tile-key-bits": (512, 5, 1, 4, 1, 1, "tile", 3, {"RES_STEP": 0.0}),
     "split-tile-rd-bits": (512, 3, 1, 4, 1, 1, "tile", 0, {"RES_STEP": 0.0}),  # r = d: no key-free chunk
+    # the lazy online softmax (eleventh session): one token (LAZY 1), four tokens (LAZY 2)
+    "split-tile-rd-bits-lazy": (512, 3, 1, 4, 1, 1, "tile", 0, {"RES_STEP": 0.0, "LAZY": 1}),
+    "split-tile-key-bits-lazy": (512, 3, 1, 4, 1, 1, "tile", 2, {"RES_STEP": 0.0, "LAZY": 1}),
+    "split-tile4-key-bits-lazy": (512, 3, 4, 4, 1, 1, "tile", 2, {"RES_STEP": 0.0, "LAZY": 2}),
+    "split-tile-key-bits": (512, 3, 1, 4, 1, 1, "tile", 2, {"RES_STEP": 0.0}),
+    "split-tile-rd-unmasked": (512, 3, 1, 4, 1, 1, "tile", 0, {"RES_STEP": 0.0, "SLICE": False}),  # r = d as "full"
+    "split-tile-rd-unmasked-2w": (512, 3, 1, 2, 1, 1, "tile", 0, {"RES_STEP": 0.0, "SLICE": False}),
 }
 _NSLOT = 9
 
@@ -98,9 +105,12 @@ def _kernels(module, cfg):
     args = dict(NSLOT=_NSLOT, EPS=1e-6)
     bwd = dict(SB=1, BLOCK_T=n) if grid == "tile" else dict(SB=n, BLOCK_T=0)
     bwd["PAIR"] = False  # the two-sources-per-step token tile (kernels since the ninth session), off
+    bwd["PERSIST"] = 0  # the token tile looped over by persistent programs (eleventh session), off
     bwd["DEFER"] = False  # the two-pass token tile (tenth session), off; its scratch go_ptr then None
     bwd.update(cfg[8] if len(cfg) > 8 else {})
-    fwd = {k: bwd[k] for k in ("HAS_RES", "RES_STEP") if k in bwd}  # a deferred backward's forward keeps none
+    fwd = {k: bwd[k] for k in ("HAS_RES", "RES_STEP", "SLICE") if k in bwd}  # a deferred backward's forward keeps none
+    if "LAZY" in bwd:  # the forward's lazy online softmax (eleventh session)
+        fwd["LAZY"] = bwd.pop("LAZY")
     bsig = {"go_ptr": "*fp32"} if bwd["DEFER"] else {}
     return [
         ("table-fwd", module._attnres_fwd_kernel, _table_sig("fwd"), dict(c, ALIGN=8, BLOCK_T=n, FUSED=True, **fwd),

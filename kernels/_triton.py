@@ -180,8 +180,55 @@ def _softmax_step(kk, kq, m, l, inv_n, eps, FUSED: tl.constexpr):
 
 
 @triton.jit
-def _mix(acc, alpha, p, x):
-    return acc * alpha[:, None] + p[:, None] * x
+def _mix(acc, alpha, p, x, RESCALE: tl.constexpr = True):
+    """The running mix after one more source (x, weight p), rescaled by alpha unless the lazy softmax
+    rescaled it already (RESCALE False)."""
+    if RESCALE:
+        return acc * alpha[:, None] + p[:, None] * x
+    return acc + p[:, None] * x
+
+
+@triton.jit
+def _scores(kk, kq, inv_n, eps, FUSED: tl.constexpr):
+    """Row sums of the key terms: this source's score z and key 1/RMS per token."""
+    if FUSED:  # one fused reduction (one shared-memory round) for both row sums
+        ss, qk = tl.reduce((kk, kq), 1, _add2)
+    else:  # separate sums (the interpreter runs tl.reduce with a Python combine: slow)
+        ss = tl.sum(kk, axis=1)
+        qk = tl.sum(kq, axis=1)
+    rinv = tl.rsqrt(ss * inv_n + eps)
+    return qk * rinv, rinv
+
+
+# The lazy online softmax's threshold: the reference m moves (and the mix is rescaled) only when a score
+# passes it by more than this, so weights exp(z - m) stay below e^8 (about 3e3): no fp32 overflow for
+# any S, and the mix's relative rounding unchanged.
+LAZY_TAU = tl.constexpr(8.0)
+
+
+@triton.jit
+def _lazy_rescale(z, m, l, NCH: tl.constexpr, a0, a1, a2, a3, a4):
+    """The lazy online softmax's step before adding a source: where some token's score z passes the
+    reference m by more than LAZY_TAU (always at the first source, m = -inf), move every token's m to
+    max(m, z) and rescale its running sum l and mix chunks a0..a4 (a branch taken by the whole
+    program).  Otherwise nothing: the per-element multiply of the online softmax's rescale, a third
+    of a key-free chunk's arithmetic, runs only where the maximum grew a lot, mostly at the first
+    source."""
+    if tl.max(z - m, axis=0) > LAZY_TAU:
+        m_new = tl.maximum(m, z)
+        alpha = tl.exp(m - m_new)
+        m = m_new
+        l = l * alpha
+        a0 = a0 * alpha[:, None]
+        if NCH >= 2:
+            a1 = a1 * alpha[:, None]
+        if NCH >= 3:
+            a2 = a2 * alpha[:, None]
+        if NCH >= 4:
+            a3 = a3 * alpha[:, None]
+        if NCH >= 5:
+            a4 = a4 * alpha[:, None]
+    return m, l, a0, a1, a2, a3, a4
 
 
 @triton.jit
@@ -607,13 +654,14 @@ def _fwd_body(
     q_ptr, out_ptr, res_ptr, st_ptr, N, S, d, r, inv_n, eps,
     SLICE: tl.constexpr, HAS_RES: tl.constexpr, RES_STEP: tl.constexpr, BLOCK_D: tl.constexpr, NCH: tl.constexpr,
     KEY0: tl.constexpr, BLOCK_T: tl.constexpr, PREFETCH: tl.constexpr, EVICT: tl.constexpr, STAGES: tl.constexpr,
-    FUSED: tl.constexpr,
+    FUSED: tl.constexpr, LAZY: tl.constexpr,
     TABLE: tl.constexpr, src0_ptr, src_offs, src_strides, ALIGN: tl.constexpr, NSLOT: tl.constexpr,
     x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,  # sources (None for TABLE)
     xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7, xs8, xs9, xs10, xs11, xs12, xs13, xs14, xs15,  # their row strides
 ):
     """The forward of BLOCK_T tokens (the kernels' arguments are described at _attnres_fwd_kernel)."""
     tl.static_assert(PREFETCH <= 1, "the forward prefetches at most one step")
+    lazy: tl.constexpr = (LAZY == 2) | ((LAZY == 1) & (BLOCK_T == 1))  # the lazy online softmax (_lazy_rescale)
     rows, row_ok, rows64 = _token_rows(tl.program_id(0), N, BLOCK_T)
     m = tl.full([BLOCK_T], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_T], tl.float32)
@@ -668,16 +716,32 @@ def _fwd_body(
                 kk, kq = _key_sum(kk, kq, t1, t2, t3, t4, q1, q2, q3, q4, tail1, tail2, tail3, tail4, NCH, SLICE)
             else:
                 kk, kq = _key_skip(t0, t1, t2, t3, t4, q1, q2, q3, q4, tail1, tail2, tail3, tail4, NCH, KEY0, SLICE)
-        m, l, alpha, pw, z, rinv = _softmax_step(kk, kq, m, l, inv_n, eps, FUSED)
-        acc0 = _mix(acc0, alpha, pw, t0)
+        if lazy:  # rescale only where the maximum grew past LAZY_TAU
+            z, rinv = _scores(kk, kq, inv_n, eps, FUSED)
+            if NCH == 1:  # chunk 0's accumulator stands in for the chunks there are not
+                m, l, acc0, _, _, _, _ = _lazy_rescale(z, m, l, NCH, acc0, acc0, acc0, acc0, acc0)
+            elif NCH == 2:
+                m, l, acc0, acc1, _, _, _ = _lazy_rescale(z, m, l, NCH, acc0, acc1, acc0, acc0, acc0)
+            elif NCH == 3:
+                m, l, acc0, acc1, acc2, _, _ = _lazy_rescale(z, m, l, NCH, acc0, acc1, acc2, acc0, acc0)
+            elif NCH == 4:
+                m, l, acc0, acc1, acc2, acc3, _ = _lazy_rescale(z, m, l, NCH, acc0, acc1, acc2, acc3, acc0)
+            else:
+                m, l, acc0, acc1, acc2, acc3, acc4 = _lazy_rescale(z, m, l, NCH, acc0, acc1, acc2, acc3, acc4)
+            pw = tl.exp(z - m)
+            l = l + pw
+            alpha = pw  # unused: the mix below adds without rescaling
+        else:
+            m, l, alpha, pw, z, rinv = _softmax_step(kk, kq, m, l, inv_n, eps, FUSED)
+        acc0 = _mix(acc0, alpha, pw, t0, not lazy)
         if NCH >= 2:
-            acc1 = _mix(acc1, alpha, pw, t1)
+            acc1 = _mix(acc1, alpha, pw, t1, not lazy)
         if NCH >= 3:
-            acc2 = _mix(acc2, alpha, pw, t2)
+            acc2 = _mix(acc2, alpha, pw, t2, not lazy)
         if NCH >= 4:
-            acc3 = _mix(acc3, alpha, pw, t3)
+            acc3 = _mix(acc3, alpha, pw, t3, not lazy)
         if NCH >= 5:
-            acc4 = _mix(acc4, alpha, pw, t4)
+            acc4 = _mix(acc4, alpha, pw, t4, not lazy)
         _store_scores(st_ptr, i, S, N, z, rinv, rows, row_ok)
     inv_l = 1.0 / l
     _store_mix(acc0, inv_l, out_ptr, res_ptr, rows64, row_ok, offs0, ok0, d, HAS_RES, RES_STEP)
@@ -952,9 +1016,11 @@ def _bwd_tile_deferred(
 
 
 @triton.jit
-def _bwd_tile_body(
-    q_ptr, h_ptr, res_ptr, g_ptr, st_ptr, dq_part_ptr, go_ptr, N, S, d, r, stride_g, inv_n,
-    SLICE: tl.constexpr, HAS_RES: tl.constexpr, RES_STEP: tl.constexpr, BLOCK_D: tl.constexpr, NCH: tl.constexpr,
+def _bwd_tile_block(
+    blk, h_ptr, res_ptr, g_ptr, st_ptr, go_ptr, N, S, d, stride_g, inv_n,
+    offs0, ok0, offs1, ok1, offs2, ok2, offs3, ok3, offs4, ok4, q0, q1, q2, q3, q4, tail0, tail1, tail2, tail3, tail4,
+    dq0, dq1, dq2, dq3, dq4,
+    SLICE: tl.constexpr, HAS_RES: tl.constexpr, RES_STEP: tl.constexpr, NCH: tl.constexpr,
     KEY0: tl.constexpr, BLOCK_T: tl.constexpr, PREFETCH: tl.constexpr, EVICT: tl.constexpr, STAGES: tl.constexpr,
     PAIR: tl.constexpr, DEFER: tl.constexpr,
     TABLE: tl.constexpr, src0_ptr, src_offs, src_strides, ALIGN: tl.constexpr, grad0_ptr, grad_offs,
@@ -963,52 +1029,25 @@ def _bwd_tile_body(
     xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7, xs8, xs9, xs10, xs11, xs12, xs13, xs14, xs15,
     dx0, dx1, dx2, dx3, dx4, dx5, dx6, dx7, dx8, dx9, dx10, dx11, dx12, dx13, dx14, dx15,
 ):
-    """The backward of BLOCK_T tokens, one program per block (no persistent loop): the forward's
-    layout, walking the sources one at a time with the next one's tiles loaded early (PREFETCH) or
-    Triton's pipeliner (STAGES).  Each program writes its own query-gradient partial row.  Why: the
-    persistent backward waits on every source load (ncu on the H200, 8192 tokens, d = 1536, S = 9:
-    12 of its 18 cycles per issued instruction stalled on global loads), while many resident
-    programs of one token block each keep more loads in flight.  PAIR walks the sources two at a
-    time: both sources' loads in flight together and both row sums in one reduction (fast-attnres's
-    backward takes two sources per step: about 1% faster at d = 1536, S = 9 on the H200).  DEFER:
-    two passes, g.h from the sources, h and the residual not read (_bwd_tile_deferred)."""
-    tl.static_assert(PREFETCH <= 1, "the token-tile backward prefetches at most one step")
-    tl.static_assert(not (PAIR and DEFER), "PAIR and DEFER are separate source loops")
-    pid = tl.program_id(0)
-    rows, row_ok, rows64 = _token_rows(pid, N, BLOCK_T)
-    offs0, ok0, tail0 = _cols(d, r, 0, BLOCK_D)
-    q0 = _query(q_ptr, offs0, d, r, tail0)
+    """Token block ``blk`` of the token-tile backward (_bwd_tile_body): its g (and g.h), the source
+    loop, the query-gradient accumulators dq0..dq4 updated and returned."""
+    rows, row_ok, rows64 = _token_rows(blk, N, BLOCK_T)
     g0, gh = _bwd_rows(g_ptr, h_ptr, res_ptr, rows64, row_ok, offs0, ok0, d, stride_g, HAS_RES, RES_STEP,
                           not DEFER)
-    dq0 = tl.zeros([BLOCK_D], tl.float32)
-    offs1, ok1, offs2, ok2, offs3, ok3, offs4, ok4 = offs0, ok0, offs0, ok0, offs0, ok0, offs0, ok0  # unused past NCH
-    tail1, tail2, tail3, tail4, q1, q2, q3, q4 = tail0, tail0, tail0, tail0, q0, q0, q0, q0
-    g1, g2, g3, g4, dq1, dq2, dq3, dq4 = g0, g0, g0, g0, dq0, dq0, dq0, dq0
+    g1, g2, g3, g4 = g0, g0, g0, g0  # unused past NCH
     gh1, gh2, gh3, gh4 = gh, gh, gh, gh
     if NCH >= 2:
-        offs1, ok1, tail1 = _cols(d, r, BLOCK_D, BLOCK_D)
-        q1 = _query(q_ptr, offs1, d, r, tail1)
         g1, gh1 = _bwd_rows(g_ptr, h_ptr, res_ptr, rows64, row_ok, offs1, ok1, d, stride_g, HAS_RES, RES_STEP,
                           not DEFER)
-        dq1 = tl.zeros([BLOCK_D], tl.float32)
     if NCH >= 3:
-        offs2, ok2, tail2 = _cols(d, r, 2 * BLOCK_D, BLOCK_D)
-        q2 = _query(q_ptr, offs2, d, r, tail2)
         g2, gh2 = _bwd_rows(g_ptr, h_ptr, res_ptr, rows64, row_ok, offs2, ok2, d, stride_g, HAS_RES, RES_STEP,
                           not DEFER)
-        dq2 = tl.zeros([BLOCK_D], tl.float32)
     if NCH >= 4:
-        offs3, ok3, tail3 = _cols(d, r, 3 * BLOCK_D, BLOCK_D)
-        q3 = _query(q_ptr, offs3, d, r, tail3)
         g3, gh3 = _bwd_rows(g_ptr, h_ptr, res_ptr, rows64, row_ok, offs3, ok3, d, stride_g, HAS_RES, RES_STEP,
                           not DEFER)
-        dq3 = tl.zeros([BLOCK_D], tl.float32)
     if NCH >= 5:
-        offs4, ok4, tail4 = _cols(d, r, 4 * BLOCK_D, BLOCK_D)
-        q4 = _query(q_ptr, offs4, d, r, tail4)
         g4, gh4 = _bwd_rows(g_ptr, h_ptr, res_ptr, rows64, row_ok, offs4, ok4, d, stride_g, HAS_RES, RES_STEP,
                           not DEFER)
-        dq4 = tl.zeros([BLOCK_D], tl.float32)
     gh = tl.sum(_sum_chunks(gh, gh1, gh2, gh3, gh4, NCH), axis=1)
     lse = tl.load(st_ptr + rows, mask=row_ok, other=0.0)
     if DEFER:
@@ -1057,6 +1096,81 @@ def _bwd_tile_body(
                                                   offs4, ok4, t0, t1, t2, t3, t4, g0, g1, g2, g3, g4, q0, q1, q2, q3, q4,
                                                   tail0, tail1, tail2, tail3, tail4, w, c, coef, dq0, dq1, dq2, dq3, dq4,
                                                   SLICE, KEY0, NCH)
+    return dq0, dq1, dq2, dq3, dq4
+
+
+@triton.jit
+def _bwd_tile_body(
+    q_ptr, h_ptr, res_ptr, g_ptr, st_ptr, dq_part_ptr, go_ptr, N, S, d, r, stride_g, inv_n,
+    SLICE: tl.constexpr, HAS_RES: tl.constexpr, RES_STEP: tl.constexpr, BLOCK_D: tl.constexpr, NCH: tl.constexpr,
+    KEY0: tl.constexpr, BLOCK_T: tl.constexpr, PREFETCH: tl.constexpr, EVICT: tl.constexpr, STAGES: tl.constexpr,
+    PAIR: tl.constexpr, DEFER: tl.constexpr, PERSIST: tl.constexpr,
+    TABLE: tl.constexpr, src0_ptr, src_offs, src_strides, ALIGN: tl.constexpr, grad0_ptr, grad_offs,
+    GALIGN: tl.constexpr, NSLOT: tl.constexpr,
+    x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
+    xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7, xs8, xs9, xs10, xs11, xs12, xs13, xs14, xs15,
+    dx0, dx1, dx2, dx3, dx4, dx5, dx6, dx7, dx8, dx9, dx10, dx11, dx12, dx13, dx14, dx15,
+):
+    """The backward of BLOCK_T tokens, one program per block (no persistent loop): the forward's
+    layout, walking the sources one at a time with the next one's tiles loaded early (PREFETCH) or
+    Triton's pipeliner (STAGES).  Each program writes its own query-gradient partial row.  Why: the
+    persistent backward waits on every source load (ncu on the H200, 8192 tokens, d = 1536, S = 9:
+    12 of its 18 cycles per issued instruction stalled on global loads), while many resident
+    programs of one token block each keep more loads in flight.  PAIR walks the sources two at a
+    time: both sources' loads in flight together and both row sums in one reduction (fast-attnres's
+    backward takes two sources per step: about 1% faster at d = 1536, S = 9 on the H200).  DEFER:
+    two passes, g.h from the sources, h and the residual not read (_bwd_tile_deferred).  PERSIST: the
+    programs loop over the token blocks (the host launches a few per multiprocessor), so the partial
+    rows are per program, not per block: at S = 2 with one token per block those [tokens, r] fp32
+    partials were about a tenth of the backward's bytes."""
+    tl.static_assert(PREFETCH <= 1, "the token-tile backward prefetches at most one step")
+    tl.static_assert(not (PAIR and DEFER), "PAIR and DEFER are separate source loops")
+    pid = tl.program_id(0)
+    offs0, ok0, tail0 = _cols(d, r, 0, BLOCK_D)
+    q0 = _query(q_ptr, offs0, d, r, tail0)
+    dq0 = tl.zeros([BLOCK_D], tl.float32)
+    offs1, ok1, offs2, ok2, offs3, ok3, offs4, ok4 = offs0, ok0, offs0, ok0, offs0, ok0, offs0, ok0  # unused past NCH
+    tail1, tail2, tail3, tail4, q1, q2, q3, q4 = tail0, tail0, tail0, tail0, q0, q0, q0, q0
+    dq1, dq2, dq3, dq4 = dq0, dq0, dq0, dq0
+    if NCH >= 2:
+        offs1, ok1, tail1 = _cols(d, r, BLOCK_D, BLOCK_D)
+        q1 = _query(q_ptr, offs1, d, r, tail1)
+        dq1 = tl.zeros([BLOCK_D], tl.float32)
+    if NCH >= 3:
+        offs2, ok2, tail2 = _cols(d, r, 2 * BLOCK_D, BLOCK_D)
+        q2 = _query(q_ptr, offs2, d, r, tail2)
+        dq2 = tl.zeros([BLOCK_D], tl.float32)
+    if NCH >= 4:
+        offs3, ok3, tail3 = _cols(d, r, 3 * BLOCK_D, BLOCK_D)
+        q3 = _query(q_ptr, offs3, d, r, tail3)
+        dq3 = tl.zeros([BLOCK_D], tl.float32)
+    if NCH >= 5:
+        offs4, ok4, tail4 = _cols(d, r, 4 * BLOCK_D, BLOCK_D)
+        q4 = _query(q_ptr, offs4, d, r, tail4)
+        dq4 = tl.zeros([BLOCK_D], tl.float32)
+    if PERSIST:
+        for blk in range(pid, tl.cdiv(N, BLOCK_T), tl.num_programs(0)):
+            dq0, dq1, dq2, dq3, dq4 = _bwd_tile_block(
+                blk, h_ptr, res_ptr, g_ptr, st_ptr, go_ptr, N, S, d, stride_g, inv_n,
+                offs0, ok0, offs1, ok1, offs2, ok2, offs3, ok3, offs4, ok4, q0, q1, q2, q3, q4,
+                tail0, tail1, tail2, tail3, tail4, dq0, dq1, dq2, dq3, dq4,
+                SLICE, HAS_RES, RES_STEP, NCH, KEY0, BLOCK_T, PREFETCH, EVICT, STAGES, PAIR, DEFER,
+                TABLE, src0_ptr, src_offs, src_strides, ALIGN, grad0_ptr, grad_offs, GALIGN, NSLOT,
+                x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
+                xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7, xs8, xs9, xs10, xs11, xs12, xs13, xs14, xs15,
+                dx0, dx1, dx2, dx3, dx4, dx5, dx6, dx7, dx8, dx9, dx10, dx11, dx12, dx13, dx14, dx15)
+            if DEFER:
+                tl.debug_barrier()  # this block's second pass read its g.o scratch before the next block's first
+    else:
+        dq0, dq1, dq2, dq3, dq4 = _bwd_tile_block(
+            pid, h_ptr, res_ptr, g_ptr, st_ptr, go_ptr, N, S, d, stride_g, inv_n,
+            offs0, ok0, offs1, ok1, offs2, ok2, offs3, ok3, offs4, ok4, q0, q1, q2, q3, q4,
+            tail0, tail1, tail2, tail3, tail4, dq0, dq1, dq2, dq3, dq4,
+            SLICE, HAS_RES, RES_STEP, NCH, KEY0, BLOCK_T, PREFETCH, EVICT, STAGES, PAIR, DEFER,
+            TABLE, src0_ptr, src_offs, src_strides, ALIGN, grad0_ptr, grad_offs, GALIGN, NSLOT,
+            x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
+            xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7, xs8, xs9, xs10, xs11, xs12, xs13, xs14, xs15,
+            dx0, dx1, dx2, dx3, dx4, dx5, dx6, dx7, dx8, dx9, dx10, dx11, dx12, dx13, dx14, dx15)
     if KEY0 == 0:
         _dq_store(dq0, dq_part_ptr, pid, r, d, offs0, tail0)
     if NCH >= 2 and KEY0 <= 1:
@@ -1099,9 +1213,10 @@ def _attnres_fwd_kernel(
     EVICT: tl.constexpr,  # evict-first hint on the source reads
     STAGES: tl.constexpr,  # Triton software-pipeline stages of the source loop (1: none)
     FUSED: tl.constexpr,  # multi-operand row reductions (GPU); separate tl.sum (interpreter)
+    LAZY: tl.constexpr,  # lazy online softmax (_lazy_rescale): 0 off, 1 for one-token programs, 2 always
 ):
     _fwd_body(q_ptr, out_ptr, res_ptr, st_ptr, N, S, d, r, inv_n, eps, SLICE, HAS_RES, RES_STEP, BLOCK_D, NCH,
-              KEY0, BLOCK_T, PREFETCH, EVICT, STAGES, FUSED, True, src0_ptr, src_offs, src_strides, ALIGN, 0,
+              KEY0, BLOCK_T, PREFETCH, EVICT, STAGES, FUSED, LAZY, True, src0_ptr, src_offs, src_strides, ALIGN, 0,
               None, None, None, None, None, None, None, None, None, None, None, None, None, None, None, None,  # no x_i
               None, None, None, None, None, None, None, None, None, None, None, None, None, None, None, None)  # no xs_i
 
@@ -1142,10 +1257,12 @@ def _attnres_bwd_kernel(
     STAGES: tl.constexpr,  # Triton software-pipeline stages of the source loop (1: none)
     PAIR: tl.constexpr,  # token-tile grid: two sources per step
     DEFER: tl.constexpr,  # token-tile grid: two passes, g.h from the sources (no h, no residual)
+    PERSIST: tl.constexpr,  # token-tile grid: programs loop over the token blocks (0: one block each)
 ):
     if BLOCK_T > 0:
         _bwd_tile_body(q_ptr, h_ptr, res_ptr, g_ptr, st_ptr, dq_part_ptr, go_ptr, N, S, d, r, stride_g, inv_n, SLICE,
-                       HAS_RES, RES_STEP, BLOCK_D, NCH, KEY0, BLOCK_T, PREFETCH, EVICT, STAGES, PAIR, DEFER, True, src0_ptr,
+                       HAS_RES, RES_STEP, BLOCK_D, NCH, KEY0, BLOCK_T, PREFETCH, EVICT, STAGES, PAIR, DEFER, PERSIST, True,
+                       src0_ptr,
                        src_offs,
                        src_strides, ALIGN, grad0_ptr, grad_offs, GALIGN, 0,
                        None, None, None, None, None, None, None, None, None, None, None, None, None, None, None, None,
@@ -1154,6 +1271,7 @@ def _attnres_bwd_kernel(
     else:
         tl.static_assert(not PAIR, "PAIR (two sources per step) needs the token-tile grid: BLOCK_T > 0")
         tl.static_assert(not DEFER, "DEFER (two passes) needs the token-tile grid: BLOCK_T > 0")
+        tl.static_assert(not PERSIST, "PERSIST (looping token blocks) is of the token-tile grid: BLOCK_T > 0")
         _bwd_body(q_ptr, h_ptr, res_ptr, g_ptr, st_ptr, dq_part_ptr, N, S, d, r, stride_g, inv_n, SLICE, HAS_RES,
                   RES_STEP, BLOCK_D, NCH, KEY0, SB, PREFETCH, EVICT, STAGES, True, src0_ptr, src_offs, src_strides, ALIGN,
                   grad0_ptr, grad_offs, GALIGN, 0,
@@ -1203,9 +1321,10 @@ def _attnres_fwd_args_kernel(
     EVICT: tl.constexpr,
     STAGES: tl.constexpr,  # Triton software-pipeline stages of the source loop (1: none)
     FUSED: tl.constexpr,
+    LAZY: tl.constexpr,
 ):
     _fwd_body(q_ptr, out_ptr, res_ptr, st_ptr, N, S, d, r, _inv_key_width(r, d, SLICE), EPS, SLICE, HAS_RES,
-              RES_STEP, BLOCK_D, NCH, KEY0, BLOCK_T, PREFETCH, EVICT, STAGES, FUSED, False, None, None, None, 1, NSLOT,
+              RES_STEP, BLOCK_D, NCH, KEY0, BLOCK_T, PREFETCH, EVICT, STAGES, FUSED, LAZY, False, None, None, None, 1, NSLOT,
               x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
               xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7, xs8, xs9, xs10, xs11, xs12, xs13, xs14, xs15)
 
@@ -1245,17 +1364,19 @@ def _attnres_bwd_args_kernel(
     STAGES: tl.constexpr,  # Triton software-pipeline stages of the source loop (1: none)
     PAIR: tl.constexpr,  # token-tile grid: two sources per step
     DEFER: tl.constexpr,  # token-tile grid: two passes, g.h from the sources (no h, no residual)
+    PERSIST: tl.constexpr,  # token-tile grid: programs loop over the token blocks (0: one block each)
 ):
     if BLOCK_T > 0:
         _bwd_tile_body(q_ptr, h_ptr, res_ptr, g_ptr, st_ptr, dq_part_ptr, go_ptr, N, S, d, r, stride_g,
                        _inv_key_width(r, d, SLICE), SLICE, HAS_RES, RES_STEP, BLOCK_D, NCH, KEY0, BLOCK_T, PREFETCH, EVICT,
-                       STAGES, PAIR, DEFER, False, None, None, None, 1, None, None, 1, NSLOT,
+                       STAGES, PAIR, DEFER, PERSIST, False, None, None, None, 1, None, None, 1, NSLOT,
                        x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
                        xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7, xs8, xs9, xs10, xs11, xs12, xs13, xs14, xs15,
                        dx0, dx1, dx2, dx3, dx4, dx5, dx6, dx7, dx8, dx9, dx10, dx11, dx12, dx13, dx14, dx15)
     else:
         tl.static_assert(not PAIR, "PAIR (two sources per step) needs the token-tile grid: BLOCK_T > 0")
         tl.static_assert(not DEFER, "DEFER (two passes) needs the token-tile grid: BLOCK_T > 0")
+        tl.static_assert(not PERSIST, "PERSIST (looping token blocks) is of the token-tile grid: BLOCK_T > 0")
         _bwd_body(q_ptr, h_ptr, res_ptr, g_ptr, st_ptr, dq_part_ptr, N, S, d, r, stride_g,
                   _inv_key_width(r, d, SLICE), SLICE, HAS_RES, RES_STEP, BLOCK_D, NCH, KEY0, SB, PREFETCH, EVICT, STAGES,
                   False, None, None, None, 1, None, None, 1, NSLOT,

@@ -176,6 +176,13 @@ TRITON_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 RES_BITS = os.environ.get("KERNELS_RES_BITS", "1") == "1"
 
 
+# The forward's lazy online softmax (kernels._triton._lazy_rescale): the running mix is rescaled only
+# when a score passes the reference maximum by more than LAZY_TAU, not at every source.  0 off, 1 for
+# one-token programs (the branch needs no cross-warp reduction there), 2 for every forward program
+# (KERNELS_LAZY).
+LAZY_RESCALE = int(os.environ.get("KERNELS_LAZY", "1"))
+
+
 def _res_step(dtype: torch.dtype) -> float:
     """The kernels' RES_STEP: 0 for the bf16 bit code, else 2^-(mantissa bits + 8)."""
     if dtype == torch.bfloat16 and RES_BITS:
@@ -295,11 +302,14 @@ def _fwd_configs(block_d: int, nch: int = 1) -> list[dict]:
     d = 2560, S = 9, r = 640, and 142 at r = d), four tokens with Triton's three-stage pipelining (179
     at d = 1536, S = 25; 52.7 at d = 1024, S = 9); without the specialisation one token with 1 and 4
     warps (96.6 at d = 1536, S = 9).  Elements per thread and chunk: 4, 2 and 1 warps per token at
-    512 columns, 8, 4 and 2 at 1024."""
+    512 columns, 8, 4 and 2 at 1024.  Added in the eleventh session, untimed: one token with 2 warps
+    (offline sm_90 at d = 1536, r = d: 520 warp instructions per token and source against 728 with 4
+    warps, 105 registers), for the issue-bound forward at r = d."""
     if nch > 1:
         return _configs(block_d, "BLOCK_T", (
             (4, 16, 1, dict(_KEYED, EVICT=True)), (1, 4, 1, dict(_KEYED, EVICT=True)),
-            (4, 16, 0, dict(_KEYED, STAGES=3)), (1, 16, 1, {"EVICT": True}), (1, 4, 1)))
+            (4, 16, 0, dict(_KEYED, STAGES=3)), (1, 16, 1, {"EVICT": True}), (1, 4, 1),
+            (1, 8, 1, dict(_KEYED, EVICT=True))))
     return _configs(block_d, "BLOCK_T", ((2, 32, 1), (1, 16, 1), (1, 16, 0), (1, 8, 1), (2, 16, 1)))
 
 
@@ -335,10 +345,13 @@ def _defer_configs(block_d: int, nch: int) -> list[dict]:
     512-column chunk, with and without prefetch (timed on the H200: 2 warps with prefetch was the
     tuner's most frequent choice); and two tokens per program with 4 warps, which writes half the
     query-gradient partial rows (at S = 2 with one token per program those are about a tenth of the
-    backward's bytes; this candidate not yet timed, its code path GPU-tested with 2 warps)."""
+    backward's bytes; this candidate not yet timed, its code path GPU-tested with 2 warps); and (eleventh
+    session, untimed) one token per block with 2 and 4 warps on a persistent grid of 16 and 8 programs per
+    multiprocessor (PERSIST), which writes a partial row per program instead of per token."""
     tile_keyed = dict(_TILE, **_KEYED, DEFER=True)
     return _configs(block_d, "SB", ((1, 4, 1, tile_keyed), (1, 8, 1, tile_keyed), (1, 4, 0, tile_keyed),
-                                    (1, 16, 1, tile_keyed), (2, 8, 1, tile_keyed)))
+                                    (1, 16, 1, tile_keyed), (2, 8, 1, tile_keyed),
+                                    (1, 8, 1, dict(tile_keyed, PERSIST=16)), (1, 4, 1, dict(tile_keyed, PERSIST=8))))
 
 
 # The deferred backward (kernels._triton._bwd_tile_deferred) takes g.h from the sources in a first pass
@@ -392,7 +405,7 @@ BWD_PROGRAMS_PER_SM = 8
 # (PAIR: the token-tile grid's two sources per step, off).  Every constexpr is passed, none left to a
 # default: torch's analysis of which arguments a kernel writes (Inductor, compiled path) counted every
 # pointer as written when the kernel had a defaulted constexpr that the launch left out.
-_BWD_DEFAULTS = {"SB": 1, "BLOCK_T": 0, "PAIR": False, "DEFER": False}
+_BWD_DEFAULTS = {"SB": 1, "BLOCK_T": 0, "PAIR": False, "DEFER": False, "PERSIST": 0}
 
 
 # The tuned choice per (kind, BLOCK_D, chunks, key chunk) + shape class (d, norm, residual, dtypes,
@@ -567,12 +580,13 @@ def _fwd_triton(sources: Sequence[torch.Tensor], query: torch.Tensor, norm: str,
         block_d, nch = _layout("fwd", d, r)
         if STATS is not None:
             STATS[("fwd", len(rows), n_tok, d, r, align)] += 1
-        key = (d, norm == "slice", has_res, dtype, query.dtype) + _tune_class(len(rows), n_tok)
+        key = (d, norm == "slice", has_res, dtype, query.dtype, _res_step(dtype), LAZY_RESCALE) + _tune_class(
+            len(rows), n_tok)
         key_pos = _key_pos(d, r, block_d, nch)
         args = (rows[0], table[0], table[1], query.contiguous(), out, res if has_res else out, stats,
                 n_tok, len(rows), d, r, 1.0 / (r if norm == "slice" else d), float(eps))
-        consts = dict(SLICE=(norm == "slice"), HAS_RES=has_res, RES_STEP=_res_step(dtype), ALIGN=align,
-                      BLOCK_D=block_d, NCH=nch, FUSED=_fused(dev))
+        consts = dict(SLICE=_key_masked(norm, d, r), HAS_RES=has_res, RES_STEP=_res_step(dtype), ALIGN=align,
+                      BLOCK_D=block_d, NCH=nch, FUSED=_fused(dev), LAZY=LAZY_RESCALE)
 
         def launch(cfg):
             K._attnres_fwd_kernel[(triton_cdiv(n_tok, cfg["BLOCK_T"]),)](*args, **consts, **cfg)
@@ -609,6 +623,8 @@ def _bwd_programs(cfg: dict, n_tok: int, dev: torch.device) -> int:
     BWD_PROGRAMS_PER_SM per multiprocessor (persistent kernel).  Each writes one query-gradient
     partial row."""
     bt = cfg.get("BLOCK_T", 0)
+    if bt and cfg.get("PERSIST"):  # token blocks looped over by PERSIST programs per multiprocessor
+        return max(1, min(triton_cdiv(n_tok, bt), cfg["PERSIST"] * _num_sms(dev)))
     if bt:
         return triton_cdiv(n_tok, bt)
     return max(1, min(n_tok, BWD_PROGRAMS_PER_SM * _num_sms(dev)))
@@ -639,11 +655,11 @@ def _bwd_triton(sources, query, h, stats, res, g, norm: str, eps: float):
     table = _table([offs, strides, goffs], dev)
     if STATS is not None:
         STATS[("bwd", len(rows), n_tok, d, r, min(align, galign))] += 1
-    key = (d, norm == "slice", has_res, dtype, query.dtype, g.dtype) + _tune_class(len(rows), n_tok)
+    key = (d, norm == "slice", has_res, dtype, query.dtype, g.dtype, _res_step(dtype)) + _tune_class(len(rows), n_tok)
     key_pos = _key_pos(d, r, block_d, nch)
     args = (rows[0], table[0], table[1], grads[0], table[2], query.contiguous(), h2, res2, g, stats2)
     more = (n_tok, len(rows), d, r, gs, 1.0 / (r if norm == "slice" else d), float(eps))
-    consts = dict(SLICE=(norm == "slice"), HAS_RES=has_res, RES_STEP=_res_step(dtype), ALIGN=align, GALIGN=galign,
+    consts = dict(SLICE=_key_masked(norm, d, r), HAS_RES=has_res, RES_STEP=_res_step(dtype), ALIGN=align, GALIGN=galign,
                   BLOCK_D=block_d, NCH=nch)
 
     def launch(cfg):  # the kernel and the sum of its query-gradient partials (one row per program)
@@ -677,6 +693,14 @@ def _fused(dev: torch.device) -> bool:
 
 def triton_cdiv(a: int, b: int) -> int:
     return (a + b - 1) // b
+
+
+def _key_masked(norm: str, d: int, r: int) -> bool:
+    """The kernels' SLICE: "slice" with r < d.  At r = d the key is the whole row, the same math as
+    "full", whose build has no key-column masks (offline sm_90, d = 1536 as 3 x 512, one token, 4 warps:
+    the forward's source loop 232 -> 182 instructions, the backward's 236 -> 197, its registers
+    119 -> 92)."""
+    return norm == "slice" and r < d
 
 
 def _launch_kwargs(cfg: dict, kind: str, key_pos: int) -> dict:
@@ -918,8 +942,9 @@ def _fwd_args(sources: Sequence[torch.Tensor], query: torch.Tensor, norm: str, e
             K._attnres_fwd_args_kernel, (triton_cdiv(n_tok, cfg["BLOCK_T"]),),
             *_slots(rows), *_slots(strides), query.contiguous(), out, res if has_res else None, stats,
             n_tok, len(rows), d, r,
-            NSLOT=len(rows), EPS=float(eps), SLICE=(norm == "slice"), HAS_RES=has_res, RES_STEP=_res_step(dtype),
-            BLOCK_D=block_d, NCH=nch, FUSED=_fused(dev), **_launch_kwargs(cfg, "fwd", _key_pos(d, r, block_d, nch)),
+            NSLOT=len(rows), EPS=float(eps), SLICE=_key_masked(norm, d, r), HAS_RES=has_res, RES_STEP=_res_step(dtype),
+            BLOCK_D=block_d, NCH=nch, FUSED=_fused(dev), LAZY=LAZY_RESCALE,
+            **_launch_kwargs(cfg, "fwd", _key_pos(d, r, block_d, nch)),
         )
     return out, stats, res
 
@@ -945,7 +970,7 @@ def _bwd_args(sources, query, h, stats, res, g, norm: str, eps: float):
         *_slots(rows), *_slots(strides), *_slots(grads), query.contiguous(), h2,
         res.contiguous() if has_res else None, g, stats.contiguous(), part, go,
         n_tok, len(rows), d, r, gs,
-        NSLOT=len(rows), EPS=float(eps), SLICE=(norm == "slice"), HAS_RES=has_res, RES_STEP=_res_step(dtype),
+        NSLOT=len(rows), EPS=float(eps), SLICE=_key_masked(norm, d, r), HAS_RES=has_res, RES_STEP=_res_step(dtype),
         BLOCK_D=block_d, NCH=nch, **kw,
     )
     return grads, part.sum(0).to(query.dtype)

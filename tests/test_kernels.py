@@ -217,6 +217,13 @@ CONFIG_CASES = [
      {"BLOCK_T": 1, "num_warps": 1, "PREFETCH": 1, "KEYCH": True, "DEFER": True, "SPLIT": 5}, (640, 100, 3, "slice", "colstride")),
     ({"BLOCK_T": 1, "num_warps": 2, "PREFETCH": 1},  # the two-token deferred candidate (4 warps)
      {"BLOCK_T": 2, "num_warps": 4, "PREFETCH": 1, "KEYCH": True, "DEFER": True, "SPLIT": 3}, (384, 200, 9, "slice", "contig")),
+    # PERSIST: the token blocks looped over by PERSIST programs per multiprocessor (2 on the CPU: each
+    # program takes about half the blocks), deferred and with the residual, PAIR
+    ({"BLOCK_T": 1, "num_warps": 2, "PREFETCH": 1},
+     {"BLOCK_T": 1, "num_warps": 2, "PREFETCH": 1, "KEYCH": True, "DEFER": True, "SPLIT": 3, "PERSIST": 1},
+     (384, 200, 6, "slice", "mixed")),
+    ({"BLOCK_T": 1, "num_warps": 2, "PREFETCH": 0},
+     {"BLOCK_T": 2, "num_warps": 2, "PREFETCH": 1, "KEYCH": True, "PAIR": True, "PERSIST": 1}, (300, 40, 5, "full", "contig")),
 ]
 
 
@@ -268,7 +275,7 @@ def test_key_chunk(monkeypatch):
     assert op._launch_kwargs({"BLOCK_T": 1, "KEYCH": True, "SPLIT": True}, "fwd", 2) == {
         "BLOCK_T": 1, "EVICT": False, "STAGES": 1, "KEY0": 2}
     assert op._launch_kwargs({"BLOCK_T": 1}, "bwd", 2) == {"SB": 1, "BLOCK_T": 1, "PAIR": False, "DEFER": False, "EVICT": False,
-                                                          "STAGES": 1, "KEY0": 0}
+                                                          "STAGES": 1, "KEY0": 0, "PERSIST": 0}
     assert op._launch_kwargs({"SB": 1, "KEY0": 1}, "bwd", 2)["KEY0"] == 1  # a remembered choice keeps its own
     monkeypatch.setattr(op, "KEY_CHUNKS", False)  # KERNELS_KEY_CHUNKS=0
     assert op._launch_kwargs({"BLOCK_T": 1, "KEYCH": True}, "fwd", 2)["KEY0"] == 0
@@ -420,6 +427,57 @@ def test_cpu_fallback_matches_reference(norm):
     for a, b in zip(gs, gs_ref):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(gq, gq_ref, rtol=1e-4, atol=1e-5)
+
+
+@needs_triton
+@pytest.mark.parametrize("lazy,block_t", [(1, 1), (2, 4), (0, 1)])
+@pytest.mark.parametrize("order", ["rising", "falling", "shuffled"])
+def test_lazy_softmax_with_steep_scores(lazy, block_t, order, monkeypatch):
+    """The forward's lazy online softmax (kernels._triton._lazy_rescale; LAZY 1: one-token programs, 2:
+    every program, the branch then taken for the whole token block) against the reference where the
+    scores span about +-60 and move by more than LAZY_TAU from source to source: rising (a rescale at
+    every source), falling (only at the first) and shuffled, in fp32 with both families of kernels;
+    LAZY 0 (the plain online softmax) as the control."""
+    device = "cuda" if HAS_CUDA else "cpu"
+    if not HAS_CUDA:
+        op.set_cpu_triton(True)
+    monkeypatch.setattr(op, "LAZY_RESCALE", lazy)
+    monkeypatch.setattr(op, "CONFIG_OVERRIDE", {"fwd": {"BLOCK_T": block_t, "num_warps": 2, "PREFETCH": 1}})
+    gen = torch.Generator(device=device).manual_seed(17)
+    d, r, S, lead = 64, 16, 9, (3, 7)
+    query = torch.randn(r, generator=gen, device=device) * 4
+    cos = torch.linspace(-1, 1, S, device=device)  # each source's alignment with the query
+    if order == "falling":
+        cos = cos.flip(0)
+    elif order == "shuffled":
+        cos = cos[torch.randperm(S, generator=gen, device=device)]
+    qhat = query / query.norm()
+    u = torch.randn(r, generator=gen, device=device)
+    u = u - (u @ qhat) * qhat
+    u = u / u.norm()  # a unit key direction orthogonal to the query
+    sources = []
+    for c in cos:  # key at angle arccos(c) to the query, RMS 1: score about c |q| sqrt(r)
+        x = torch.randn(*lead, d, generator=gen, device=device) * 0.01
+        x[..., d - r:] += (c * qhat + (1 - c * c).clamp_min(0).sqrt() * u) * r ** 0.5
+        sources.append(x.requires_grad_())
+    query.requires_grad_()
+    g = torch.randn(*lead, d, generator=gen, device=device)
+    z = op._scores_torch([s.detach() for s in sources], query.detach(), "slice", 1e-6)[0]
+    assert float(z.max() - z.min()) > 80 and float((z[1:] - z[:-1]).abs().min()) > 8
+    try:
+        for fn in (kernels.attnres_triton, lambda s, q, norm: op.attnres_fwd_args(s, q, norm, 1e-6)[0]):
+            h, _, _ = _run(fn, sources, query, g, "slice") if fn is kernels.attnres_triton else (
+                fn([s.detach() for s in sources], query.detach(), "slice"), None, None)
+            h_ref = route([s.detach() for s in sources], query.detach(), norm="slice")
+            assert torch.isfinite(h).all()
+            torch.testing.assert_close(h, h_ref, rtol=1e-5, atol=1e-5)
+        _, gs, gq = _run(kernels.attnres_triton, sources, query, g, "slice")
+        _, gs_ref, gq_ref = _run(route, sources, query, g, "slice")
+    finally:
+        op.set_cpu_triton(False)
+    for a, b in zip(gs, gs_ref):
+        torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-3)
+    torch.testing.assert_close(gq, gq_ref, rtol=1e-3, atol=2e-3 * max(1.0, gq_ref.abs().max().item()))
 
 
 def _residual_probe_values() -> torch.Tensor:
@@ -663,8 +721,9 @@ def test_gpu_bf16_paper_criterion(d, r, S, norm):
                                  {"BLOCK_T": 1, "num_warps": 4, "PREFETCH": 1},
                                  {"BLOCK_T": 1, "num_warps": 4, "PREFETCH": 1, "PAIR": True},
                                  {"BLOCK_T": 1, "num_warps": 4, "PREFETCH": 1, "DEFER": True},
-                                 {"BLOCK_T": 2, "num_warps": 4, "PREFETCH": 1, "DEFER": True}],
-                         ids=["persistent", "tile", "tile-pair", "tile-deferred", "tile2-deferred"])
+                                 {"BLOCK_T": 2, "num_warps": 4, "PREFETCH": 1, "DEFER": True},
+                                 {"BLOCK_T": 1, "num_warps": 2, "PREFETCH": 1, "DEFER": True, "PERSIST": 16}],
+                         ids=["persistent", "tile", "tile-pair", "tile-deferred", "tile2-deferred", "tile-deferred-looped"])
 @pytest.mark.parametrize("d,r,S,norm", [(1536, 384, 9, "slice"), (2560, 640, 5, "full"), (1536, 700, 8, "slice"),
                                         (2560, 320, 9, "slice"), (1024, 256, 9, "full")])
 def test_gpu_bf16_key_chunks(d, r, S, norm, bwd, monkeypatch):
@@ -858,13 +917,14 @@ class _Target:
 S, N, d, r = 3, 40, 96, 16
 BLOCK_D, NCH, STAGES = (32, 3, 2) if sys.argv[1] == "3" else (128, 1, 1)  # the pipelined loop with three chunks
 DEFER = sys.argv[5] == "1"  # the deferred backward: no residual, a g.o scratch
-common = dict(N=N, S=S, d=d, r=r, NSLOT=S, EPS=1e-6, SLICE=True, HAS_RES=not DEFER, RES_STEP=2.0**-15, BLOCK_D=BLOCK_D,
+common = dict(N=N, S=S, d=d, r=r, NSLOT=S, EPS=1e-6, SLICE=True, HAS_RES=not DEFER, RES_STEP=0.0, BLOCK_D=BLOCK_D,
               NCH=NCH, KEY0=int(sys.argv[3]), PREFETCH=1, EVICT=False, STAGES=STAGES, q_ptr=torch.empty(r, dtype=torch.bfloat16),
               res_ptr=None if DEFER else torch.empty(N, d, dtype=torch.int8), st_ptr=torch.empty(1 + 2 * S, N))
-fwd = dict(common, out_ptr=torch.empty(N, d, dtype=torch.bfloat16), BLOCK_T=2, FUSED=True)
+fwd = dict(common, out_ptr=torch.empty(N, d, dtype=torch.bfloat16), BLOCK_T=2, FUSED=True, LAZY=int(sys.argv[6]))
 bwd = dict(common, h_ptr=torch.empty(N, d, dtype=torch.bfloat16), g_ptr=torch.empty(N, d, dtype=torch.bfloat16),
            dq_part_ptr=torch.empty(4, r), go_ptr=torch.empty(S, N) if DEFER else None, stride_g=d, SB=2,
-           BLOCK_T=int(sys.argv[2]), PAIR=sys.argv[4] == "1", DEFER=DEFER)  # BLOCK_T 0: persistent grid
+           BLOCK_T=int(sys.argv[2]), PAIR=sys.argv[4] == "1", DEFER=DEFER,  # BLOCK_T 0: persistent grid
+           PERSIST=int(sys.argv[7]))
 for i in range(16):
     for kw in (fwd, bwd):
         kw[f"x{i}"] = torch.empty(N, d, dtype=torch.bfloat16) if i < S else None
@@ -893,9 +953,11 @@ def test_compiled_kernels_write_only_their_outputs():
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
     # column chunks; the backward's grid (0 persistent, 2 tokens per program); KEY0 (key-chunk specialisation);
-    # PAIR (the token tile two sources per step); DEFER (the deferred backward, whose forward keeps no residual)
-    for case in (("1", "0", "0", "0", "0"), ("3", "0", "0", "0", "0"), ("3", "2", "2", "0", "0"), ("3", "0", "2", "0", "0"),
-                 ("3", "2", "2", "1", "0"), ("3", "2", "2", "0", "1")):
+    # PAIR (the token tile two sources per step); DEFER (the deferred backward, whose forward keeps no residual);
+    # LAZY (the forward's lazy online softmax: 2 for its two-token blocks); PERSIST (looped token blocks)
+    for case in (("1", "0", "0", "0", "0", "0", "0"), ("3", "0", "0", "0", "0", "1", "0"),
+                 ("3", "2", "2", "0", "0", "2", "0"), ("3", "0", "2", "0", "0", "0", "0"),
+                 ("3", "2", "2", "1", "0", "1", "8"), ("3", "2", "2", "0", "1", "2", "0"), ("3", "1", "2", "0", "1", "2", "16")):
         proc = subprocess.run([sys.executable, "-c", _WRITES_SCRIPT, *case], env=env,
                               capture_output=True, text=True, timeout=300)
         assert proc.returncode == 0, proc.stderr[-3000:]
