@@ -517,16 +517,17 @@ def test_residual_code_bit_exact():
     on the fp32 bit patterns): the kernels' code and the torch fallback's are the same bytes, h comes
     back to 2^-16 of |h| (the 8 bits kept of the 16 dropped), exactly where the dropped bits fit in
     8, and the fp16 code (RES_STEP 2^-18) still matches its torch twin.  Run through the interpreter in
-    fp32: the rounded value is handed to the helpers as an fp32 that bf16 represents exactly."""
-    h = _residual_probe_values()
+    fp32: the rounded value is handed to the helpers as an fp32 that bf16 represents exactly (on a GPU,
+    the compiled helpers)."""
+    h = _residual_probe_values().to("cuda" if HAS_CUDA else "cpu")
     for dtype in (torch.bfloat16, torch.float16):
         hb = h.to(dtype)
         fin = torch.isfinite(hb.float())
         hh, hbb = h[fin], hb[fin]
         step = op._res_step(dtype)
         assert (step == 0) == (dtype == torch.bfloat16 and op.RES_BITS)
-        code = torch.empty(hh.numel(), dtype=torch.int8)
-        back = torch.empty(hh.numel())
+        code = torch.empty(hh.numel(), dtype=torch.int8, device=h.device)
+        back = torch.empty(hh.numel(), device=h.device)
         _residual_probe[(1,)](hh, hbb.float(), code, back, hh.numel(), RES_STEP=step, BLOCK=triton.next_power_of_2(hh.numel()))
         ref_code = op._res_encode(hh, hbb)
         assert torch.equal(code, ref_code), f"{dtype}: kernel and torch residual codes differ"
