@@ -28,16 +28,19 @@ Sources are never stacked; two kernel families address them, around one shared b
 Forward (one pass over the sources, online softmax): reads S*d, writes d elements per token, the
 per-token statistics [1 + 2S, N] fp32 (the logsumexp, each source's score z_i and key 1/RMS) and
 (bf16/fp16) an int8 residual per element: the next 8 mantissa bits of the fp32 mix that rounding to
-the output dtype dropped.  The backward needs g.h at fp32 accuracy (dz_i = w_i (g.o_i - g.h)
-cancels), and g.h from the rounded h alone fails the paper's bf16 criterion on random upstream
-gradients; the residual restores h to about 2^-16 relative for one byte.
+the output dtype dropped (for bf16 taken from the fp32 bit pattern with integer operations:
+_res_code).  The backward needs g.h at fp32 accuracy (dz_i = w_i (g.o_i - g.h) cancels), and g.h from
+the rounded h alone fails the paper's bf16 criterion on random upstream gradients; the residual
+restores h to about 2^-16 relative for one byte.  One-token programs rescale the online softmax
+lazily (_lazy_rescale: only when a score passes the reference maximum by more than e^8).
 
 Backward (one pass over the sources): reads g, h and the residual, the statistics and the S sources
 once, writes the S source gradients; with the saved scores one row sum per source (g.o_i) remains.
 The query gradient is accumulated per program into an fp32 partial [programs, r] that the host sums
 (deterministic).  Persistent grid: programs loop over tokens.  A second grid, the token-tile backward
 (_bwd_tile_body, chosen by BLOCK_T > 0), gives each program BLOCK_T tokens in the forward's layout
-and no token loop, and writes one partial row per BLOCK_T tokens.  On the H200 its kernel stalled
+and no token loop, and writes one partial row per BLOCK_T tokens (PERSIST: a few programs per
+multiprocessor loop over the blocks, one partial row each).  On the H200 its kernel stalled
 less on loads than the persistent one (ncu); with the key-chunk specialisation (KEY0) it is the
 fastest backward at most three-chunk shapes timed, and an autotuned candidate beside the persistent
 grid (docs/kernel_notes.md, seventh and eighth sessions).  The deferred backward (DEFER, token-tile

@@ -365,7 +365,10 @@ def _defer_configs(block_d: int, nch: int) -> list[dict]:
 # ran 8% slower than the residual one at S = 9 (163 against 150 us; 262 against 246 at d = 2560),
 # much slower at S = 25 (forward+backward 577 against 527: the second pass's reads of S key chunks per
 # token outgrow the L2), so it is used up to DEFER_MAX_S sources, where forward+backward gained
-# (S = 2: 94 -> 82 us; S = 5: 158 -> 145).  KERNELS_DEFER=0 turns it off.
+# (S = 2: 94 -> 82 us; S = 5: 158 -> 145).  With the residual's bit code (eleventh session) the
+# residual forward is close to the residual-free one, and deferral at S = 9 lost 11-31 us of
+# forward+backward at five shapes (kernel_bench_h200_2026-11-30_v14_8192_a, variant defer16) while it
+# still won at S = 2 and 5 (variant nodefer in _v14_8192_b).  KERNELS_DEFER=0 turns it off.
 DEFER = os.environ.get("KERNELS_DEFER", "1") == "1"
 DEFER_MAX_S = int(os.environ.get("KERNELS_DEFER_MAX_S", "8"))
 
