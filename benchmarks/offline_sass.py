@@ -68,6 +68,8 @@ CONFIGS = {
     "split-tile-key-bits": (512, 3, 1, 4, 1, 1, "tile", 2, {"RES_STEP": 0.0}),
     "split-tile-rd-unmasked": (512, 3, 1, 4, 1, 1, "tile", 0, {"RES_STEP": 0.0, "SLICE": False}),  # r = d as "full"
     "split-tile-rd-unmasked-2w": (512, 3, 1, 2, 1, 1, "tile", 0, {"RES_STEP": 0.0, "SLICE": False}),
+    # the deferred token tile looped over by persistent programs (PERSIST, eleventh session's S = 2 choice)
+    "split-tile-key-defer-looped": (512, 3, 1, 2, 1, 1, "tile", 2, {"DEFER": True, "HAS_RES": False, "PERSIST": 16}),
 }
 _NSLOT = 9
 

@@ -653,6 +653,67 @@ def _tile_grads(gp, rows64, live, d, offs0, ok0, offs1, ok1, offs2, ok2, offs3, 
 
 
 @triton.jit
+def _bwd_chunks(d, r, BLOCK_D: tl.constexpr, NCH: tl.constexpr):
+    """The backward's per-chunk constants: column offsets, in-row masks, key masks and zeroed
+    query-gradient accumulators of chunks 0..4 (chunk 0's past NCH, unused).  No pointer goes in:
+    Inductor's analysis of which arguments a kernel writes takes what a helper returns as derived from
+    every pointer it was given, and these offsets address the stores."""
+    offs0, ok0, tail0 = _cols(d, r, 0, BLOCK_D)
+    dq0 = tl.zeros([BLOCK_D], tl.float32)
+    offs1, ok1, offs2, ok2, offs3, ok3, offs4, ok4 = offs0, ok0, offs0, ok0, offs0, ok0, offs0, ok0
+    tail1, tail2, tail3, tail4 = tail0, tail0, tail0, tail0
+    dq1, dq2, dq3, dq4 = dq0, dq0, dq0, dq0
+    if NCH >= 2:
+        offs1, ok1, tail1 = _cols(d, r, BLOCK_D, BLOCK_D)
+        dq1 = tl.zeros([BLOCK_D], tl.float32)
+    if NCH >= 3:
+        offs2, ok2, tail2 = _cols(d, r, 2 * BLOCK_D, BLOCK_D)
+        dq2 = tl.zeros([BLOCK_D], tl.float32)
+    if NCH >= 4:
+        offs3, ok3, tail3 = _cols(d, r, 3 * BLOCK_D, BLOCK_D)
+        dq3 = tl.zeros([BLOCK_D], tl.float32)
+    if NCH >= 5:
+        offs4, ok4, tail4 = _cols(d, r, 4 * BLOCK_D, BLOCK_D)
+        dq4 = tl.zeros([BLOCK_D], tl.float32)
+    return (offs0, ok0, offs1, ok1, offs2, ok2, offs3, ok3, offs4, ok4, tail0, tail1, tail2, tail3, tail4,
+            dq0, dq1, dq2, dq3, dq4)
+
+
+@triton.jit
+def _chunk_queries(q_ptr, d, r, offs0, offs1, offs2, offs3, offs4, tail0, tail1, tail2, tail3, tail4,
+                   NCH: tl.constexpr):
+    """The query's columns of chunks 0..4 (chunk 0's past NCH)."""
+    q0 = _query(q_ptr, offs0, d, r, tail0)
+    q1, q2, q3, q4 = q0, q0, q0, q0
+    if NCH >= 2:
+        q1 = _query(q_ptr, offs1, d, r, tail1)
+    if NCH >= 3:
+        q2 = _query(q_ptr, offs2, d, r, tail2)
+    if NCH >= 4:
+        q3 = _query(q_ptr, offs3, d, r, tail3)
+    if NCH >= 5:
+        q4 = _query(q_ptr, offs4, d, r, tail4)
+    return q0, q1, q2, q3, q4
+
+
+@triton.jit
+def _dq_stores(dq0, dq1, dq2, dq3, dq4, dq_part_ptr, pid, r, d, offs0, offs1, offs2, offs3, offs4,
+               tail0, tail1, tail2, tail3, tail4, NCH: tl.constexpr, KEY0: tl.constexpr):
+    """This program's query-gradient partial row: the key columns of chunks KEY0.. (the chunks before
+    KEY0 hold none)."""
+    if KEY0 == 0:
+        _dq_store(dq0, dq_part_ptr, pid, r, d, offs0, tail0)
+    if NCH >= 2 and KEY0 <= 1:
+        _dq_store(dq1, dq_part_ptr, pid, r, d, offs1, tail1)
+    if NCH >= 3 and KEY0 <= 2:
+        _dq_store(dq2, dq_part_ptr, pid, r, d, offs2, tail2)
+    if NCH >= 4 and KEY0 <= 3:
+        _dq_store(dq3, dq_part_ptr, pid, r, d, offs3, tail3)
+    if NCH >= 5:
+        _dq_store(dq4, dq_part_ptr, pid, r, d, offs4, tail4)
+
+
+@triton.jit
 def _fwd_body(
     q_ptr, out_ptr, res_ptr, st_ptr, N, S, d, r, inv_n, eps,
     SLICE: tl.constexpr, HAS_RES: tl.constexpr, RES_STEP: tl.constexpr, BLOCK_D: tl.constexpr, NCH: tl.constexpr,
@@ -776,26 +837,10 @@ def _bwd_body(
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     sbs = tl.arange(0, SB)
-    offs0, ok0, tail0 = _cols(d, r, 0, BLOCK_D)
-    q0 = _query(q_ptr, offs0, d, r, tail0)
-    dq0 = tl.zeros([BLOCK_D], tl.float32)
-    offs1, ok1, offs2, ok2, offs3, ok3, offs4, ok4 = offs0, ok0, offs0, ok0, offs0, ok0, offs0, ok0  # unused past NCH
-    if NCH >= 2:
-        offs1, ok1, tail1 = _cols(d, r, BLOCK_D, BLOCK_D)
-        q1 = _query(q_ptr, offs1, d, r, tail1)
-        dq1 = tl.zeros([BLOCK_D], tl.float32)
-    if NCH >= 3:
-        offs2, ok2, tail2 = _cols(d, r, 2 * BLOCK_D, BLOCK_D)
-        q2 = _query(q_ptr, offs2, d, r, tail2)
-        dq2 = tl.zeros([BLOCK_D], tl.float32)
-    if NCH >= 4:
-        offs3, ok3, tail3 = _cols(d, r, 3 * BLOCK_D, BLOCK_D)
-        q3 = _query(q_ptr, offs3, d, r, tail3)
-        dq3 = tl.zeros([BLOCK_D], tl.float32)
-    if NCH >= 5:
-        offs4, ok4, tail4 = _cols(d, r, 4 * BLOCK_D, BLOCK_D)
-        q4 = _query(q_ptr, offs4, d, r, tail4)
-        dq4 = tl.zeros([BLOCK_D], tl.float32)
+    (offs0, ok0, offs1, ok1, offs2, ok2, offs3, ok3, offs4, ok4, tail0, tail1, tail2, tail3, tail4,
+     dq0, dq1, dq2, dq3, dq4) = _bwd_chunks(d, r, BLOCK_D, NCH)
+    q0, q1, q2, q3, q4 = _chunk_queries(q_ptr, d, r, offs0, offs1, offs2, offs3, offs4, tail0, tail1, tail2, tail3,
+                                        tail4, NCH)
     for row in range(pid, N, nprog):
         row64 = tl.cast(row, tl.int64)
         g0, gh = _bwd_row(g_ptr, h_ptr, res_ptr, row64, offs0, ok0, d, stride_g, HAS_RES, RES_STEP)
@@ -858,17 +903,8 @@ def _bwd_body(
                 dq3 = _rows_grad(gp, row64, d, offs3, ok3, js, S, t3, g3, q3, tail3, w, c, coef, dq3, SLICE, KEY0 > 3)
             if NCH >= 5:
                 dq4 = _rows_grad(gp, row64, d, offs4, ok4, js, S, t4, g4, q4, tail4, w, c, coef, dq4, SLICE, KEY0 > 4)
-    # the query gradient lives on key columns only: nothing to write for the chunks before KEY0
-    if KEY0 == 0:
-        _dq_store(dq0, dq_part_ptr, pid, r, d, offs0, tail0)
-    if NCH >= 2 and KEY0 <= 1:
-        _dq_store(dq1, dq_part_ptr, pid, r, d, offs1, tail1)
-    if NCH >= 3 and KEY0 <= 2:
-        _dq_store(dq2, dq_part_ptr, pid, r, d, offs2, tail2)
-    if NCH >= 4 and KEY0 <= 3:
-        _dq_store(dq3, dq_part_ptr, pid, r, d, offs3, tail3)
-    if NCH >= 5:
-        _dq_store(dq4, dq_part_ptr, pid, r, d, offs4, tail4)
+    _dq_stores(dq0, dq1, dq2, dq3, dq4, dq_part_ptr, pid, r, d, offs0, offs1, offs2, offs3, offs4,
+               tail0, tail1, tail2, tail3, tail4, NCH, KEY0)
 
 
 @triton.jit
@@ -1129,28 +1165,10 @@ def _bwd_tile_body(
     tl.static_assert(PREFETCH <= 1, "the token-tile backward prefetches at most one step")
     tl.static_assert(not (PAIR and DEFER), "PAIR and DEFER are separate source loops")
     pid = tl.program_id(0)
-    offs0, ok0, tail0 = _cols(d, r, 0, BLOCK_D)
-    q0 = _query(q_ptr, offs0, d, r, tail0)
-    dq0 = tl.zeros([BLOCK_D], tl.float32)
-    offs1, ok1, offs2, ok2, offs3, ok3, offs4, ok4 = offs0, ok0, offs0, ok0, offs0, ok0, offs0, ok0  # unused past NCH
-    tail1, tail2, tail3, tail4, q1, q2, q3, q4 = tail0, tail0, tail0, tail0, q0, q0, q0, q0
-    dq1, dq2, dq3, dq4 = dq0, dq0, dq0, dq0
-    if NCH >= 2:
-        offs1, ok1, tail1 = _cols(d, r, BLOCK_D, BLOCK_D)
-        q1 = _query(q_ptr, offs1, d, r, tail1)
-        dq1 = tl.zeros([BLOCK_D], tl.float32)
-    if NCH >= 3:
-        offs2, ok2, tail2 = _cols(d, r, 2 * BLOCK_D, BLOCK_D)
-        q2 = _query(q_ptr, offs2, d, r, tail2)
-        dq2 = tl.zeros([BLOCK_D], tl.float32)
-    if NCH >= 4:
-        offs3, ok3, tail3 = _cols(d, r, 3 * BLOCK_D, BLOCK_D)
-        q3 = _query(q_ptr, offs3, d, r, tail3)
-        dq3 = tl.zeros([BLOCK_D], tl.float32)
-    if NCH >= 5:
-        offs4, ok4, tail4 = _cols(d, r, 4 * BLOCK_D, BLOCK_D)
-        q4 = _query(q_ptr, offs4, d, r, tail4)
-        dq4 = tl.zeros([BLOCK_D], tl.float32)
+    (offs0, ok0, offs1, ok1, offs2, ok2, offs3, ok3, offs4, ok4, tail0, tail1, tail2, tail3, tail4,
+     dq0, dq1, dq2, dq3, dq4) = _bwd_chunks(d, r, BLOCK_D, NCH)
+    q0, q1, q2, q3, q4 = _chunk_queries(q_ptr, d, r, offs0, offs1, offs2, offs3, offs4, tail0, tail1, tail2, tail3,
+                                        tail4, NCH)
     if PERSIST:
         for blk in range(pid, tl.cdiv(N, BLOCK_T), tl.num_programs(0)):
             dq0, dq1, dq2, dq3, dq4 = _bwd_tile_block(
@@ -1174,16 +1192,8 @@ def _bwd_tile_body(
             x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
             xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7, xs8, xs9, xs10, xs11, xs12, xs13, xs14, xs15,
             dx0, dx1, dx2, dx3, dx4, dx5, dx6, dx7, dx8, dx9, dx10, dx11, dx12, dx13, dx14, dx15)
-    if KEY0 == 0:
-        _dq_store(dq0, dq_part_ptr, pid, r, d, offs0, tail0)
-    if NCH >= 2 and KEY0 <= 1:
-        _dq_store(dq1, dq_part_ptr, pid, r, d, offs1, tail1)
-    if NCH >= 3 and KEY0 <= 2:
-        _dq_store(dq2, dq_part_ptr, pid, r, d, offs2, tail2)
-    if NCH >= 4 and KEY0 <= 3:
-        _dq_store(dq3, dq_part_ptr, pid, r, d, offs3, tail3)
-    if NCH >= 5:
-        _dq_store(dq4, dq_part_ptr, pid, r, d, offs4, tail4)
+    _dq_stores(dq0, dq1, dq2, dq3, dq4, dq_part_ptr, pid, r, d, offs0, offs1, offs2, offs3, offs4,
+               tail0, tail1, tail2, tail3, tail4, NCH, KEY0)
 
 
 # ---------------------------------------------------------------------------------------------- table kernels

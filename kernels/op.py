@@ -171,8 +171,11 @@ TRITON_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 # The residual's code (kernels._triton._res_code): for bf16 the fp32 bits below bf16's, taken by integer
 # arithmetic on the bit patterns (RES_STEP 0); for fp16 (not a prefix of fp32) an exponent-scaled step.
-# The same 2^-16-relative h either way; the bit code takes about a quarter of the instructions per
-# element (no division, no exponent test).  KERNELS_RES_BITS=0 uses the scaled code for bf16 too (A/B).
+# The same 2^-16-relative h either way; the bit code has no division and no exponent test (offline
+# sm_90, d = 1536, four tokens per program: the forward 2304 -> 1184 instructions; on the H200 at
+# S = 9, 8192 tokens, the forward 79 -> 70 us at d = 1536, 139 -> 116 at d = 2560: kernel_bench
+# variant "scaled" in kernel_bench_h200_2026-11-30_v14_8192_a).  KERNELS_RES_BITS=0 uses the scaled
+# code for bf16 too.
 RES_BITS = os.environ.get("KERNELS_RES_BITS", "1") == "1"
 
 
@@ -302,9 +305,10 @@ def _fwd_configs(block_d: int, nch: int = 1) -> list[dict]:
     d = 2560, S = 9, r = 640, and 142 at r = d), four tokens with Triton's three-stage pipelining (179
     at d = 1536, S = 25; 52.7 at d = 1024, S = 9); without the specialisation one token with 1 and 4
     warps (96.6 at d = 1536, S = 9).  Elements per thread and chunk: 4, 2 and 1 warps per token at
-    512 columns, 8, 4 and 2 at 1024.  Added in the eleventh session, untimed: one token with 2 warps
-    (offline sm_90 at d = 1536, r = d: 520 warp instructions per token and source against 728 with 4
-    warps, 105 registers), for the issue-bound forward at r = d."""
+    512 columns, 8, 4 and 2 at 1024.  Added in the eleventh session for the issue-bound forward at
+    r = d: one token with 2 warps (offline sm_90 at d = 1536, r = d: 520 warp instructions per token and
+    source against 728 with 4 warps, 105 registers), the tuner's choice at r = d for d = 1536 and 2560
+    (forward 79 and 125 us at 8192 tokens, S = 9: kernel_bench_h200_2026-11-30_v14_rd_b, _8192_c)."""
     if nch > 1:
         return _configs(block_d, "BLOCK_T", (
             (4, 16, 1, dict(_KEYED, EVICT=True)), (1, 4, 1, dict(_KEYED, EVICT=True)),
@@ -346,8 +350,9 @@ def _defer_configs(block_d: int, nch: int) -> list[dict]:
     tuner's most frequent choice); and two tokens per program with 4 warps, which writes half the
     query-gradient partial rows (at S = 2 with one token per program those are about a tenth of the
     backward's bytes; this candidate not yet timed, its code path GPU-tested with 2 warps); and (eleventh
-    session, untimed) one token per block with 2 and 4 warps on a persistent grid of 16 and 8 programs per
-    multiprocessor (PERSIST), which writes a partial row per program instead of per token."""
+    session) one token per block with 2 and 4 warps on a persistent grid of 16 and 8 programs per
+    multiprocessor (PERSIST), which writes a partial row per program instead of per token: the tuner's
+    choice at S = 2 for d = 1536 and 2560 (tuned_configs in kernel_bench_h200_2026-11-30_v14_8192_b)."""
     tile_keyed = dict(_TILE, **_KEYED, DEFER=True)
     return _configs(block_d, "SB", ((1, 4, 1, tile_keyed), (1, 8, 1, tile_keyed), (1, 4, 0, tile_keyed),
                                     (1, 16, 1, tile_keyed), (2, 8, 1, tile_keyed),
