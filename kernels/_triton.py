@@ -166,16 +166,22 @@ def _key_terms(x, q, tail, SLICE: tl.constexpr):
 
 
 @triton.jit
-def _softmax_step(kk, kq, m, l, inv_n, eps, FUSED: tl.constexpr):
-    """Row sums of the key terms, this source's score z and key 1/RMS per token, and the online
-    softmax's new (max, sum) with the old mix's rescale alpha and this source's weight p."""
+def _scores(kk, kq, inv_n, eps, FUSED: tl.constexpr):
+    """Row sums of the key terms: this source's score z and key 1/RMS per token."""
     if FUSED:  # one fused reduction (one shared-memory round) for both row sums
         ss, qk = tl.reduce((kk, kq), 1, _add2)
     else:  # separate sums (the interpreter runs tl.reduce with a Python combine: slow)
         ss = tl.sum(kk, axis=1)
         qk = tl.sum(kq, axis=1)
     rinv = tl.rsqrt(ss * inv_n + eps)
-    z = qk * rinv
+    return qk * rinv, rinv
+
+
+@triton.jit
+def _softmax_step(kk, kq, m, l, inv_n, eps, FUSED: tl.constexpr):
+    """Row sums of the key terms, this source's score z and key 1/RMS per token, and the online
+    softmax's new (max, sum) with the old mix's rescale alpha and this source's weight p."""
+    z, rinv = _scores(kk, kq, inv_n, eps, FUSED)
     m_new = tl.maximum(m, z)
     alpha = tl.exp(m - m_new)
     p = tl.exp(z - m_new)
@@ -189,18 +195,6 @@ def _mix(acc, alpha, p, x, RESCALE: tl.constexpr = True):
     if RESCALE:
         return acc * alpha[:, None] + p[:, None] * x
     return acc + p[:, None] * x
-
-
-@triton.jit
-def _scores(kk, kq, inv_n, eps, FUSED: tl.constexpr):
-    """Row sums of the key terms: this source's score z and key 1/RMS per token."""
-    if FUSED:  # one fused reduction (one shared-memory round) for both row sums
-        ss, qk = tl.reduce((kk, kq), 1, _add2)
-    else:  # separate sums (the interpreter runs tl.reduce with a Python combine: slow)
-        ss = tl.sum(kk, axis=1)
-        qk = tl.sum(kq, axis=1)
-    rinv = tl.rsqrt(ss * inv_n + eps)
-    return qk * rinv, rinv
 
 
 # The lazy online softmax's threshold: the reference m moves (and the mix is rescaled) only when a score
@@ -1180,8 +1174,8 @@ def _bwd_tile_body(
                 x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
                 xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7, xs8, xs9, xs10, xs11, xs12, xs13, xs14, xs15,
                 dx0, dx1, dx2, dx3, dx4, dx5, dx6, dx7, dx8, dx9, dx10, dx11, dx12, dx13, dx14, dx15)
-            if DEFER:
-                tl.debug_barrier()  # this block's second pass read its g.o scratch before the next block's first
+            if DEFER:  # (each block has its own scratch columns, so this orders no memory; it keeps a
+                tl.debug_barrier()  # program's threads in step between blocks, as timed on the H200)
     else:
         dq0, dq1, dq2, dq3, dq4 = _bwd_tile_block(
             pid, h_ptr, res_ptr, g_ptr, st_ptr, go_ptr, N, S, d, stride_g, inv_n,
