@@ -416,8 +416,9 @@ BWD_PROGRAMS_PER_SM = 8
 _BWD_DEFAULTS = {"SB": 1, "BLOCK_T": 0, "PAIR": False, "DEFER": False, "PERSIST": 0}
 
 
-# The tuned choice per (kind, BLOCK_D, chunks, key chunk) + shape class (d, norm, residual, dtypes,
-# S, tokens rounded up to a power of two): launch keyword arguments with num_warps.
+# The tuned choice per (kind, BLOCK_D, chunks, key chunk) + shape class (d, norm, residual, dtypes, the
+# residual's code, the forward's LAZY, S, tokens rounded up to a power of two): launch keyword
+# arguments with num_warps.
 _CHOSEN: dict = {}
 
 
