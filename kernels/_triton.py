@@ -727,6 +727,7 @@ def _fwd_body(
     q0 = _query(q_ptr, offs0, d, r, tail0)
     acc0 = tl.zeros([BLOCK_T, BLOCK_D], tl.float32)
     offs1, ok1, tail1, q1 = offs0, ok0, tail0, q0  # chunk 0's past NCH (unused)
+    acc1, acc2, acc3, acc4 = acc0, acc0, acc0, acc0
     offs2, ok2, tail2, q2 = offs0, ok0, tail0, q0
     offs3, ok3, tail3, q3 = offs0, ok0, tail0, q0
     offs4, ok4, tail4, q4 = offs0, ok0, tail0, q0
@@ -776,16 +777,7 @@ def _fwd_body(
                 kk, kq = _key_skip(t0, t1, t2, t3, t4, q1, q2, q3, q4, tail1, tail2, tail3, tail4, NCH, KEY0, SLICE)
         if lazy:  # rescale only where the maximum grew past LAZY_TAU
             z, rinv = _scores(kk, kq, inv_n, eps, FUSED)
-            if NCH == 1:  # chunk 0's accumulator stands in for the chunks there are not
-                m, l, acc0, _, _, _, _ = _lazy_rescale(z, m, l, NCH, acc0, acc0, acc0, acc0, acc0)
-            elif NCH == 2:
-                m, l, acc0, acc1, _, _, _ = _lazy_rescale(z, m, l, NCH, acc0, acc1, acc0, acc0, acc0)
-            elif NCH == 3:
-                m, l, acc0, acc1, acc2, _, _ = _lazy_rescale(z, m, l, NCH, acc0, acc1, acc2, acc0, acc0)
-            elif NCH == 4:
-                m, l, acc0, acc1, acc2, acc3, _ = _lazy_rescale(z, m, l, NCH, acc0, acc1, acc2, acc3, acc0)
-            else:
-                m, l, acc0, acc1, acc2, acc3, acc4 = _lazy_rescale(z, m, l, NCH, acc0, acc1, acc2, acc3, acc4)
+            m, l, acc0, acc1, acc2, acc3, acc4 = _lazy_rescale(z, m, l, NCH, acc0, acc1, acc2, acc3, acc4)
             pw = tl.exp(z - m)
             l = l + pw
             alpha = pw  # unused: the mix below adds without rescaling
