@@ -191,14 +191,8 @@ class _settings:
             setattr(kop, k, v)
 
 
-def time_impl(fn, S, N, d, r, srcs, q, g):
-    """(fwd us, fwd+bwd us, the same two as CUDA-graph replays, and as replays from a flushed L2) for
-    one implementation, None where it cannot run."""
-    if fn == "kernels-only":
-        return time_kernels_only(srcs, q, g)
-    if fn(srcs, q, d) is None:
-        return None, None, None, None, None, None
-    t_f = _bench(lambda: fn(srcs, q, d))
+def _fwdbwd(fn, srcs, q, g, d):
+    """A call of forward and backward of implementation ``fn`` (gradients of every source and the query)."""
     srcs_g = [s.detach().requires_grad_() for s in srcs]
     q_g = q.detach().requires_grad_()
     leaves = srcs_g + [q_g]
@@ -207,6 +201,40 @@ def time_impl(fn, S, N, d, r, srcs, q, g):
         out = fn(srcs_g, q_g, d)
         return torch.autograd.grad(out, leaves, g)
 
+    return fb
+
+
+def kernel_times(fn, calls: int = 10) -> dict:
+    """GPU time per call of each CUDA kernel that ``fn()`` launches (torch.profiler over ``calls``
+    calls, after one outside it): which kernel a forward+backward spends its time in, ours and the
+    peers' alike (a query-gradient sum, a cast, a memset show up as their own rows)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    out = {}
+    for e in prof.key_averages():
+        t = getattr(e, "device_time_total", None)
+        if t is None:  # older torch
+            t = getattr(e, "cuda_time_total", 0.0)
+        if t and str(getattr(e, "device_type", "")).endswith("CUDA"):
+            out[e.key[:80]] = round(t / calls, 2)
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+
+
+def time_impl(fn, S, N, d, r, srcs, q, g):
+    """(fwd us, fwd+bwd us, the same two as CUDA-graph replays, and as replays from a flushed L2) for
+    one implementation, None where it cannot run."""
+    if fn == "kernels-only":
+        return time_kernels_only(srcs, q, g)
+    if fn(srcs, q, d) is None:
+        return None, None, None, None, None, None
+    t_f = _bench(lambda: fn(srcs, q, d))
+    fb = _fwdbwd(fn, srcs, q, g, d)
     fb()
     t_fb = _bench(fb)
     fwd = lambda: fn(srcs, q, d)  # noqa: E731
@@ -320,6 +348,14 @@ def _md(payload):
                      f"{f(row.get('fwdbwd_graph_pct'))} | {f(row.get('ours_speedup_fwdbwd_graph'), 2)} | "
                      f"{f(row.get('fwd_graph_cold_us'))} / {f(row.get('fwdbwd_graph_cold_us'))} | "
                      f"{f(row.get('ours_speedup_fwdbwd_graph_cold'), 2)} |")
+    broken = [row for row in payload["rows"] if row.get("kernels_fwdbwd_us")]
+    if broken:
+        lines += ["", "## GPU time per kernel (torch.profiler, one eager forward+backward, us)", "",
+                  "| tokens | d | S | r | impl | sum | kernels |", "|---|---|---|---|---|---|---|"]
+        for row in broken:
+            ks = row["kernels_fwdbwd_us"]
+            lines.append(f"| {row['tokens']} | {row['d']} | {row['S']} | {row['r']} | {row['impl']} | "
+                         f"{sum(ks.values()):.1f} | " + "; ".join(f"{k[:48]} {v:.1f}" for k, v in ks.items()) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -408,7 +444,7 @@ def run_grid(args):
             payload["truncated"] = True
             break
         srcs, q, g = _inputs(S, N, d, r)
-        res = {}
+        res, ktimes = {}, {}
         for name, fn in impls.items():
             if name == "compiled" and (N, d, S, r) not in compile_at:
                 continue
@@ -426,6 +462,11 @@ def run_grid(args):
             if t_f is None:
                 continue
             res[name] = times
+            if args.kernel_times and name in ("ours", "fast-attnres", "fla"):
+                try:
+                    ktimes[name] = kernel_times(_fwdbwd(fn, srcs, q, g, d))
+                except Exception as e:  # noqa: BLE001 - a profiler that cannot run costs the breakdown only
+                    print(f"kernel times of {name} failed: {e!r}", flush=True)
         fwd_bytes = (S + 1) * N * d * 2
         fb_bytes = (3 * S + 2) * N * d * 2
         def pct(nbytes, t):
@@ -444,6 +485,8 @@ def run_grid(args):
                 "fwd_graph_cold_pct": pct(fwd_bytes, tc_f), "fwdbwd_graph_cold_pct": pct(fb_bytes, tc_fb),
                 "fwd_bytes": fwd_bytes, "fwdbwd_bytes": fb_bytes,
             }
+            if name in ktimes:
+                row["kernels_fwdbwd_us"] = ktimes[name]
             if name != "ours" and "ours" in res:
                 o = res["ours"]
                 row["ours_speedup_fwd"] = ratio(t_f, o[0])
@@ -520,6 +563,8 @@ def main(argv=None):
     p.add_argument("--shapes", type=_shape_list, help="comma-separated NxdxSxr: measure these instead of the grid")
     p.add_argument("--variant", type=_variant, action="append",
                    help="LABEL:ATTR=VALUE[;ATTR=VALUE]: also time ours with these kernels.op settings (repeatable)")
+    p.add_argument("--no-kernel-times", dest="kernel_times", action="store_false",
+                   help="leave out the per-kernel GPU times (torch.profiler) of ours and the peers")
     p.add_argument("--merge", nargs="+", metavar="JSON", help="merge these runs' results into --out/--stem (no GPU)")
     p.add_argument("--note", default="", help="with --merge: what the merged runs were")
     args = p.parse_args(argv)

@@ -332,14 +332,20 @@ def _bwd_configs(block_d: int, nch: int = 1) -> list[dict]:
     at d = 1536, S = 2, its fewer partial rows; 242 at d = 2560, S = 9, r = 640), and with 2 warps and
     prefetch where the key spans the row (300 at d = 2560, r = d, against 329 for the best token
     tile).  Two or more sources per step ran 1.3-9x slower on the persistent grid; on the token tile
-    (PAIR: both sources' loads in flight together, as fast-attnres's backward does) the last two
-    candidates, not yet timed on a GPU.  Elements per thread and chunk 4 to 16, as for the forward."""
+    (PAIR: both sources' loads in flight together, as fast-attnres's backward does) two candidates,
+    the tuner's choice at d = 1536, S = 9 and 25 (kernel_bench_h200_2026-11-30_v14).  The last two
+    (twelfth session, untimed when added): the 2-warp token tile, plain and PAIR, looped over by 8 and
+    6 programs per multiprocessor (PERSIST; as many as its registers let reside at once, offline
+    sm_90 at d = 1536: 118 and 145), which write about a thousand query-gradient partial rows instead
+    of one per token (12.6 MB at 8192 tokens, r = 384).  Elements per thread and chunk 4 to 16, as for
+    the forward."""
     if nch > 1:
         tile_keyed = dict(_TILE, **_KEYED)
         return _configs(block_d, "SB", (
             (1, 4, 1, tile_keyed), (1, 8, 0, dict(tile_keyed, STAGES=3)), (1, 8, 1, tile_keyed),
             (1, 4, 0, _KEYED), (1, 4, 0), (1, 8, 1), (1, 16, 1),
-            (1, 4, 1, dict(tile_keyed, PAIR=True)), (1, 8, 1, dict(tile_keyed, PAIR=True))))
+            (1, 4, 1, dict(tile_keyed, PAIR=True)), (1, 8, 1, dict(tile_keyed, PAIR=True)),
+            (1, 8, 1, dict(tile_keyed, PERSIST=8)), (1, 8, 1, dict(tile_keyed, PAIR=True, PERSIST=6))))
     return _configs(block_d, "SB", ((1, 8, 1), (2, 32, 0), (2, 16, 0), (1, 16, 1), (2, 16, 1)))
 
 
@@ -451,12 +457,50 @@ def _distinct(cfgs: list[dict], kind: str, key_pos: int) -> list[dict]:
     return out
 
 
+def _run(kernel, grid, warm: bool, *args, **kwargs):
+    """Launch ``kernel`` on ``grid``, or with ``warm`` only compile it for these arguments (Triton's
+    warmup: the same specialisation and cache entry as the launch)."""
+    if warm:
+        return kernel.warmup(*args, grid=grid, **kwargs)
+    return kernel[grid](*args, **kwargs)
+
+
+# Threads that compile a shape's tuning candidates at once before they are timed (1: one at a time, as
+# each is first launched).  Triton's compiler releases the GIL (offline sm_90 here: two backward
+# builds took 1.5 s in two threads against 3.3 s one after the other), and a backward has up to eleven
+# candidates: the first call of each new shape class waited for them in turn.  KERNELS_COMPILE_THREADS.
+COMPILE_THREADS = int(os.environ.get("KERNELS_COMPILE_THREADS", str(min(8, os.cpu_count() or 1))))
+
+
+def _precompile(cands: list[dict], launch) -> int:
+    """Compile every candidate of ``launch(cfg, warm=True)`` in COMPILE_THREADS threads under Triton's
+    AsyncCompileMode, so that the timing loop finds them built.  Returns how many were submitted
+    (0 where the mode is missing or it failed: each candidate is then built, or found unbuildable,
+    at its first launch as before)."""
+    if COMPILE_THREADS <= 1 or len(cands) < 2:
+        return 0
+    try:
+        from concurrent.futures import ThreadPoolExecutor
+
+        from triton.runtime._async_compile import AsyncCompileMode
+    except ImportError:
+        return 0
+    try:
+        with ThreadPoolExecutor(min(COMPILE_THREADS, len(cands))) as pool, AsyncCompileMode(pool):
+            for cfg in cands:
+                launch(cfg, warm=True)
+    except Exception:  # noqa: BLE001 - a candidate that does not build fails again, on its own, when timed
+        return 0
+    return len(cands)
+
+
 def _fastest(cands: list[dict], launch) -> dict:
     """The candidate with the least median time of ``launch(cfg)`` (triton.testing.do_bench, L2
-    flushed before each run).  A candidate that does not build or launch (registers, shared memory)
-    is passed over; if none runs, the last error is raised."""
+    flushed before each run), all of them compiled first (_precompile).  A candidate that does not
+    build or launch (registers, shared memory) is passed over; if none runs, the last error is raised."""
     from triton.testing import do_bench
 
+    _precompile(cands, launch)
     best, best_t, err = None, float("inf"), None
     for cfg in cands:
         try:
@@ -597,8 +641,8 @@ def _fwd_triton(sources: Sequence[torch.Tensor], query: torch.Tensor, norm: str,
         consts = dict(SLICE=_key_masked(norm, d, r), HAS_RES=has_res, RES_STEP=_res_step(dtype), ALIGN=align,
                       BLOCK_D=block_d, NCH=nch, FUSED=_fused(dev), LAZY=LAZY_RESCALE)
 
-        def launch(cfg):
-            K._attnres_fwd_kernel[(triton_cdiv(n_tok, cfg["BLOCK_T"]),)](*args, **consts, **cfg)
+        def launch(cfg, warm=False):
+            _run(K._attnres_fwd_kernel, (triton_cdiv(n_tok, cfg["BLOCK_T"]),), warm, *args, **consts, **cfg)
 
         launch(_config("fwd", block_d, nch, key_pos, dev, key, launch))
     return out, stats, res
@@ -647,6 +691,69 @@ def _bwd_scratch(cfg: dict, n_tok: int, n_sources: int, r: int, dev: torch.devic
     return part, go
 
 
+# The sum of the query-gradient partials [programs, r] fp32 (one row per backward program):
+# "triton" (kernels._triton._sum_rows_kernel, two launches over slabs of rows, deterministic),
+# "torch" (part.sum(0), then a cast), or "auto": both timed once per (rows, r, dtype) on CUDA and the
+# faster kept (the Triton sum where nothing can be timed: on the CPU, or during graph capture with
+# no choice made yet).  Why: torch's reduction over [1056, 384] ran on 51 blocks, 10.8 us under ncu
+# (seventh session), a fifth of the backward at S = 2; the seventh session's Triton sum, one program
+# per 32 columns, did no better in graph replays.  KERNELS_DQ_SUM sets it.
+DQ_SUM = os.environ.get("KERNELS_DQ_SUM", "auto")
+SUM_BLOCK_P, SUM_BLOCK_R, SUM_WARPS = 32, 64, 4  # a slab step [rows, columns] and its warps
+SUM_PROGRAMS_PER_SM = 2  # the first launch's programs per multiprocessor (rows split into that many slabs)
+_SUM_CHOSEN: dict = {}
+
+
+def _sum_rows_triton(part: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """part [P, r] fp32 summed over its rows with _sum_rows_kernel: P split into slabs so that the first
+    launch has about SUM_PROGRAMS_PER_SM programs per multiprocessor, then the slabs summed into
+    ``dtype`` (one launch when a single slab would do)."""
+    from . import _triton as K
+
+    n_rows, r = part.shape
+    ncb = triton_cdiv(r, SUM_BLOCK_R)
+    out = _empty((r,), dtype, part.device)
+    splits = max(1, min(triton_cdiv(SUM_PROGRAMS_PER_SM * _num_sms(part.device), ncb), triton_cdiv(n_rows, SUM_BLOCK_P)))
+    src = part
+    if splits > 1:
+        src = _empty((splits, r), torch.float32, part.device)
+        K._sum_rows_kernel[(splits, ncb)](part, src, n_rows, r, triton_cdiv(n_rows, splits), BLOCK_P=SUM_BLOCK_P,
+                                          BLOCK_R=SUM_BLOCK_R, num_warps=SUM_WARPS)
+    K._sum_rows_kernel[(1, ncb)](src, out, src.shape[0], r, src.shape[0], BLOCK_P=SUM_BLOCK_P, BLOCK_R=SUM_BLOCK_R,
+                                 num_warps=SUM_WARPS)
+    return out
+
+
+def _sum_rows_torch(part: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return part.sum(0).to(dtype)
+
+
+_SUMS = {"triton": _sum_rows_triton, "torch": _sum_rows_torch}
+
+
+def _sum_partials(part: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The query gradient from its partial rows, by DQ_SUM's method."""
+    mode = DQ_SUM
+    if mode not in ("auto", *_SUMS):
+        raise ValueError(f"kernels.op.DQ_SUM (KERNELS_DQ_SUM): expected 'auto', 'triton' or 'torch', got {mode!r}")
+    if mode == "auto":
+        key = (part.shape[0], part.shape[1], dtype, part.device)
+        mode = _SUM_CHOSEN.get(key)
+        if mode is None:
+            if part.device.type != "cuda" or torch.cuda.is_current_stream_capturing():
+                mode = "triton"
+            else:
+                from triton.testing import do_bench
+
+                times = {}
+                for name, fn in _SUMS.items():
+                    fn(part, dtype)  # compile and warm up outside the timing
+                    times[name] = do_bench(lambda: fn(part, dtype), warmup=TUNE_WARMUP_MS, rep=TUNE_REP_MS,
+                                           return_mode="median")
+                mode = _SUM_CHOSEN[key] = min(times, key=times.get)
+    return _SUMS[mode](part, dtype)
+
+
 def _bwd_triton(sources, query, h, stats, res, g, norm: str, eps: float):
     from . import _triton as K
 
@@ -671,10 +778,10 @@ def _bwd_triton(sources, query, h, stats, res, g, norm: str, eps: float):
     consts = dict(SLICE=_key_masked(norm, d, r), HAS_RES=has_res, RES_STEP=_res_step(dtype), ALIGN=align, GALIGN=galign,
                   BLOCK_D=block_d, NCH=nch)
 
-    def launch(cfg):  # the kernel and the sum of its query-gradient partials (one row per program)
+    def launch(cfg, warm=False):  # the kernel and the sum of its query-gradient partials (one row per program)
         part, go = _bwd_scratch(cfg, n_tok, len(rows), r, dev)
-        K._attnres_bwd_kernel[(part.shape[0],)](*args, part, go, *more, **consts, **cfg)
-        return part.sum(0).to(query.dtype)
+        _run(K._attnres_bwd_kernel, (part.shape[0],), warm, *args, part, go, *more, **consts, **cfg)
+        return None if warm else _sum_partials(part, query.dtype)
 
     cfg = _config("bwd", block_d, nch, key_pos, dev, key, launch, deferred)
     _check_deferred(cfg, deferred, key_pos)

@@ -33,9 +33,10 @@ def _run(env_date, commit, rows, bw=4.25, check=None, device="GPU X"):
             "copy_bw_TBps": bw, "rows": rows, "check": check or [], "truncated": True}
 
 
-def _row(N, d, S, r, impl="ours"):
+def _row(N, d, S, r, impl="ours", **more):
     return {"tokens": N, "d": d, "S": S, "r": r, "impl": impl, "fwd_us": 1.0, "fwdbwd_us": 2.0, "fwd_pct": 50.0,
-            "fwdbwd_pct": 50.0, "fwd_graph_us": 1.0, "fwdbwd_graph_us": 2.0, "fwd_graph_pct": 50.0, "fwdbwd_graph_pct": 50.0}
+            "fwdbwd_pct": 50.0, "fwd_graph_us": 1.0, "fwdbwd_graph_us": 2.0, "fwd_graph_pct": 50.0, "fwdbwd_graph_pct": 50.0,
+            **more}
 
 
 def test_merge_orders_rows_and_keeps_each_runs_provenance(tmp_path):
@@ -121,3 +122,15 @@ def test_variant_option_sets_kernels_op_settings_for_its_rows_only():
                        ("x:_defers=1", "_defers"), ("x:DEFER_MAX_S=nine", "nine")):
         with pytest.raises(argparse.ArgumentTypeError, match=named):
             kb._variant(bad)
+
+
+def test_markdown_lists_each_rows_kernel_times():
+    """Rows that carry per-kernel GPU times (torch.profiler) get a table of their own, kernels as
+    measured, with their sum; rows without them are left out of it."""
+    rows = [_row(8192, 1536, 2, 384, "ours", kernels_fwdbwd_us={"_attnres_bwd_kernel": 40.0, "_sum_rows_kernel": 2.5}),
+            _row(8192, 1536, 2, 384, "eager")]
+    md = kb._md({"env": {"device": "GPU X", "torch": "t", "triton": "tr", "date": "now"}, "copy_bw_TBps": 4.2,
+                 "rows": rows, "check": []})
+    section = md.split("## GPU time per kernel")[1]
+    assert "| 8192 | 1536 | 2 | 384 | ours | 42.5 | _attnres_bwd_kernel 40.0; _sum_rows_kernel 2.5 |" in section
+    assert "| eager |" not in section

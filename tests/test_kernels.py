@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import sys
+import types
 
 import pytest
 import torch
@@ -294,9 +295,13 @@ def test_tuner_times_each_shape_class(kind, monkeypatch):
     monkeypatch.setattr(op, "AUTOTUNE", True)
     capturing = [False]
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
-    launched, failing = [], []
+    launched, failing, warmed = [], [], []
+    monkeypatch.setattr(op, "COMPILE_THREADS", 4)
 
-    def launch(cfg):
+    def launch(cfg, warm=False):
+        if warm:  # _precompile: every candidate built before any is timed
+            warmed.append(cfg)
+            return
         launched.append(cfg)
         if cfg in failing:
             raise RuntimeError("out of resources")
@@ -310,6 +315,7 @@ def test_tuner_times_each_shape_class(kind, monkeypatch):
     cands = op._candidates(kind, 512, 3)
     for key_pos in (2, 0):
         launched.clear()
+        warmed.clear()
         distinct = op._distinct(cands, kind, key_pos)
         failing[:] = [distinct[-1]]  # the last would be the fastest, but does not run
         key = ("k",) + op._tune_class(9, 8000)
@@ -322,6 +328,7 @@ def test_tuner_times_each_shape_class(kind, monkeypatch):
         assert got == want if key_pos else len(distinct) <= len(cands)
         # each candidate: a warm-up run, then the timed one; the failing one once
         assert launched == [c for c in distinct[:-1] for _ in (0, 1)] + [distinct[-1]]
+        assert warmed == distinct
         assert cfg == distinct[-2]
         assert op._CHOSEN[(kind, 512, 3, key_pos, False) + key] == cfg
     if kind == "bwd":  # at key chunk 0 the keyed persistent candidate is its plain twin
@@ -546,6 +553,80 @@ def test_residual_code_bit_exact():
     assert torch.equal(back[exact].view(torch.int32), h[exact].view(torch.int32))
 
 
+@needs_triton
+@pytest.mark.parametrize("n_rows,r", [(1, 1), (37, 7), (300, 65), (2112, 384), (1000, 130)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_partial_sum_triton(n_rows, r, dtype, monkeypatch):
+    """The query gradient's partial rows summed by _sum_rows_kernel (kernels.op._sum_rows_triton):
+    one launch or slabs then their sum, unaligned rows and columns, fp32 and the query's dtype; the
+    same bits on a second run (a fixed order, no atomics).  On the CPU the multiprocessor count is
+    2, so SUM_PROGRAMS_PER_SM is raised to get many slabs."""
+    monkeypatch.setattr(op, "SUM_PROGRAMS_PER_SM", 64)
+    device = "cuda" if HAS_CUDA else "cpu"
+    gen = torch.Generator(device=device).manual_seed(n_rows + r)
+    part = torch.randn(n_rows, r, generator=gen, device=device)
+    op.set_cpu_triton(not HAS_CUDA)
+    try:
+        got = op._sum_rows_triton(part, dtype)
+        again = op._sum_rows_triton(part, dtype)
+    finally:
+        op.set_cpu_triton(False)
+    ref = part.double().sum(0)
+    assert got.dtype == dtype and got.shape == (r,)
+    tol = 1e-5 * (n_rows ** 0.5) if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(got.double(), ref, rtol=tol, atol=tol)
+    assert torch.equal(got, again)
+
+
+def test_partial_sum_choice(monkeypatch):
+    """DQ_SUM: "torch" and "triton" as asked; "auto" times both once per (rows, r, dtype) on CUDA and
+    keeps the faster, takes the Triton sum where nothing can be timed (CPU, graph capture); anything
+    else is refused by name."""
+    calls = []
+    monkeypatch.setattr(op, "_SUMS", {"triton": lambda p, dt: calls.append("triton") or p.sum(0).to(dt),
+                                      "torch": lambda p, dt: calls.append("torch") or p.sum(0).to(dt)})
+    monkeypatch.setattr(op, "_SUM_CHOSEN", {})
+    part = torch.ones(4, 3)
+    for mode in ("torch", "triton"):
+        monkeypatch.setattr(op, "DQ_SUM", mode)
+        calls.clear()
+        assert torch.equal(op._sum_partials(part, torch.float32), torch.full((3,), 4.0)) and calls == [mode]
+    monkeypatch.setattr(op, "DQ_SUM", "auto")
+    calls.clear()
+    op._sum_partials(part, torch.float32)
+    assert calls == ["triton"] and not op._SUM_CHOSEN  # CPU: nothing timed, nothing remembered
+    triton_testing = pytest.importorskip("triton.testing")
+    speed = {"triton": 2.0, "torch": 1.0}
+    monkeypatch.setattr(triton_testing, "do_bench", lambda fn, **kw: (fn(), speed[calls[-1]])[1])
+    fake = types.SimpleNamespace(shape=(4, 3), device=torch.device("cuda"), sum=part.sum)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    calls.clear()
+    op._sum_partials(fake, torch.float32)
+    assert op._SUM_CHOSEN == {(4, 3, torch.float32, torch.device("cuda")): "torch"} and calls[-1] == "torch"
+    calls.clear()
+    op._sum_partials(fake, torch.float32)
+    assert calls == ["torch"]  # remembered
+    monkeypatch.setattr(op, "DQ_SUM", "atomic")
+    with pytest.raises(ValueError, match="KERNELS_DQ_SUM.*'atomic'"):
+        op._sum_partials(part, torch.float32)
+
+
+def test_precompile_builds_every_candidate_first(monkeypatch):
+    """_precompile hands each candidate to ``launch(cfg, warm=True)`` under Triton's AsyncCompileMode
+    (when COMPILE_THREADS > 1), and gives up quietly, submitting nothing, when a warm launch fails:
+    the timing loop then builds each candidate at its first launch."""
+    pytest.importorskip("triton.runtime._async_compile")
+    warmed = []
+    cands = [{"num_warps": w} for w in (1, 2, 4)]
+    monkeypatch.setattr(op, "COMPILE_THREADS", 4)
+    assert op._precompile(cands, lambda cfg, warm=False: warmed.append((cfg, warm))) == 3
+    assert warmed == [(c, True) for c in cands]
+    assert op._precompile(cands, lambda cfg, warm=False: 1 / 0) == 0
+    monkeypatch.setattr(op, "COMPILE_THREADS", 1)
+    warmed.clear()
+    assert op._precompile(cands, lambda cfg, warm=False: warmed.append(cfg)) == 0 and not warmed
+
+
 def test_deferral_rule_decides_the_residual(monkeypatch):
     """The deferred backward (no residual kept) for bf16/fp16 "slice" with the key past the backward
     layout's first chunk and at most DEFER_MAX_S sources; not for fp32, "full", r = d, more sources,
@@ -712,6 +793,24 @@ def test_gpu_bf16_paper_criterion(d, r, S, norm):
     errs = bf16_check(d, r, S, norm, layout="mixed" if S % 2 else "contig", seed=d + r + S)
     print(f"\nbf16 d={d} r={r} S={S} {norm}: " + " ".join(f"{k}={v:.2e}" for k, v in errs.items()))
     assert errs["out_rel_l2"] < 1e-2 and errs["src_grad_rel_l2"] < 2e-2
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("dq_sum", ["triton", "torch"])
+def test_gpu_tuner_precompiles_and_sums(dq_sum, monkeypatch):
+    """On the GPU: the tuner builds a new shape class's candidates at once (_precompile submits every
+    one, forward and backward) and the paper's criterion holds with either sum of the query-gradient
+    partials (S = 3: the deferred backward; S = 12: the residual one, its PERSIST candidates)."""
+    monkeypatch.setattr(op, "_CHOSEN", {})
+    monkeypatch.setattr(op, "DQ_SUM", dq_sum)
+    monkeypatch.setattr(op, "AUTOTUNE", True)
+    submitted = []
+    real = op._precompile
+    monkeypatch.setattr(op, "_precompile", lambda c, launch: submitted.append(real(c, launch)) or submitted[-1])
+    for S in (3, 12):
+        bf16_check(1536, 384, S, "slice", tokens=1024, seed=5 + S)
+    assert len(submitted) == 4 and all(n >= 2 for n in submitted), submitted
 
 
 @gpu
