@@ -411,9 +411,15 @@ def _res_kept(dtype: torch.dtype, d: int, r: int, norm: str, n_sources: int) -> 
 # cost more to sum than the kernel saved could win: at 8192 tokens, d = 2560, r = d, S = 9 it chose
 # the token tile (331 us in the side-by-side table) over the persistent grid (300 us with its sum in
 # kernel_sweep_h200_2026-11-30_chunks), and at d = 1536, S = 2 whatever S = 9 had chosen.
+# Each candidate is timed as CUDA-graph replays (GPU time alone): timed by the host (do_bench, the
+# eleventh session's tuner), a launch whose host-side work outlasts its GPU time is measured by the
+# former, and the choice among candidates was noise where the GPU work is short (twelfth session, S = 2,
+# d = 1536: the tuner took a two-token backward of 65 us over the looped one it had taken the session
+# before, and forward+backward went 76 -> 101 us; the profiler put torch's partial sum, chosen the
+# same way, at 10-21 us against 4-9 for the Triton sum).  Where a launch cannot be captured, do_bench.
 AUTOTUNE = os.environ.get("KERNELS_AUTOTUNE", "1") == "1"
-TUNE_WARMUP_MS = 10  # triton.testing.do_bench per candidate (L2 flushed before each run)
-TUNE_REP_MS = 40
+TUNE_WARMUP_MS = 10  # triton.testing.do_bench per candidate (L2 flushed before each run), the fallback
+TUNE_REP_MS = 40  # milliseconds of replays (or of runs) per candidate
 BWD_PROGRAMS_PER_SM = 8
 # The backward's grid constexprs a configuration may leave out: one source per step, persistent grid
 # (PAIR: the token-tile grid's two sources per step, off).  Every constexpr is passed, none left to a
@@ -494,18 +500,28 @@ def _precompile(cands: list[dict], launch) -> int:
     return len(cands)
 
 
-def _fastest(cands: list[dict], launch) -> dict:
-    """The candidate with the least median time of ``launch(cfg)`` (triton.testing.do_bench, L2
-    flushed before each run), all of them compiled first (_precompile).  A candidate that does not
-    build or launch (registers, shared memory) is passed over; if none runs, the last error is raised."""
-    from triton.testing import do_bench
+def _gpu_time(fn) -> float:
+    """Median GPU milliseconds of ``fn()``: CUDA-graph replays (triton.testing.do_bench_cudagraph; no
+    host-side dispatch in the number), or do_bench's timed runs where ``fn`` cannot be captured."""
+    from triton.testing import do_bench, do_bench_cudagraph
 
+    try:
+        return do_bench_cudagraph(fn, rep=TUNE_REP_MS, return_mode="median")
+    except Exception:  # noqa: BLE001 - a launch that cannot be captured is timed by the host
+        torch.cuda.synchronize()
+        return do_bench(fn, warmup=TUNE_WARMUP_MS, rep=TUNE_REP_MS, return_mode="median")
+
+
+def _fastest(cands: list[dict], launch) -> dict:
+    """The candidate with the least GPU time of ``launch(cfg)`` (_gpu_time), all of them compiled
+    first (_precompile).  A candidate that does not build or launch (registers, shared memory) is
+    passed over; if none runs, the last error is raised."""
     _precompile(cands, launch)
     best, best_t, err = None, float("inf"), None
     for cfg in cands:
         try:
             launch(cfg)  # compile and warm up outside the timing
-            t = do_bench(lambda: launch(cfg), warmup=TUNE_WARMUP_MS, rep=TUNE_REP_MS, return_mode="median")
+            t = _gpu_time(lambda: launch(cfg))
         except Exception as e:  # noqa: BLE001 - a configuration the device cannot run
             err = e
             continue
@@ -697,10 +713,11 @@ def _bwd_scratch(cfg: dict, n_tok: int, n_sources: int, r: int, dev: torch.devic
 # faster kept (the Triton sum where nothing can be timed: on the CPU, or during graph capture with
 # no choice made yet).  Why: torch's reduction over [1056, 384] ran on 51 blocks, 10.8 us under ncu
 # (seventh session), a fifth of the backward at S = 2; the seventh session's Triton sum, one program
-# per 32 columns, did no better in graph replays.  KERNELS_DQ_SUM sets it.
+# per 32 columns, did no better in graph replays.  Twelfth session (torch.profiler in kernel_bench):
+# torch's took 10-21 us at [1056-8192, 192-640], the Triton sum 4-9 us.  KERNELS_DQ_SUM sets it.
 DQ_SUM = os.environ.get("KERNELS_DQ_SUM", "auto")
-SUM_BLOCK_P, SUM_BLOCK_R, SUM_WARPS = 32, 64, 4  # a slab step [rows, columns] and its warps
-SUM_PROGRAMS_PER_SM = 2  # the first launch's programs per multiprocessor (rows split into that many slabs)
+SUM_BLOCK_P, SUM_BLOCK_R, SUM_WARPS = 64, 64, 4  # a slab step [rows, columns] and its warps
+SUM_PROGRAMS_PER_SM = 4  # the first launch's programs per multiprocessor (rows split into that many slabs)
 _SUM_CHOSEN: dict = {}
 
 
@@ -743,13 +760,10 @@ def _sum_partials(part: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
             if part.device.type != "cuda" or torch.cuda.is_current_stream_capturing():
                 mode = "triton"
             else:
-                from triton.testing import do_bench
-
                 times = {}
                 for name, fn in _SUMS.items():
                     fn(part, dtype)  # compile and warm up outside the timing
-                    times[name] = do_bench(lambda: fn(part, dtype), warmup=TUNE_WARMUP_MS, rep=TUNE_REP_MS,
-                                           return_mode="median")
+                    times[name] = _gpu_time(lambda: fn(part, dtype))
                 mode = _SUM_CHOSEN[key] = min(times, key=times.get)
     return _SUMS[mode](part, dtype)
 

@@ -290,7 +290,6 @@ def test_tuner_times_each_shape_class(kind, monkeypatch):
     backward's grid); a choice is reused for the same class, not for another S, token class or key
     chunk; nothing is timed or remembered during a CUDA graph capture; a candidate that fails is
     passed over."""
-    triton_testing = pytest.importorskip("triton.testing")
     monkeypatch.setattr(op, "_CHOSEN", {})
     monkeypatch.setattr(op, "AUTOTUNE", True)
     capturing = [False]
@@ -310,7 +309,7 @@ def test_tuner_times_each_shape_class(kind, monkeypatch):
         fn()
         return 100.0 - len(launched)
 
-    monkeypatch.setattr(triton_testing, "do_bench", fake_bench)
+    monkeypatch.setattr(op, "_gpu_time", fake_bench)
     cuda = torch.device("cuda")
     cands = op._candidates(kind, 512, 3)
     for key_pos in (2, 0):
@@ -579,8 +578,8 @@ def test_partial_sum_triton(n_rows, r, dtype, monkeypatch):
 
 
 def test_partial_sum_choice(monkeypatch):
-    """DQ_SUM: "torch" and "triton" as asked; "auto" times both once per (rows, r, dtype) on CUDA and
-    keeps the faster, takes the Triton sum where nothing can be timed (CPU, graph capture); anything
+    """DQ_SUM: "torch" and "triton" as asked; "auto" times both (GPU time, _gpu_time) once per (rows, r,
+    dtype) on CUDA and keeps the faster, takes the Triton sum where nothing can be timed (CPU, graph capture); anything
     else is refused by name."""
     calls = []
     monkeypatch.setattr(op, "_SUMS", {"triton": lambda p, dt: calls.append("triton") or p.sum(0).to(dt),
@@ -595,9 +594,8 @@ def test_partial_sum_choice(monkeypatch):
     calls.clear()
     op._sum_partials(part, torch.float32)
     assert calls == ["triton"] and not op._SUM_CHOSEN  # CPU: nothing timed, nothing remembered
-    triton_testing = pytest.importorskip("triton.testing")
     speed = {"triton": 2.0, "torch": 1.0}
-    monkeypatch.setattr(triton_testing, "do_bench", lambda fn, **kw: (fn(), speed[calls[-1]])[1])
+    monkeypatch.setattr(op, "_gpu_time", lambda fn: (fn(), speed[calls[-1]])[1])
     fake = types.SimpleNamespace(shape=(4, 3), device=torch.device("cuda"), sum=part.sum)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     calls.clear()
@@ -793,6 +791,22 @@ def test_gpu_bf16_paper_criterion(d, r, S, norm):
     errs = bf16_check(d, r, S, norm, layout="mixed" if S % 2 else "contig", seed=d + r + S)
     print(f"\nbf16 d={d} r={r} S={S} {norm}: " + " ".join(f"{k}={v:.2e}" for k, v in errs.items()))
     assert errs["out_rel_l2"] < 1e-2 and errs["src_grad_rel_l2"] < 2e-2
+
+
+@gpu
+@needs_cuda
+def test_gpu_tuner_times_gpu_work_only():
+    """_gpu_time counts GPU time, not the host's: a launch preceded by 2 ms of host work times as the
+    launch alone (the tuner's choice once followed host overhead where GPU work is short)."""
+    import time
+
+    x = torch.randn(1 << 20, device="cuda")
+
+    def slow_host():
+        time.sleep(0.002)
+        x.mul_(1.0)
+
+    assert op._gpu_time(slow_host) < 0.5  # ms; the multiply alone is a few microseconds
 
 
 @gpu
