@@ -13,7 +13,9 @@ outlasts the L2 flush); the same two as CUDA-graph replays (GPU time alone, no d
 implementation cannot be captured) and as replays from a flushed L2 ("cold": every input from DRAM, as
 in a training step; plain replays let small inputs stay in the L2); and the fraction of the copy
 bandwidth measured in the same run, with roofline bytes forward (S+1)*tokens*d*2 and forward+backward
-(3S+2)*tokens*d*2.  The bf16 correctness check (|x - ref| <= 0.05 + 0.05|ref|) runs first.  Writes
+(3S+2)*tokens*d*2.  Rows of ours and the peers also carry each kernel's GPU time in one eager
+forward+backward (torch.profiler: which kernel the time goes to; --no-kernel-times leaves it out).
+The bf16 correctness check (|x - ref| <= 0.05 + 0.05|ref|) runs first.  Writes
 kernel_bench.json and kernel_bench.md to --out, rewritten after every row so a cut-off run keeps what
 it measured.
 """

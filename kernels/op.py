@@ -404,8 +404,8 @@ def _res_kept(dtype: torch.dtype, d: int, r: int, norm: str, n_sources: int) -> 
     return dtype in _MANT and not _defers(dtype, d, r, norm, n_sources)
 
 
-# Tuning (CUDA only): the fastest candidate for each shape class, timed by the host over the whole
-# launch (for the backward: the kernel and the sum of its query-gradient partials).  It replaces
+# Tuning (CUDA only): the fastest candidate for each shape class, timed over the whole launch (for the
+# backward: the kernel and the sum of its query-gradient partials; see _gpu_time).  It replaces
 # triton.autotune, which keyed on d alone and timed the kernel alone, so that the choice made at the
 # first S and token count served every other, and a token-tile backward whose [tokens, r] partials
 # cost more to sum than the kernel saved could win: at 8192 tokens, d = 2560, r = d, S = 9 it chose
