@@ -71,8 +71,8 @@ CONFIGS = {
     # the deferred token tile looped over by persistent programs (PERSIST, eleventh session's S = 2 choice)
     "split-tile-key-defer-looped": (512, 3, 1, 2, 1, 1, "tile", 2, {"DEFER": True, "HAS_RES": False, "PERSIST": 16}),
     # the residual token tile looped over by persistent programs, plain and PAIR (twelfth session's candidates)
-    "split-tile-key-bits-looped": (512, 3, 1, 2, 1, 1, "tile", 2, {"RES_STEP": 0.0, "PERSIST": 16}),
-    "split-tile-key-bits-pair-looped": (512, 3, 1, 2, 1, 1, "tile", 2, {"RES_STEP": 0.0, "PAIR": True, "PERSIST": 16}),
+    "split-tile-key-bits-looped": (512, 3, 1, 2, 1, 1, "tile", 2, {"RES_STEP": 0.0, "PERSIST": 8}),
+    "split-tile-key-bits-pair-looped": (512, 3, 1, 2, 1, 1, "tile", 2, {"RES_STEP": 0.0, "PAIR": True, "PERSIST": 6}),
 }
 _NSLOT = 9
 

@@ -37,7 +37,8 @@ lazily (_lazy_rescale: only when a score passes the reference maximum by more th
 Backward (one pass over the sources): reads g, h and the residual, the statistics and the S sources
 once, writes the S source gradients; with the saved scores one row sum per source (g.o_i) remains.
 The query gradient is accumulated per program into an fp32 partial [programs, r], summed after the
-kernel in a fixed order (_sum_rows_kernel or torch, whichever kernels.op timed faster).  Persistent grid: programs loop over tokens.  A second grid, the token-tile backward
+kernel in a fixed order (_sum_rows_kernel or torch, whichever kernels.op timed faster).  Persistent
+grid: programs loop over tokens.  A second grid, the token-tile backward
 (_bwd_tile_body, chosen by BLOCK_T > 0), gives each program BLOCK_T tokens in the forward's layout
 and no token loop, and writes one partial row per BLOCK_T tokens (PERSIST: a few programs per
 multiprocessor loop over the blocks, one partial row each).  On the H200 its kernel stalled

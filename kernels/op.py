@@ -712,9 +712,10 @@ def _bwd_scratch(cfg: dict, n_tok: int, n_sources: int, r: int, dev: torch.devic
 # "torch" (part.sum(0), then a cast), or "auto": both timed once per (rows, r, dtype) on CUDA and the
 # faster kept (the Triton sum where nothing can be timed: on the CPU, or during graph capture with
 # no choice made yet).  Why: torch's reduction over [1056, 384] ran on 51 blocks, 10.8 us under ncu
-# (seventh session), a fifth of the backward at S = 2; the seventh session's Triton sum, one program
-# per 32 columns, did no better in graph replays.  Twelfth session (torch.profiler in kernel_bench):
-# torch's took 10-21 us at [1056-8192, 192-640], the Triton sum 4-9 us.  KERNELS_DQ_SUM sets it.
+# (seventh session), a fifth of the backward at S = 2; the seventh session's Triton sum (passes of
+# about sqrt(P) rows in 16-row steps, then a cast: three launches) did no better in graph replays.
+# Twelfth session (torch.profiler in kernel_bench, 8192 tokens): torch's took 7-21 us at [1056-8192
+# rows, 192-1024 columns], this sum 3.6-10 us at such sizes.  KERNELS_DQ_SUM sets it.
 DQ_SUM = os.environ.get("KERNELS_DQ_SUM", "auto")
 SUM_BLOCK_P, SUM_BLOCK_R, SUM_WARPS = 64, 64, 4  # a slab step [rows, columns] and its warps
 SUM_PROGRAMS_PER_SM = 4  # the first launch's programs per multiprocessor (rows split into that many slabs)

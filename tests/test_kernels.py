@@ -579,8 +579,8 @@ def test_partial_sum_triton(n_rows, r, dtype, monkeypatch):
 
 def test_partial_sum_choice(monkeypatch):
     """DQ_SUM: "torch" and "triton" as asked; "auto" times both (GPU time, _gpu_time) once per (rows, r,
-    dtype) on CUDA and keeps the faster, takes the Triton sum where nothing can be timed (CPU, graph capture); anything
-    else is refused by name."""
+    dtype) on CUDA and keeps the faster, and takes the Triton sum where nothing can be timed (CPU, graph
+    capture); anything else is refused by name."""
     calls = []
     monkeypatch.setattr(op, "_SUMS", {"triton": lambda p, dt: calls.append("triton") or p.sum(0).to(dt),
                                       "torch": lambda p, dt: calls.append("torch") or p.sum(0).to(dt)})
