@@ -731,7 +731,8 @@ def _sum_rows_triton(part: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     n_rows, r = part.shape
     ncb = triton_cdiv(r, SUM_BLOCK_R)
     out = _empty((r,), dtype, part.device)
-    splits = max(1, min(triton_cdiv(SUM_PROGRAMS_PER_SM * _num_sms(part.device), ncb), triton_cdiv(n_rows, SUM_BLOCK_P)))
+    programs = SUM_PROGRAMS_PER_SM * _num_sms(part.device)
+    splits = max(1, min(triton_cdiv(programs, ncb), triton_cdiv(n_rows, SUM_BLOCK_P)))
     src = part
     if splits > 1:
         src = _empty((splits, r), torch.float32, part.device)
