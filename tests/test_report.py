@@ -154,7 +154,8 @@ def test_recorded_gpu_grid_runs():
 
 def test_kernel_section_shows_cold_graph_timings_only_when_recorded():
     """The recorded kernel table gains the flushed-L2 graph columns when the rows carry them (runs
-    since the ninth session) and keeps its old columns for older files."""
+    since the ninth session) and keeps its old columns for older files; rows with per-kernel GPU times
+    (twelfth session) get a table of where the time goes."""
     from lrattnres.report.context import ReportContext
     from lrattnres.report.sections import kernel as section
 
@@ -167,3 +168,8 @@ def test_kernel_section_shows_cold_graph_timings_only_when_recorded():
     bench["rows"] = [dict(row, fwd_graph_cold_us=29.5, fwdbwd_graph_cold_us=97.25, fwdbwd_graph_cold_pct=48.5)]
     html = section.build(ctx)
     assert "cold graph fwd+bwd µs" in html and "97.25" in html and "flushed before each" in html
+    assert "Where the time goes" not in html
+    bench["rows"] = [dict(row, kernels_fwdbwd_us={"_attnres_bwd_kernel": 41.73, "_sum_rows_kernel": 3.82})]
+    html = section.build(ctx)
+    assert "Where the time goes" in html and "_attnres_bwd_kernel 41.7; _sum_rows_kernel 3.8" in html
+

@@ -65,6 +65,13 @@ def build(ctx) -> str:
                                "Timings: called eagerly (median of triton do_bench, L2 flushed; host-side dispatch "
                                "counts where it outlasts the flush) and as CUDA-graph replays (GPU time alone)"
                                + ("; cold: replays with the L2 flushed before each (every input from DRAM)" if cold else "")))
+            timed = [r for r in rows if r.get("kernels_fwdbwd_us")]  # recorded since the twelfth session
+            if timed:
+                parts.append(table(["tokens", "d", "S", "r", "impl", "sum µs", "kernels (µs each)"],
+                                   [[r["tokens"], r["d"], r["S"], r["r"], r["impl"], sum(r["kernels_fwdbwd_us"].values()),
+                                     "; ".join(f"{k} {v:.1f}" for k, v in r["kernels_fwdbwd_us"].items())] for r in timed],
+                                   "Where the time goes: GPU time of each kernel in one forward+backward (torch.profiler, "
+                                   "eager call; launch gaps not counted)"))
     else:
         parts.append('<p class="notrun">No GPU kernel benchmark is recorded (config <code>recorded.kernel</code>).</p>')
     parts.append(claims_table([c for c in ctx.claims.values() if ctx.published[c["id"]]["stage"] == "kernel"], "Kernel claims"))
