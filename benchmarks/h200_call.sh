@@ -96,12 +96,12 @@ lane_kgrid8192() {  # the side-by-side grid at 8192 tokens (kernel_bench's own b
       | tee "$L/pytest.txt" | grep -v "^PASSED" | tail -20
   fi
   $PYTHON benchmarks/kernel_bench.py --out "$L" --tokens 8192 --stem kernel_bench_8192 --skip "${SKIP8192:-0}" $(grid_skip) \
-    $(grid_shapes "${SHAPES8192:-}") $(grid_variants ${VARIANTS8192+"$VARIANTS8192"}) --budget-s "$(left $((DUR - 130)))" \
+    $(grid_shapes "${SHAPES8192:-}") $(grid_variants ${VARIANTS8192+"$VARIANTS8192"}) --budget-s "$(left $((DUR - 60)))" \
     $([ "${SKIP8192:-0}" -gt 0 ] || [ -n "${SKIP_MEASURED:-}" ] || [ -n "${SHAPES8192:-}" ] && echo --no-check)
 }
 lane_kgrid4096() {
   $PYTHON benchmarks/kernel_bench.py --out "$L" --tokens 4096 --no-check --no-compile --stem kernel_bench_4096 \
-    --skip "${SKIP4096:-0}" $(grid_skip) $(grid_shapes "${SHAPES4096:-}") $(grid_variants ${VARIANTS4096+"$VARIANTS4096"}) --budget-s "$(left $((DUR - 130)))"
+    --skip "${SKIP4096:-0}" $(grid_skip) $(grid_shapes "${SHAPES4096:-}") $(grid_variants ${VARIANTS4096+"$VARIANTS4096"}) --budget-s "$(left $((DUR - 60)))"
 }
 lane_sweep() { $PYTHON benchmarks/kernel_sweep.py --out "$L" --budget-s "$(left $((DUR - 20)))"; }
 lane_train() {

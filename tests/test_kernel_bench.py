@@ -134,3 +134,8 @@ def test_markdown_lists_each_rows_kernel_times():
     section = md.split("## GPU time per kernel")[1]
     assert "| 8192 | 1536 | 2 | 384 | ours | 42.5 | _attnres_bwd_kernel 40.0; _sum_rows_kernel 2.5 |" in section
     assert "| eager |" not in section
+
+
+def test_a_shape_starts_only_if_the_longest_so_far_still_fits():
+    assert kb.fits(0.0, 0.0, 10.0) and kb.fits(100.0, 60.0, 160.0)
+    assert not kb.fits(100.0, 61.0, 160.0) and not kb.fits(11.0, 0.0, 10.0)
