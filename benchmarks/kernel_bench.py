@@ -23,12 +23,14 @@ it measured.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as _dt
 import json
 import os
 import sys
 import time
 import traceback
+from unittest import mock
 
 import torch
 
@@ -177,20 +179,10 @@ def _variant(spec: str) -> tuple[str, dict]:
     return label, settings
 
 
-class _settings:
-    """Sets kernels.op attributes for the time of a block (a variant's forward and backward both)."""
-
-    def __init__(self, settings: dict):
-        self.settings, self.saved = settings, {}
-
-    def __enter__(self):
-        self.saved = {k: getattr(kop, k) for k in self.settings}
-        for k, v in self.settings.items():
-            setattr(kop, k, v)
-
-    def __exit__(self, *exc):
-        for k, v in self.saved.items():
-            setattr(kop, k, v)
+def _settings(settings: dict):
+    """kernels.op attributes set for the time of a block (a variant's forward and backward both) and
+    restored after."""
+    return mock.patch.multiple(kop, **settings) if settings else contextlib.nullcontext()
 
 
 def _fwdbwd(fn, srcs, q, g, d):
