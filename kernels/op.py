@@ -512,9 +512,9 @@ def _gpu_time(fn) -> float:
         return do_bench(fn, warmup=TUNE_WARMUP_MS, rep=TUNE_REP_MS, return_mode="median")
 
 
-def _fastest(cands: list[dict], launch) -> dict:
+def _fastest(cands: list, launch):
     """The candidate with the least GPU time of ``launch(cfg)`` (_gpu_time), all of them compiled
-    first (_precompile).  A candidate that does not build or launch (registers, shared memory) is
+    first (_precompile; launch configurations, or the partial sum's methods).  A candidate that does not build or launch (registers, shared memory) is
     passed over; if none runs, the last error is raised."""
     _precompile(cands, launch)
     best, best_t, err = None, float("inf"), None
@@ -761,12 +761,9 @@ def _sum_partials(part: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         if mode is None:
             if part.device.type != "cuda" or torch.cuda.is_current_stream_capturing():
                 mode = "triton"
-            else:
-                times = {}
-                for name, fn in _SUMS.items():
-                    fn(part, dtype)  # compile and warm up outside the timing
-                    times[name] = _gpu_time(lambda: fn(part, dtype))
-                mode = _SUM_CHOSEN[key] = min(times, key=times.get)
+            else:  # timed as the launch configurations are (nothing to compile ahead)
+                mode = _SUM_CHOSEN[key] = _fastest(
+                    list(_SUMS), lambda name, warm=False: None if warm else _SUMS[name](part, dtype))
     return _SUMS[mode](part, dtype)
 
 
