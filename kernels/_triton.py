@@ -904,11 +904,14 @@ def _bwd_tile_pairs(
     x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
     xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7, xs8, xs9, xs10, xs11, xs12, xs13, xs14, xs15,
     dx0, dx1, dx2, dx3, dx4, dx5, dx6, dx7, dx8, dx9, dx10, dx11, dx12, dx13, dx14, dx15,
+    GH_PAIR: tl.constexpr = False,
 ):
     """The token-tile backward's source loop two sources at a time (PAIR): sources i and i + 1 loaded
     together (the next pair early with PREFETCH), their row sums g.o in one two-operand reduction;
     where S is odd the last pair's second source is masked out (zero tiles, no stores, no query
-    gradient).  Returns the query-gradient accumulators."""
+    gradient).  GH_PAIR (the resident pair: S <= 2, one step, the host's guarantee): g.h is
+    w_a g.o_a + w_b g.o_b from the pair in hand, not ``gh`` (h and its residual were not read, and no
+    source is read twice).  Returns the query-gradient accumulators."""
     if PREFETCH:
         na0, na1, na2, na3, na4 = _src_tiles(0, S, rows, rows64, row_ok, offs0, ok0, offs1, ok1, offs2, ok2, offs3, ok3,
                                              offs4, ok4, NCH, EVICT, TABLE, src0_ptr, src_offs, src_strides, ALIGN, NSLOT,
@@ -938,6 +941,10 @@ def _bwd_tile_pairs(
         b0, b1, b2, b3, b4, gob = _tiles_go(b0, b1, b2, b3, b4, g0, g1, g2, g3, g4, NCH)
         sa, sb = tl.reduce((goa, gob), 1, _add2)
         live_b = row_ok & ((rows * 0 + i + 1) < S)  # the pair's second source exists
+        if GH_PAIR:  # every source is in this pair: g.h = sum_i w_i g.o_i (sb = 0 for a masked-out source)
+            za = tl.load(st_ptr + tl.cast(1 + i, tl.int64) * N + rows, mask=row_ok, other=0.0)
+            zb = tl.load(st_ptr + tl.cast(2 + i, tl.int64) * N + rows, mask=live_b, other=0.0)
+            gh = tl.exp(za - lse) * sa + tl.exp(zb - lse) * sb
         wa, ca, ka = _bwd_weights(sa, gh, lse, i, S, N, rows, row_ok, st_ptr, inv_n)
         wb, cb, kb = _bwd_weights(sb, gh, lse, i + 1, S, N, rows, live_b, st_ptr, inv_n)
         gpa = _grad_ptrs(i, S, TABLE, grad0_ptr, grad_offs, GALIGN, NSLOT,
@@ -1076,7 +1083,9 @@ def _bwd_tile_block(
                           not DEFER)
     gh = tl.sum(_sum_chunks(gh, gh1, gh2, gh3, gh4, NCH), axis=1)
     lse = tl.load(st_ptr + rows, mask=row_ok, other=0.0)
-    if DEFER:
+    if DEFER:  # g.h from the sources (h and the residual not read): the row sum of g above is dead code
+        gh = lse * 0.0
+    if DEFER and not PAIR:
         dq1, dq2, dq3, dq4 = _bwd_tile_deferred(
             rows, row_ok, rows64, N, S, d, lse, st_ptr, go_ptr, inv_n, offs0, ok0, offs1, ok1, offs2, ok2, offs3, ok3,
             offs4, ok4, g0, g1, g2, g3, g4, q1, q2, q3, q4, tail1, tail2, tail3, tail4, dq1, dq2, dq3, dq4,
@@ -1093,7 +1102,7 @@ def _bwd_tile_block(
             ALIGN, grad0_ptr, grad_offs, GALIGN, NSLOT,
             x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
             xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7, xs8, xs9, xs10, xs11, xs12, xs13, xs14, xs15,
-            dx0, dx1, dx2, dx3, dx4, dx5, dx6, dx7, dx8, dx9, dx10, dx11, dx12, dx13, dx14, dx15)
+            dx0, dx1, dx2, dx3, dx4, dx5, dx6, dx7, dx8, dx9, dx10, dx11, dx12, dx13, dx14, dx15, DEFER)
     else:
         if PREFETCH:
             tn0, tn1, tn2, tn3, tn4 = _src_tiles(0, S, rows, rows64, row_ok, offs0, ok0, offs1, ok1, offs2, ok2, offs3,
@@ -1145,12 +1154,13 @@ def _bwd_tile_body(
     programs of one token block each keep more loads in flight.  PAIR walks the sources two at a
     time: both sources' loads in flight together and both row sums in one reduction (fast-attnres's
     backward takes two sources per step: about 1% faster at d = 1536, S = 9 on the H200).  DEFER:
-    two passes, g.h from the sources, h and the residual not read (_bwd_tile_deferred).  PERSIST: the
+    two passes, g.h from the sources, h and the residual not read (_bwd_tile_deferred); DEFER with PAIR
+    is the resident pair (S <= 2): one step holds every source, g.h from the pair, each source read
+    once (g, the sources and their gradients: 2S + 1 units of N d 2 bytes).  PERSIST: the
     programs loop over the token blocks (the host launches a few per multiprocessor), so the partial
     rows are per program, not per block: at S = 2 with one token per block those [tokens, r] fp32
     partials were about a tenth of the backward's bytes."""
     tl.static_assert(PREFETCH <= 1, "the token-tile backward prefetches at most one step")
-    tl.static_assert(not (PAIR and DEFER), "PAIR and DEFER are separate source loops")
     pid = tl.program_id(0)
     (offs0, ok0, offs1, ok1, offs2, ok2, offs3, ok3, offs4, ok4, tail0, tail1, tail2, tail3, tail4,
      dq0, dq1, dq2, dq3, dq4) = _bwd_chunks(d, r, BLOCK_D, NCH)
@@ -1167,7 +1177,7 @@ def _bwd_tile_body(
                 x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
                 xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7, xs8, xs9, xs10, xs11, xs12, xs13, xs14, xs15,
                 dx0, dx1, dx2, dx3, dx4, dx5, dx6, dx7, dx8, dx9, dx10, dx11, dx12, dx13, dx14, dx15)
-            if DEFER:  # (each block has its own scratch columns, so this orders no memory; it keeps a
+            if DEFER and not PAIR:  # (each block has its own scratch columns, so this orders no memory; it keeps a
                 tl.debug_barrier()  # program's threads in step between blocks, as timed on the H200)
     else:
         dq0, dq1, dq2, dq3, dq4 = _bwd_tile_block(
@@ -1256,7 +1266,7 @@ def _attnres_bwd_kernel(
     EVICT: tl.constexpr,
     STAGES: tl.constexpr,  # Triton software-pipeline stages of the source loop (1: none)
     PAIR: tl.constexpr,  # token-tile grid: two sources per step
-    DEFER: tl.constexpr,  # token-tile grid: two passes, g.h from the sources (no h, no residual)
+    DEFER: tl.constexpr,  # token-tile grid: g.h from the sources, no h (two passes; with PAIR one, S <= 2)
     PERSIST: tl.constexpr,  # token-tile grid: programs loop over the token blocks (0: one block each)
 ):
     if BLOCK_T > 0:
@@ -1363,7 +1373,7 @@ def _attnres_bwd_args_kernel(
     EVICT: tl.constexpr,
     STAGES: tl.constexpr,  # Triton software-pipeline stages of the source loop (1: none)
     PAIR: tl.constexpr,  # token-tile grid: two sources per step
-    DEFER: tl.constexpr,  # token-tile grid: two passes, g.h from the sources (no h, no residual)
+    DEFER: tl.constexpr,  # token-tile grid: g.h from the sources, no h (two passes; with PAIR one, S <= 2)
     PERSIST: tl.constexpr,  # token-tile grid: programs loop over the token blocks (0: one block each)
 ):
     if BLOCK_T > 0:

@@ -26,8 +26,9 @@ KERNELS_COMPILED_PATH=op sends compiled CUDA calls to the opaque custom op inste
 that Inductor traces (see "Compiled path" below); KERNELS_SPLIT_COLUMNS=0 reads every row as one
 power-of-two tile instead of up to five equal column chunks where those pad less (see _col_layout);
 KERNELS_KEY_CHUNKS=0 turns off the key-chunk specialisation that some candidate configurations ask
-for (see _key_pos); KERNELS_DEFER=0 turns off the deferred backward and KERNELS_DEFER_MAX_S sets the
-most sources it serves (see _defers).
+for (see _key_pos); KERNELS_DEFER=0 turns off the deferred backward, KERNELS_DEFER_MAX_S sets the
+most sources its two-pass form serves and KERNELS_PAIR_DEFER=0 turns off its resident pair (S <= 2;
+see _defer_kinds).
 """
 
 from __future__ import annotations
@@ -308,12 +309,16 @@ def _fwd_configs(block_d: int, nch: int = 1) -> list[dict]:
     512 columns, 8, 4 and 2 at 1024.  Added in the eleventh session for the issue-bound forward at
     r = d: one token with 2 warps (offline sm_90 at d = 1536, r = d: 520 warp instructions per token and
     source against 728 with 4 warps, 105 registers), the tuner's choice at r = d for d = 1536 and 2560
-    (forward 79 and 125 us at 8192 tokens, S = 9: kernel_bench_h200_2026-11-30_v14_rd_b, _8192_c)."""
+    (forward 79 and 125 us at 8192 tokens, S = 9: kernel_bench_h200_2026-11-30_v14_rd_b, _8192_c).  Added
+    in the thirteenth session for S = 2, where the one-token 2-warp forward ran at 75-81% of its roofline
+    against fast-attnres's 88-94% (d = 2560: 37 against 31 us): two tokens with 4 warps and one token
+    with 1 warp, both keyed, with prefetch and the evict-first hint (untimed when added)."""
     if nch > 1:
         return _configs(block_d, "BLOCK_T", (
             (4, 16, 1, dict(_KEYED, EVICT=True)), (1, 4, 1, dict(_KEYED, EVICT=True)),
             (4, 16, 0, dict(_KEYED, STAGES=3)), (1, 16, 1, {"EVICT": True}), (1, 4, 1),
-            (1, 8, 1, dict(_KEYED, EVICT=True))))
+            (1, 8, 1, dict(_KEYED, EVICT=True)), (2, 8, 1, dict(_KEYED, EVICT=True)),
+            (1, 16, 1, dict(_KEYED, EVICT=True))))
     return _configs(block_d, "BLOCK_T", ((2, 32, 1), (1, 16, 1), (1, 16, 0), (1, 8, 1), (2, 16, 1)))
 
 
@@ -347,6 +352,18 @@ def _bwd_configs(block_d: int, nch: int = 1) -> list[dict]:
             (1, 4, 1, dict(tile_keyed, PAIR=True)), (1, 8, 1, dict(tile_keyed, PAIR=True)),
             (1, 8, 1, dict(tile_keyed, PERSIST=8)), (1, 8, 1, dict(tile_keyed, PAIR=True, PERSIST=6))))
     return _configs(block_d, "SB", ((1, 8, 1), (2, 32, 0), (2, 16, 0), (1, 16, 1), (2, 16, 1)))
+
+
+def _pair_configs(block_d: int, nch: int) -> list[dict]:
+    """Candidate launch configurations of the resident pair (DEFER with PAIR, S <= 2; see PAIR_DEFER):
+    one token per program with 2, 4 and 1 warps per 512-column chunk, looped over by 16, 8 and 32
+    programs per multiprocessor (PERSIST: a query-gradient partial row per program, not per token) or
+    one program per token; two tokens with 4 warps, looped.  No prefetch: the one step has no next
+    source.  Untimed when added (thirteenth session)."""
+    pair = dict(_TILE, **_KEYED, PAIR=True, DEFER=True)
+    return _configs(block_d, "SB", ((1, 8, 0, dict(pair, PERSIST=16)), (1, 4, 0, dict(pair, PERSIST=8)),
+                                    (1, 16, 0, dict(pair, PERSIST=32)), (2, 8, 0, dict(pair, PERSIST=8)),
+                                    (1, 8, 0, pair), (1, 4, 0, pair)))
 
 
 def _defer_configs(block_d: int, nch: int) -> list[dict]:
@@ -384,19 +401,42 @@ DEFER = os.environ.get("KERNELS_DEFER", "1") == "1"
 DEFER_MAX_S = int(os.environ.get("KERNELS_DEFER_MAX_S", "8"))
 
 
-def _defers(dtype: torch.dtype, d: int, r: int, norm: str, n_sources: int) -> bool:
-    """Whether calls of this dtype and shape run the deferred backward (and so keep no residual):
-    bf16/fp16, "slice", at most DEFER_MAX_S sources, the key past the backward layout's first chunk,
-    and, where CONFIG_OVERRIDE pins a backward configuration, that it asks for DEFER (then S does not
-    matter)."""
-    if not (DEFER and KEY_CHUNKS and dtype in _MANT and norm == "slice"):
-        return False
+# The resident pair (thirteenth session; DEFER with PAIR, kernels._triton._bwd_tile_pairs' GH_PAIR): at
+# S <= 2 one step of the two-source token tile holds every source, so g.h = sum_i w_i g.o_i comes from
+# the tiles in hand and nothing is read twice: DRAM bytes 2S + 1 units (g, the sources, their
+# gradients), for any norm and key position (the two-pass form re-reads the key's chunks and passes
+# g.o through a scratch; the residual form reads h and the residual, 1.5 units more).  At S = 2 the
+# residual-free forward moves 3 units instead of 3.5.  KERNELS_PAIR_DEFER=0 turns it off.
+PAIR_DEFER = os.environ.get("KERNELS_PAIR_DEFER", "1") == "1"
+PAIR_MAX_S = 2  # the sources one PAIR step holds (not a setting: the kernel's pair)
+
+
+def _defer_kinds(dtype: torch.dtype, d: int, r: int, norm: str, n_sources: int) -> tuple[str, ...]:
+    """The forms of the deferred backward (no residual kept) that serve calls of this dtype and shape,
+    in the order their candidates are listed: "pair" (the resident pair: at most PAIR_MAX_S sources),
+    "passes" (the two-pass form: "slice", at most DEFER_MAX_S sources, the key past the backward
+    layout's first chunk).  Empty: the residual backward.  bf16/fp16 only (fp32 keeps no residual
+    anyway).  Where CONFIG_OVERRIDE pins a backward configuration, its DEFER and PAIR decide (then S
+    does not matter)."""
+    if not (DEFER and dtype in _MANT):
+        return ()
+    passes_ok = KEY_CHUNKS and norm == "slice"
     if "bwd" in CONFIG_OVERRIDE:
-        return bool(CONFIG_OVERRIDE["bwd"].get("DEFER"))
-    if n_sources > DEFER_MAX_S:
-        return False
-    block_d, nch = _layout("bwd", d, r)
-    return _key_pos(d, r, block_d, nch) > 0
+        pinned = CONFIG_OVERRIDE["bwd"]
+        if not pinned.get("DEFER"):
+            return ()
+        return ("pair",) if pinned.get("PAIR") else (("passes",) if passes_ok else ())
+    kinds = ("pair",) if (PAIR_DEFER and n_sources <= PAIR_MAX_S) else ()
+    if passes_ok and n_sources <= DEFER_MAX_S:
+        block_d, nch = _layout("bwd", d, r)
+        if _key_pos(d, r, block_d, nch) > 0:
+            kinds += ("passes",)
+    return kinds
+
+
+def _defers(dtype: torch.dtype, d: int, r: int, norm: str, n_sources: int) -> bool:
+    """Whether calls of this dtype and shape run the deferred backward (and so keep no residual)."""
+    return bool(_defer_kinds(dtype, d, r, norm, n_sources))
 
 
 def _res_kept(dtype: torch.dtype, d: int, r: int, norm: str, n_sources: int) -> bool:
@@ -440,10 +480,15 @@ def _layout(kind: str, d: int, r: int | None = None) -> tuple[int, int]:
     return _col_layout(d, CONFIG_OVERRIDE.get(kind, {}).get("SPLIT"), r)
 
 
-def _candidates(kind: str, block_d: int, nch: int, deferred: bool = False) -> list[dict]:
+def _candidates(kind: str, block_d: int, nch: int, deferred: tuple = ()) -> list[dict]:
+    """``kind``'s candidate configurations; for a backward whose forward kept no residual, those of the
+    deferred forms in ``deferred`` (_defer_kinds)."""
     if kind == "fwd":
         return _fwd_configs(block_d, nch)
-    return _defer_configs(block_d, nch) if deferred else _bwd_configs(block_d, nch)
+    if not deferred:
+        return _bwd_configs(block_d, nch)
+    return ((_pair_configs(block_d, nch) if "pair" in deferred else [])
+            + (_defer_configs(block_d, nch) if "passes" in deferred else []))
 
 
 def _tune_class(n_sources: int, n_tok: int) -> tuple:
@@ -533,12 +578,12 @@ def _fastest(cands: list, launch):
 
 
 def _config(kind: str, block_d: int, nch: int, key_pos: int, device: torch.device, key: tuple, launch,
-            deferred: bool = False) -> dict:
+            deferred: tuple = ()) -> dict:
     """Launch keyword arguments for this call: CONFIG_OVERRIDE's; the first candidate on the CPU, with
     KERNELS_AUTOTUNE=0, or while a CUDA graph is being captured (nothing can be timed then, and
     nothing is remembered); else the fastest candidate for ``key``, timed once with ``launch(cfg)``
     (which must run the whole launch, so that a grid's extra work is counted).  ``deferred``: the
-    forward kept no residual, so only the deferred backward's candidates can run."""
+    forward kept no residual, so only the candidates of these deferred forms (_defer_kinds) can run."""
     if kind in CONFIG_OVERRIDE:
         return _launch_kwargs(CONFIG_OVERRIDE[kind], kind, key_pos)
     tk = (kind, block_d, nch, key_pos, deferred) + key
@@ -552,7 +597,7 @@ def _config(kind: str, block_d: int, nch: int, key_pos: int, device: torch.devic
 
 
 @functools.lru_cache(maxsize=None)
-def _first(kind: str, block_d: int, nch: int, key_pos: int, key_chunks: bool, deferred: bool = False) -> dict:
+def _first(kind: str, block_d: int, nch: int, key_pos: int, key_chunks: bool, deferred: tuple = ()) -> dict:
     """The first candidate's launch keyword arguments (the default without tuning; not to be mutated);
     ``key_chunks`` (KEY_CHUNKS, which _launch_kwargs reads) is part of the cache key."""
     return _launch_kwargs(_candidates(kind, block_d, nch, deferred)[0], kind, key_pos)
@@ -560,12 +605,13 @@ def _first(kind: str, block_d: int, nch: int, key_pos: int, key_chunks: bool, de
 
 def tuned_configs() -> dict:
     """The configurations tuning chose so far: {"fwd/512x3/key2/S9/N8192": {...}, ...} (chunk width x
-    chunks, the key's first chunk where it is not the first, "deferred" for the deferred backward,
-    sources, tokens rounded up)."""
+    chunks, the key's first chunk where it is not the first, "deferred-" and the deferred forms it chose
+    among for the deferred backward, sources, tokens rounded up)."""
     out = {}
     for (kind, block_d, nch, key_pos, deferred, *key), cfg in _CHOSEN.items():
         n_src, n_tok = key[-2:]
-        name = (f"{kind}/{block_d}x{nch}" + (f"/key{key_pos}" if key_pos else "") + ("/deferred" if deferred else "")
+        name = (f"{kind}/{block_d}x{nch}" + (f"/key{key_pos}" if key_pos else "")
+                + ("/deferred-" + "+".join(deferred) if deferred else "")
                 + f"/S{n_src}/N{n_tok}")
         out[name] = dict(cfg)
     return out
@@ -665,9 +711,10 @@ def _fwd_triton(sources: Sequence[torch.Tensor], query: torch.Tensor, norm: str,
 
 
 def _bwd_inputs(sources, query, h, res, g, norm: str):
-    """Checks and the backward's operands: (d, r, tokens, residual kept, deferred, source gradients, h
-    and g as rows, g's row stride), or (None, gradients, query gradient)
-    when no kernel needs to run (one source, no tokens)."""
+    """Checks and the backward's operands: (d, r, tokens, residual kept, the deferred forms that can
+    serve (_defer_kinds; empty where the forward kept the residual), source gradients, h and g as rows,
+    g's row stride), or (None, gradients, query gradient) when no kernel needs to run (one source, no
+    tokens)."""
     d, r = _check(sources, query, norm)
     s0 = sources[0]
     dtype, dev = s0.dtype, s0.device
@@ -683,7 +730,13 @@ def _bwd_inputs(sources, query, h, res, g, norm: str):
     h2 = h if (h.dtype == dtype and h.is_contiguous()) else _rows(h, d, dtype).contiguous()
     (g,), (gs,) = _as_rows([g], d, g.dtype)
     has_res = dtype in _MANT and res.numel() > 0
-    deferred = dtype in _MANT and res.numel() == 0  # the forward kept no residual: see _defers
+    deferred = ()
+    if dtype in _MANT and res.numel() == 0:  # the forward kept no residual: see _defers
+        deferred = _defer_kinds(dtype, d, r, norm, len(sources))
+        if not deferred:
+            raise ValueError(f"attnres backward: the forward kept no rounding residual, but no deferred backward "
+                             f"serves this shape now (S = {len(sources)}, d = {d}, r = {r}, norm {norm!r}): were "
+                             "KERNELS_DEFER, PAIR_DEFER or CONFIG_OVERRIDE changed between the forward and the backward?")
     return (d, r, n_tok, has_res, deferred, grads, h2, g, gs), None, None
 
 
@@ -701,9 +754,10 @@ def _bwd_programs(cfg: dict, n_tok: int, dev: torch.device) -> int:
 
 def _bwd_scratch(cfg: dict, n_tok: int, n_sources: int, r: int, dev: torch.device):
     """The backward's fp32 work buffers under launch keywords ``cfg``: the query-gradient partials
-    (one row per program) and, for the deferred backward, its g.o scratch [S, tokens] (else None)."""
+    (one row per program) and, for the two-pass deferred backward, its g.o scratch [S, tokens] (else
+    None)."""
     part = _empty((_bwd_programs(cfg, n_tok, dev), r), torch.float32, dev)
-    go = _empty((n_sources, n_tok), torch.float32, dev) if cfg["DEFER"] else None
+    go = _empty((n_sources, n_tok), torch.float32, dev) if (cfg["DEFER"] and not cfg["PAIR"]) else None
     return part, go
 
 
@@ -797,18 +851,26 @@ def _bwd_triton(sources, query, h, stats, res, g, norm: str, eps: float):
         return None if warm else _sum_partials(part, query.dtype)
 
     cfg = _config("bwd", block_d, nch, key_pos, dev, key, launch, deferred)
-    _check_deferred(cfg, deferred, key_pos)
+    _check_deferred(cfg, deferred, key_pos, len(rows))
     return grads, launch(cfg)
 
 
-def _check_deferred(cfg: dict, deferred: bool, key_pos: int) -> None:
+def _check_deferred(cfg: dict, deferred: tuple, key_pos: int, n_sources: int) -> None:
     """A forward that kept no residual needs the deferred backward; the deferred backward needs the
-    token-tile grid and the key past the first chunk."""
+    token-tile grid, and either the pair (PAIR) with at most PAIR_MAX_S sources or the key past the
+    first chunk (two passes)."""
     if deferred and not cfg["DEFER"]:
         raise ValueError("attnres backward: the forward kept no rounding residual (the deferred backward was "
                          f"chosen for this shape), but the backward configuration {cfg} does not ask for DEFER")
-    if cfg["DEFER"] and (not cfg["BLOCK_T"] or cfg["KEY0"] < 1):
-        raise ValueError(f"attnres backward: DEFER needs BLOCK_T > 0 and the key past the first column chunk "
+    if not cfg["DEFER"]:
+        return
+    if not cfg["BLOCK_T"]:
+        raise ValueError(f"attnres backward: DEFER needs the token-tile grid (BLOCK_T > 0); got {cfg}")
+    if cfg["PAIR"] and n_sources > PAIR_MAX_S:
+        raise ValueError(f"attnres backward: DEFER with PAIR (the resident pair) holds at most {PAIR_MAX_S} "
+                         f"sources; got {n_sources} with {cfg}")
+    if not cfg["PAIR"] and cfg["KEY0"] < 1:
+        raise ValueError(f"attnres backward: the two-pass DEFER needs the key past the first column chunk "
                          f"(KEYCH, key chunk {key_pos}); got {cfg}")
 
 
@@ -1035,11 +1097,16 @@ ARGS_BWD_CONFIG = 1
 # prefetch, the table kernels' tuned choice at 6 of the 10 deferred shape classes of the tenth session's
 # side-by-side runs (8192 and 4096 tokens, S = 2 and 5); the per-argument kernels' own not yet timed.
 ARGS_DEFER_CONFIG = 1
+# The resident pair's (_pair_configs, S <= 2): one token, 2 warps, 16 programs per multiprocessor
+# (untimed for the per-argument kernels).
+ARGS_PAIR_CONFIG = 0
 
 
-def _args_config(kind: str, block_d: int, nch: int, deferred: bool = False) -> dict:
+def _args_config(kind: str, block_d: int, nch: int, deferred: tuple = ()) -> dict:
     if kind in CONFIG_OVERRIDE:
         return dict(CONFIG_OVERRIDE[kind])
+    if "pair" in deferred:
+        return dict(_pair_configs(block_d, nch)[ARGS_PAIR_CONFIG])
     if deferred:
         return dict(_defer_configs(block_d, nch)[ARGS_DEFER_CONFIG])
     cfgs = _candidates(kind, block_d, nch)
@@ -1090,7 +1157,7 @@ def _bwd_args(sources, query, h, stats, res, g, norm: str, eps: float):
     rows, strides = _as_rows(sources, d, dtype)
     key_pos = _key_pos(d, r, block_d, nch)
     kw = _launch_kwargs(_args_config("bwd", block_d, nch, deferred), "bwd", key_pos)
-    _check_deferred(kw, deferred, key_pos)
+    _check_deferred(kw, deferred, key_pos, len(rows))
     part, go = _bwd_scratch(kw, n_tok, len(rows), r, h2.device)
     if STATS is not None:  # counted when traced, not per run, under torch.compile
         STATS[("bwd-args", len(rows), n_tok, d, r)] += 1

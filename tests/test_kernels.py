@@ -225,6 +225,20 @@ CONFIG_CASES = [
      (384, 200, 6, "slice", "mixed")),
     ({"BLOCK_T": 1, "num_warps": 2, "PREFETCH": 0},
      {"BLOCK_T": 2, "num_warps": 2, "PREFETCH": 1, "KEYCH": True, "PAIR": True, "PERSIST": 1}, (300, 40, 5, "full", "contig")),
+    # the resident pair (DEFER with PAIR, S = 2: one step, g.h from the pair): the key in every chunk
+    # ("full", r = d), from chunk 2 of 3 (looped), in the last of 5 with two tokens, one chunk
+    ({"BLOCK_T": 1, "num_warps": 2, "PREFETCH": 1},
+     {"BLOCK_T": 1, "num_warps": 2, "PREFETCH": 0, "KEYCH": True, "DEFER": True, "PAIR": True, "SPLIT": 3},
+     (384, 384, 2, "full", "mixed")),
+    ({"BLOCK_T": 1, "num_warps": 2, "PREFETCH": 1},
+     {"BLOCK_T": 1, "num_warps": 2, "PREFETCH": 0, "KEYCH": True, "DEFER": True, "PAIR": True, "SPLIT": 3, "PERSIST": 1},
+     (384, 100, 2, "slice", "transposed")),
+    ({"BLOCK_T": 1, "num_warps": 2, "PREFETCH": 1, "SPLIT": 5},
+     {"BLOCK_T": 2, "num_warps": 2, "PREFETCH": 0, "KEYCH": True, "DEFER": True, "PAIR": True, "SPLIT": 5},
+     (640, 100, 2, "slice", "colstride")),
+    ({"BLOCK_T": 1, "num_warps": 1, "PREFETCH": 1},
+     {"BLOCK_T": 1, "num_warps": 1, "PREFETCH": 0, "DEFER": True, "PAIR": True, "SPLIT": False, "PERSIST": 1},
+     (64, 7, 2, "slice", "contig")),
 ]
 
 
@@ -329,20 +343,25 @@ def test_tuner_times_each_shape_class(kind, monkeypatch):
         assert launched == [c for c in distinct[:-1] for _ in (0, 1)] + [distinct[-1]]
         assert warmed == distinct
         assert cfg == distinct[-2]
-        assert op._CHOSEN[(kind, 512, 3, key_pos, False) + key] == cfg
+        assert op._CHOSEN[(kind, 512, 3, key_pos, ()) + key] == cfg
     if kind == "bwd":  # at key chunk 0 the keyed persistent candidate is its plain twin
         assert len(op._distinct(cands, kind, 0)) == len(cands) - 1
     launched.clear()
     assert op._config(kind, 512, 3, 2, cuda, ("k",) + op._tune_class(9, 5000), launch) == op._CHOSEN[
-        (kind, 512, 3, 2, False, "k", 9, 8192)] and not launched  # same class: 5000 and 8000 tokens round to 8192
+        (kind, 512, 3, 2, (), "k", 9, 8192)] and not launched  # same class: 5000 and 8000 tokens round to 8192
     op._config(kind, 512, 3, 2, cuda, ("k",) + op._tune_class(2, 8000), launch)
     assert launched  # another S is tuned again
-    if kind == "bwd":  # a forward without residual: only the deferred backward's candidates are timed
-        launched.clear()
-        failing.clear()
-        cfg = op._config(kind, 512, 3, 2, cuda, ("k",) + op._tune_class(9, 8000), launch, deferred=True)
-        assert cfg["DEFER"] and all(c["DEFER"] for c in launched)
-        assert launched[::2] == op._distinct(op._defer_configs(512, 3), kind, 2)
+    if kind == "bwd":  # a forward without residual: only the deferred forms' candidates are timed
+        for forms, want in ((("passes",), op._defer_configs(512, 3)), (("pair",), op._pair_configs(512, 3)),
+                            (("pair", "passes"), op._pair_configs(512, 3) + op._defer_configs(512, 3))):
+            launched.clear()
+            failing.clear()
+            cfg = op._config(kind, 512, 3, 2, cuda, ("k",) + op._tune_class(2, 8000), launch, deferred=forms)
+            assert cfg["DEFER"] and all(c["DEFER"] for c in launched)
+            assert launched[::2] == op._distinct(want, kind, 2)
+            assert all(c["PAIR"] == ("pair" in forms and i < len(op._pair_configs(512, 3)))
+                       for i, c in enumerate(launched[::2]))
+        assert "bwd/512x3/key2/deferred-pair+passes/S2/N8192" in op.tuned_configs()
     capturing[0] = True
     launched.clear()
     n = len(op._CHOSEN)
@@ -626,34 +645,71 @@ def test_precompile_builds_every_candidate_first(monkeypatch):
 
 
 def test_deferral_rule_decides_the_residual(monkeypatch):
-    """The deferred backward (no residual kept) for bf16/fp16 "slice" with the key past the backward
-    layout's first chunk and at most DEFER_MAX_S sources; not for fp32, "full", r = d, more sources,
-    KERNELS_DEFER=0, or a pinned backward configuration without DEFER.  The fake forward's residual shape follows the same rule."""
+    """The deferred backward (no residual kept) for bf16/fp16: its two-pass form for "slice" with the key
+    past the backward layout's first chunk and at most DEFER_MAX_S sources, its resident pair for at
+    most two sources (any norm, any key); not for fp32, KERNELS_DEFER=0, or a pinned backward
+    configuration without DEFER.  The fake forward's residual shape follows the same rule."""
     monkeypatch.setattr(op, "CONFIG_OVERRIDE", {})
-    assert op._defers(torch.bfloat16, 1536, 384, "slice", 5) and op._defers(torch.float16, 2560, 640, "slice", 2)
+    assert op._defer_kinds(torch.bfloat16, 1536, 384, "slice", 5) == ("passes",)
+    assert op._defer_kinds(torch.float16, 2560, 640, "slice", 2) == ("pair", "passes")
     assert not op._defers(torch.bfloat16, 1536, 384, "slice", op.DEFER_MAX_S + 1)  # many sources: the residual
-    assert not op._defers(torch.float32, 1536, 384, "slice", 5)
+    assert not op._defers(torch.float32, 1536, 384, "slice", 5) and not op._defers(torch.float32, 1536, 384, "slice", 2)
     assert not op._defers(torch.bfloat16, 1536, 384, "full", 5)
     assert not op._defers(torch.bfloat16, 1536, 1536, "slice", 5)  # the key starts in chunk 0
+    for norm, r in (("full", 384), ("slice", 1536), ("full", 1536)):  # two sources: the pair only
+        assert op._defer_kinds(torch.bfloat16, 1536, r, norm, 2) == ("pair",)
     assert op._res_kept(torch.bfloat16, 1536, 1536, "slice", 5) and not op._res_kept(torch.float32, 1536, 1536, "slice", 5)
+    assert not op._res_kept(torch.bfloat16, 1536, 1536, "slice", 2)
+    monkeypatch.setattr(op, "PAIR_DEFER", False)
+    assert op._defer_kinds(torch.float16, 2560, 640, "slice", 2) == ("passes",)
+    assert not op._defers(torch.bfloat16, 1536, 1536, "slice", 2)
+    monkeypatch.setattr(op, "PAIR_DEFER", True)
     monkeypatch.setattr(op, "CONFIG_OVERRIDE", {"bwd": {"BLOCK_T": 1, "num_warps": 4, "PREFETCH": 1, "KEYCH": True}})
-    assert not op._defers(torch.bfloat16, 1536, 384, "slice", 5)
+    assert not op._defers(torch.bfloat16, 1536, 384, "slice", 5) and not op._defers(torch.bfloat16, 1536, 384, "slice", 2)
     monkeypatch.setattr(op, "CONFIG_OVERRIDE", {"bwd": {"BLOCK_T": 1, "num_warps": 4, "PREFETCH": 1, "DEFER": True}})
     assert op._defers(torch.bfloat16, 1536, 384, "slice", 5) and op._defers(torch.bfloat16, 1536, 384, "slice", 30)
+    assert not op._defers(torch.bfloat16, 1536, 384, "full", 5)  # the two-pass form needs "slice"
+    monkeypatch.setattr(op, "CONFIG_OVERRIDE", {"bwd": {"BLOCK_T": 1, "num_warps": 2, "DEFER": True, "PAIR": True}})
+    assert op._defer_kinds(torch.bfloat16, 1536, 1536, "full", 2) == ("pair",)
     monkeypatch.setattr(op, "CONFIG_OVERRIDE", {})
     monkeypatch.setattr(op, "DEFER", False)
-    assert not op._defers(torch.bfloat16, 1536, 384, "slice", 5)
+    assert not op._defers(torch.bfloat16, 1536, 384, "slice", 5) and not op._defers(torch.bfloat16, 1536, 384, "slice", 2)
     monkeypatch.setattr(op, "DEFER", True)
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    for r, kept in ((384, False), (1536, True)):
-        sources = [torch.randn(4, 1536, dtype=torch.bfloat16) for _ in range(3)]
+    for r, n_src, kept in ((384, 3, False), (1536, 3, True), (1536, 2, False)):
+        sources = [torch.randn(4, 1536, dtype=torch.bfloat16) for _ in range(n_src)]
         res = kernels.attnres_fwd(sources, torch.randn(r, dtype=torch.bfloat16), "slice", 1e-6)[2]
         assert (res.numel() > 0) == kept
         with FakeTensorMode() as mode:
             fake = kernels.attnres_fwd([mode.from_tensor(x) for x in sources],
                                        mode.from_tensor(torch.randn(r, dtype=torch.bfloat16)), "slice", 1e-6)[2]
         assert fake.shape == res.shape
+
+
+def test_deferred_backward_checks(monkeypatch):
+    """A backward configuration that cannot serve a residual-free forward is refused with the reason:
+    not DEFER; DEFER off the token tile; the pair with more than two sources; two passes with the key
+    in the first chunk.  A residual-free forward whose shape no deferred form serves any more (the
+    settings changed in between) is refused in the backward."""
+    base = dict(op._BWD_DEFAULTS, BLOCK_T=1, KEY0=2)
+    with pytest.raises(ValueError, match="does not ask for DEFER"):
+        op._check_deferred(base, ("passes",), 2, 3)
+    with pytest.raises(ValueError, match="token-tile grid"):
+        op._check_deferred(dict(base, BLOCK_T=0, DEFER=True), ("passes",), 2, 3)
+    with pytest.raises(ValueError, match="at most 2"):
+        op._check_deferred(dict(base, DEFER=True, PAIR=True), ("pair",), 2, 3)
+    with pytest.raises(ValueError, match="first column chunk"):
+        op._check_deferred(dict(base, DEFER=True, KEY0=0), ("passes",), 0, 3)
+    op._check_deferred(dict(base, DEFER=True, PAIR=True, KEY0=0), ("pair",), 0, 2)
+    op._check_deferred(dict(base, DEFER=True), ("passes",), 2, 8)
+    sources = [torch.randn(3, 64, dtype=torch.bfloat16) for _ in range(2)]
+    q = torch.randn(64, dtype=torch.bfloat16)
+    h, stats, res = kernels.attnres_fwd(sources, q, "full", 1e-6)
+    assert res.numel() == 0  # two sources: the pair, no residual
+    monkeypatch.setattr(op, "PAIR_DEFER", False)
+    with pytest.raises(ValueError, match="no deferred backward serves this shape"):
+        op._bwd_inputs(sources, q, h, res, torch.randn_like(h), "full")
 
 
 def test_cpu_fallback_without_residual_matches_reference():
@@ -848,6 +904,21 @@ def test_gpu_bf16_key_chunks(d, r, S, norm, bwd, monkeypatch):
     monkeypatch.setattr(op, "CONFIG_OVERRIDE", {"fwd": {"BLOCK_T": 1, "num_warps": 4, "PREFETCH": 1, "KEYCH": True},
                                                 "bwd": dict(bwd, KEYCH=True)})
     errs = bf16_check(d, r, S, norm, layout="mixed", seed=d + r + S)
+    assert errs["out_rel_l2"] < 1e-2 and errs["src_grad_rel_l2"] < 2e-2
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("cand", range(len(op._pair_configs(512, 3))))
+@pytest.mark.parametrize("d,r,norm", [(1536, 384, "slice"), (2560, 2560, "full"), (1024, 1024, "slice"),
+                                      (513, 7, "full")])
+def test_gpu_bf16_resident_pair(d, r, norm, cand, monkeypatch):
+    """Every candidate of the resident pair (S = 2, no residual kept, g.h from the pair) under the
+    paper's bf16 criterion: the key in the last chunks, in every chunk ("full" and r = d), an unaligned
+    width."""
+    block_d, nch = op._layout("bwd", d, r)
+    monkeypatch.setattr(op, "CONFIG_OVERRIDE", {"bwd": dict(op._pair_configs(block_d, nch)[cand])})
+    errs = bf16_check(d, r, 2, norm, layout="mixed", seed=d + r + cand)
     assert errs["out_rel_l2"] < 1e-2 and errs["src_grad_rel_l2"] < 2e-2
 
 
