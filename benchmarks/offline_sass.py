@@ -73,6 +73,17 @@ CONFIGS = {
     # the residual token tile looped over by persistent programs, plain and PAIR (twelfth session's candidates)
     "split-tile-key-bits-looped": (512, 3, 1, 2, 1, 1, "tile", 2, {"RES_STEP": 0.0, "PERSIST": 8}),
     "split-tile-key-bits-pair-looped": (512, 3, 1, 2, 1, 1, "tile", 2, {"RES_STEP": 0.0, "PAIR": True, "PERSIST": 6}),
+    # the resident pair (DEFER with PAIR, S <= 2; thirteenth session), looped, and its block loop pipelined
+    "split-tile-key-resident-looped": (512, 3, 1, 4, 0, 1, "tile", 2,
+                                       {"DEFER": True, "PAIR": True, "HAS_RES": False, "PERSIST": 8}),
+    "split-tile-key-resident-looped-stages2": (512, 3, 1, 4, 0, 2, "tile", 2,
+                                               {"DEFER": True, "PAIR": True, "HAS_RES": False, "PERSIST": 8}),
+    "split-tile-key-resident-looped-2w-stages2": (512, 3, 1, 2, 0, 2, "tile", 2,
+                                                  {"DEFER": True, "PAIR": True, "HAS_RES": False, "PERSIST": 8}),
+    "two-tile-key-resident-looped-stages2": (512, 2, 1, 4, 0, 2, "tile", 1,
+                                             {"DEFER": True, "PAIR": True, "HAS_RES": False, "PERSIST": 4}),
+    "five-tile-key-resident-looped-1w": (512, 5, 1, 1, 0, 1, "tile", 3,
+                                         {"DEFER": True, "PAIR": True, "HAS_RES": False, "PERSIST": 32}),
 }
 _NSLOT = 9
 
@@ -116,7 +127,7 @@ def _kernels(module, cfg):
     fwd = {k: bwd[k] for k in ("HAS_RES", "RES_STEP", "SLICE") if k in bwd}  # a deferred backward's forward keeps none
     if "LAZY" in bwd:  # the forward's lazy online softmax (eleventh session)
         fwd["LAZY"] = bwd.pop("LAZY")
-    bsig = {"go_ptr": "*fp32"} if bwd["DEFER"] else {}
+    bsig = {"go_ptr": "*fp32"} if (bwd["DEFER"] and not bwd["PAIR"]) else {}  # the two-pass form's g.o scratch
     return [
         ("table-fwd", module._attnres_fwd_kernel, _table_sig("fwd"), dict(c, ALIGN=8, BLOCK_T=n, FUSED=True, **fwd),
          warps),

@@ -895,6 +895,44 @@ def _bwd_body(
 
 
 @triton.jit
+def _pair_step(
+    i, a0, a1, a2, a3, a4, b0, b1, b2, b3, b4, rows, row_ok, rows64, N, S, d, gh, lse, st_ptr, inv_n,
+    offs0, ok0, offs1, ok1, offs2, ok2, offs3, ok3, offs4, ok4,
+    g0, g1, g2, g3, g4, q0, q1, q2, q3, q4, tail0, tail1, tail2, tail3, tail4, dq0, dq1, dq2, dq3, dq4,
+    SLICE: tl.constexpr, NCH: tl.constexpr, KEY0: tl.constexpr, TABLE: tl.constexpr, grad0_ptr, grad_offs,
+    GALIGN: tl.constexpr, NSLOT: tl.constexpr,
+    dx0, dx1, dx2, dx3, dx4, dx5, dx6, dx7, dx8, dx9, dx10, dx11, dx12, dx13, dx14, dx15,
+    GH_PAIR: tl.constexpr,
+):
+    """One step of _bwd_tile_pairs on the raw tiles of sources i (a0..a4) and i + 1 (b0..b4): both row
+    sums g.o in one two-operand reduction, both sources' gradients stored, the query-gradient
+    accumulators returned.  GH_PAIR: g.h from this pair instead of ``gh``."""
+    a0, a1, a2, a3, a4, goa = _tiles_go(a0, a1, a2, a3, a4, g0, g1, g2, g3, g4, NCH)
+    b0, b1, b2, b3, b4, gob = _tiles_go(b0, b1, b2, b3, b4, g0, g1, g2, g3, g4, NCH)
+    sa, sb = tl.reduce((goa, gob), 1, _add2)
+    live_b = row_ok & ((rows * 0 + i + 1) < S)  # the pair's second source exists
+    if GH_PAIR:  # every source is in this pair: g.h = sum_i w_i g.o_i (sb = 0 for a masked-out source)
+        za = tl.load(st_ptr + tl.cast(1 + i, tl.int64) * N + rows, mask=row_ok, other=0.0)
+        zb = tl.load(st_ptr + tl.cast(2 + i, tl.int64) * N + rows, mask=live_b, other=0.0)
+        gh = tl.exp(za - lse) * sa + tl.exp(zb - lse) * sb
+    wa, ca, ka = _bwd_weights(sa, gh, lse, i, S, N, rows, row_ok, st_ptr, inv_n)
+    wb, cb, kb = _bwd_weights(sb, gh, lse, i + 1, S, N, rows, live_b, st_ptr, inv_n)
+    gpa = _grad_ptrs(i, S, TABLE, grad0_ptr, grad_offs, GALIGN, NSLOT,
+                     dx0, dx1, dx2, dx3, dx4, dx5, dx6, dx7, dx8, dx9, dx10, dx11, dx12, dx13, dx14, dx15)
+    gpb = _grad_ptrs(i + 1, S, TABLE, grad0_ptr, grad_offs, GALIGN, NSLOT,
+                     dx0, dx1, dx2, dx3, dx4, dx5, dx6, dx7, dx8, dx9, dx10, dx11, dx12, dx13, dx14, dx15)
+    dq0, dq1, dq2, dq3, dq4 = _tile_grads(gpa, rows64, row_ok, d, offs0, ok0, offs1, ok1, offs2, ok2, offs3, ok3,
+                                          offs4, ok4, a0, a1, a2, a3, a4, g0, g1, g2, g3, g4, q0, q1, q2, q3, q4,
+                                          tail0, tail1, tail2, tail3, tail4, wa, ca, ka, dq0, dq1, dq2, dq3, dq4,
+                                          SLICE, KEY0, NCH)
+    dq0, dq1, dq2, dq3, dq4 = _tile_grads(gpb, rows64, live_b, d, offs0, ok0, offs1, ok1, offs2, ok2, offs3, ok3,
+                                          offs4, ok4, b0, b1, b2, b3, b4, g0, g1, g2, g3, g4, q0, q1, q2, q3, q4,
+                                          tail0, tail1, tail2, tail3, tail4, wb, cb, kb, dq0, dq1, dq2, dq3, dq4,
+                                          SLICE, KEY0, NCH)
+    return dq0, dq1, dq2, dq3, dq4
+
+
+@triton.jit
 def _bwd_tile_pairs(
     rows, row_ok, rows64, N, S, d, gh, lse, st_ptr, inv_n, offs0, ok0, offs1, ok1, offs2, ok2, offs3, ok3, offs4, ok4,
     g0, g1, g2, g3, g4, q0, q1, q2, q3, q4, tail0, tail1, tail2, tail3, tail4, dq0, dq1, dq2, dq3, dq4,
@@ -909,9 +947,27 @@ def _bwd_tile_pairs(
     """The token-tile backward's source loop two sources at a time (PAIR): sources i and i + 1 loaded
     together (the next pair early with PREFETCH), their row sums g.o in one two-operand reduction;
     where S is odd the last pair's second source is masked out (zero tiles, no stores, no query
-    gradient).  GH_PAIR (the resident pair: S <= 2, one step, the host's guarantee): g.h is
+    gradient).  GH_PAIR (the resident pair: S <= 2, the host's guarantee): one step and no loop, g.h
     w_a g.o_a + w_b g.o_b from the pair in hand, not ``gh`` (h and its residual were not read, and no
-    source is read twice).  Returns the query-gradient accumulators."""
+    source is read twice); without a loop here, a persistent loop over token blocks around it is
+    innermost, which Triton's pipeliner needs.  Returns the query-gradient accumulators."""
+    if GH_PAIR:
+        tl.static_assert(not PREFETCH, "the resident pair has no next source to prefetch")
+        a0, a1, a2, a3, a4 = _src_tiles(0, S, rows, rows64, row_ok, offs0, ok0, offs1, ok1, offs2, ok2, offs3, ok3,
+                                        offs4, ok4, NCH, EVICT, TABLE, src0_ptr, src_offs, src_strides, ALIGN, NSLOT,
+                                        x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
+                                        xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7, xs8, xs9, xs10, xs11, xs12, xs13,
+                                        xs14, xs15)
+        b0, b1, b2, b3, b4 = _src_tiles(1, S, rows, rows64, row_ok, offs0, ok0, offs1, ok1, offs2, ok2, offs3, ok3,
+                                        offs4, ok4, NCH, EVICT, TABLE, src0_ptr, src_offs, src_strides, ALIGN, NSLOT,
+                                        x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
+                                        xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7, xs8, xs9, xs10, xs11, xs12, xs13,
+                                        xs14, xs15)
+        return _pair_step(0, a0, a1, a2, a3, a4, b0, b1, b2, b3, b4, rows, row_ok, rows64, N, S, d, gh, lse, st_ptr,
+                          inv_n, offs0, ok0, offs1, ok1, offs2, ok2, offs3, ok3, offs4, ok4, g0, g1, g2, g3, g4,
+                          q0, q1, q2, q3, q4, tail0, tail1, tail2, tail3, tail4, dq0, dq1, dq2, dq3, dq4,
+                          SLICE, NCH, KEY0, TABLE, grad0_ptr, grad_offs, GALIGN, NSLOT,
+                          dx0, dx1, dx2, dx3, dx4, dx5, dx6, dx7, dx8, dx9, dx10, dx11, dx12, dx13, dx14, dx15, True)
     if PREFETCH:
         na0, na1, na2, na3, na4 = _src_tiles(0, S, rows, rows64, row_ok, offs0, ok0, offs1, ok1, offs2, ok2, offs3, ok3,
                                              offs4, ok4, NCH, EVICT, TABLE, src0_ptr, src_offs, src_strides, ALIGN, NSLOT,
@@ -937,28 +993,11 @@ def _bwd_tile_pairs(
         if PREFETCH:  # use the pair loaded a step ago; keep this step's for the next
             a0, a1, a2, a3, a4, na0, na1, na2, na3, na4 = na0, na1, na2, na3, na4, a0, a1, a2, a3, a4
             b0, b1, b2, b3, b4, nb0, nb1, nb2, nb3, nb4 = nb0, nb1, nb2, nb3, nb4, b0, b1, b2, b3, b4
-        a0, a1, a2, a3, a4, goa = _tiles_go(a0, a1, a2, a3, a4, g0, g1, g2, g3, g4, NCH)
-        b0, b1, b2, b3, b4, gob = _tiles_go(b0, b1, b2, b3, b4, g0, g1, g2, g3, g4, NCH)
-        sa, sb = tl.reduce((goa, gob), 1, _add2)
-        live_b = row_ok & ((rows * 0 + i + 1) < S)  # the pair's second source exists
-        if GH_PAIR:  # every source is in this pair: g.h = sum_i w_i g.o_i (sb = 0 for a masked-out source)
-            za = tl.load(st_ptr + tl.cast(1 + i, tl.int64) * N + rows, mask=row_ok, other=0.0)
-            zb = tl.load(st_ptr + tl.cast(2 + i, tl.int64) * N + rows, mask=live_b, other=0.0)
-            gh = tl.exp(za - lse) * sa + tl.exp(zb - lse) * sb
-        wa, ca, ka = _bwd_weights(sa, gh, lse, i, S, N, rows, row_ok, st_ptr, inv_n)
-        wb, cb, kb = _bwd_weights(sb, gh, lse, i + 1, S, N, rows, live_b, st_ptr, inv_n)
-        gpa = _grad_ptrs(i, S, TABLE, grad0_ptr, grad_offs, GALIGN, NSLOT,
-                         dx0, dx1, dx2, dx3, dx4, dx5, dx6, dx7, dx8, dx9, dx10, dx11, dx12, dx13, dx14, dx15)
-        gpb = _grad_ptrs(i + 1, S, TABLE, grad0_ptr, grad_offs, GALIGN, NSLOT,
-                         dx0, dx1, dx2, dx3, dx4, dx5, dx6, dx7, dx8, dx9, dx10, dx11, dx12, dx13, dx14, dx15)
-        dq0, dq1, dq2, dq3, dq4 = _tile_grads(gpa, rows64, row_ok, d, offs0, ok0, offs1, ok1, offs2, ok2, offs3, ok3,
-                                              offs4, ok4, a0, a1, a2, a3, a4, g0, g1, g2, g3, g4, q0, q1, q2, q3, q4,
-                                              tail0, tail1, tail2, tail3, tail4, wa, ca, ka, dq0, dq1, dq2, dq3, dq4,
-                                              SLICE, KEY0, NCH)
-        dq0, dq1, dq2, dq3, dq4 = _tile_grads(gpb, rows64, live_b, d, offs0, ok0, offs1, ok1, offs2, ok2, offs3, ok3,
-                                              offs4, ok4, b0, b1, b2, b3, b4, g0, g1, g2, g3, g4, q0, q1, q2, q3, q4,
-                                              tail0, tail1, tail2, tail3, tail4, wb, cb, kb, dq0, dq1, dq2, dq3, dq4,
-                                              SLICE, KEY0, NCH)
+        dq0, dq1, dq2, dq3, dq4 = _pair_step(
+            i, a0, a1, a2, a3, a4, b0, b1, b2, b3, b4, rows, row_ok, rows64, N, S, d, gh, lse, st_ptr, inv_n,
+            offs0, ok0, offs1, ok1, offs2, ok2, offs3, ok3, offs4, ok4, g0, g1, g2, g3, g4, q0, q1, q2, q3, q4,
+            tail0, tail1, tail2, tail3, tail4, dq0, dq1, dq2, dq3, dq4, SLICE, NCH, KEY0, TABLE, grad0_ptr, grad_offs,
+            GALIGN, NSLOT, dx0, dx1, dx2, dx3, dx4, dx5, dx6, dx7, dx8, dx9, dx10, dx11, dx12, dx13, dx14, dx15, False)
     return dq0, dq1, dq2, dq3, dq4
 
 
@@ -1166,8 +1205,9 @@ def _bwd_tile_body(
      dq0, dq1, dq2, dq3, dq4) = _bwd_chunks(d, r, BLOCK_D, NCH)
     q0, q1, q2, q3, q4 = _chunk_queries(q_ptr, d, r, offs0, offs1, offs2, offs3, offs4, tail0, tail1, tail2, tail3,
                                         tail4, NCH)
-    if PERSIST:
-        for blk in range(pid, tl.cdiv(N, BLOCK_T), tl.num_programs(0)):
+    if PERSIST:  # the resident pair's block loop is innermost: STAGES lets Triton pipeline its loads
+        for blk in tl.range(pid, tl.cdiv(N, BLOCK_T), tl.num_programs(0),
+                            num_stages=STAGES if (DEFER and PAIR) else None):
             dq0, dq1, dq2, dq3, dq4 = _bwd_tile_block(
                 blk, h_ptr, res_ptr, g_ptr, st_ptr, go_ptr, N, S, d, stride_g, inv_n,
                 offs0, ok0, offs1, ok1, offs2, ok2, offs3, ok3, offs4, ok4, q0, q1, q2, q3, q4,
