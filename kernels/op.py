@@ -359,12 +359,13 @@ def _pair_configs(block_d: int, nch: int) -> list[dict]:
     one token per program with 2, 4 and 1 warps per 512-column chunk, looped over by 16, 8 and 32
     programs per multiprocessor (PERSIST: a query-gradient partial row per program, not per token) or
     one program per token; two tokens with 4 warps, looped.  No prefetch: the one step has no next
-    source.  On the H200 (thirteenth session, call 1, S = 2) the tuner took the looped ones: 4 warps by
-    8 at d = 1536 and 1024 (r = d too), 1 warp by 32 at d = 2560 and at 8192 tokens d = 1024, r = 256.
-    Then (untimed when added) the looped ones with their block loop pipelined by Triton (STAGES 2:
-    the next block's g and sources copied ahead into shared memory; offline sm_90 at d = 1536, 44
-    cp.async per loop, 118 registers with 2 warps, 101 with 4, so 8 and 5 programs per multiprocessor
-    fit): 2 warps by 8, 4 warps by 4 and by 8."""
+    source.  On the H200 (thirteenth session, kernel_bench_h200_2026-11-30_v16_c*, S = 2) the tuner took
+    the looped ones at 17 of 19 shape classes: mostly 4 warps by 8; 1 warp by 32 at 8192 tokens for
+    d = 2560, r = 640 and d = 1024, r = 256; one program per token with 2 warps where the key is the
+    last chunk of five (d = 2560, r = 320).  The last three candidates loop with their block loop
+    pipelined by Triton (STAGES 2: the next block's g and sources copied ahead into shared memory;
+    offline sm_90 at d = 1536, 44 cp.async per loop, 118 registers with 2 warps, 101 with 4, so 8 and 5
+    programs per multiprocessor fit): taken once (4 warps by 4, d = 1536, r = d, 8192 tokens)."""
     pair = dict(_TILE, **_KEYED, PAIR=True, DEFER=True)
     staged = dict(pair, STAGES=2)
     return _configs(block_d, "SB", ((1, 8, 0, dict(pair, PERSIST=16)), (1, 4, 0, dict(pair, PERSIST=8)),
