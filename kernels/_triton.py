@@ -951,24 +951,8 @@ def _bwd_tile_pairs(
     w_a g.o_a + w_b g.o_b from the pair in hand, not ``gh`` (h and its residual were not read, and no
     source is read twice); without a loop here, a persistent loop over token blocks around it is
     innermost, which Triton's pipeliner needs.  Returns the query-gradient accumulators."""
-    if GH_PAIR:
-        tl.static_assert(not PREFETCH, "the resident pair has no next source to prefetch")
-        a0, a1, a2, a3, a4 = _src_tiles(0, S, rows, rows64, row_ok, offs0, ok0, offs1, ok1, offs2, ok2, offs3, ok3,
-                                        offs4, ok4, NCH, EVICT, TABLE, src0_ptr, src_offs, src_strides, ALIGN, NSLOT,
-                                        x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
-                                        xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7, xs8, xs9, xs10, xs11, xs12, xs13,
-                                        xs14, xs15)
-        b0, b1, b2, b3, b4 = _src_tiles(1, S, rows, rows64, row_ok, offs0, ok0, offs1, ok1, offs2, ok2, offs3, ok3,
-                                        offs4, ok4, NCH, EVICT, TABLE, src0_ptr, src_offs, src_strides, ALIGN, NSLOT,
-                                        x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
-                                        xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7, xs8, xs9, xs10, xs11, xs12, xs13,
-                                        xs14, xs15)
-        return _pair_step(0, a0, a1, a2, a3, a4, b0, b1, b2, b3, b4, rows, row_ok, rows64, N, S, d, gh, lse, st_ptr,
-                          inv_n, offs0, ok0, offs1, ok1, offs2, ok2, offs3, ok3, offs4, ok4, g0, g1, g2, g3, g4,
-                          q0, q1, q2, q3, q4, tail0, tail1, tail2, tail3, tail4, dq0, dq1, dq2, dq3, dq4,
-                          SLICE, NCH, KEY0, TABLE, grad0_ptr, grad_offs, GALIGN, NSLOT,
-                          dx0, dx1, dx2, dx3, dx4, dx5, dx6, dx7, dx8, dx9, dx10, dx11, dx12, dx13, dx14, dx15, True)
-    if PREFETCH:
+    tl.static_assert(not (GH_PAIR and PREFETCH), "the resident pair has no next source to prefetch")
+    if PREFETCH or GH_PAIR:  # sources 0 and 1: the first pair ahead of the loop, or the resident pair
         na0, na1, na2, na3, na4 = _src_tiles(0, S, rows, rows64, row_ok, offs0, ok0, offs1, ok1, offs2, ok2, offs3, ok3,
                                              offs4, ok4, NCH, EVICT, TABLE, src0_ptr, src_offs, src_strides, ALIGN, NSLOT,
                                              x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
@@ -979,6 +963,12 @@ def _bwd_tile_pairs(
                                              x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
                                              xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7, xs8, xs9, xs10, xs11, xs12, xs13,
                                              xs14, xs15)
+    if GH_PAIR:
+        return _pair_step(0, na0, na1, na2, na3, na4, nb0, nb1, nb2, nb3, nb4, rows, row_ok, rows64, N, S, d, gh, lse,
+                          st_ptr, inv_n, offs0, ok0, offs1, ok1, offs2, ok2, offs3, ok3, offs4, ok4, g0, g1, g2, g3, g4,
+                          q0, q1, q2, q3, q4, tail0, tail1, tail2, tail3, tail4, dq0, dq1, dq2, dq3, dq4,
+                          SLICE, NCH, KEY0, TABLE, grad0_ptr, grad_offs, GALIGN, NSLOT,
+                          dx0, dx1, dx2, dx3, dx4, dx5, dx6, dx7, dx8, dx9, dx10, dx11, dx12, dx13, dx14, dx15, True)
     for i in tl.range(0, S, 2, num_stages=STAGES):
         a0, a1, a2, a3, a4 = _src_tiles(i + 2 * PREFETCH, S, rows, rows64, row_ok, offs0, ok0, offs1, ok1, offs2, ok2,
                                         offs3, ok3, offs4, ok4, NCH, EVICT, TABLE, src0_ptr, src_offs, src_strides,
