@@ -1026,12 +1026,13 @@ def test_args_kernels_match_reference(d, r, S, norm, layout, cfg, monkeypatch):
     _fp32_against_reference(_attnres_args, d, r, S, norm, layout, seed=d + r + S)
 
 
-@pytest.mark.parametrize("dtype,d,r", [("float32", 64, 16), ("bfloat16", 1536, 384)])  # the second: deferred
-def test_args_path_traces_to_kernels(dtype, d, r):
+@pytest.mark.parametrize("dtype,d,r,S", [("float32", 64, 16, 3), ("bfloat16", 1536, 384, 3),  # deferred, two passes
+                                         ("bfloat16", 1536, 1536, 2)])  # the resident pair
+def test_args_path_traces_to_kernels(dtype, d, r, S):
     """The triton_op's body traces into Triton kernel launches (no opaque op, no data pointers), as
     torch.compile needs, also where the backward is deferred (bf16, the key past the first chunk: no
-    residual, a scratch the backward writes); run in a fresh interpreter without TRITON_INTERPRET
-    (whose kernels cannot be traced), tracing only, so no GPU is needed."""
+    residual, a scratch the backward writes; two sources: the resident pair); run in a fresh interpreter
+    without TRITON_INTERPRET (whose kernels cannot be traced), tracing only, so no GPU is needed."""
     import subprocess
 
     code = r'''
@@ -1039,21 +1040,22 @@ import sys, torch
 from torch._functorch.aot_autograd import aot_function
 import kernels.op as op
 op.set_cpu_triton(True)
-dtype, d, r = getattr(torch, sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
-deferred = op._defers(dtype, d, r, "slice", 3)
+dtype, d, r, S = getattr(torch, sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+kinds = op._defer_kinds(dtype, d, r, "slice", S)
+deferred = bool(kinds)
 graphs = []
 class Traced(Exception):
     pass
 def capture(gm, inputs):  # AOTAutograd's functionalized graph, as Inductor would receive it
     graphs.append(gm.code)
     raise Traced
-def step(a, b, c, q, g):
-    h, lse, res = op.attnres_fwd_args([a, b, c], q, "slice", 1e-6)
+def step(q, g, *xs):
+    h, lse, res = op.attnres_fwd_args(list(xs), q, "slice", 1e-6)
     assert (res.numel() == 0) == (deferred or dtype == torch.float32)
-    return h, op.attnres_bwd_args([a, b, c], q, h, lse, res, g, "slice", 1e-6)
-x = [torch.randn(2, 5, d, dtype=dtype) for _ in range(3)]
+    return h, op.attnres_bwd_args(list(xs), q, h, lse, res, g, "slice", 1e-6)
+x = [torch.randn(2, 5, d, dtype=dtype) for _ in range(S)]
 try:
-    aot_function(step, fw_compiler=capture)(*x, torch.randn(r, dtype=dtype), torch.randn(2, 5, d, dtype=dtype))
+    aot_function(step, fw_compiler=capture)(torch.randn(r, dtype=dtype), torch.randn(2, 5, d, dtype=dtype), *x)
 except Traced:
     pass
 text = graphs[0]
@@ -1061,10 +1063,11 @@ print(text)
 assert text.count("higher_order.triton_kernel_wrapper_functional(") == 2, "expected one forward and one backward launch"
 assert "attnres_fwd_args" not in text and "attnres_bwd_args" not in text
 assert ("DEFER': True" in text) == deferred, "the backward launch's DEFER"
+assert ("PAIR': True" in text) == ("pair" in kinds), "the backward launch's PAIR (the resident pair)"
 '''
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = str(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    out = subprocess.run([sys.executable, "-c", code, dtype, str(d), str(r)], capture_output=True, text=True, env=env,
+    out = subprocess.run([sys.executable, "-c", code, dtype, str(d), str(r), str(S)], capture_output=True, text=True, env=env,
                          timeout=300)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
 
@@ -1099,13 +1102,14 @@ class _Target:
         return GPUTarget("cuda", 90, 32)
 S, N, d, r = 3, 40, 96, 16
 BLOCK_D, NCH, STAGES = (32, 3, 2) if sys.argv[1] == "3" else (128, 1, 1)  # the pipelined loop with three chunks
-DEFER = sys.argv[5] == "1"  # the deferred backward: no residual, a g.o scratch
+DEFER = sys.argv[5] == "1"  # the deferred backward: no residual, a g.o scratch (not for the resident pair)
+RESIDENT = DEFER and sys.argv[4] == "1"  # the resident pair: no prefetch, no scratch
 common = dict(N=N, S=S, d=d, r=r, NSLOT=S, EPS=1e-6, SLICE=True, HAS_RES=not DEFER, RES_STEP=0.0, BLOCK_D=BLOCK_D,
-              NCH=NCH, KEY0=int(sys.argv[3]), PREFETCH=1, EVICT=False, STAGES=STAGES, q_ptr=torch.empty(r, dtype=torch.bfloat16),
+              NCH=NCH, KEY0=int(sys.argv[3]), PREFETCH=0 if RESIDENT else 1, EVICT=False, STAGES=STAGES, q_ptr=torch.empty(r, dtype=torch.bfloat16),
               res_ptr=None if DEFER else torch.empty(N, d, dtype=torch.int8), st_ptr=torch.empty(1 + 2 * S, N))
 fwd = dict(common, out_ptr=torch.empty(N, d, dtype=torch.bfloat16), BLOCK_T=2, FUSED=True, LAZY=int(sys.argv[6]))
 bwd = dict(common, h_ptr=torch.empty(N, d, dtype=torch.bfloat16), g_ptr=torch.empty(N, d, dtype=torch.bfloat16),
-           dq_part_ptr=torch.empty(4, r), go_ptr=torch.empty(S, N) if DEFER else None, stride_g=d, SB=2,
+           dq_part_ptr=torch.empty(4, r), go_ptr=torch.empty(S, N) if (DEFER and not RESIDENT) else None, stride_g=d, SB=2,
            BLOCK_T=int(sys.argv[2]), PAIR=sys.argv[4] == "1", DEFER=DEFER,  # BLOCK_T 0: persistent grid
            PERSIST=int(sys.argv[7]))
 for i in range(16):
@@ -1137,10 +1141,12 @@ def test_compiled_kernels_write_only_their_outputs():
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
     # column chunks; the backward's grid (0 persistent, 2 tokens per program); KEY0 (key-chunk specialisation);
     # PAIR (the token tile two sources per step); DEFER (the deferred backward, whose forward keeps no residual);
-    # LAZY (the forward's lazy online softmax: 2 for its two-token blocks); PERSIST (looped token blocks)
+    # LAZY (the forward's lazy online softmax: 2 for its two-token blocks); PERSIST (looped token blocks);
+    # PAIR with DEFER, the resident pair (its block loop pipelined: three chunks build with STAGES 2)
     for case in (("1", "0", "0", "0", "0", "0", "0"), ("3", "0", "0", "0", "0", "1", "0"),
                  ("3", "2", "2", "0", "0", "2", "0"), ("3", "0", "2", "0", "0", "0", "0"),
-                 ("3", "2", "2", "1", "0", "1", "8"), ("3", "2", "2", "0", "1", "2", "0"), ("3", "1", "2", "0", "1", "2", "16")):
+                 ("3", "2", "2", "1", "0", "1", "8"), ("3", "2", "2", "0", "1", "2", "0"), ("3", "1", "2", "0", "1", "2", "16"),
+                 ("3", "1", "2", "1", "1", "1", "8")):
         proc = subprocess.run([sys.executable, "-c", _WRITES_SCRIPT, *case], env=env,
                               capture_output=True, text=True, timeout=300)
         assert proc.returncode == 0, proc.stderr[-3000:]
@@ -1149,4 +1155,5 @@ def test_compiled_kernels_write_only_their_outputs():
             pytest.skip("this torch has no identify_accessed_tensors")
         deferred = case[4] == "1"
         assert written["fwd"] == (["out_ptr", "st_ptr"] if deferred else ["out_ptr", "res_ptr", "st_ptr"]), case
-        assert written["bwd"] == ["dq_part_ptr", "dx0", "dx1", "dx2"] + (["go_ptr"] if deferred else []), case
+        scratch = deferred and case[3] == "0"  # the two-pass form's g.o scratch
+        assert written["bwd"] == ["dq_part_ptr", "dx0", "dx1", "dx2"] + (["go_ptr"] if scratch else []), case
