@@ -1105,9 +1105,10 @@ ARGS_BWD_CONFIG = 1
 # prefetch, the table kernels' tuned choice at 6 of the 10 deferred shape classes of the tenth session's
 # side-by-side runs (8192 and 4096 tokens, S = 2 and 5); the per-argument kernels' own not yet timed.
 ARGS_DEFER_CONFIG = 1
-# The resident pair's (_pair_configs, S <= 2): one token, 2 warps, 16 programs per multiprocessor
-# (untimed for the per-argument kernels).
-ARGS_PAIR_CONFIG = 0
+# The resident pair's (_pair_configs, S <= 2): one token, 4 warps, 8 programs per multiprocessor, the
+# table kernels' tuned choice at 11 of the 19 S = 2 shape classes of the thirteenth session's runs
+# (the per-argument kernels' own not yet timed).
+ARGS_PAIR_CONFIG = 1
 
 
 def _args_config(kind: str, block_d: int, nch: int, deferred: tuple = ()) -> dict:
