@@ -947,7 +947,7 @@ def _bwd_tile_pairs(
     """The token-tile backward's source loop two sources at a time (PAIR): sources i and i + 1 loaded
     together (the next pair early with PREFETCH), their row sums g.o in one two-operand reduction;
     where S is odd the last pair's second source is masked out (zero tiles, no stores, no query
-    gradient).  GH_PAIR (the resident pair: S <= 2, the host's guarantee): one step and no loop, g.h
+    gradient).  GH_PAIR (the resident pair: S <= 2, the host's guarantee): one step and no loop, g.h =
     w_a g.o_a + w_b g.o_b from the pair in hand, not ``gh`` (h and its residual were not read, and no
     source is read twice); without a loop here, a persistent loop over token blocks around it is
     innermost, which Triton's pipeliner needs.  Returns the query-gradient accumulators."""
