@@ -103,6 +103,17 @@ def _layouts(d: int, r: int | None = None) -> list[tuple[int, int]]:
     return list(dict.fromkeys(out))
 
 
+def _deferred_candidates(d: int, r: int, S: int, layouts) -> list[dict]:
+    """The deferred backward's candidates (no residual) for each layout: the resident pair's at
+    S <= kernels.op.PAIR_MAX_S (any key position), the two-pass form's where the key starts past the
+    layout's first chunk."""
+    out = []
+    for lay in layouts:
+        forms = (("pair",) if S <= kop.PAIR_MAX_S else ()) + (("passes",) if kop._key_pos(d, r, *lay) > 0 else ())
+        out += [dict(c, SPLIT=lay[1]) for c in kop._candidates("bwd", *lay, forms)] if forms else []
+    return out
+
+
 PROGRAMS_PER_SM = (2, 4, 6, 12, 16)  # the backward's persistent grid, tried for the best configurations
 STAGES = (2, 3)  # Triton's software pipelining of the source loop, tried for the best configurations
 
@@ -133,11 +144,8 @@ def sweep_shape(N, d, S, r, bw, budget_end, path="table", quick=False, only=None
     unit = N * d * 2
     layouts = _layouts(d, r)
 
-    def deferred(kind):  # the deferred backward's candidates, for the layouts whose key is past chunk 0
-        if kind == "fwd":
-            return []
-        return [dict(c, SPLIT=lay[1]) for lay in layouts if kop._key_pos(d, r, *lay) > 0
-                for c in kop._defer_configs(*lay)]
+    def deferred(kind):
+        return [] if kind == "fwd" else _deferred_candidates(d, r, S, layouts)
 
     def pick(kind):  # every layout's shipped candidates first (quick), then the rest
         if not quick:
@@ -174,7 +182,7 @@ def sweep_shape(N, d, S, r, bw, budget_end, path="table", quick=False, only=None
 
     def cfg_of(row):
         return {k: row[k] for k in ("BLOCK_T", "SB", "num_warps", "PREFETCH", "EVICT", "STAGES", "SPLIT", "KEYCH", "PAIR",
-                                    "DEFER") if k in row}
+                                    "DEFER", "PERSIST") if k in row}
 
     def keyed(kind, fn, ppsm=None):  # the best two multi-chunk configurations with KEYCH
         for b in best(kind, 2):

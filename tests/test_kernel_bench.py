@@ -97,6 +97,22 @@ def test_sweep_compares_the_widths_layout_with_one_and_three_chunks():
     assert len(ks._quick("bwd", 512, 5)) > len(shipped)  # the width's own layout gets more candidates
 
 
+def test_sweep_times_the_deferred_forms_that_serve_a_shape():
+    """The sweep's deferred candidates: the resident pair at S <= 2 in every layout, the two passes in
+    the layouts whose key starts past the first chunk; neither where they cannot run."""
+    import kernel_sweep as ks
+    import kernels.op as kop
+
+    two = ks._deferred_candidates(2560, 640, 2, [(512, 5), (4096, 1)])
+    pairs = [c for c in two if c.get("PAIR")]
+    assert pairs and all(c["DEFER"] for c in two)
+    assert {c["SPLIT"] for c in pairs} == {5, 1} and {c["SPLIT"] for c in two if not c.get("PAIR")} == {5}
+    assert len(pairs) == len(kop._pair_configs(512, 5)) + len(kop._pair_configs(4096, 1))
+    nine = ks._deferred_candidates(2560, 640, 9, [(512, 5), (4096, 1)])
+    assert nine and not any(c.get("PAIR") for c in nine)
+    assert ks._deferred_candidates(1536, 1536, 9, [(512, 3)]) == []  # the key in every chunk: no deferral
+
+
 def test_shapes_option_parses_and_names_a_bad_shape():
     assert kb._shape_list("8192x1536x9x384,4096x2560x2x640") == [(8192, 1536, 9, 384), (4096, 2560, 2, 640)]
     with pytest.raises(argparse.ArgumentTypeError, match="'8192x1536x9'"):
