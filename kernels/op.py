@@ -1178,7 +1178,7 @@ def _bwd_args(sources, query, h, stats, res, g, norm: str, eps: float):
         NSLOT=len(rows), EPS=float(eps), SLICE=_key_masked(norm, d, r), HAS_RES=has_res, RES_STEP=_res_step(dtype),
         BLOCK_D=block_d, NCH=nch, **kw,
     )
-    return grads, part.sum(0).to(query.dtype)
+    return grads, _sum_rows_torch(part, query.dtype)  # torch's sum, which Inductor compiles (no tuning here)
 
 
 @torch.library.triton_op("lrattnres_kernels::attnres_fwd_args", mutates_args=())
