@@ -114,6 +114,22 @@ def _deferred_candidates(d: int, r: int, S: int, layouts) -> list[dict]:
     return out
 
 
+def _fwd_pair_candidates(S: int, layouts) -> list[dict]:
+    """The pair forward's candidates at S = 2 (kernels.op._fwd_forms) for each layout: the shipped ones,
+    then one and two tokens with 1 to 16 warps (2 to 64 elements per thread and chunk), keyed, with the
+    evict-first hint."""
+    if "pair" not in kop._fwd_forms(S):
+        return []
+    out = [dict(c, SPLIT=lay[1]) for lay in layouts for c in kop._fwd_pair_configs(*lay)]
+    for block_d, nch in layouts:
+        for n in (1, 2):
+            for nw in (1, 2, 4, 8, 16):
+                c = {"BLOCK_T": n, "num_warps": nw, "PREFETCH": 0, "KEYCH": True, "PAIR": True, "EVICT": True, "SPLIT": nch}
+                if 2 <= n * block_d // (32 * nw) <= 64 and c not in out:
+                    out.append(c)
+    return out
+
+
 PROGRAMS_PER_SM = (2, 4, 6, 12, 16)  # the backward's persistent grid, tried for the best configurations
 STAGES = (2, 3)  # Triton's software pipelining of the source loop, tried for the best configurations
 
@@ -144,8 +160,8 @@ def sweep_shape(N, d, S, r, bw, budget_end, path="table", quick=False, only=None
     unit = N * d * 2
     layouts = _layouts(d, r)
 
-    def deferred(kind):
-        return [] if kind == "fwd" else _deferred_candidates(d, r, S, layouts)
+    def deferred(kind):  # the forward's pair (S = 2), the backward's deferred forms
+        return _fwd_pair_candidates(S, layouts) if kind == "fwd" else _deferred_candidates(d, r, S, layouts)
 
     def pick(kind):  # every layout's shipped candidates first (quick), then the rest
         if not quick:
@@ -199,6 +215,8 @@ def sweep_shape(N, d, S, r, bw, budget_end, path="table", quick=False, only=None
 
     def pipelined(kind, fn, ppsm=None):  # the best two with Triton's pipeliner instead of PREFETCH
         for b in best(kind, 2):
+            if kind == "fwd" and b.get("PAIR"):
+                continue  # the pair forward has no source loop
             for stages in STAGES:
                 if time.time() < budget_end:
                     run(kind, dict(cfg_of(b), PREFETCH=0, STAGES=stages), fn, ppsm)

@@ -84,6 +84,15 @@ CONFIGS = {
                                              {"DEFER": True, "PAIR": True, "HAS_RES": False, "PERSIST": 4}),
     "five-tile-key-resident-looped-1w": (512, 5, 1, 1, 0, 1, "tile", 3,
                                          {"DEFER": True, "PAIR": True, "HAS_RES": False, "PERSIST": 32}),
+    # the pair forward (FWD_PAIR: the forward's PAIR, S = 2; fourteenth session) against the loop forward the
+    # tuner took at S = 2 (one token, 1 warp, keyed, prefetch), d = 2560 (r = 640) and d = 1024 (r = 256)
+    "five-key-fwd-loop-1w": (512, 5, 1, 1, 1, 1, "tile", 3, {"DEFER": True, "HAS_RES": False}),
+    "five-key-fwd-pair-1w": (512, 5, 1, 1, 0, 1, "tile", 3,
+                             {"FWD_PAIR": True, "DEFER": True, "PAIR": True, "HAS_RES": False}),
+    "five-key-fwd-pair-4w": (512, 5, 1, 4, 0, 1, "tile", 3,
+                             {"FWD_PAIR": True, "DEFER": True, "PAIR": True, "HAS_RES": False}),
+    "two-key-fwd-pair-1w": (512, 2, 1, 1, 0, 1, "tile", 1,
+                            {"FWD_PAIR": True, "DEFER": True, "PAIR": True, "HAS_RES": False}),
 }
 _NSLOT = 9
 
@@ -125,6 +134,7 @@ def _kernels(module, cfg):
     bwd["DEFER"] = False  # the two-pass token tile (tenth session), off; its scratch go_ptr then None
     bwd.update(cfg[8] if len(cfg) > 8 else {})
     fwd = {k: bwd[k] for k in ("HAS_RES", "RES_STEP", "SLICE") if k in bwd}  # a deferred backward's forward keeps none
+    fwd["PAIR"] = bwd.pop("FWD_PAIR", False)  # the pair forward (S = 2, fourteenth session), off
     if "LAZY" in bwd:  # the forward's lazy online softmax (eleventh session)
         fwd["LAZY"] = bwd.pop("LAZY")
     bsig = {"go_ptr": "*fp32"} if (bwd["DEFER"] and not bwd["PAIR"]) else {}  # the two-pass form's g.o scratch

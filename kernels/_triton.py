@@ -179,6 +179,24 @@ def _scores(kk, kq, inv_n, eps, FUSED: tl.constexpr):
 
 
 @triton.jit
+def _add4(a0, b0, c0, d0, a1, b1, c1, d1):
+    return a0 + a1, b0 + b1, c0 + c1, d0 + d1
+
+
+@triton.jit
+def _scores_pair(kka, kqa, kkb, kqb, inv_n, eps, FUSED: tl.constexpr):
+    """_scores for two sources at once (the pair forward): one fused reduction for the four row sums."""
+    if FUSED:
+        ssa, qka, ssb, qkb = tl.reduce((kka, kqa, kkb, kqb), 1, _add4)
+    else:
+        ssa, qka = tl.sum(kka, axis=1), tl.sum(kqa, axis=1)
+        ssb, qkb = tl.sum(kkb, axis=1), tl.sum(kqb, axis=1)
+    ra = tl.rsqrt(ssa * inv_n + eps)
+    rb = tl.rsqrt(ssb * inv_n + eps)
+    return qka * ra, ra, qkb * rb, rb
+
+
+@triton.jit
 def _softmax_step(kk, kq, m, l, inv_n, eps, FUSED: tl.constexpr):
     """Row sums of the key terms, this source's score z and key 1/RMS per token, and the online
     softmax's new (max, sum) with the old mix's rescale alpha and this source's weight p."""
@@ -196,6 +214,12 @@ def _mix(acc, alpha, p, x, RESCALE: tl.constexpr = True):
     if RESCALE:
         return acc * alpha[:, None] + p[:, None] * x
     return acc + p[:, None] * x
+
+
+@triton.jit
+def _mix2(pa, a, pb, b):
+    """The unnormalised mix of two sources' fp32 tiles with weights pa, pb (the pair forward)."""
+    return pa[:, None] * a + pb[:, None] * b
 
 
 # The lazy online softmax's threshold: the reference m moves (and the mix is rescaled) only when a score
@@ -709,11 +733,28 @@ def _dq_stores(dq0, dq1, dq2, dq3, dq4, dq_part_ptr, pid, r, d, offs0, offs1, of
 
 
 @triton.jit
+def _fwd_key(t0, t1, t2, t3, t4, q0, q1, q2, q3, q4, tail0, tail1, tail2, tail3, tail4, NCH: tl.constexpr,
+             KEY0: tl.constexpr, SLICE: tl.constexpr):
+    """One source's raw tiles in fp32 and its key terms (kk, kq) over the row's chunks: the forward's
+    step for one source, before the row sums."""
+    t0 = t0.to(tl.float32)
+    if KEY0 == 0:
+        kk, kq = _key_terms(t0, q0, tail0, SLICE)
+    t1, t2, t3, t4 = _to_f32(t1, t2, t3, t4, NCH)
+    if NCH >= 2:
+        if KEY0 == 0:
+            kk, kq = _key_sum(kk, kq, t1, t2, t3, t4, q1, q2, q3, q4, tail1, tail2, tail3, tail4, NCH, SLICE)
+        else:
+            kk, kq = _key_skip(t0, t1, t2, t3, t4, q1, q2, q3, q4, tail1, tail2, tail3, tail4, NCH, KEY0, SLICE)
+    return t0, t1, t2, t3, t4, kk, kq
+
+
+@triton.jit
 def _fwd_body(
     q_ptr, out_ptr, res_ptr, st_ptr, N, S, d, r, inv_n, eps,
     SLICE: tl.constexpr, HAS_RES: tl.constexpr, RES_STEP: tl.constexpr, BLOCK_D: tl.constexpr, NCH: tl.constexpr,
     KEY0: tl.constexpr, BLOCK_T: tl.constexpr, PREFETCH: tl.constexpr, EVICT: tl.constexpr, STAGES: tl.constexpr,
-    FUSED: tl.constexpr, LAZY: tl.constexpr,
+    FUSED: tl.constexpr, LAZY: tl.constexpr, PAIR: tl.constexpr,
     TABLE: tl.constexpr, src0_ptr, src_offs, src_strides, ALIGN: tl.constexpr, NSLOT: tl.constexpr,
     x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,  # sources (None for TABLE)
     xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7, xs8, xs9, xs10, xs11, xs12, xs13, xs14, xs15,  # their row strides
@@ -748,52 +789,77 @@ def _fwd_body(
         offs4, ok4, tail4 = _cols(d, r, 4 * BLOCK_D, BLOCK_D)
         q4 = _query(q_ptr, offs4, d, r, tail4)
         acc4 = tl.zeros([BLOCK_T, BLOCK_D], tl.float32)
-    if PREFETCH:
-        tn0, tn1, tn2, tn3, tn4 = _src_tiles(0, S, rows, rows64, row_ok, offs0, ok0, offs1, ok1, offs2, ok2, offs3, ok3,
-                                             offs4, ok4, NCH, EVICT, TABLE, src0_ptr, src_offs, src_strides, ALIGN, NSLOT,
-                                             x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
-                                             xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7, xs8, xs9, xs10, xs11, xs12, xs13,
-                                             xs14, xs15)
-    for i in tl.range(0, S, num_stages=STAGES):
-        u0, u1, u2, u3, u4 = _src_tiles(i + PREFETCH, S, rows, rows64, row_ok, offs0, ok0, offs1, ok1, offs2, ok2,
-                                        offs3, ok3, offs4, ok4, NCH, EVICT, TABLE, src0_ptr, src_offs, src_strides,
-                                        ALIGN, NSLOT, x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14,
-                                        x15, xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7, xs8, xs9, xs10, xs11, xs12, xs13,
-                                        xs14, xs15)
-        t0, t1, t2, t3, t4 = u0, u1, u2, u3, u4
-        if PREFETCH:  # use the tiles loaded a step ago; keep this step's (the next source's) for the next
-            t0, t1, t2, tn0, tn1, tn2 = tn0, tn1, tn2, u0, u1, u2  # three even for fewer chunks: the code as timed
-            if NCH >= 4:
-                t3, tn3 = tn3, u3
-            if NCH >= 5:
-                t4, tn4 = tn4, u4
-        t0 = t0.to(tl.float32)
-        if KEY0 == 0:
-            kk, kq = _key_terms(t0, q0, tail0, SLICE)
-        t1, t2, t3, t4 = _to_f32(t1, t2, t3, t4, NCH)
+    if PAIR:  # two sources (the host checks S = 2): both loaded at once, the exact two-way softmax
+        a0, a1, a2, a3, a4 = _src_tiles(0, S, rows, rows64, row_ok, offs0, ok0, offs1, ok1, offs2, ok2, offs3, ok3,
+                                         offs4, ok4, NCH, EVICT, TABLE, src0_ptr, src_offs, src_strides, ALIGN,
+                                         NSLOT, x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
+                                         xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7, xs8, xs9, xs10, xs11, xs12, xs13,
+                                         xs14, xs15)
+        b0, b1, b2, b3, b4 = _src_tiles(1, S, rows, rows64, row_ok, offs0, ok0, offs1, ok1, offs2, ok2, offs3, ok3,
+                                         offs4, ok4, NCH, EVICT, TABLE, src0_ptr, src_offs, src_strides, ALIGN,
+                                         NSLOT, x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
+                                         xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7, xs8, xs9, xs10, xs11, xs12, xs13,
+                                         xs14, xs15)
+        a0, a1, a2, a3, a4, kka, kqa = _fwd_key(a0, a1, a2, a3, a4, q0, q1, q2, q3, q4, tail0, tail1, tail2, tail3,
+                                                tail4, NCH, KEY0, SLICE)
+        b0, b1, b2, b3, b4, kkb, kqb = _fwd_key(b0, b1, b2, b3, b4, q0, q1, q2, q3, q4, tail0, tail1, tail2, tail3,
+                                                tail4, NCH, KEY0, SLICE)
+        za, ra, zb, rb = _scores_pair(kka, kqa, kkb, kqb, inv_n, eps, FUSED)
+        m = tl.maximum(za, zb)
+        pa = tl.exp(za - m)
+        pb = tl.exp(zb - m)
+        l = pa + pb
+        acc0 = _mix2(pa, a0, pb, b0)
         if NCH >= 2:
-            if KEY0 == 0:
-                kk, kq = _key_sum(kk, kq, t1, t2, t3, t4, q1, q2, q3, q4, tail1, tail2, tail3, tail4, NCH, SLICE)
-            else:
-                kk, kq = _key_skip(t0, t1, t2, t3, t4, q1, q2, q3, q4, tail1, tail2, tail3, tail4, NCH, KEY0, SLICE)
-        if lazy:  # rescale only where the maximum grew past LAZY_TAU
-            z, rinv = _scores(kk, kq, inv_n, eps, FUSED)
-            m, l, acc0, acc1, acc2, acc3, acc4 = _lazy_rescale(z, m, l, NCH, acc0, acc1, acc2, acc3, acc4)
-            pw = tl.exp(z - m)
-            l = l + pw
-            alpha = pw  # unused: the mix below adds without rescaling
-        else:
-            m, l, alpha, pw, z, rinv = _softmax_step(kk, kq, m, l, inv_n, eps, FUSED)
-        acc0 = _mix(acc0, alpha, pw, t0, not lazy)
-        if NCH >= 2:
-            acc1 = _mix(acc1, alpha, pw, t1, not lazy)
+            acc1 = _mix2(pa, a1, pb, b1)
         if NCH >= 3:
-            acc2 = _mix(acc2, alpha, pw, t2, not lazy)
+            acc2 = _mix2(pa, a2, pb, b2)
         if NCH >= 4:
-            acc3 = _mix(acc3, alpha, pw, t3, not lazy)
+            acc3 = _mix2(pa, a3, pb, b3)
         if NCH >= 5:
-            acc4 = _mix(acc4, alpha, pw, t4, not lazy)
-        _store_scores(st_ptr, i, S, N, z, rinv, rows, row_ok)
+            acc4 = _mix2(pa, a4, pb, b4)
+        _store_scores(st_ptr, 0, S, N, za, ra, rows, row_ok)
+        _store_scores(st_ptr, 1, S, N, zb, rb, rows, row_ok)
+    else:  # the sources one at a time, online softmax
+        if PREFETCH:
+            tn0, tn1, tn2, tn3, tn4 = _src_tiles(0, S, rows, rows64, row_ok, offs0, ok0, offs1, ok1, offs2, ok2, offs3, ok3,
+                                                 offs4, ok4, NCH, EVICT, TABLE, src0_ptr, src_offs, src_strides, ALIGN, NSLOT,
+                                                 x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
+                                                 xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7, xs8, xs9, xs10, xs11, xs12, xs13,
+                                                 xs14, xs15)
+        for i in tl.range(0, S, num_stages=STAGES):
+            u0, u1, u2, u3, u4 = _src_tiles(i + PREFETCH, S, rows, rows64, row_ok, offs0, ok0, offs1, ok1, offs2, ok2,
+                                            offs3, ok3, offs4, ok4, NCH, EVICT, TABLE, src0_ptr, src_offs, src_strides,
+                                            ALIGN, NSLOT, x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14,
+                                            x15, xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7, xs8, xs9, xs10, xs11, xs12, xs13,
+                                            xs14, xs15)
+            t0, t1, t2, t3, t4 = u0, u1, u2, u3, u4
+            if PREFETCH:  # use the tiles loaded a step ago; keep this step's (the next source's) for the next
+                t0, t1, t2, tn0, tn1, tn2 = tn0, tn1, tn2, u0, u1, u2  # three even for fewer chunks: the code as timed
+                if NCH >= 4:
+                    t3, tn3 = tn3, u3
+                if NCH >= 5:
+                    t4, tn4 = tn4, u4
+            t0, t1, t2, t3, t4, kk, kq = _fwd_key(t0, t1, t2, t3, t4, q0, q1, q2, q3, q4, tail0, tail1, tail2, tail3, tail4,
+                                                  NCH, KEY0, SLICE)
+            if lazy:  # rescale only where the maximum grew past LAZY_TAU
+                z, rinv = _scores(kk, kq, inv_n, eps, FUSED)
+                m, l, acc0, acc1, acc2, acc3, acc4 = _lazy_rescale(z, m, l, NCH, acc0, acc1, acc2, acc3, acc4)
+                pw = tl.exp(z - m)
+                l = l + pw
+                alpha = pw  # unused: the mix below adds without rescaling
+            else:
+                m, l, alpha, pw, z, rinv = _softmax_step(kk, kq, m, l, inv_n, eps, FUSED)
+            acc0 = _mix(acc0, alpha, pw, t0, not lazy)
+            if NCH >= 2:
+                acc1 = _mix(acc1, alpha, pw, t1, not lazy)
+            if NCH >= 3:
+                acc2 = _mix(acc2, alpha, pw, t2, not lazy)
+            if NCH >= 4:
+                acc3 = _mix(acc3, alpha, pw, t3, not lazy)
+            if NCH >= 5:
+                acc4 = _mix(acc4, alpha, pw, t4, not lazy)
+            _store_scores(st_ptr, i, S, N, z, rinv, rows, row_ok)
     inv_l = 1.0 / l
     _store_mix(acc0, inv_l, out_ptr, res_ptr, rows64, row_ok, offs0, ok0, d, HAS_RES, RES_STEP)
     if NCH >= 2:
@@ -1254,9 +1320,10 @@ def _attnres_fwd_kernel(
     STAGES: tl.constexpr,  # Triton software-pipeline stages of the source loop (1: none)
     FUSED: tl.constexpr,  # multi-operand row reductions (GPU); separate tl.sum (interpreter)
     LAZY: tl.constexpr,  # lazy online softmax (_lazy_rescale): 0 off, 1 for one-token programs, 2 always
+    PAIR: tl.constexpr,  # S = 2 only: both sources loaded at once, no source loop (PREFETCH, STAGES, LAZY unused)
 ):
     _fwd_body(q_ptr, out_ptr, res_ptr, st_ptr, N, S, d, r, inv_n, eps, SLICE, HAS_RES, RES_STEP, BLOCK_D, NCH,
-              KEY0, BLOCK_T, PREFETCH, EVICT, STAGES, FUSED, LAZY, True, src0_ptr, src_offs, src_strides, ALIGN, 0,
+              KEY0, BLOCK_T, PREFETCH, EVICT, STAGES, FUSED, LAZY, PAIR, True, src0_ptr, src_offs, src_strides, ALIGN, 0,
               None, None, None, None, None, None, None, None, None, None, None, None, None, None, None, None,  # no x_i
               None, None, None, None, None, None, None, None, None, None, None, None, None, None, None, None)  # no xs_i
 
@@ -1362,9 +1429,10 @@ def _attnres_fwd_args_kernel(
     STAGES: tl.constexpr,  # Triton software-pipeline stages of the source loop (1: none)
     FUSED: tl.constexpr,
     LAZY: tl.constexpr,
+    PAIR: tl.constexpr,  # S = 2 only (see _attnres_fwd_kernel)
 ):
     _fwd_body(q_ptr, out_ptr, res_ptr, st_ptr, N, S, d, r, _inv_key_width(r, d, SLICE), EPS, SLICE, HAS_RES,
-              RES_STEP, BLOCK_D, NCH, KEY0, BLOCK_T, PREFETCH, EVICT, STAGES, FUSED, LAZY, False, None, None, None, 1, NSLOT,
+              RES_STEP, BLOCK_D, NCH, KEY0, BLOCK_T, PREFETCH, EVICT, STAGES, FUSED, LAZY, PAIR, False, None, None, None, 1, NSLOT,
               x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
               xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7, xs8, xs9, xs10, xs11, xs12, xs13, xs14, xs15)
 

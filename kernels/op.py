@@ -28,7 +28,8 @@ power-of-two tile instead of up to five equal column chunks where those pad less
 KERNELS_KEY_CHUNKS=0 turns off the key-chunk specialisation that some candidate configurations ask
 for (see _key_pos); KERNELS_DEFER=0 turns off the deferred backward, KERNELS_DEFER_MAX_S sets the
 most sources its two-pass form serves and KERNELS_PAIR_DEFER=0 turns off its resident pair (S <= 2;
-see _defer_kinds).
+see _defer_kinds); KERNELS_PAIR_FWD=0 leaves the pair forward's candidates out of tuning at S = 2 (see
+_fwd_forms).
 """
 
 from __future__ import annotations
@@ -322,6 +323,18 @@ def _fwd_configs(block_d: int, nch: int = 1) -> list[dict]:
     return _configs(block_d, "BLOCK_T", ((2, 32, 1), (1, 16, 1), (1, 16, 0), (1, 8, 1), (2, 16, 1)))
 
 
+def _fwd_pair_configs(block_d: int, nch: int = 1) -> list[dict]:
+    """Candidate launch configurations of the pair forward (PAIR, S = 2 only; see PAIR_FWD): both
+    sources' tiles loaded at once and no source loop, as fast-attnres's forward does at S = 2 (one token
+    per program, both sources in one [2, 4096] load at d = 2560): one token with 1, 2 and 4 warps per
+    512-column chunk, two tokens with 4 warps, all keyed with the evict-first hint; one token with 2
+    warps without it.  No prefetch: there is no next source (untimed when added, fourteenth session)."""
+    pair = dict(_KEYED, PAIR=True)
+    return _configs(block_d, "BLOCK_T", ((1, 16, 0, dict(pair, EVICT=True)), (1, 8, 0, dict(pair, EVICT=True)),
+                                         (1, 4, 0, dict(pair, EVICT=True)), (2, 8, 0, dict(pair, EVICT=True)),
+                                         (1, 8, 0, pair)))
+
+
 def _bwd_configs(block_d: int, nch: int = 1) -> list[dict]:
     """Candidate launch configurations of the backward kernel (SB sources per step on the persistent
     grid, or BLOCK_T tokens per program on the token-tile grid; num_warps, PREFETCH, options).  One
@@ -419,6 +432,26 @@ PAIR_DEFER = os.environ.get("KERNELS_PAIR_DEFER", "1") == "1"
 PAIR_MAX_S = 2  # the sources one PAIR step holds (not a setting: the kernel's pair)
 
 
+# The pair forward (fourteenth session; kernels._triton._fwd_body's PAIR): at S = 2 both sources' tiles
+# are loaded at once and mixed with the exact two-way softmax, no source loop, no online rescale (at
+# d = 2560 the one-at-a-time forward took 36.5 us against fast-attnres's 31.1 at 8192 tokens, r = 640).
+# Its candidates are timed beside the loop's (_fwd_pair_configs).  KERNELS_PAIR_FWD=0 leaves them out.
+PAIR_FWD = os.environ.get("KERNELS_PAIR_FWD", "1") == "1"
+
+
+def _fwd_forms(n_sources: int) -> tuple[str, ...]:
+    """The forward's special forms whose candidates a call of ``n_sources`` sources tunes among: "pair"
+    at exactly two sources (PAIR_FWD)."""
+    return ("pair",) if (PAIR_FWD and n_sources == 2) else ()
+
+
+def _check_fwd_pair(cfg: dict, n_sources: int) -> None:
+    """The pair forward reads exactly two sources (a CONFIG_OVERRIDE may ask for it anywhere)."""
+    if cfg.get("PAIR") and n_sources != 2:
+        raise ValueError(f"attnres forward: the configuration {cfg} asks for the pair forward (PAIR), which "
+                         f"reads exactly two sources; this call has {n_sources}")
+
+
 def _defer_kinds(dtype: torch.dtype, d: int, r: int, norm: str, n_sources: int) -> tuple[str, ...]:
     """The forms of the deferred backward (no residual kept) that serve calls of this dtype and shape,
     in the order their candidates are listed: "pair" (the resident pair: at most PAIR_MAX_S sources),
@@ -474,6 +507,7 @@ BWD_PROGRAMS_PER_SM = 8
 # default: torch's analysis of which arguments a kernel writes (Inductor, compiled path) counted every
 # pointer as written when the kernel had a defaulted constexpr that the launch left out.
 _BWD_DEFAULTS = {"SB": 1, "BLOCK_T": 0, "PAIR": False, "DEFER": False, "PERSIST": 0}
+_FWD_DEFAULTS = {"PAIR": False}  # the source loop (the pair forward only where a configuration asks)
 
 
 # The tuned choice per (kind, BLOCK_D, chunks, key chunk) + shape class (d, norm, residual, dtypes, the
@@ -488,15 +522,16 @@ def _layout(kind: str, d: int, r: int | None = None) -> tuple[int, int]:
     return _col_layout(d, CONFIG_OVERRIDE.get(kind, {}).get("SPLIT"), r)
 
 
-def _candidates(kind: str, block_d: int, nch: int, deferred: tuple = ()) -> list[dict]:
-    """``kind``'s candidate configurations; for a backward whose forward kept no residual, those of the
-    deferred forms in ``deferred`` (_defer_kinds)."""
+def _candidates(kind: str, block_d: int, nch: int, forms: tuple = ()) -> list[dict]:
+    """``kind``'s candidate configurations.  ``forms``: for the forward, "pair" adds the pair
+    forward's (_fwd_forms: S = 2); for a backward whose forward kept no residual, only those of the
+    deferred forms named (_defer_kinds)."""
     if kind == "fwd":
-        return _fwd_configs(block_d, nch)
-    if not deferred:
+        return _fwd_configs(block_d, nch) + (_fwd_pair_configs(block_d, nch) if "pair" in forms else [])
+    if not forms:
         return _bwd_configs(block_d, nch)
-    return ((_pair_configs(block_d, nch) if "pair" in deferred else [])
-            + (_defer_configs(block_d, nch) if "passes" in deferred else []))
+    return ((_pair_configs(block_d, nch) if "pair" in forms else [])
+            + (_defer_configs(block_d, nch) if "passes" in forms else []))
 
 
 def _tune_class(n_sources: int, n_tok: int) -> tuple:
@@ -586,40 +621,40 @@ def _fastest(cands: list, launch):
 
 
 def _config(kind: str, block_d: int, nch: int, key_pos: int, device: torch.device, key: tuple, launch,
-            deferred: tuple = ()) -> dict:
+            forms: tuple = ()) -> dict:
     """Launch keyword arguments for this call: CONFIG_OVERRIDE's; the first candidate on the CPU, with
     KERNELS_AUTOTUNE=0, or while a CUDA graph is being captured (nothing can be timed then, and
     nothing is remembered); else the fastest candidate for ``key``, timed once with ``launch(cfg)``
-    (which must run the whole launch, so that a grid's extra work is counted).  ``deferred``: the
-    forward kept no residual, so only the candidates of these deferred forms (_defer_kinds) can run."""
+    (which must run the whole launch, so that a grid's extra work is counted).  ``forms``: see
+    _candidates (the forward's pair; the deferred forms of a backward whose forward kept no residual)."""
     if kind in CONFIG_OVERRIDE:
         return _launch_kwargs(CONFIG_OVERRIDE[kind], kind, key_pos)
-    tk = (kind, block_d, nch, key_pos, deferred) + key
+    tk = (kind, block_d, nch, key_pos, forms) + key
     chosen = _CHOSEN.get(tk)
     if chosen is not None:
         return chosen
     if device.type != "cuda" or not AUTOTUNE or torch.cuda.is_current_stream_capturing():
-        return _first(kind, block_d, nch, key_pos, KEY_CHUNKS, deferred)
-    chosen = _CHOSEN[tk] = _fastest(_distinct(_candidates(kind, block_d, nch, deferred), kind, key_pos), launch)
+        return _first(kind, block_d, nch, key_pos, KEY_CHUNKS, forms)
+    chosen = _CHOSEN[tk] = _fastest(_distinct(_candidates(kind, block_d, nch, forms), kind, key_pos), launch)
     return chosen
 
 
 @functools.lru_cache(maxsize=None)
-def _first(kind: str, block_d: int, nch: int, key_pos: int, key_chunks: bool, deferred: tuple = ()) -> dict:
+def _first(kind: str, block_d: int, nch: int, key_pos: int, key_chunks: bool, forms: tuple = ()) -> dict:
     """The first candidate's launch keyword arguments (the default without tuning; not to be mutated);
     ``key_chunks`` (KEY_CHUNKS, which _launch_kwargs reads) is part of the cache key."""
-    return _launch_kwargs(_candidates(kind, block_d, nch, deferred)[0], kind, key_pos)
+    return _launch_kwargs(_candidates(kind, block_d, nch, forms)[0], kind, key_pos)
 
 
 def tuned_configs() -> dict:
     """The configurations tuning chose so far: {"fwd/512x3/key2/S9/N8192": {...}, ...} (chunk width x
-    chunks, the key's first chunk where it is not the first, "deferred-" and the deferred forms it chose
-    among for the deferred backward, sources, tokens rounded up)."""
+    chunks, the key's first chunk where it is not the first, the forms it chose among: "pair" for the
+    forward, "deferred-" and the deferred forms for the deferred backward; sources, tokens rounded up)."""
     out = {}
-    for (kind, block_d, nch, key_pos, deferred, *key), cfg in _CHOSEN.items():
+    for (kind, block_d, nch, key_pos, forms, *key), cfg in _CHOSEN.items():
         n_src, n_tok = key[-2:]
         name = (f"{kind}/{block_d}x{nch}" + (f"/key{key_pos}" if key_pos else "")
-                + ("/deferred-" + "+".join(deferred) if deferred else "")
+                + (("/deferred-" if kind == "bwd" else "/") + "+".join(forms) if forms else "")
                 + f"/S{n_src}/N{n_tok}")
         out[name] = dict(cfg)
     return out
@@ -714,7 +749,9 @@ def _fwd_triton(sources: Sequence[torch.Tensor], query: torch.Tensor, norm: str,
         def launch(cfg, warm=False):
             _run(K._attnres_fwd_kernel, (triton_cdiv(n_tok, cfg["BLOCK_T"]),), warm, *args, **consts, **cfg)
 
-        launch(_config("fwd", block_d, nch, key_pos, dev, key, launch))
+        cfg = _config("fwd", block_d, nch, key_pos, dev, key, launch, _fwd_forms(len(rows)))
+        _check_fwd_pair(cfg, len(rows))
+        launch(cfg)
     return out, stats, res
 
 
@@ -907,8 +944,7 @@ def _launch_kwargs(cfg: dict, kind: str, key_pos: int) -> dict:
     persistent grid with one source per step unless it names them; KEY0 from its KEYCH (a choice
     already made names KEY0); SPLIT and KEYCH dropped (the host read them)."""
     out = {"EVICT": False, "STAGES": 1}
-    if kind == "bwd":
-        out.update(_BWD_DEFAULTS)
+    out.update(_BWD_DEFAULTS if kind == "bwd" else _FWD_DEFAULTS)
     out.update({k: v for k, v in cfg.items() if k not in ("SPLIT", "KEYCH")})
     out.setdefault("KEY0", _key0(cfg, key_pos))
     return out
@@ -1141,6 +1177,7 @@ def _fwd_args(sources: Sequence[torch.Tensor], query: torch.Tensor, norm: str, e
         rows, strides = _as_rows(sources, d, dtype)
         block_d, nch = _layout("fwd", d, r)
         cfg = _args_config("fwd", block_d, nch)
+        _check_fwd_pair(cfg, len(rows))
         if STATS is not None:  # counted when traced, not per run, under torch.compile
             STATS[("fwd-args", len(rows), n_tok, d, r)] += 1
         _launch(

@@ -113,6 +113,24 @@ def test_sweep_times_the_deferred_forms_that_serve_a_shape():
     assert ks._deferred_candidates(1536, 1536, 9, [(512, 3)]) == []  # the key in every chunk: no deferral
 
 
+def test_sweep_times_the_pair_forward_at_two_sources(monkeypatch):
+    """The sweep's pair-forward candidates: at S = 2 only, in every layout, the shipped ones first, each
+    once, never a prefetch; none with KERNELS_PAIR_FWD=0."""
+    import kernel_sweep as ks
+    import kernels.op as kop
+
+    two = ks._fwd_pair_candidates(2, [(512, 5), (4096, 1)])
+    shipped = len(kop._fwd_pair_configs(512, 5)) + len(kop._fwd_pair_configs(4096, 1))
+    assert two[:shipped] == [dict(c, SPLIT=5) for c in kop._fwd_pair_configs(512, 5)] + [
+        dict(c, SPLIT=1) for c in kop._fwd_pair_configs(4096, 1)]
+    assert len(two) > shipped and all(c["PAIR"] and not c["PREFETCH"] for c in two)
+    assert {c["SPLIT"] for c in two} == {5, 1} and len({str(c) for c in two}) == len(two)
+    assert {"BLOCK_T": 1, "num_warps": 16, "PREFETCH": 0, "KEYCH": True, "PAIR": True, "EVICT": True, "SPLIT": 1} in two
+    assert ks._fwd_pair_candidates(3, [(512, 5)]) == [] == ks._fwd_pair_candidates(1, [(512, 5)])
+    monkeypatch.setattr(kop, "PAIR_FWD", False)
+    assert ks._fwd_pair_candidates(2, [(512, 5)]) == []
+
+
 def test_shapes_option_parses_and_names_a_bad_shape():
     assert kb._shape_list("8192x1536x9x384,4096x2560x2x640") == [(8192, 1536, 9, 384), (4096, 2560, 2, 640)]
     with pytest.raises(argparse.ArgumentTypeError, match="'8192x1536x9'"):

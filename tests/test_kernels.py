@@ -226,19 +226,23 @@ CONFIG_CASES = [
     ({"BLOCK_T": 1, "num_warps": 2, "PREFETCH": 0},
      {"BLOCK_T": 2, "num_warps": 2, "PREFETCH": 1, "KEYCH": True, "PAIR": True, "PERSIST": 1}, (300, 40, 5, "full", "contig")),
     # the resident pair (DEFER with PAIR, S = 2: one step, g.h from the pair): the key in every chunk
-    # ("full", r = d), from chunk 2 of 3 (looped), in the last of 5 with two tokens, one chunk
-    ({"BLOCK_T": 1, "num_warps": 2, "PREFETCH": 1},
+    # ("full", r = d), from chunk 2 of 3 (looped), in the last of 5 with two tokens, one chunk; the
+    # forward the pair forward (PAIR, S = 2: both sources at once) but in the second case
+    ({"BLOCK_T": 1, "num_warps": 2, "PREFETCH": 0, "PAIR": True, "SPLIT": 3},
      {"BLOCK_T": 1, "num_warps": 2, "PREFETCH": 0, "KEYCH": True, "DEFER": True, "PAIR": True, "SPLIT": 3},
      (384, 384, 2, "full", "mixed")),
     ({"BLOCK_T": 1, "num_warps": 2, "PREFETCH": 1},
      {"BLOCK_T": 1, "num_warps": 2, "PREFETCH": 0, "KEYCH": True, "DEFER": True, "PAIR": True, "SPLIT": 3, "PERSIST": 1},
      (384, 100, 2, "slice", "transposed")),
-    ({"BLOCK_T": 1, "num_warps": 2, "PREFETCH": 1, "SPLIT": 5},
+    ({"BLOCK_T": 2, "num_warps": 2, "PREFETCH": 0, "KEYCH": True, "EVICT": True, "PAIR": True, "SPLIT": 5},
      {"BLOCK_T": 2, "num_warps": 2, "PREFETCH": 0, "KEYCH": True, "DEFER": True, "PAIR": True, "SPLIT": 5},
      (640, 100, 2, "slice", "colstride")),
-    ({"BLOCK_T": 1, "num_warps": 1, "PREFETCH": 1},
+    ({"BLOCK_T": 1, "num_warps": 1, "PREFETCH": 0, "PAIR": True},
      {"BLOCK_T": 1, "num_warps": 1, "PREFETCH": 0, "DEFER": True, "PAIR": True, "SPLIT": False, "PERSIST": 1},
      (64, 7, 2, "slice", "contig")),
+    # the pair forward beside a backward that is not the pair's: the key from chunk 1 of 3, three tokens
+    ({"BLOCK_T": 4, "num_warps": 2, "PREFETCH": 0, "KEYCH": True, "PAIR": True},
+     {"BLOCK_T": 1, "num_warps": 2, "PREFETCH": 1, "KEYCH": True}, (300, 200, 2, "slice", "mixed")),
 ]
 
 
@@ -288,7 +292,7 @@ def test_key_chunk(monkeypatch):
             assert (nch - 1) * block_d < d <= nch * block_d
             assert op._key_pos(d, 1, block_d, nch) == nch - 1
     assert op._launch_kwargs({"BLOCK_T": 1, "KEYCH": True, "SPLIT": True}, "fwd", 2) == {
-        "BLOCK_T": 1, "EVICT": False, "STAGES": 1, "KEY0": 2}
+        "BLOCK_T": 1, "EVICT": False, "STAGES": 1, "KEY0": 2, "PAIR": False}
     assert op._launch_kwargs({"BLOCK_T": 1}, "bwd", 2) == {"SB": 1, "BLOCK_T": 1, "PAIR": False, "DEFER": False, "EVICT": False,
                                                           "STAGES": 1, "KEY0": 0, "PERSIST": 0}
     assert op._launch_kwargs({"SB": 1, "KEY0": 1}, "bwd", 2)["KEY0"] == 1  # a remembered choice keeps its own
@@ -356,12 +360,20 @@ def test_tuner_times_each_shape_class(kind, monkeypatch):
                             (("pair", "passes"), op._pair_configs(512, 3) + op._defer_configs(512, 3))):
             launched.clear()
             failing.clear()
-            cfg = op._config(kind, 512, 3, 2, cuda, ("k",) + op._tune_class(2, 8000), launch, deferred=forms)
+            cfg = op._config(kind, 512, 3, 2, cuda, ("k",) + op._tune_class(2, 8000), launch, forms)
             assert cfg["DEFER"] and all(c["DEFER"] for c in launched)
             assert launched[::2] == op._distinct(want, kind, 2)
             assert all(c["PAIR"] == ("pair" in forms and i < len(op._pair_configs(512, 3)))
                        for i, c in enumerate(launched[::2]))
         assert "bwd/512x3/key2/deferred-pair+passes/S2/N8192" in op.tuned_configs()
+    else:  # at two sources the pair forward's candidates too, after the loop's
+        launched.clear()
+        failing.clear()
+        cfg = op._config(kind, 512, 3, 2, cuda, ("k",) + op._tune_class(2, 8000), launch, op._fwd_forms(2))
+        want = op._distinct(op._fwd_configs(512, 3) + op._fwd_pair_configs(512, 3), kind, 2)
+        assert launched[::2] == want and cfg == want[-1] and cfg["PAIR"]
+        assert [c["PAIR"] for c in want] == [False] * len(op._distinct(op._fwd_configs(512, 3), kind, 2)) + [True] * 5
+        assert "fwd/512x3/key2/pair/S2/N8192" in op.tuned_configs()
     capturing[0] = True
     launched.clear()
     n = len(op._CHOSEN)
@@ -712,6 +724,27 @@ def test_deferred_backward_checks(monkeypatch):
         op._bwd_inputs(sources, q, h, res, torch.randn_like(h), "full")
 
 
+def test_pair_forward_rule(monkeypatch):
+    """The pair forward's candidates are tuned among at exactly two sources (KERNELS_PAIR_FWD=0: never),
+    and a configuration that asks for it elsewhere is refused with the reason, in both kernel families."""
+    assert op._fwd_forms(2) == ("pair",) and op._fwd_forms(1) == () and op._fwd_forms(3) == ()
+    monkeypatch.setattr(op, "PAIR_FWD", False)
+    assert op._fwd_forms(2) == ()
+    assert all(not c.get("PAIR") for c in op._candidates("fwd", 512, 3))
+    assert all(c["PAIR"] and not c["PREFETCH"] for c in op._fwd_pair_configs(512, 5))
+    op._check_fwd_pair({"PAIR": True}, 2)
+    op._check_fwd_pair({"PAIR": False}, 3)
+    monkeypatch.setattr(op, "CONFIG_OVERRIDE", {"fwd": {"BLOCK_T": 1, "num_warps": 1, "PREFETCH": 0, "PAIR": True}})
+    sources = [torch.randn(3, 64) for _ in range(3)]
+    op.set_cpu_triton(True)
+    try:
+        for fn in (op._fwd_triton, op._fwd_args):
+            with pytest.raises(ValueError, match="reads exactly two sources; this call has 3"):
+                fn(sources, torch.randn(8), "slice", 1e-6)
+    finally:
+        op.set_cpu_triton(False)
+
+
 def test_cpu_fallback_without_residual_matches_reference():
     """bf16 on the CPU where the backward defers: no residual kept, g.h from the sources, gradients
     within the paper's criterion of the fp32 reference's."""
@@ -918,6 +951,21 @@ def test_gpu_bf16_resident_pair(d, r, norm, cand, monkeypatch):
     width."""
     block_d, nch = op._layout("bwd", d, r)
     monkeypatch.setattr(op, "CONFIG_OVERRIDE", {"bwd": dict(op._pair_configs(block_d, nch)[cand])})
+    errs = bf16_check(d, r, 2, norm, layout="mixed", seed=d + r + cand)
+    assert errs["out_rel_l2"] < 1e-2 and errs["src_grad_rel_l2"] < 2e-2
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("cand", range(len(op._fwd_pair_configs(512, 3))))
+@pytest.mark.parametrize("d,r,norm", [(1536, 384, "slice"), (2560, 2560, "full"), (2560, 320, "slice"),
+                                      (1024, 256, "slice"), (513, 7, "full")])
+def test_gpu_bf16_pair_forward(d, r, norm, cand, monkeypatch):
+    """Every candidate of the pair forward (S = 2, both sources at once) under the paper's bf16
+    criterion, before the backward the tuner picks: the key in the last chunk or chunks, in every
+    chunk, an unaligned width."""
+    block_d, nch = op._layout("fwd", d, r)
+    monkeypatch.setattr(op, "CONFIG_OVERRIDE", {"fwd": dict(op._fwd_pair_configs(block_d, nch)[cand])})
     errs = bf16_check(d, r, 2, norm, layout="mixed", seed=d + r + cand)
     assert errs["out_rel_l2"] < 1e-2 and errs["src_grad_rel_l2"] < 2e-2
 
