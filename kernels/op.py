@@ -325,14 +325,18 @@ def _fwd_configs(block_d: int, nch: int = 1) -> list[dict]:
 
 def _fwd_pair_configs(block_d: int, nch: int = 1) -> list[dict]:
     """Candidate launch configurations of the pair forward (PAIR, S = 2 only; see PAIR_FWD): both
-    sources' tiles loaded at once and no source loop, as fast-attnres's forward does at S = 2 (one token
-    per program, both sources in one [2, 4096] load at d = 2560): one token with 1, 2 and 4 warps per
-    512-column chunk, two tokens with 4 warps, all keyed with the evict-first hint; one token with 2
-    warps without it.  No prefetch: there is no next source (untimed when added, fourteenth session)."""
+    sources' tiles loaded at once and no source loop, as fast-attnres's forward does at S = 2.  On the
+    H200 (fourteenth session, 8192 tokens, kernel_sweep_h200_2026-11-30_pairfwd: 16-20 pair
+    configurations per shape against the loop's shipped ones in three layouts) the pair took the first
+    places at every shape timed: d = 2560, r = 640 and 320 one token with 2 warps, 31.5 us (the loop's
+    best 36.5, fast-attnres 31.1); d = 1536, r = 384 one token with 1 warp, 19.2 (loop 21.1); d = 1024,
+    r = 256 two tokens with 1 warp, 12.8 (loop 13.7).  Candidates, in that order: those three, then one
+    token with 2 and 4 warps and two tokens with 4 warps per 512-column chunk with the evict-first hint
+    (within 1.5 us of the best at all four shapes).  No prefetch: there is no next source."""
     pair = dict(_KEYED, PAIR=True)
-    return _configs(block_d, "BLOCK_T", ((1, 16, 0, dict(pair, EVICT=True)), (1, 8, 0, dict(pair, EVICT=True)),
-                                         (1, 4, 0, dict(pair, EVICT=True)), (2, 8, 0, dict(pair, EVICT=True)),
-                                         (1, 8, 0, pair)))
+    evict = dict(pair, EVICT=True)
+    return _configs(block_d, "BLOCK_T", ((1, 8, 0, pair), (1, 16, 0, evict), (2, 32, 0, evict), (1, 8, 0, evict),
+                                         (1, 4, 0, evict), (2, 8, 0, evict)))
 
 
 def _bwd_configs(block_d: int, nch: int = 1) -> list[dict]:
@@ -433,9 +437,12 @@ PAIR_MAX_S = 2  # the sources one PAIR step holds (not a setting: the kernel's p
 
 
 # The pair forward (fourteenth session; kernels._triton._fwd_body's PAIR): at S = 2 both sources' tiles
-# are loaded at once and mixed with the exact two-way softmax, no source loop, no online rescale (at
-# d = 2560 the one-at-a-time forward took 36.5 us against fast-attnres's 31.1 at 8192 tokens, r = 640).
-# Its candidates are timed beside the loop's (_fwd_pair_configs).  KERNELS_PAIR_FWD=0 leaves them out.
+# are loaded at once and mixed with the exact two-way softmax, no source loop, no online rescale.  On the
+# H200 at 8192 tokens (kernel_bench_h200_2026-11-30_v17_c1_8192, variant nopairfwd = this off) the
+# forward went 38 -> 32 us at d = 2560 (fast-attnres 31-32), and forward+backward 106 -> 99 (r = 640)
+# and 103 -> 96 (r = 320); offline sm_90 at d = 2560 with 1 warp: 128 registers and no loop against
+# 255 for the loop.  Its candidates are timed beside the loop's (_fwd_pair_configs, listed first).
+# KERNELS_PAIR_FWD=0 leaves them out.
 PAIR_FWD = os.environ.get("KERNELS_PAIR_FWD", "1") == "1"
 
 
@@ -523,11 +530,11 @@ def _layout(kind: str, d: int, r: int | None = None) -> tuple[int, int]:
 
 
 def _candidates(kind: str, block_d: int, nch: int, forms: tuple = ()) -> list[dict]:
-    """``kind``'s candidate configurations.  ``forms``: for the forward, "pair" adds the pair
-    forward's (_fwd_forms: S = 2); for a backward whose forward kept no residual, only those of the
+    """``kind``'s candidate configurations.  ``forms``: for the forward, "pair" puts the pair
+    forward's first (_fwd_forms: S = 2; the first is the default without tuning); for a backward whose forward kept no residual, only those of the
     deferred forms named (_defer_kinds)."""
     if kind == "fwd":
-        return _fwd_configs(block_d, nch) + (_fwd_pair_configs(block_d, nch) if "pair" in forms else [])
+        return (_fwd_pair_configs(block_d, nch) if "pair" in forms else []) + _fwd_configs(block_d, nch)
     if not forms:
         return _bwd_configs(block_d, nch)
     return ((_pair_configs(block_d, nch) if "pair" in forms else [])
@@ -1145,11 +1152,18 @@ ARGS_DEFER_CONFIG = 1
 # table kernels' tuned choice at 11 of the 19 S = 2 shape classes of the thirteenth session's runs
 # (the per-argument kernels' own not yet timed).
 ARGS_PAIR_CONFIG = 1
+# The pair forward's (_fwd_pair_configs) at S = 2: its first, one token with 2 warps, the table kernels'
+# fastest at d = 2560 (fourteenth session's sweep; the per-argument kernels' own not yet timed).
+ARGS_FWD_PAIR_CONFIG = 0
 
 
 def _args_config(kind: str, block_d: int, nch: int, deferred: tuple = ()) -> dict:
+    """The per-argument kernels' configuration: CONFIG_OVERRIDE's, else a fixed candidate.  ``deferred``
+    names the backward's deferred forms, or for the forward its forms (_fwd_forms: "pair" at S = 2)."""
     if kind in CONFIG_OVERRIDE:
         return dict(CONFIG_OVERRIDE[kind])
+    if kind == "fwd" and "pair" in deferred:
+        return dict(_fwd_pair_configs(block_d, nch)[ARGS_FWD_PAIR_CONFIG])
     if "pair" in deferred:
         return dict(_pair_configs(block_d, nch)[ARGS_PAIR_CONFIG])
     if deferred:
@@ -1176,7 +1190,7 @@ def _fwd_args(sources: Sequence[torch.Tensor], query: torch.Tensor, norm: str, e
     if n_tok > 0:
         rows, strides = _as_rows(sources, d, dtype)
         block_d, nch = _layout("fwd", d, r)
-        cfg = _args_config("fwd", block_d, nch)
+        cfg = _args_config("fwd", block_d, nch, _fwd_forms(len(rows)))
         _check_fwd_pair(cfg, len(rows))
         if STATS is not None:  # counted when traced, not per run, under torch.compile
             STATS[("fwd-args", len(rows), n_tok, d, r)] += 1
