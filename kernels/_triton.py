@@ -5,7 +5,8 @@ the full row width as NCH column chunks of BLOCK_D columns (a power of two, mask
 1 to 5, whichever pads least (d = 1536 as 3 x 512 and 2560 as 5 x 512: no masked lanes;
 kernels.op._col_layout).  All chunks share one register layout, so their elementwise
 terms add up before a single row sum.  The forward gives each program BLOCK_T tokens and walks the
-sources one at a time (the next source's tiles loaded before this one's arithmetic, PREFETCH).  The
+sources one at a time (the next source's tiles loaded before this one's arithmetic, PREFETCH), or at
+S = 2 loads both at once and takes the exact two-way softmax (PAIR: no loop, no online rescale).  The
 backward's persistent programs take one token at a time and walk the sources SB at a time: a step
 loads [SB, BLOCK_D] tiles of SB sources' rows, whose row sums share one reduction.  (On the H200 at
 d = 1536 the three-chunk kernels ran fastest with one token and one source per step: benchmarks/

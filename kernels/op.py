@@ -331,8 +331,9 @@ def _fwd_pair_configs(block_d: int, nch: int = 1) -> list[dict]:
     places at every shape timed: d = 2560, r = 640 and 320 one token with 2 warps, 31.5 us (the loop's
     best 36.5, fast-attnres 31.1); d = 1536, r = 384 one token with 1 warp, 19.2 (loop 21.1); d = 1024,
     r = 256 two tokens with 1 warp, 12.8 (loop 13.7).  Candidates, in that order: those three, then one
-    token with 2 and 4 warps and two tokens with 4 warps per 512-column chunk with the evict-first hint
-    (within 1.5 us of the best at all four shapes).  No prefetch: there is no next source."""
+    token with 2 and 4 warps and two tokens with 4 warps per 512-column chunk, with the evict-first hint
+    (1.6-4.6 us behind the best at d = 2560, 0-2 us at d = 1024 and 1536).  No prefetch: there is no
+    next source."""
     pair = dict(_KEYED, PAIR=True)
     evict = dict(pair, EVICT=True)
     return _configs(block_d, "BLOCK_T", ((1, 8, 0, pair), (1, 16, 0, evict), (2, 32, 0, evict), (1, 8, 0, evict),
@@ -531,8 +532,8 @@ def _layout(kind: str, d: int, r: int | None = None) -> tuple[int, int]:
 
 def _candidates(kind: str, block_d: int, nch: int, forms: tuple = ()) -> list[dict]:
     """``kind``'s candidate configurations.  ``forms``: for the forward, "pair" puts the pair
-    forward's first (_fwd_forms: S = 2; the first is the default without tuning); for a backward whose forward kept no residual, only those of the
-    deferred forms named (_defer_kinds)."""
+    forward's first (_fwd_forms: S = 2; the first is the default without tuning); for a backward whose
+    forward kept no residual, only those of the deferred forms named (_defer_kinds)."""
     if kind == "fwd":
         return (_fwd_pair_configs(block_d, nch) if "pair" in forms else []) + _fwd_configs(block_d, nch)
     if not forms:
