@@ -39,10 +39,15 @@ def _git(*args: str) -> str | None:
 
 def git_state() -> dict[str, Any]:
     """HEAD and whether tracked files differ from it.  LRATTNRES_COMMIT, when set, names the commit
-    instead: a working tree copied to another machine (a GPU host) may carry a stale .git."""
+    instead: a working tree copied to another machine (a GPU host) may carry a stale .git.  Where that
+    .git holds the named commit, "dirty" says whether the tracked files differ from it (so a name read
+    from the stale .git itself, not the tree's own, shows as dirty); else it is unknown (None)."""
     given = os.environ.get("LRATTNRES_COMMIT")
     if given:
-        return {"commit": given, "dirty": None}
+        if _git("cat-file", "-e", f"{given}^{{commit}}") is None:
+            return {"commit": given, "dirty": None}
+        diff = _git("diff", "--name-only", given, "--")
+        return {"commit": given, "dirty": bool(diff) if diff is not None else None}
     commit = _git("rev-parse", "HEAD")
     status = _git("status", "--porcelain", "--untracked-files=no")
     return {"commit": commit, "dirty": bool(status) if status is not None else None}

@@ -13,6 +13,29 @@ def test_git_state_reads_head(monkeypatch):
 
 
 def test_git_state_takes_the_named_commit(monkeypatch):
-    monkeypatch.setenv("LRATTNRES_COMMIT", "3a7fff6")
-    assert provenance.git_state() == {"commit": "3a7fff6", "dirty": None}  # dirty: unknown
-    assert provenance.provenance()["commit"] == "3a7fff6"
+    monkeypatch.setenv("LRATTNRES_COMMIT", "f" * 40)  # a commit this .git does not hold
+    assert provenance.git_state() == {"commit": "f" * 40, "dirty": None}  # dirty: unknown
+    assert provenance.provenance()["commit"] == "f" * 40
+
+
+def test_named_commit_is_checked_where_the_git_holds_it(monkeypatch, tmp_path):
+    """A named commit the .git holds is compared with the tracked files (a stale HEAD named for a newer
+    tree shows as dirty); one it does not hold leaves "dirty" unknown."""
+    import subprocess
+
+    def git(*args):
+        return subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=tmp_path,
+                              capture_output=True, text=True, check=True).stdout.strip()
+
+    git("init", "-q")
+    (tmp_path / "a.py").write_text("x = 1\n")
+    git("add", "a.py")
+    git("commit", "-qm", "one")
+    sha = git("rev-parse", "HEAD")
+    monkeypatch.setattr(provenance, "_REPO", str(tmp_path))
+    monkeypatch.setenv("LRATTNRES_COMMIT", sha)
+    assert provenance.git_state() == {"commit": sha, "dirty": False}
+    (tmp_path / "a.py").write_text("x = 2\n")  # the tree sent differs from the commit named
+    assert provenance.git_state() == {"commit": sha, "dirty": True}
+    monkeypatch.setenv("LRATTNRES_COMMIT", "0" * 40)  # a commit this .git does not hold
+    assert provenance.git_state() == {"commit": "0" * 40, "dirty": None}
