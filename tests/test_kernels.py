@@ -226,8 +226,8 @@ CONFIG_CASES = [
     ({"BLOCK_T": 1, "num_warps": 2, "PREFETCH": 0},
      {"BLOCK_T": 2, "num_warps": 2, "PREFETCH": 1, "KEYCH": True, "PAIR": True, "PERSIST": 1}, (300, 40, 5, "full", "contig")),
     # the resident pair (DEFER with PAIR, S = 2: one step, g.h from the pair): the key in every chunk
-    # ("full", r = d), from chunk 2 of 3 (looped), in the last of 5 with two tokens, one chunk; the
-    # forward the pair forward (PAIR, S = 2: both sources at once) but in the second case
+    # ("full", r = d), from chunk 2 of 3 (looped), in the last of 5 with two tokens, one chunk; with the
+    # pair forward (PAIR, S = 2: both sources at once) in all but the second case
     ({"BLOCK_T": 1, "num_warps": 2, "PREFETCH": 0, "PAIR": True, "SPLIT": 3},
      {"BLOCK_T": 1, "num_warps": 2, "PREFETCH": 0, "KEYCH": True, "DEFER": True, "PAIR": True, "SPLIT": 3},
      (384, 384, 2, "full", "mixed")),
@@ -366,7 +366,7 @@ def test_tuner_times_each_shape_class(kind, monkeypatch):
             assert all(c["PAIR"] == ("pair" in forms and i < len(op._pair_configs(512, 3)))
                        for i, c in enumerate(launched[::2]))
         assert "bwd/512x3/key2/deferred-pair+passes/S2/N8192" in op.tuned_configs()
-    else:  # at two sources the pair forward's candidates too, after the loop's
+    else:  # at two sources the pair forward's candidates too, before the loop's
         launched.clear()
         failing.clear()
         cfg = op._config(kind, 512, 3, 2, cuda, ("k",) + op._tune_class(2, 8000), launch, op._fwd_forms(2))
