@@ -850,14 +850,15 @@ def _paper_check(name, x, ref):
     assert not bad.any(), f"{name}: {int(bad.sum())} elements fail |x-ref| <= 0.05 + 0.05|ref|"
 
 
-def bf16_check(d, r, S, norm, tokens=2048, layout="contig", seed=0):
-    """bf16 check against the reference on identical inputs; returns relative L2 errors."""
+def bf16_check(d, r, S, norm, tokens=2048, layout="contig", seed=0, fn=None):
+    """bf16 check of ``fn`` (kernels.attnres unless given) against the reference on identical inputs;
+    returns relative L2 errors."""
     gen = torch.Generator(device="cuda").manual_seed(seed)
     lead = (2, tokens // 2)
     sources = _make_sources(S, lead, d, torch.bfloat16, "cuda", layout, gen)
     query = (torch.randn(r, generator=gen, device="cuda") * 0.5).requires_grad_()
     g = torch.randn(*lead, d, generator=gen, device="cuda").to(torch.bfloat16)
-    h, gs, gq = _run(kernels.attnres, sources, query, g, norm)
+    h, gs, gq = _run(fn or kernels.attnres, sources, query, g, norm)
     h_ref, gs_ref, gq_ref = _run(route, sources, query, g, norm)
     _paper_check("output", h, h_ref)
     for i, (a, b) in enumerate(zip(gs, gs_ref)):
@@ -962,16 +963,17 @@ def test_gpu_bf16_resident_pair(d, r, norm, cand, monkeypatch):
 @pytest.mark.parametrize("cand", range(len(op._fwd_pair_configs(512, 3))))
 @pytest.mark.parametrize("d,r,norm", [(1536, 384, "slice"), (2560, 2560, "full"), (2560, 320, "slice"),
                                       (1024, 256, "slice"), (513, 7, "full")])
-def test_gpu_bf16_pair_forward(d, r, norm, cand, monkeypatch):
+@pytest.mark.parametrize("family", ["table", "args"])
+def test_gpu_bf16_pair_forward(d, r, norm, cand, family, monkeypatch):
     """Every candidate of the pair forward (S = 2, both sources at once) under the paper's bf16
-    criterion, before the backward the tuner picks: the key in the last chunk or chunks, in every
-    chunk, an unaligned width."""
+    criterion, before the backward the tuner picks, in both kernel families: the key in the last chunk
+    or chunks, in every chunk, an unaligned width."""
     block_d, nch = op._layout("fwd", d, r)
     cands = op._fwd_pair_configs(block_d, nch)
     if cand >= len(cands):
         pytest.skip(f"{len(cands)} distinct candidates at {nch} x {block_d} columns (narrow chunks merge some)")
     monkeypatch.setattr(op, "CONFIG_OVERRIDE", {"fwd": dict(cands[cand])})
-    errs = bf16_check(d, r, 2, norm, layout="mixed", seed=d + r + cand)
+    errs = bf16_check(d, r, 2, norm, layout="mixed", seed=d + r + cand, fn=_attnres_args if family == "args" else None)
     assert errs["out_rel_l2"] < 1e-2 and errs["src_grad_rel_l2"] < 2e-2
 
 
