@@ -175,6 +175,12 @@ def _scores(kk, kq, inv_n, eps, FUSED: tl.constexpr):
     else:  # separate sums (the interpreter runs tl.reduce with a Python combine: slow)
         ss = tl.sum(kk, axis=1)
         qk = tl.sum(kq, axis=1)
+    return _score(ss, qk, inv_n, eps)
+
+
+@triton.jit
+def _score(ss, qk, inv_n, eps):
+    """A source's score z and key 1/RMS per token from its row sums |k|^2 and q.k."""
     rinv = tl.rsqrt(ss * inv_n + eps)
     return qk * rinv, rinv
 
@@ -192,9 +198,9 @@ def _scores_pair(kka, kqa, kkb, kqb, inv_n, eps, FUSED: tl.constexpr):
     else:
         ssa, qka = tl.sum(kka, axis=1), tl.sum(kqa, axis=1)
         ssb, qkb = tl.sum(kkb, axis=1), tl.sum(kqb, axis=1)
-    ra = tl.rsqrt(ssa * inv_n + eps)
-    rb = tl.rsqrt(ssb * inv_n + eps)
-    return qka * ra, ra, qkb * rb, rb
+    za, ra = _score(ssa, qka, inv_n, eps)
+    zb, rb = _score(ssb, qkb, inv_n, eps)
+    return za, ra, zb, rb
 
 
 @triton.jit
@@ -474,6 +480,41 @@ def _src_tiles(j, S, rows, rows64, row_ok, offs0, ok0, offs1, ok1, offs2, ok2, o
     if NCH >= 5:
         u4 = _tile(p, st, j, S, rows, rows64, row_ok, offs4, ok4, EVICT)
     return u0, u1, u2, u3, u4
+
+
+@triton.jit
+def _ring(u0, u1, u2, u3, u4, tn0, tn1, tn2, tn3, tn4, NCH: tl.constexpr):
+    """PREFETCH's one-step ring: a step uses the tiles loaded a step ago (tn) and keeps those it just
+    loaded (u, the next source's) for the next step.  Returns this step's tiles and the kept ones
+    (three swapped even for fewer chunks: the code as timed)."""
+    t0, t1, t2, tn0, tn1, tn2 = tn0, tn1, tn2, u0, u1, u2
+    t3, t4 = u3, u4
+    if NCH >= 4:
+        t3, tn3 = tn3, u3
+    if NCH >= 5:
+        t4, tn4 = tn4, u4
+    return t0, t1, t2, t3, t4, tn0, tn1, tn2, tn3, tn4
+
+
+@triton.jit
+def _src_pair(j, S, rows, rows64, row_ok, offs0, ok0, offs1, ok1, offs2, ok2, offs3, ok3, offs4, ok4,
+              NCH: tl.constexpr, EVICT: tl.constexpr,
+              TABLE: tl.constexpr, src0_ptr, src_offs, src_strides, ALIGN: tl.constexpr, NSLOT: tl.constexpr,
+              x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
+              xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7, xs8, xs9, xs10, xs11, xs12, xs13, xs14, xs15):
+    """Sources j and j + 1's raw tiles (_src_tiles; source j's loads first): a step that holds two
+    sources."""
+    a0, a1, a2, a3, a4 = _src_tiles(j, S, rows, rows64, row_ok, offs0, ok0, offs1, ok1, offs2, ok2, offs3, ok3,
+                                    offs4, ok4, NCH, EVICT, TABLE, src0_ptr, src_offs, src_strides, ALIGN, NSLOT,
+                                    x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
+                                    xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7, xs8, xs9, xs10, xs11, xs12, xs13, xs14,
+                                    xs15)
+    b0, b1, b2, b3, b4 = _src_tiles(j + 1, S, rows, rows64, row_ok, offs0, ok0, offs1, ok1, offs2, ok2, offs3, ok3,
+                                    offs4, ok4, NCH, EVICT, TABLE, src0_ptr, src_offs, src_strides, ALIGN, NSLOT,
+                                    x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
+                                    xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7, xs8, xs9, xs10, xs11, xs12, xs13, xs14,
+                                    xs15)
+    return a0, a1, a2, a3, a4, b0, b1, b2, b3, b4
 
 
 @triton.jit
@@ -791,16 +832,10 @@ def _fwd_body(
         q4 = _query(q_ptr, offs4, d, r, tail4)
         acc4 = tl.zeros([BLOCK_T, BLOCK_D], tl.float32)
     if PAIR:  # two sources (the host checks S = 2): both loaded at once, the exact two-way softmax
-        a0, a1, a2, a3, a4 = _src_tiles(0, S, rows, rows64, row_ok, offs0, ok0, offs1, ok1, offs2, ok2, offs3, ok3,
-                                         offs4, ok4, NCH, EVICT, TABLE, src0_ptr, src_offs, src_strides, ALIGN,
-                                         NSLOT, x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
-                                         xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7, xs8, xs9, xs10, xs11, xs12, xs13,
-                                         xs14, xs15)
-        b0, b1, b2, b3, b4 = _src_tiles(1, S, rows, rows64, row_ok, offs0, ok0, offs1, ok1, offs2, ok2, offs3, ok3,
-                                         offs4, ok4, NCH, EVICT, TABLE, src0_ptr, src_offs, src_strides, ALIGN,
-                                         NSLOT, x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
-                                         xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7, xs8, xs9, xs10, xs11, xs12, xs13,
-                                         xs14, xs15)
+        a0, a1, a2, a3, a4, b0, b1, b2, b3, b4 = _src_pair(
+            0, S, rows, rows64, row_ok, offs0, ok0, offs1, ok1, offs2, ok2, offs3, ok3, offs4, ok4, NCH, EVICT, TABLE,
+            src0_ptr, src_offs, src_strides, ALIGN, NSLOT, x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12,
+            x13, x14, x15, xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7, xs8, xs9, xs10, xs11, xs12, xs13, xs14, xs15)
         a0, a1, a2, a3, a4, kka, kqa = _fwd_key(a0, a1, a2, a3, a4, q0, q1, q2, q3, q4, tail0, tail1, tail2, tail3,
                                                 tail4, NCH, KEY0, SLICE)
         b0, b1, b2, b3, b4, kkb, kqb = _fwd_key(b0, b1, b2, b3, b4, q0, q1, q2, q3, q4, tail0, tail1, tail2, tail3,
@@ -823,26 +858,22 @@ def _fwd_body(
         _store_scores(st_ptr, 1, S, N, zb, rb, rows, row_ok)
     else:  # the sources one at a time, online softmax
         if PREFETCH:
-            tn0, tn1, tn2, tn3, tn4 = _src_tiles(0, S, rows, rows64, row_ok, offs0, ok0, offs1, ok1, offs2, ok2, offs3, ok3,
-                                                 offs4, ok4, NCH, EVICT, TABLE, src0_ptr, src_offs, src_strides, ALIGN, NSLOT,
-                                                 x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
-                                                 xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7, xs8, xs9, xs10, xs11, xs12, xs13,
-                                                 xs14, xs15)
+            tn0, tn1, tn2, tn3, tn4 = _src_tiles(0, S, rows, rows64, row_ok, offs0, ok0, offs1, ok1, offs2, ok2, offs3,
+                                                 ok3, offs4, ok4, NCH, EVICT, TABLE, src0_ptr, src_offs, src_strides,
+                                                 ALIGN, NSLOT, x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13,
+                                                 x14, x15, xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7, xs8, xs9, xs10, xs11,
+                                                 xs12, xs13, xs14, xs15)
         for i in tl.range(0, S, num_stages=STAGES):
             u0, u1, u2, u3, u4 = _src_tiles(i + PREFETCH, S, rows, rows64, row_ok, offs0, ok0, offs1, ok1, offs2, ok2,
                                             offs3, ok3, offs4, ok4, NCH, EVICT, TABLE, src0_ptr, src_offs, src_strides,
-                                            ALIGN, NSLOT, x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14,
-                                            x15, xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7, xs8, xs9, xs10, xs11, xs12, xs13,
-                                            xs14, xs15)
+                                            ALIGN, NSLOT, x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13,
+                                            x14, x15, xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7, xs8, xs9, xs10, xs11,
+                                            xs12, xs13, xs14, xs15)
             t0, t1, t2, t3, t4 = u0, u1, u2, u3, u4
             if PREFETCH:  # use the tiles loaded a step ago; keep this step's (the next source's) for the next
-                t0, t1, t2, tn0, tn1, tn2 = tn0, tn1, tn2, u0, u1, u2  # three even for fewer chunks: the code as timed
-                if NCH >= 4:
-                    t3, tn3 = tn3, u3
-                if NCH >= 5:
-                    t4, tn4 = tn4, u4
-            t0, t1, t2, t3, t4, kk, kq = _fwd_key(t0, t1, t2, t3, t4, q0, q1, q2, q3, q4, tail0, tail1, tail2, tail3, tail4,
-                                                  NCH, KEY0, SLICE)
+                t0, t1, t2, t3, t4, tn0, tn1, tn2, tn3, tn4 = _ring(u0, u1, u2, u3, u4, tn0, tn1, tn2, tn3, tn4, NCH)
+            t0, t1, t2, t3, t4, kk, kq = _fwd_key(t0, t1, t2, t3, t4, q0, q1, q2, q3, q4, tail0, tail1, tail2, tail3,
+                                                  tail4, NCH, KEY0, SLICE)
             if lazy:  # rescale only where the maximum grew past LAZY_TAU
                 z, rinv = _scores(kk, kq, inv_n, eps, FUSED)
                 m, l, acc0, acc1, acc2, acc3, acc4 = _lazy_rescale(z, m, l, NCH, acc0, acc1, acc2, acc3, acc4)
@@ -1020,16 +1051,10 @@ def _bwd_tile_pairs(
     innermost, which Triton's pipeliner needs.  Returns the query-gradient accumulators."""
     tl.static_assert(not (GH_PAIR and PREFETCH), "the resident pair has no next source to prefetch")
     if PREFETCH or GH_PAIR:  # sources 0 and 1: the first pair ahead of the loop, or the resident pair
-        na0, na1, na2, na3, na4 = _src_tiles(0, S, rows, rows64, row_ok, offs0, ok0, offs1, ok1, offs2, ok2, offs3, ok3,
-                                             offs4, ok4, NCH, EVICT, TABLE, src0_ptr, src_offs, src_strides, ALIGN, NSLOT,
-                                             x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
-                                             xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7, xs8, xs9, xs10, xs11, xs12, xs13,
-                                             xs14, xs15)
-        nb0, nb1, nb2, nb3, nb4 = _src_tiles(1, S, rows, rows64, row_ok, offs0, ok0, offs1, ok1, offs2, ok2, offs3, ok3,
-                                             offs4, ok4, NCH, EVICT, TABLE, src0_ptr, src_offs, src_strides, ALIGN, NSLOT,
-                                             x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
-                                             xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7, xs8, xs9, xs10, xs11, xs12, xs13,
-                                             xs14, xs15)
+        na0, na1, na2, na3, na4, nb0, nb1, nb2, nb3, nb4 = _src_pair(
+            0, S, rows, rows64, row_ok, offs0, ok0, offs1, ok1, offs2, ok2, offs3, ok3, offs4, ok4, NCH, EVICT, TABLE,
+            src0_ptr, src_offs, src_strides, ALIGN, NSLOT, x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12,
+            x13, x14, x15, xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7, xs8, xs9, xs10, xs11, xs12, xs13, xs14, xs15)
     if GH_PAIR:
         return _pair_step(0, na0, na1, na2, na3, na4, nb0, nb1, nb2, nb3, nb4, rows, row_ok, rows64, N, S, d, gh, lse,
                           st_ptr, inv_n, offs0, ok0, offs1, ok1, offs2, ok2, offs3, ok3, offs4, ok4, g0, g1, g2, g3, g4,
@@ -1037,16 +1062,10 @@ def _bwd_tile_pairs(
                           SLICE, NCH, KEY0, TABLE, grad0_ptr, grad_offs, GALIGN, NSLOT,
                           dx0, dx1, dx2, dx3, dx4, dx5, dx6, dx7, dx8, dx9, dx10, dx11, dx12, dx13, dx14, dx15, True)
     for i in tl.range(0, S, 2, num_stages=STAGES):
-        a0, a1, a2, a3, a4 = _src_tiles(i + 2 * PREFETCH, S, rows, rows64, row_ok, offs0, ok0, offs1, ok1, offs2, ok2,
-                                        offs3, ok3, offs4, ok4, NCH, EVICT, TABLE, src0_ptr, src_offs, src_strides,
-                                        ALIGN, NSLOT, x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14,
-                                        x15, xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7, xs8, xs9, xs10, xs11, xs12, xs13,
-                                        xs14, xs15)
-        b0, b1, b2, b3, b4 = _src_tiles(i + 1 + 2 * PREFETCH, S, rows, rows64, row_ok, offs0, ok0, offs1, ok1, offs2,
-                                        ok2, offs3, ok3, offs4, ok4, NCH, EVICT, TABLE, src0_ptr, src_offs, src_strides,
-                                        ALIGN, NSLOT, x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14,
-                                        x15, xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7, xs8, xs9, xs10, xs11, xs12, xs13,
-                                        xs14, xs15)
+        a0, a1, a2, a3, a4, b0, b1, b2, b3, b4 = _src_pair(
+            i + 2 * PREFETCH, S, rows, rows64, row_ok, offs0, ok0, offs1, ok1, offs2, ok2, offs3, ok3, offs4, ok4, NCH,
+            EVICT, TABLE, src0_ptr, src_offs, src_strides, ALIGN, NSLOT, x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12,
+            x13, x14, x15, xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7, xs8, xs9, xs10, xs11, xs12, xs13, xs14, xs15)
         if PREFETCH:  # use the pair loaded a step ago; keep this step's for the next
             a0, a1, a2, a3, a4, na0, na1, na2, na3, na4 = na0, na1, na2, na3, na4, a0, a1, a2, a3, a4
             b0, b1, b2, b3, b4, nb0, nb1, nb2, nb3, nb4 = nb0, nb1, nb2, nb3, nb4, b0, b1, b2, b3, b4
@@ -1214,11 +1233,7 @@ def _bwd_tile_block(
                                             xs12, xs13, xs14, xs15)
             t0, t1, t2, t3, t4 = u0, u1, u2, u3, u4
             if PREFETCH:  # use the tiles loaded a step ago; keep this step's (the next source's) for the next
-                t0, t1, t2, tn0, tn1, tn2 = tn0, tn1, tn2, u0, u1, u2  # three even for fewer chunks: the code as timed
-                if NCH >= 4:
-                    t3, tn3 = tn3, u3
-                if NCH >= 5:
-                    t4, tn4 = tn4, u4
+                t0, t1, t2, t3, t4, tn0, tn1, tn2, tn3, tn4 = _ring(u0, u1, u2, u3, u4, tn0, tn1, tn2, tn3, tn4, NCH)
             t0, t1, t2, t3, t4, go = _tiles_go(t0, t1, t2, t3, t4, g0, g1, g2, g3, g4, NCH)
             w, c, coef = _bwd_weights(tl.sum(go, axis=1), gh, lse, i, S, N, rows, row_ok, st_ptr, inv_n)
             gp = _grad_ptrs(i, S, TABLE, grad0_ptr, grad_offs, GALIGN, NSLOT,
