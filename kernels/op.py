@@ -1158,16 +1158,16 @@ ARGS_PAIR_CONFIG = 1
 ARGS_FWD_PAIR_CONFIG = 0
 
 
-def _args_config(kind: str, block_d: int, nch: int, deferred: tuple = ()) -> dict:
-    """The per-argument kernels' configuration: CONFIG_OVERRIDE's, else a fixed candidate.  ``deferred``
-    names the backward's deferred forms, or for the forward its forms (_fwd_forms: "pair" at S = 2)."""
+def _args_config(kind: str, block_d: int, nch: int, forms: tuple = ()) -> dict:
+    """The per-argument kernels' configuration: CONFIG_OVERRIDE's, else a fixed candidate.  ``forms`` as
+    for _candidates: the forward's (_fwd_forms: "pair" at S = 2), the backward's deferred ones."""
     if kind in CONFIG_OVERRIDE:
         return dict(CONFIG_OVERRIDE[kind])
-    if kind == "fwd" and "pair" in deferred:
+    if kind == "fwd" and "pair" in forms:
         return dict(_fwd_pair_configs(block_d, nch)[ARGS_FWD_PAIR_CONFIG])
-    if "pair" in deferred:
+    if "pair" in forms:
         return dict(_pair_configs(block_d, nch)[ARGS_PAIR_CONFIG])
-    if deferred:
+    if forms:
         return dict(_defer_configs(block_d, nch)[ARGS_DEFER_CONFIG])
     cfgs = _candidates(kind, block_d, nch)
     return dict(cfgs[min(ARGS_FWD_CONFIG if kind == "fwd" else ARGS_BWD_CONFIG, len(cfgs) - 1)])
