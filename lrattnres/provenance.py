@@ -44,9 +44,7 @@ def git_state() -> dict[str, Any]:
     from the stale .git itself, not the tree's own, shows as dirty); else it is unknown (None)."""
     given = os.environ.get("LRATTNRES_COMMIT")
     if given:
-        if _git("cat-file", "-e", f"{given}^{{commit}}") is None:
-            return {"commit": given, "dirty": None}
-        diff = _git("diff", "--name-only", given, "--")
+        diff = _git("diff", "--name-only", given, "--")  # fails (None) where the .git lacks that commit
         return {"commit": given, "dirty": bool(diff) if diff is not None else None}
     commit = _git("rev-parse", "HEAD")
     status = _git("status", "--porcelain", "--untracked-files=no")
