@@ -38,7 +38,8 @@ lazily (_lazy_rescale: only when a score passes the reference maximum by more th
 Backward (one pass over the sources): reads g, h and the residual, the statistics and the S sources
 once, writes the S source gradients; with the saved scores one row sum per source (g.o_i) remains.
 The query gradient is accumulated per program into an fp32 partial [programs, r], summed after the
-kernel in a fixed order (_sum_rows_kernel or torch, whichever kernels.op timed faster).  Persistent
+kernel in a fixed order (_sum_rows_kernel's two launches, _sum_rows_once_kernel's one, or torch,
+whichever kernels.op timed fastest).  Persistent
 grid: programs loop over tokens.  A second grid, the token-tile backward
 (_bwd_tile_body, chosen by BLOCK_T > 0), gives each program BLOCK_T tokens in the forward's layout
 and no token loop, and writes one partial row per BLOCK_T tokens (PERSIST: a few programs per
@@ -1531,3 +1532,38 @@ def _sum_rows_kernel(x_ptr, y_ptr, P, r, rows_per, BLOCK_P: tl.constexpr, BLOCK_
         ok = (rows < end)[:, None] & col_ok[None, :]
         acc += tl.load(x_ptr + rows.to(tl.int64)[:, None] * r + cols[None, :], mask=ok, other=0.0)
     tl.store(y_ptr + s.to(tl.int64) * r + cols, tl.sum(acc, axis=0), mask=col_ok)
+
+
+@triton.jit
+def _sum_rows_once_kernel(x_ptr, slab_ptr, y_ptr, count_ptr, P, r, rows_per, splits,
+                          BLOCK_P: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr):
+    """The same sum as _sum_rows_kernel's two launches, in one: program (s, b) sums its slab of rows
+    for BLOCK_R columns into slab[s] (fp32), then counts itself in at count[b]; the program that
+    arrives last for column block b sums the ``splits`` slabs in a fixed order into y (y's element
+    type) and sets count[b] back to 0 for the next sum.  Deterministic (fixed orders; the atomic
+    decides only who adds, not the order).  Why: the second launch costs a kernel boundary (about
+    1-2 us at S = 2, where the whole backward is 40-60 us); the count must be 0 on entry
+    (kernels.op._sum_counts keeps a zeroed ring of them)."""
+    s = tl.program_id(0)
+    b = tl.program_id(1)
+    cols = b * BLOCK_R + tl.arange(0, BLOCK_R)
+    col_ok = cols < r
+    start = s * rows_per
+    end = tl.minimum(start + rows_per, P)
+    acc = tl.zeros([BLOCK_P, BLOCK_R], tl.float32)
+    for p0 in range(start, end, BLOCK_P):
+        rows = p0 + tl.arange(0, BLOCK_P)
+        ok = (rows < end)[:, None] & col_ok[None, :]
+        acc += tl.load(x_ptr + rows.to(tl.int64)[:, None] * r + cols[None, :], mask=ok, other=0.0)
+    tl.store(slab_ptr + s.to(tl.int64) * r + cols, tl.sum(acc, axis=0), mask=col_ok)
+    tl.debug_barrier()  # every thread's slab store before the count (the release below is one thread's)
+    arrived = tl.atomic_add(count_ptr + b, 1, sem="acq_rel", scope="gpu")
+    if arrived == splits - 1:
+        total = tl.zeros([BLOCK_S, BLOCK_R], tl.float32)
+        for s0 in range(0, splits, BLOCK_S):
+            ss = s0 + tl.arange(0, BLOCK_S)
+            ok = (ss < splits)[:, None] & col_ok[None, :]
+            total += tl.load(slab_ptr + ss.to(tl.int64)[:, None] * r + cols[None, :], mask=ok, other=0.0,
+                             cache_modifier=".cg")
+        tl.store(y_ptr + cols, tl.sum(total, axis=0).to(y_ptr.dtype.element_ty), mask=col_ok)
+        tl.atomic_xchg(count_ptr + b, 0, sem="relaxed", scope="gpu")

@@ -657,7 +657,8 @@ def _first(kind: str, block_d: int, nch: int, key_pos: int, key_chunks: bool, fo
 def tuned_configs() -> dict:
     """The configurations tuning chose so far: {"fwd/512x3/key2/S9/N8192": {...}, ...} (chunk width x
     chunks, the key's first chunk where it is not the first, the forms it chose among: "pair" for the
-    forward, "deferred-" and the deferred forms for the deferred backward; sources, tokens rounded up)."""
+    forward, "deferred-" and the deferred forms for the deferred backward; sources, tokens rounded up),
+    and the partial sum's method per shape: {"sum/4224x320/bfloat16": {"method": "once"}, ...}."""
     out = {}
     for (kind, block_d, nch, key_pos, forms, *key), cfg in _CHOSEN.items():
         n_src, n_tok = key[-2:]
@@ -665,6 +666,8 @@ def tuned_configs() -> dict:
                 + (("/deferred-" if kind == "bwd" else "/") + "+".join(forms) if forms else "")
                 + f"/S{n_src}/N{n_tok}")
         out[name] = dict(cfg)
+    for (n_rows, r, dtype, _), method in _SUM_CHOSEN.items():
+        out[f"sum/{n_rows}x{r}/{str(dtype).removeprefix('torch.')}"] = {"method": method}
     return out
 
 
@@ -816,30 +819,44 @@ def _bwd_scratch(cfg: dict, n_tok: int, n_sources: int, r: int, dev: torch.devic
 
 # The sum of the query-gradient partials [programs, r] fp32 (one row per backward program):
 # "triton" (kernels._triton._sum_rows_kernel, two launches over slabs of rows, deterministic),
-# "torch" (part.sum(0), then a cast), or "auto": both timed once per (rows, r, dtype) on CUDA and the
-# faster kept (the Triton sum where nothing can be timed: on the CPU, or during graph capture with
-# no choice made yet).  Why: torch's reduction over [1056, 384] ran on 51 blocks, 10.8 us under ncu
-# (seventh session), a fifth of the backward at S = 2; the seventh session's Triton sum (passes of
-# about sqrt(P) rows in 16-row steps, then a cast: three launches) did no better in graph replays.
+# "once" (_sum_rows_once_kernel: the same slabs and order in one launch, the last program to finish a
+# column block summing the slabs; needs a zeroed counter, _sum_counts), "torch" (part.sum(0), then a
+# cast), or "auto": all three timed once per (rows, r, dtype) on CUDA and the fastest kept (the
+# two-launch Triton sum where nothing can be timed: on the CPU, or during graph capture with no choice
+# made yet).  Why: torch's reduction over [1056, 384] ran on 51 blocks, 10.8 us under ncu (seventh
+# session), a fifth of the backward at S = 2; the seventh session's Triton sum (passes of about
+# sqrt(P) rows in 16-row steps, then a cast: three launches) did no better in graph replays.
 # Twelfth session (torch.profiler in kernel_bench, 8192 tokens): torch's took 7-21 us at [1056-8192
-# rows, 192-1024 columns], this sum 3.6-10 us at such sizes.  KERNELS_DQ_SUM sets it.
+# rows, 192-1024 columns], the two-launch sum 3.6-10 us at such sizes.  KERNELS_DQ_SUM sets it.
 DQ_SUM = os.environ.get("KERNELS_DQ_SUM", "auto")
 SUM_BLOCK_P, SUM_BLOCK_R, SUM_WARPS = 64, 64, 4  # a slab step [rows, columns] and its warps
 SUM_PROGRAMS_PER_SM = 4  # the first launch's programs per multiprocessor (rows split into that many slabs)
+# "once": each call takes the next row of a ring of zeroed counters [SUM_COUNT_RING, column blocks]
+# per device and width; the kernel sets its row back to 0.  Two sums share a row only when
+# SUM_COUNT_RING calls apart, so sums on different streams (or graphs replayed on different streams)
+# do not count into each other's row unless that many calls separate them.
+SUM_COUNT_RING = 1024
 _SUM_CHOSEN: dict = {}
+_SUM_COUNTS: dict = {}  # (device, column blocks) -> [counters int32 [SUM_COUNT_RING, blocks], next row]
+
+
+def _sum_splits(n_rows: int, r: int, device: torch.device) -> int:
+    """How many slabs the partial rows are cut into: about SUM_PROGRAMS_PER_SM programs per
+    multiprocessor over the column blocks, at least SUM_BLOCK_P rows per slab."""
+    ncb = triton_cdiv(r, SUM_BLOCK_R)
+    programs = SUM_PROGRAMS_PER_SM * _num_sms(device)
+    return max(1, min(triton_cdiv(programs, ncb), triton_cdiv(n_rows, SUM_BLOCK_P)))
 
 
 def _sum_rows_triton(part: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """part [P, r] fp32 summed over its rows with _sum_rows_kernel: P split into slabs so that the first
-    launch has about SUM_PROGRAMS_PER_SM programs per multiprocessor, then the slabs summed into
-    ``dtype`` (one launch when a single slab would do)."""
+    """part [P, r] fp32 summed over its rows with _sum_rows_kernel: P split into slabs (_sum_splits),
+    then the slabs summed into ``dtype`` (one launch when a single slab would do)."""
     from . import _triton as K
 
     n_rows, r = part.shape
     ncb = triton_cdiv(r, SUM_BLOCK_R)
     out = _empty((r,), dtype, part.device)
-    programs = SUM_PROGRAMS_PER_SM * _num_sms(part.device)
-    splits = max(1, min(triton_cdiv(programs, ncb), triton_cdiv(n_rows, SUM_BLOCK_P)))
+    splits = _sum_splits(n_rows, r, part.device)
     src = part
     if splits > 1:
         src = _empty((splits, r), torch.float32, part.device)
@@ -850,18 +867,53 @@ def _sum_rows_triton(part: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return out
 
 
+def _sum_counts(device: torch.device, ncb: int):
+    """The next row of zeroed counters for a one-launch sum over ``ncb`` column blocks, or None during
+    graph capture before this device and width have a ring (a ring made inside a capture would come from
+    the graph's private memory).  Rings are never freed: a captured graph keeps their address."""
+    key = (device, ncb)
+    ring = _SUM_COUNTS.get(key)
+    if ring is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        ring = _SUM_COUNTS[key] = [torch.zeros((SUM_COUNT_RING, ncb), dtype=torch.int32, device=device), 0]
+    row = ring[0][ring[1]]
+    ring[1] = (ring[1] + 1) % SUM_COUNT_RING
+    return row
+
+
+def _sum_rows_once(part: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """part [P, r] fp32 summed over its rows in one launch (_sum_rows_once_kernel), with the slabs and
+    the order of _sum_rows_triton, so the same bits; the two-launch sum where a single slab would do or
+    no counters can be had (_sum_counts)."""
+    from . import _triton as K
+
+    n_rows, r = part.shape
+    ncb = triton_cdiv(r, SUM_BLOCK_R)
+    splits = _sum_splits(n_rows, r, part.device)
+    counts = _sum_counts(part.device, ncb) if splits > 1 else None
+    if counts is None:
+        return _sum_rows_triton(part, dtype)
+    out = _empty((r,), dtype, part.device)
+    slabs = _empty((splits, r), torch.float32, part.device)
+    K._sum_rows_once_kernel[(splits, ncb)](part, slabs, out, counts, n_rows, r, triton_cdiv(n_rows, splits), splits,
+                                           BLOCK_P=SUM_BLOCK_P, BLOCK_R=SUM_BLOCK_R, BLOCK_S=SUM_BLOCK_P,
+                                           num_warps=SUM_WARPS)
+    return out
+
+
 def _sum_rows_torch(part: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return part.sum(0).to(dtype)
 
 
-_SUMS = {"triton": _sum_rows_triton, "torch": _sum_rows_torch}
+_SUMS = {"triton": _sum_rows_triton, "once": _sum_rows_once, "torch": _sum_rows_torch}
 
 
 def _sum_partials(part: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The query gradient from its partial rows, by DQ_SUM's method."""
     mode = DQ_SUM
     if mode not in ("auto", *_SUMS):
-        raise ValueError(f"kernels.op.DQ_SUM (KERNELS_DQ_SUM): expected 'auto', 'triton' or 'torch', got {mode!r}")
+        raise ValueError(f"kernels.op.DQ_SUM (KERNELS_DQ_SUM): expected 'auto', 'triton', 'once' or 'torch', got {mode!r}")
     if mode == "auto":
         key = (part.shape[0], part.shape[1], dtype, part.device)
         mode = _SUM_CHOSEN.get(key)

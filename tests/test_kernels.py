@@ -589,11 +589,14 @@ def test_residual_code_bit_exact():
 @pytest.mark.parametrize("n_rows,r", [(1, 1), (37, 7), (300, 65), (2112, 384), (1000, 130)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_partial_sum_triton(n_rows, r, dtype, monkeypatch):
-    """The query gradient's partial rows summed by _sum_rows_kernel (kernels.op._sum_rows_triton):
-    one launch or slabs then their sum, unaligned rows and columns, fp32 and the query's dtype; the
-    same bits on a second run (a fixed order, no atomics).  On the CPU the multiprocessor count is
-    2, so SUM_PROGRAMS_PER_SM is raised to get many slabs."""
+    """The query gradient's partial rows summed by _sum_rows_kernel in two launches
+    (kernels.op._sum_rows_triton) and by _sum_rows_once_kernel in one (_sum_rows_once): one slab or
+    many, unaligned rows and columns, fp32 and the query's dtype; the same bits from both and on a
+    second run (fixed orders), and the one-launch sum's counters back at 0 after it.  On the CPU the
+    multiprocessor count is 2, so SUM_PROGRAMS_PER_SM is raised to get many slabs."""
     monkeypatch.setattr(op, "SUM_PROGRAMS_PER_SM", 64)
+    monkeypatch.setattr(op, "SUM_COUNT_RING", 2)
+    monkeypatch.setattr(op, "_SUM_COUNTS", {})
     device = "cuda" if HAS_CUDA else "cpu"
     gen = torch.Generator(device=device).manual_seed(n_rows + r)
     part = torch.randn(n_rows, r, generator=gen, device=device)
@@ -601,6 +604,7 @@ def test_partial_sum_triton(n_rows, r, dtype, monkeypatch):
     try:
         got = op._sum_rows_triton(part, dtype)
         again = op._sum_rows_triton(part, dtype)
+        once = [op._sum_rows_once(part, dtype) for _ in range(3)]  # the third reuses the ring's first row
     finally:
         op.set_cpu_triton(False)
     ref = part.double().sum(0)
@@ -608,18 +612,40 @@ def test_partial_sum_triton(n_rows, r, dtype, monkeypatch):
     tol = 1e-5 * (n_rows ** 0.5) if dtype == torch.float32 else 1e-2
     torch.testing.assert_close(got.double(), ref, rtol=tol, atol=tol)
     assert torch.equal(got, again)
+    assert all(torch.equal(got, o) for o in once)
+    many_slabs = op._sum_splits(n_rows, r, part.device) > 1
+    assert [n for _, n in op._SUM_COUNTS.values()] == ([1] if many_slabs else [])  # 3 calls on a ring of 2
+    assert all(int(ring.abs().sum()) == 0 for ring, _ in op._SUM_COUNTS.values())
+
+
+def test_sum_counts_ring(monkeypatch):
+    """_sum_counts: a zeroed ring per (device, column blocks), its rows taken in turn; None while a graph
+    is being captured and no ring exists yet (one made then would live in the graph's memory), the
+    existing ring during capture."""
+    monkeypatch.setattr(op, "SUM_COUNT_RING", 3)
+    monkeypatch.setattr(op, "_SUM_COUNTS", {})
+    cpu = torch.device("cpu")
+    rows = [op._sum_counts(cpu, 5) for _ in range(4)]
+    assert all(r.shape == (5,) and r.dtype == torch.int32 and int(r.abs().sum()) == 0 for r in rows)
+    assert [r.data_ptr() for r in rows[:3]] == sorted({r.data_ptr() for r in rows[:3]})
+    assert rows[3].data_ptr() == rows[0].data_ptr()
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    assert op._sum_counts(torch.device("cuda", 0), 5) is None and len(op._SUM_COUNTS) == 1
+    op._SUM_COUNTS[(torch.device("cuda", 0), 5)] = [torch.zeros(3, 5, dtype=torch.int32), 2]
+    assert op._sum_counts(torch.device("cuda", 0), 5) is not None
+    assert op._SUM_COUNTS[(torch.device("cuda", 0), 5)][1] == 0
 
 
 def test_partial_sum_choice(monkeypatch):
-    """DQ_SUM: "torch" and "triton" as asked; "auto" times both (GPU time, _gpu_time) once per (rows, r,
-    dtype) on CUDA and keeps the faster, and takes the Triton sum where nothing can be timed (CPU, graph
-    capture); anything else is refused by name."""
+    """DQ_SUM: "torch", "triton" and "once" as asked; "auto" times all three (GPU time, _gpu_time) once
+    per (rows, r, dtype) on CUDA and keeps the fastest, and takes the two-launch Triton sum where nothing
+    can be timed (CPU, graph capture); anything else is refused by name."""
     calls = []
-    monkeypatch.setattr(op, "_SUMS", {"triton": lambda p, dt: calls.append("triton") or p.sum(0).to(dt),
-                                      "torch": lambda p, dt: calls.append("torch") or p.sum(0).to(dt)})
+    monkeypatch.setattr(op, "_SUMS", {name: (lambda name: lambda p, dt: calls.append(name) or p.sum(0).to(dt))(name)
+                                      for name in ("triton", "once", "torch")})
     monkeypatch.setattr(op, "_SUM_CHOSEN", {})
     part = torch.ones(4, 3)
-    for mode in ("torch", "triton"):
+    for mode in ("torch", "triton", "once"):
         monkeypatch.setattr(op, "DQ_SUM", mode)
         calls.clear()
         assert torch.equal(op._sum_partials(part, torch.float32), torch.full((3,), 4.0)) and calls == [mode]
@@ -627,7 +653,7 @@ def test_partial_sum_choice(monkeypatch):
     calls.clear()
     op._sum_partials(part, torch.float32)
     assert calls == ["triton"] and not op._SUM_CHOSEN  # CPU: nothing timed, nothing remembered
-    speed = {"triton": 2.0, "torch": 1.0}
+    speed = {"triton": 2.0, "once": 1.5, "torch": 1.0}
     monkeypatch.setattr(op, "_gpu_time", lambda fn: (fn(), speed[calls[-1]])[1])
     fake = types.SimpleNamespace(shape=(4, 3), device=torch.device("cuda"), sum=part.sum)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
@@ -637,6 +663,10 @@ def test_partial_sum_choice(monkeypatch):
     calls.clear()
     op._sum_partials(fake, torch.float32)
     assert calls == ["torch"]  # remembered
+    speed.update(once=0.5)
+    op._sum_partials(types.SimpleNamespace(shape=(5, 3), device=torch.device("cuda"), sum=part.sum), torch.float32)
+    assert op._SUM_CHOSEN[(5, 3, torch.float32, torch.device("cuda"))] == "once" and calls[-1] == "once"
+    assert op.tuned_configs()["sum/5x3/float32"] == {"method": "once"}
     monkeypatch.setattr(op, "DQ_SUM", "atomic")
     with pytest.raises(ValueError, match="KERNELS_DQ_SUM.*'atomic'"):
         op._sum_partials(part, torch.float32)
@@ -887,6 +917,45 @@ def test_gpu_bf16_paper_criterion(d, r, S, norm):
 
 @gpu
 @needs_cuda
+def test_gpu_one_launch_sum_graphs_and_streams(monkeypatch):
+    """The one-launch partial sum on the GPU: the two-launch sum's bits eagerly, in CUDA-graph replays
+    (the ring made before capture, its counters back at 0 after every replay) and from sums issued on
+    two streams at once; a capture before any ring exists takes the two-launch sum."""
+    monkeypatch.setattr(op, "_SUM_COUNTS", {})
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    parts = [torch.randn(n, r, generator=gen, device="cuda") for n, r in ((4224, 320), (8192, 2560), (1056, 384))]
+    want = [op._sum_rows_triton(p, torch.bfloat16) for p in parts]
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # no ring yet for (1056, 384)'s width: captured as the two-launch sum
+        graph0 = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph0):
+            out0 = op._sum_rows_once(parts[2], torch.bfloat16)
+    assert len(op._SUM_COUNTS) == 0
+    got = [op._sum_rows_once(p, torch.bfloat16) for p in parts]
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = [op._sum_rows_once(p, torch.bfloat16) for p in parts]
+    for _ in range(3):
+        graph.replay()
+        graph0.replay()
+        torch.cuda.synchronize()
+        assert all(torch.equal(a, b) for a, b in zip(outs, want)) and torch.equal(out0, want[2])
+        assert all(int(ring.abs().sum()) == 0 for ring, _ in op._SUM_COUNTS.values())
+    streams = [torch.cuda.Stream() for _ in range(2)]
+    results = [[], []]
+    torch.cuda.synchronize()
+    for _ in range(20):  # interleaved on two streams: each call has its own ring row
+        for i, st in enumerate(streams):
+            with torch.cuda.stream(st):
+                results[i].append(op._sum_rows_once(parts[i], torch.bfloat16))
+    torch.cuda.synchronize()
+    assert all(torch.equal(x, want[i]) for i in range(2) for x in results[i])
+
+
+@gpu
+@needs_cuda
 def test_gpu_tuner_times_gpu_work_only():
     """_gpu_time counts GPU time, not the host's: a launch preceded by 2 ms of host work times as the
     launch alone (the tuner's choice once followed host overhead where GPU work is short)."""
@@ -903,7 +972,7 @@ def test_gpu_tuner_times_gpu_work_only():
 
 @gpu
 @needs_cuda
-@pytest.mark.parametrize("dq_sum", ["triton", "torch"])
+@pytest.mark.parametrize("dq_sum", ["triton", "once", "torch"])
 def test_gpu_tuner_precompiles_and_sums(dq_sum, monkeypatch):
     """On the GPU: the tuner builds a new shape class's candidates at once (_precompile submits every
     one, forward and backward) and the paper's criterion holds with either sum of the query-gradient
