@@ -1115,7 +1115,7 @@ def _bwd_tile_deferred(
                                         x14, x15, xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7, xs8, xs9, xs10, xs11,
                                         xs12, xs13, xs14, xs15)
         if PREFETCH:  # use the tiles loaded a step ago; keep this step's (the next source's) for the next
-            t0, t1, t2, t3, t4, tn0, tn1, tn2, tn3, tn4 = tn0, tn1, tn2, tn3, tn4, t0, t1, t2, t3, t4
+            t0, t1, t2, t3, t4, tn0, tn1, tn2, tn3, tn4 = _ring(t0, t1, t2, t3, t4, tn0, tn1, tn2, tn3, tn4, NCH)
         t0, t1, t2, t3, t4, go = _tiles_go(t0, t1, t2, t3, t4, g0, g1, g2, g3, g4, NCH)
         go = tl.sum(go, axis=1)
         z = tl.load(st_ptr + tl.cast(1 + i, tl.int64) * N + rows, mask=row_ok, other=0.0)
@@ -1197,9 +1197,10 @@ def _bwd_tile_block(
     if NCH >= 5:
         g4, gh4 = _bwd_rows(g_ptr, h_ptr, res_ptr, rows64, row_ok, offs4, ok4, d, stride_g, HAS_RES, RES_STEP,
                           not DEFER)
-    gh = tl.sum(_sum_chunks(gh, gh1, gh2, gh3, gh4, NCH), axis=1)
+    if not DEFER:
+        gh = tl.sum(_sum_chunks(gh, gh1, gh2, gh3, gh4, NCH), axis=1)
     lse = tl.load(st_ptr + rows, mask=row_ok, other=0.0)
-    if DEFER:  # g.h from the sources (h and the residual not read): the row sum of g above is dead code
+    if DEFER:  # g.h from the sources (h and the residual not read; _bwd_rows gave g in their place)
         gh = lse * 0.0
     if DEFER and not PAIR:
         dq1, dq2, dq3, dq4 = _bwd_tile_deferred(
@@ -1514,6 +1515,26 @@ def _attnres_bwd_args_kernel(
 
 
 @triton.jit
+def _slab_sum(x_ptr, s, P, r, rows_per, cols, col_ok, BLOCK_P: tl.constexpr, BLOCK_R: tl.constexpr,
+              CG: tl.constexpr = False):
+    """The sum of rows [s * rows_per, (s + 1) * rows_per) of x [P, r] fp32 (rows past P left out) at
+    columns ``cols``, in BLOCK_P-row steps then one reduction: the fixed order both partial sums share.
+    CG: load past the L1 (rows other programs of the same launch wrote)."""
+    start = s * rows_per
+    end = tl.minimum(start + rows_per, P)
+    acc = tl.zeros([BLOCK_P, BLOCK_R], tl.float32)
+    for p0 in range(start, end, BLOCK_P):
+        rows = p0 + tl.arange(0, BLOCK_P)
+        ok = (rows < end)[:, None] & col_ok[None, :]
+        ptrs = x_ptr + rows.to(tl.int64)[:, None] * r + cols[None, :]
+        if CG:
+            acc += tl.load(ptrs, mask=ok, other=0.0, cache_modifier=".cg")
+        else:
+            acc += tl.load(ptrs, mask=ok, other=0.0)
+    return tl.sum(acc, axis=0)
+
+
+@triton.jit
 def _sum_rows_kernel(x_ptr, y_ptr, P, r, rows_per, BLOCK_P: tl.constexpr, BLOCK_R: tl.constexpr):
     """y[s, c] = sum of x[s * rows_per : (s + 1) * rows_per, c] (rows past P left out): program (s, b)
     sums one slab of rows for BLOCK_R columns, in a fixed order, and stores in y's element type.  The
@@ -1524,14 +1545,8 @@ def _sum_rows_kernel(x_ptr, y_ptr, P, r, rows_per, BLOCK_P: tl.constexpr, BLOCK_
     s = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
     col_ok = cols < r
-    start = s * rows_per
-    end = tl.minimum(start + rows_per, P)
-    acc = tl.zeros([BLOCK_P, BLOCK_R], tl.float32)
-    for p0 in range(start, end, BLOCK_P):
-        rows = p0 + tl.arange(0, BLOCK_P)
-        ok = (rows < end)[:, None] & col_ok[None, :]
-        acc += tl.load(x_ptr + rows.to(tl.int64)[:, None] * r + cols[None, :], mask=ok, other=0.0)
-    tl.store(y_ptr + s.to(tl.int64) * r + cols, tl.sum(acc, axis=0), mask=col_ok)
+    tl.store(y_ptr + s.to(tl.int64) * r + cols, _slab_sum(x_ptr, s, P, r, rows_per, cols, col_ok, BLOCK_P, BLOCK_R),
+             mask=col_ok)
 
 
 @triton.jit
@@ -1548,22 +1563,11 @@ def _sum_rows_once_kernel(x_ptr, slab_ptr, y_ptr, count_ptr, P, r, rows_per, spl
     b = tl.program_id(1)
     cols = b * BLOCK_R + tl.arange(0, BLOCK_R)
     col_ok = cols < r
-    start = s * rows_per
-    end = tl.minimum(start + rows_per, P)
-    acc = tl.zeros([BLOCK_P, BLOCK_R], tl.float32)
-    for p0 in range(start, end, BLOCK_P):
-        rows = p0 + tl.arange(0, BLOCK_P)
-        ok = (rows < end)[:, None] & col_ok[None, :]
-        acc += tl.load(x_ptr + rows.to(tl.int64)[:, None] * r + cols[None, :], mask=ok, other=0.0)
-    tl.store(slab_ptr + s.to(tl.int64) * r + cols, tl.sum(acc, axis=0), mask=col_ok)
+    slab = _slab_sum(x_ptr, s, P, r, rows_per, cols, col_ok, BLOCK_P, BLOCK_R)
+    tl.store(slab_ptr + s.to(tl.int64) * r + cols, slab, mask=col_ok)
     tl.debug_barrier()  # every thread's slab store before the count (the release below is one thread's)
     arrived = tl.atomic_add(count_ptr + b, 1, sem="acq_rel", scope="gpu")
     if arrived == splits - 1:
-        total = tl.zeros([BLOCK_S, BLOCK_R], tl.float32)
-        for s0 in range(0, splits, BLOCK_S):
-            ss = s0 + tl.arange(0, BLOCK_S)
-            ok = (ss < splits)[:, None] & col_ok[None, :]
-            total += tl.load(slab_ptr + ss.to(tl.int64)[:, None] * r + cols[None, :], mask=ok, other=0.0,
-                             cache_modifier=".cg")
-        tl.store(y_ptr + cols, tl.sum(total, axis=0).to(y_ptr.dtype.element_ty), mask=col_ok)
+        total = _slab_sum(slab_ptr, 0, splits, r, splits, cols, col_ok, BLOCK_S, BLOCK_R, True)
+        tl.store(y_ptr + cols, total.to(y_ptr.dtype.element_ty), mask=col_ok)
         tl.atomic_xchg(count_ptr + b, 0, sem="relaxed", scope="gpu")
