@@ -878,7 +878,7 @@ def _sum_counts(device: torch.device, ncb: int):
             return None
         ring = _SUM_COUNTS[key] = [torch.zeros((SUM_COUNT_RING, ncb), dtype=torch.int32, device=device), 0]
     row = ring[0][ring[1]]
-    ring[1] = (ring[1] + 1) % SUM_COUNT_RING
+    ring[1] = (ring[1] + 1) % ring[0].shape[0]
     return row
 
 
@@ -913,7 +913,8 @@ def _sum_partials(part: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The query gradient from its partial rows, by DQ_SUM's method."""
     mode = DQ_SUM
     if mode not in ("auto", *_SUMS):
-        raise ValueError(f"kernels.op.DQ_SUM (KERNELS_DQ_SUM): expected 'auto', 'triton', 'once' or 'torch', got {mode!r}")
+        raise ValueError("kernels.op.DQ_SUM (KERNELS_DQ_SUM): expected 'auto', 'triton', 'once' or 'torch', "
+                         f"got {mode!r}")
     if mode == "auto":
         key = (part.shape[0], part.shape[1], dtype, part.device)
         mode = _SUM_CHOSEN.get(key)
