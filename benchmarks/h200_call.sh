@@ -29,8 +29,10 @@
 #   trainargs   the 1B step (ATTN, default flex): baseline, LR via the triton_op and via the custom op, AttnRes
 #   paper1      the 1B step under the paper's protocol (accumulation 64, flex): baseline and LR-AttnRes fused
 #   paper2      the same for AttnRes fused and both reference routers
-#   ksweep      kernel_sweep.py --quick at the 1B step's and the goals' shapes (SHAPES overrides; SHAPE_S caps a shape)
-#   ksweep2     tests/test_kernels.py on the GPU (TESTS=0: not), then ksweep at SHAPES2 (results stem STEM2)
+#   ksweep      kernel_sweep.py --quick at the 1B step's and the goals' shapes (SHAPES overrides; SHAPE_S caps a shape;
+#               ONLY=fwd|bwd one kernel; EXTRA="KIND=JSON ..." more configurations; QUICK=0 every candidate)
+#   ksweep2     tests/test_kernels.py on the GPU (TESTS=0: not), then ksweep at SHAPES2 (results stem STEM2; ONLY2,
+#               EXTRA2, QUICK2 where set replace ONLY, EXTRA, QUICK)
 #   kmix        ksweep2, then kgrid4096 with the time left
 #   kcheck      tests/test_kernels.py on the GPU (all of it: the interpreter cases run in fp32 on CUDA), then
 #               kernel_bench.py at 8192 tokens (the goals' S = 9 shapes first) with the default variant
@@ -146,9 +148,11 @@ paper_step() {  # the paper's protocol (microbatch 2, 64 accumulation steps: 262
 }
 lane_paper1() { paper_step train_step_bench_paper_main baseline,lr-fused "$(left 300)"; }
 lane_paper2() { paper_step train_step_bench_paper_other attnres-fused,lr-ref,attnres-ref "$(left 400)"; }
-lane_ksweep() {  # ONLY=fwd or bwd sweeps one kernel; SHAPE_S caps each shape's seconds
-  $PYTHON benchmarks/kernel_sweep.py --out "$L" --stem "${STEM:-kernel_sweep_final}" --quick --budget-s "$(left $((DUR - 20)))" \
-    ${ONLY:+--only "$ONLY"} ${SHAPE_S:+--shape-budget-s "$SHAPE_S"} \
+lane_ksweep() {  # ONLY=fwd or bwd sweeps one kernel; SHAPE_S caps each shape's seconds; QUICK=0 every candidate;
+  local x extra=()  # EXTRA="KIND=JSON ..." (JSON without spaces) also times those configurations
+  for x in ${EXTRA:-}; do extra+=(--extra "$x"); done
+  $PYTHON benchmarks/kernel_sweep.py --out "$L" --stem "${STEM:-kernel_sweep_final}" --budget-s "$(left $((DUR - 20)))" \
+    $([ "${QUICK:-1}" = 1 ] && echo --quick) ${ONLY:+--only "$ONLY"} ${SHAPE_S:+--shape-budget-s "$SHAPE_S"} "${extra[@]}" \
     --shapes "${SHAPES:-4096x1536x9x384,8192x1536x9x384,4096x1536x9x384:args,8192x1024x9x256,4096x1536x3x384}"
 }
 lane_ksweep2() {  # a second sweep lane: the kernels' GPU tests first (TESTS=0 leaves them out, TESTS_K=EXPR runs
@@ -157,7 +161,8 @@ lane_ksweep2() {  # a second sweep lane: the kernels' GPU tests first (TESTS=0 l
       --tb=short 2>&1 | tee "$L/pytest.txt" \
       | grep -v "^PASSED" | tail -30
   fi
-  SHAPES=$SHAPES2 STEM=${STEM2:-kernel_sweep_final2} lane_ksweep
+  SHAPES=$SHAPES2 STEM=${STEM2:-kernel_sweep_final2} ONLY=${ONLY2-${ONLY:-}} EXTRA=${EXTRA2-${EXTRA:-}} \
+    QUICK=${QUICK2-${QUICK:-1}} lane_ksweep
 }
 lane_kmix() {  # the kernels' GPU tests (TESTS_K), a sweep of SHAPES2 (ONLY, SHAPE_S), then the 4096-token grid lane
   lane_ksweep2

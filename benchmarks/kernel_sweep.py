@@ -145,9 +145,10 @@ def _time(fn) -> float:
 PATHS = {"table": (kop._fwd_triton, kop._bwd_triton), "args": (kop._fwd_args, kop._bwd_args)}
 
 
-def sweep_shape(N, d, S, r, bw, budget_end, path="table", quick=False, only=None, shape_s=None):
+def sweep_shape(N, d, S, r, bw, budget_end, path="table", quick=False, only=None, shape_s=None, extra=None):
     """Time every candidate configuration of both kernels at one shape (within ``shape_s`` seconds
-    when given: 40% for the forward; the shipped candidates of every layout go first)."""
+    when given: 40% for the forward; the shipped candidates of every layout go first, ``extra``'s
+    configurations per kernel last, in the width's own layout unless they name SPLIT)."""
     if shape_s:
         t_start = time.time()
         bwd_end = min(budget_end, t_start + shape_s)
@@ -163,11 +164,14 @@ def sweep_shape(N, d, S, r, bw, budget_end, path="table", quick=False, only=None
     def deferred(kind):  # the forward's pair (S = 2), the backward's deferred forms
         return _fwd_pair_candidates(S, layouts) if kind == "fwd" else _deferred_candidates(d, r, S, layouts)
 
-    def pick(kind):  # every layout's shipped candidates first (quick), then the rest
+    def pick(kind):  # every layout's shipped candidates first (quick), then the rest, then the extra ones
         if not quick:
-            return [c for lay in layouts for c in _candidates(kind, *lay)] + deferred(kind)
-        out = [dict(c, SPLIT=lay[1]) for lay in layouts for c in kop._candidates(kind, *lay)] + deferred(kind)
-        return out + [c for lay in layouts for c in _quick(kind, *lay, lay == layouts[0]) if c not in out]
+            out = [c for lay in layouts for c in _candidates(kind, *lay)] + deferred(kind)
+        else:
+            out = [dict(c, SPLIT=lay[1]) for lay in layouts for c in kop._candidates(kind, *lay)] + deferred(kind)
+            out += [c for lay in layouts for c in _quick(kind, *lay, lay == layouts[0]) if c not in out]
+        more = [{"SPLIT": layouts[0][1], **c} for c in (extra or {}).get(kind, ())]
+        return out + [c for c in more if c not in out]
     rows = []
 
     def pct(kind, t, res):  # res: the forward writes, the backward reads h and the rounding residual
@@ -294,6 +298,23 @@ def _md(doc) -> str:
     return "\n".join(lines)
 
 
+def _parse_extra(specs: list[str]) -> dict:
+    """--extra KIND=JSON options as {kind: [configuration, ...]}, with a clear error for a bad one."""
+    out: dict = {}
+    for spec in specs:
+        kind, sep, text = spec.partition("=")
+        if not sep or kind not in ("fwd", "bwd"):
+            raise SystemExit(f"--extra {spec!r}: expected KIND=JSON with KIND fwd or bwd")
+        try:
+            cfg = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise SystemExit(f"--extra {spec!r}: the configuration is not JSON ({e})") from None
+        if not isinstance(cfg, dict) or not ({"BLOCK_T", "SB"} & set(cfg)) or "num_warps" not in cfg:
+            raise SystemExit(f"--extra {spec!r}: expected an object naming BLOCK_T or SB, and num_warps")
+        out.setdefault(kind, []).append({"PREFETCH": 0, **cfg})
+    return out
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
@@ -304,7 +325,11 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true", help="fewer candidate configurations (4 and 8 warps)")
     p.add_argument("--only", choices=("fwd", "bwd"), help="sweep one kernel (the backward's inputs come from the default forward)")
     p.add_argument("--shape-budget-s", type=float, help="at most this long per shape (40%% of it for the forward)")
+    p.add_argument("--extra", action="append", default=[], metavar="KIND=JSON",
+                   help='also time this configuration of kernel KIND (fwd or bwd) at every shape, e.g. '
+                        'bwd={"BLOCK_T":1,"num_warps":4,"PREFETCH":0,"STAGES":2}; SPLIT defaults to the width\'s own layout')
     a = p.parse_args(argv)
+    extra = _parse_extra(a.extra)
     if not torch.cuda.is_available():
         print("kernel_sweep needs a CUDA GPU", file=sys.stderr)
         return 1
@@ -322,7 +347,7 @@ def main(argv=None) -> int:
         N, d, S, r = (int(x) for x in shape.split("x"))
         if time.time() > end:
             break
-        doc["shapes"].append(sweep_shape(N, d, S, r, bw, end, path or "table", a.quick, a.only, a.shape_budget_s))
+        doc["shapes"].append(sweep_shape(N, d, S, r, bw, end, path or "table", a.quick, a.only, a.shape_budget_s, extra))
         best = {k: min((x for x in doc["shapes"][-1]["rows"] if x["kernel"] == k and "us" in x),
                        key=lambda x: x["us"], default=None) for k in ("fwd", "bwd")}
         print(f"[{time.time() - t0:.0f}s] {spec}: " + "  ".join(

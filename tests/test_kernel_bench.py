@@ -131,6 +131,19 @@ def test_sweep_times_the_pair_forward_at_two_sources(monkeypatch):
     assert ks._fwd_pair_candidates(2, [(512, 5)]) == []
 
 
+def test_sweep_extra_configurations_parse_and_name_a_bad_one():
+    """--extra KIND=JSON: configurations the sweep times beside the candidates (PREFETCH 0 unless named);
+    a bad kind, bad JSON or an object naming no grid is refused with the option's text."""
+    import kernel_sweep as ks
+
+    got = ks._parse_extra(['bwd={"BLOCK_T":1,"num_warps":4,"STAGES":2}', 'fwd={"BLOCK_T":2,"num_warps":1,"PREFETCH":1}'])
+    assert got == {"bwd": [{"PREFETCH": 0, "BLOCK_T": 1, "num_warps": 4, "STAGES": 2}],
+                   "fwd": [{"PREFETCH": 1, "BLOCK_T": 2, "num_warps": 1}]}
+    for bad, why in (('mid={"SB":1,"num_warps":4}', "KIND"), ("bwd={SB:1}", "not JSON"), ('bwd={"num_warps":4}', "BLOCK_T or SB")):
+        with pytest.raises(SystemExit, match=why):
+            ks._parse_extra([bad])
+
+
 def test_shapes_option_parses_and_names_a_bad_shape():
     assert kb._shape_list("8192x1536x9x384,4096x2560x2x640") == [(8192, 1536, 9, 384), (4096, 2560, 2, 640)]
     with pytest.raises(argparse.ArgumentTypeError, match="'8192x1536x9'"):
