@@ -130,7 +130,7 @@ def _fwd_pair_candidates(S: int, layouts) -> list[dict]:
     return out
 
 
-PROGRAMS_PER_SM = (2, 4, 6, 12, 16)  # the backward's persistent grid, tried for the best configurations
+PROGRAMS_PER_SM = (2, 4, 6, 12, 16, 24, 32)  # the backward's persistent grid, tried for the best configurations
 STAGES = (2, 3)  # Triton's software pipelining of the source loop, tried for the best configurations
 
 

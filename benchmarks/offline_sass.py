@@ -93,6 +93,10 @@ CONFIGS = {
                              {"FWD_PAIR": True, "DEFER": True, "PAIR": True, "HAS_RES": False}),
     "two-key-fwd-pair-1w": (512, 2, 1, 1, 0, 1, "tile", 1,
                             {"FWD_PAIR": True, "DEFER": True, "PAIR": True, "HAS_RES": False}),
+    # d = 1024 with r = d as one chunk of 1024 (sixteenth session): the tuner's backward at S = 25 (persistent,
+    # 4 warps, prefetch), the token tile beside it, and the forward with 1 warp (EVICT)
+    "one-rd-bits": (1024, 1, 1, 4, 1, 1, "persistent", 0, {"RES_STEP": 0.0}),
+    "one-tile-rd-bits": (1024, 1, 1, 4, 1, 1, "tile", 0, {"RES_STEP": 0.0}),
 }
 _NSLOT = 9
 

@@ -313,14 +313,20 @@ def _fwd_configs(block_d: int, nch: int = 1) -> list[dict]:
     (forward 79 and 125 us at 8192 tokens, S = 9: kernel_bench_h200_2026-11-30_v14_rd_b, _8192_c).  Added
     in the thirteenth session for S = 2, where the one-token 2-warp forward ran at 75-81% of its roofline
     against fast-attnres's 88-94% (d = 2560: 37 against 31 us): two tokens with 4 warps and one token
-    with 1 warp, both keyed, with prefetch and the evict-first hint (untimed when added)."""
+    with 1 warp, both keyed, with prefetch and the evict-first hint (untimed when added).  Added in the
+    sixteenth session for the forward at r = d and 4096 tokens, S = 9 (kernel_sweep_h200_2026-12-01_fwd9,
+    every candidate of kernel_sweep): one token with 2 warps per 512-column chunk, Triton's three-stage
+    pipelining and the evict-first hint, 60.3 us at d = 2560 (the tuner's choice had taken 65.5); one
+    chunk, one token with 32 elements per thread (1 warp at 1024 columns), prefetch and the hint, 22.8 us
+    at d = 1024 (the tuner's had taken 27.3; 1024 columns read by one warp need no cross-warp sums)."""
     if nch > 1:
         return _configs(block_d, "BLOCK_T", (
             (4, 16, 1, dict(_KEYED, EVICT=True)), (1, 4, 1, dict(_KEYED, EVICT=True)),
             (4, 16, 0, dict(_KEYED, STAGES=3)), (1, 16, 1, {"EVICT": True}), (1, 4, 1),
             (1, 8, 1, dict(_KEYED, EVICT=True)), (2, 8, 1, dict(_KEYED, EVICT=True)),
-            (1, 16, 1, dict(_KEYED, EVICT=True))))
-    return _configs(block_d, "BLOCK_T", ((2, 32, 1), (1, 16, 1), (1, 16, 0), (1, 8, 1), (2, 16, 1)))
+            (1, 16, 1, dict(_KEYED, EVICT=True)), (1, 8, 0, dict(_KEYED, EVICT=True, STAGES=3))))
+    return _configs(block_d, "BLOCK_T", ((2, 32, 1), (1, 16, 1), (1, 16, 0), (1, 8, 1), (2, 16, 1),
+                                         (1, 32, 1, {"EVICT": True})))
 
 
 def _fwd_pair_configs(block_d: int, nch: int = 1) -> list[dict]:
