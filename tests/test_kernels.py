@@ -1048,6 +1048,25 @@ def test_gpu_bf16_pair_forward(d, r, norm, cand, family, monkeypatch):
 
 @gpu
 @needs_cuda
+@pytest.mark.parametrize("cand", range(len(op._fwd_configs(512, 3))))
+@pytest.mark.parametrize("d,r,S,norm", [(1024, 1024, 9, "slice"), (1536, 384, 9, "slice"), (2560, 2560, 5, "full")])
+@pytest.mark.parametrize("family", ["table", "args"])
+def test_gpu_bf16_loop_forward(d, r, S, norm, cand, family, monkeypatch):
+    """Every candidate of the loop forward under the paper's bf16 criterion, before the backward the
+    tuner picks, in both kernel families: one chunk of 1024 with the key over the whole row (1 warp
+    for 1024 columns among them), three chunks with the key in the last, five chunks under "full"
+    (Triton's pipelining with 2 warps per chunk among them)."""
+    block_d, nch = op._layout("fwd", d, r)
+    cands = op._fwd_configs(block_d, nch)
+    if cand >= len(cands):
+        pytest.skip(f"{len(cands)} candidates at {nch} x {block_d} columns")
+    monkeypatch.setattr(op, "CONFIG_OVERRIDE", {"fwd": dict(cands[cand])})
+    errs = bf16_check(d, r, S, norm, layout="mixed", seed=d + r + cand, fn=_attnres_args if family == "args" else None)
+    assert errs["out_rel_l2"] < 1e-2 and errs["src_grad_rel_l2"] < 2e-2
+
+
+@gpu
+@needs_cuda
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 def test_gpu_other_dtypes(dtype):
     gen = torch.Generator(device="cuda").manual_seed(5)
