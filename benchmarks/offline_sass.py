@@ -93,8 +93,9 @@ CONFIGS = {
                              {"FWD_PAIR": True, "DEFER": True, "PAIR": True, "HAS_RES": False}),
     "two-key-fwd-pair-1w": (512, 2, 1, 1, 0, 1, "tile", 1,
                             {"FWD_PAIR": True, "DEFER": True, "PAIR": True, "HAS_RES": False}),
-    # d = 1024 with r = d as one chunk of 1024 (sixteenth session): the tuner's backward at S = 25 (persistent,
-    # 4 warps, prefetch), the token tile beside it, and the forward with 1 warp (EVICT)
+    # d = 1024 with r = d as one chunk of 1024 (sixteenth session): the backward the tuner takes at S = 25
+    # (persistent grid, 4 warps, prefetch; table kernel 69 registers, 166 loop instructions) and the token
+    # tile beside it (72, 173)
     "one-rd-bits": (1024, 1, 1, 4, 1, 1, "persistent", 0, {"RES_STEP": 0.0}),
     "one-tile-rd-bits": (1024, 1, 1, 4, 1, 1, "tile", 0, {"RES_STEP": 0.0}),
 }
