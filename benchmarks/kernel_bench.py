@@ -336,7 +336,8 @@ def _md(payload):
     for row in payload["rows"]:
         def f(x, p=0):
             return "-" if x is None else f"{x:.{p}f}"
-        lines.append(f"| {row['tokens']} | {row['d']} | {row['S']} | {row['r']} | {row['impl']} | {f(row['fwd_us'])} | "
+        impl = row["impl"] + (f" (from {row['from_run']})" if row.get("from_run") else "")
+        lines.append(f"| {row['tokens']} | {row['d']} | {row['S']} | {row['r']} | {impl} | {f(row['fwd_us'])} | "
                      f"{f(row['fwd_pct'])} | {f(row['fwdbwd_us'])} | {f(row['fwdbwd_pct'])} | {f(row.get('ours_speedup_fwdbwd'), 2)} | "
                      f"{f(row.get('fwd_graph_us'))} | {f(row.get('fwd_graph_pct'))} | {f(row.get('fwdbwd_graph_us'))} | "
                      f"{f(row.get('fwdbwd_graph_pct'))} | {f(row.get('ours_speedup_fwdbwd_graph'), 2)} | "
@@ -518,11 +519,40 @@ def run_grid(args):
     _write(args.out, args.stem, payload, _md(payload))
 
 
+# The reference implementations, timed at a few shapes only (the eager reference at 8192 tokens and
+# r = d/4, torch.compile of it at one shape): their times do not depend on this project's kernels, so a
+# merge keeps them from an earlier run where the shape's latest run did not time them.
+REFERENCES = ("eager", "compiled")
+_TIMES = ("fwd", "fwdbwd", "fwd_graph", "fwdbwd_graph", "fwd_graph_cold", "fwdbwd_graph_cold")
+
+
+def _carried_references(shape, shape_rows, refs) -> list[dict]:
+    """The reference rows an earlier run timed at ``shape`` that its latest run did not, each naming its
+    run (from_run) and with its speedups taken against the latest run's row of ours."""
+    have = {r["impl"] for r in shape_rows}
+    ours = next((r for r in shape_rows if r["impl"] == "ours"), None)
+    out = []
+    for impl in REFERENCES:
+        if impl in have or (shape, impl) not in refs:
+            continue
+        row, run = refs[(shape, impl)]
+        row = {k: v for k, v in row.items() if not k.startswith("ours_speedup_")}
+        row["from_run"] = run
+        for t in _TIMES:
+            a, b = row.get(f"{t}_us"), (ours or {}).get(f"{t}_us")
+            if a and b:
+                row[f"ours_speedup_{t}"] = a / b
+        out.append(row)
+    return out
+
+
 def merge(paths, out_dir, stem, note):
     """One document from runs that measured parts of the grid (lanes of one call, or calls that
     continued a cut-off grid with --skip): the rows in grid order (a shape several runs measured: the
-    last run's), the first bf16 check, every run's environment under merged_from.  Each row keeps the percentages its own run computed against its
-    own copy bandwidth.  Refuses runs of different devices or software versions."""
+    last run's; a reference implementation's row from an earlier run where the last did not time it,
+    _carried_references), the first bf16 check, the last run's environment (so the table's date is its
+    newest measurement; every run's under merged_from).  Each row keeps the percentages its own run
+    computed against its own copy bandwidth.  Refuses runs of different devices or software versions."""
     docs = []
     for p in paths:
         with open(p) as f:
@@ -532,13 +562,19 @@ def merge(paths, out_dir, stem, note):
         raise SystemExit(f"--merge: runs differ in device or versions: {sorted(set(keys))}")
     order = {shape: i for i, shape in enumerate(full_grid([8192, 4096]))}
     latest = {}  # a shape measured by several runs keeps the last run's rows (e.g. after a kernel change)
-    for d in docs:
+    refs = {}  # (shape, impl) -> (row, file): the last run's row of each reference implementation
+    for p, d in zip(paths, docs):
         for shape in {(r["tokens"], r["d"], r["S"], r["r"]) for r in d["rows"]}:
             latest[shape] = [r for r in d["rows"] if (r["tokens"], r["d"], r["S"], r["r"]) == shape]
+        for r in d["rows"]:
+            if r["impl"] in REFERENCES:
+                refs[((r["tokens"], r["d"], r["S"], r["r"]), r["impl"])] = (r, r.get("from_run") or os.path.basename(p))
+    for shape, shape_rows in latest.items():
+        shape_rows += _carried_references(shape, shape_rows, refs)
     rows = [r for shape_rows in latest.values() for r in shape_rows]
     rows.sort(key=lambda r: order.get((r["tokens"], r["d"], r["S"], r["r"]), len(order)))
     shapes = {(r["tokens"], r["d"], r["S"], r["r"]) for r in rows}
-    out = {"env": dict(docs[0]["env"]), "note": note, "rows": rows,
+    out = {"env": dict(docs[-1]["env"]), "note": note, "rows": rows,
            "check": next((d["check"] for d in docs if d.get("check")), []),
            "copy_bw_TBps": sum(d["copy_bw_TBps"] for d in docs) / len(docs),
            "truncated": len(shapes) < len(order), "shapes_measured": len(shapes), "shapes_in_grid": len(order),

@@ -47,6 +47,7 @@ def test_merge_orders_rows_and_keeps_each_runs_provenance(tmp_path):
     assert [(r["tokens"], r["S"]) for r in doc["rows"]] == [(8192, 9), (8192, 2), (4096, 9)]
     assert doc["check"] == [_CHECK] and doc["shapes_measured"] == 3 and doc["truncated"]
     assert [m["env"]["git"]["commit"] for m in doc["merged_from"]] == ["abc", "def"]
+    assert doc["env"]["date"] == "d2"  # the newest run's: the table's date is its latest measurement
     assert doc["copy_bw_TBps"] == pytest.approx(4.125)
     md = (tmp_path / "out" / "merged.md").read_text()
     assert "3 of the grid's 90 shapes" in md and "tree def" in md
@@ -73,6 +74,30 @@ def test_merge_keeps_the_last_run_of_a_shape(tmp_path):
     doc = kb.merge([str(a), str(b)], str(tmp_path / "out"), "merged", "")
     rows = [(r["d"], r["impl"], r["fwd_graph_us"]) for r in doc["rows"]]
     assert rows == [(1536, "ours", 1.0), (2560, "ours", 0.5)] and doc["shapes_measured"] == 2
+
+
+def test_merge_carries_reference_rows_a_later_run_did_not_time(tmp_path):
+    """The eager and compiled references (timed at a few shapes only, independent of our kernels) stay
+    from an earlier run where the shape's latest run did not time them: named by their run, their
+    speedups taken against the latest row of ours; a reference the latest run timed is its own."""
+    a, b, c = tmp_path / "a.json", tmp_path / "b.json", tmp_path / "c.json"
+    shape = (8192, 1536, 9, 384)
+    a.write_text(json.dumps(_run("d1", "abc", [_row(*shape), _row(*shape, "compiled", fwdbwd_graph_us=8.0,
+                                                                      ours_speedup_fwdbwd_graph=4.0),
+                                               _row(*shape, "eager", fwdbwd_graph_us=20.0)])))
+    b.write_text(json.dumps(_run("d2", "def", [_row(*shape, fwdbwd_graph_us=1.0),
+                                               _row(*shape, "eager", fwdbwd_graph_us=10.0)])))
+    doc = kb.merge([str(a), str(b)], str(tmp_path / "out"), "merged", "")
+    by = {r["impl"]: r for r in doc["rows"]}
+    assert set(by) == {"ours", "eager", "compiled"} and doc["shapes_measured"] == 1
+    assert by["compiled"]["from_run"] == "a.json" and by["compiled"]["ours_speedup_fwdbwd_graph"] == 8.0
+    assert by["eager"]["fwdbwd_graph_us"] == 10.0 and "from_run" not in by["eager"]
+    assert "compiled (from a.json)" in (tmp_path / "out" / "merged.md").read_text()
+    c.write_text(json.dumps(_run("d3", "ghi", [_row(*shape, fwdbwd_graph_us=2.0)])))  # merged again: origin kept
+    again = kb.merge([str(tmp_path / "out" / "merged.json"), str(c)], str(tmp_path / "out2"), "m2", "")
+    by = {r["impl"]: r for r in again["rows"]}
+    assert by["compiled"]["from_run"] == "a.json" and by["compiled"]["ours_speedup_fwdbwd_graph"] == 4.0
+    assert by["eager"]["from_run"] == "merged.json"
 
 
 def test_measured_shapes_reads_several_files_and_names_a_bad_one(tmp_path):

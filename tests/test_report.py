@@ -172,4 +172,6 @@ def test_kernel_section_shows_cold_graph_timings_only_when_recorded():
     bench["rows"] = [dict(row, kernels_fwdbwd_us={"_attnres_bwd_kernel": 41.73, "_sum_rows_kernel": 3.82})]
     html = section.build(ctx)
     assert "Where the time goes" in html and "_attnres_bwd_kernel 41.7; _sum_rows_kernel 3.8" in html
+    bench["rows"] = [row, dict(row, impl="compiled", from_run="k_v14.json")]  # a reference kept from an earlier run
+    assert "compiled (from k_v14.json)" in section.build(ctx)
 

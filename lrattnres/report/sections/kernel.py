@@ -57,7 +57,9 @@ def build(ctx) -> str:
             extra = ["cold graph fwd µs", "cold graph fwd+bwd µs", "cold graph fwd+bwd %"] if cold else []
             parts.append(table(["tokens", "d", "S", "r", "impl", "fwd µs", "fwd %", "fwd+bwd µs", "fwd+bwd %",
                                 "graph fwd µs", "graph fwd %", "graph fwd+bwd µs", "graph fwd+bwd %"] + extra,
-                               [[r["tokens"], r["d"], r["S"], r["r"], r["impl"], r.get("fwd_us"), r.get("fwd_pct"),
+                               [[r["tokens"], r["d"], r["S"], r["r"],
+                                 r["impl"] + (f" (from {r['from_run']})" if r.get("from_run") else ""),
+                                 r.get("fwd_us"), r.get("fwd_pct"),
                                  r.get("fwdbwd_us"), r.get("fwdbwd_pct"), r.get("fwd_graph_us"), r.get("fwd_graph_pct"),
                                  r.get("fwdbwd_graph_us"), r.get("fwdbwd_graph_pct")]
                                 + ([r.get("fwd_graph_cold_us"), r.get("fwdbwd_graph_cold_us"), r.get("fwdbwd_graph_cold_pct")]
