@@ -410,6 +410,18 @@ def fits(elapsed: float, longest: float, budget: float) -> bool:
     return elapsed + longest <= budget
 
 
+# A row's times: forward and forward+backward called eagerly, as CUDA-graph replays, and as replays
+# from a flushed L2 (the row keys are these with "_us"; each has a speedup of ours, "ours_speedup_").
+_TIMES = ("fwd", "fwdbwd", "fwd_graph", "fwdbwd_graph", "fwd_graph_cold", "fwdbwd_graph_cold")
+
+
+def _speedups(times, ours_times) -> dict:
+    """ours_speedup_<time> for each of _TIMES: an implementation's time over ours (None where either was
+    not timed)."""
+    return {f"ours_speedup_{t}": None if a is None or b is None else a / b
+            for t, a, b in zip(_TIMES, times, ours_times)}
+
+
 def run_grid(args):
     t0 = time.time()
     payload = {"env": _env(), "rows": [], "check": []}
@@ -477,9 +489,6 @@ def run_grid(args):
         def pct(nbytes, t):
             return None if t is None else 100 * nbytes / (t * 1e-6 * bw)
 
-        def ratio(a, b):
-            return None if a is None or b is None else a / b
-
         for name, (t_f, t_fb, tg_f, tg_fb, tc_f, tc_fb) in res.items():
             row = {
                 "tokens": N, "d": d, "S": S, "r": r, "impl": name,
@@ -493,13 +502,7 @@ def run_grid(args):
             if name in ktimes:
                 row["kernels_fwdbwd_us"] = ktimes[name]
             if name != "ours" and "ours" in res:
-                o = res["ours"]
-                row["ours_speedup_fwd"] = ratio(t_f, o[0])
-                row["ours_speedup_fwdbwd"] = ratio(t_fb, o[1])
-                row["ours_speedup_fwd_graph"] = ratio(tg_f, o[2])
-                row["ours_speedup_fwdbwd_graph"] = ratio(tg_fb, o[3])
-                row["ours_speedup_fwd_graph_cold"] = ratio(tc_f, o[4])
-                row["ours_speedup_fwdbwd_graph_cold"] = ratio(tc_fb, o[5])
+                row.update(_speedups((t_f, t_fb, tg_f, tg_fb, tc_f, tc_fb), res["ours"]))
             payload["rows"].append(row)
         def us(x):
             return "-" if x is None else f"{x:.0f}"
@@ -523,7 +526,11 @@ def run_grid(args):
 # r = d/4, torch.compile of it at one shape): their times do not depend on this project's kernels, so a
 # merge keeps them from an earlier run where the shape's latest run did not time them.
 REFERENCES = ("eager", "compiled")
-_TIMES = ("fwd", "fwdbwd", "fwd_graph", "fwdbwd_graph", "fwd_graph_cold", "fwdbwd_graph_cold")
+
+
+def _times(row) -> list:
+    """A row's six times (us) in _TIMES order, None where not timed."""
+    return [row.get(f"{t}_us") for t in _TIMES]
 
 
 def _carried_references(shape, shape_rows, refs) -> list[dict]:
@@ -538,10 +545,8 @@ def _carried_references(shape, shape_rows, refs) -> list[dict]:
         row, run = refs[(shape, impl)]
         row = {k: v for k, v in row.items() if not k.startswith("ours_speedup_")}
         row["from_run"] = run
-        for t in _TIMES:
-            a, b = row.get(f"{t}_us"), (ours or {}).get(f"{t}_us")
-            if a and b:
-                row[f"ours_speedup_{t}"] = a / b
+        if ours:
+            row.update(_speedups(_times(row), _times(ours)))
         out.append(row)
     return out
 
