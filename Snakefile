@@ -29,6 +29,7 @@ localrules:
     grid_summary,
     convert_all,
     evaluate_pairs,
+    diagnostics,
     report,
 
 

@@ -12,6 +12,7 @@ import sys
 STAGES: dict[str, tuple[str, str]] = {
     "config": ("lrattnres.config", "print the resolved, validated configuration of a scale"),
     "accounting": ("lrattnres.accounting", "Appendix F: FLOPs, parameters and memory"),
+    "corpus-pack": ("lrattnres.data.docs", "extract installed documentation into an offline text pack"),
     "prepare-data": ("lrattnres.data.cli", "tokenise a corpus into token shards and a manifest"),
     "train": ("lrattnres.train.cli", "train one model (resumable)"),
     "summarize-grid": ("lrattnres.grid", "collect the training runs of a scale into the grid result"),
@@ -21,6 +22,7 @@ STAGES: dict[str, tuple[str, str]] = {
     "kernel-check": ("lrattnres.kernel_check", "the fused routing kernel against the reference"),
     "throughput": ("lrattnres.throughput", "training-step throughput with the paper's protocol"),
     "diagnostics": ("lrattnres.diagnostics", "routing diagnostics: N_eff, heatmaps, grad norms"),
+    "piece": ("lrattnres.pieces", "run a scale in pieces that continue each other across machines"),
     "report": ("lrattnres.report", "render reports/paper.html and reports/paper.json"),
 }
 

@@ -35,6 +35,7 @@ SECTIONS = (
     "throughput",
     "diagnostics",
     "kernel_check",
+    "pieces",
 )
 
 

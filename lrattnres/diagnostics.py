@@ -1,8 +1,11 @@
 """Routing diagnostics (Sections 4.6-4.7, Appendices C.4, C.5, D.1, E.2, G.1; Figures 4, 6-8, 10 right;
 Tables 6 and 9).
 
-``python -m lrattnres diagnostics --settings S.json --runs RUNS --data manifest.json
---published reports/published.yaml --out diagnostics.json``
+``python -m lrattnres diagnostics --settings S.json --runs RUNS --data manifest.json --run ID
+--out diagnostics/ID.json`` analyses one run (its model is needed, so a GPU machine runs it right after
+training); ``python -m lrattnres diagnostics --settings S.json --published reports/published.yaml
+--aggregate diagnostics/*.json --out diagnostics.json`` makes the figures and claims from the rows
+(no model, no torch).
 
 For every run of :func:`lrattnres.grid.plan` (run folder ``RUNS/<run_id>``):
 
@@ -636,6 +639,28 @@ def claims(rows: list[dict], settings: dict, known_ids=None) -> dict[str, dict]:
 # ----------------------------------------------------------------------------------------- CLI
 
 
+def aggregate(settings: dict, rows: list[dict], known_ids=None) -> dict:
+    """The diagnostics result (without provenance) from the per-run rows of :func:`analyse_run`.
+
+    Rows are ordered as :func:`lrattnres.grid.plan` orders the runs; a planned run without a row is an
+    error, a row of a run that the scale does not plan is left out."""
+    diag = validate_settings(settings.get("diagnostics"), "settings.diagnostics")
+    by_id = {r["run_id"]: r for r in rows}
+    ordered = []
+    for run in plan(settings):
+        if run.run_id not in by_id:
+            raise DiagnosticsError(f"no diagnostics row for run {run.run_id} of the grid (diagnose it first)")
+        ordered.append(by_id[run.run_id])
+    return {
+        "stage": "diagnostics",
+        "scale": settings.get("scale"),
+        "settings": diag,
+        "runs": {r["run_id"]: r for r in ordered},
+        "figures_data": figures_data(ordered, settings),
+        "claims": claims(ordered, settings, known_ids),
+    }
+
+
 def diagnose(settings: dict, runs_root: Path, manifest: dict | None, known_ids=None, *, skip_missing: bool = False) -> dict:
     """The diagnostics result (without provenance) for every planned run under ``runs_root``."""
     diag = validate_settings(settings.get("diagnostics"), "settings.diagnostics")
@@ -644,8 +669,7 @@ def diagnose(settings: dict, runs_root: Path, manifest: dict | None, known_ids=N
     planned = plan(settings)
     for i, run in enumerate(planned):
         folder = runs_root / run.run_id
-        need = [folder / "metrics.jsonl"] + ([] if run.method == "baseline" else [folder / "model.pt"])
-        missing = [p for p in need if not p.exists()]
+        missing = _missing_inputs(run, folder)
         if missing:
             if skip_missing:
                 log.warning("%s: %s missing; skipped", run.run_id, ", ".join(str(p) for p in missing))
@@ -665,32 +689,88 @@ def diagnose(settings: dict, runs_root: Path, manifest: dict | None, known_ids=N
     }
 
 
+def _missing_inputs(run, folder: Path) -> list[Path]:
+    need = [folder / "metrics.jsonl"] + ([] if run.method == "baseline" else [folder / "model.pt"])
+    return [p for p in need if not p.exists()]
+
+
+def _read_settings(path: str) -> dict:
+    settings = read_json(path)
+    for key in ("grid", "presets"):
+        if key not in settings:
+            raise DiagnosticsError(f"{path}: settings lack {key!r} (expected the resolved settings of a scale)")
+    return settings
+
+
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m lrattnres diagnostics",
-                                description="routing diagnostics: N_eff, heatmaps, gradient norms, query utilisation")
+    p = argparse.ArgumentParser(
+        prog="python -m lrattnres diagnostics",
+        description="routing diagnostics: N_eff, heatmaps, gradient norms, query utilisation. "
+                    "--run ID analyses one run (needs its model); --aggregate ROWS... makes the figures "
+                    "and claims from the per-run rows; with neither, every run of the grid in one process.")
     p.add_argument("--settings", required=True, help="resolved settings JSON of the scale")
-    p.add_argument("--runs", required=True, help="folder holding one sub-folder per run id")
-    p.add_argument("--data", required=True, help="data manifest (manifest.json or its folder)")
-    p.add_argument("--published", required=True, help="reports/published.yaml (claim ids)")
-    p.add_argument("--out", required=True, help="diagnostics result JSON")
+    p.add_argument("--runs", help="folder holding one sub-folder per run id")
+    p.add_argument("--data", help="data manifest (manifest.json or its folder)")
+    p.add_argument("--published", help="reports/published.yaml (claim ids)")
+    p.add_argument("--out", required=True, help="diagnostics result JSON (with --run: that run's row)")
+    p.add_argument("--run", help="analyse this run of the grid only")
+    p.add_argument("--aggregate", nargs="+", metavar="ROW_JSON", help="per-run rows written by --run")
     p.add_argument("--skip-missing", action="store_true", help="skip runs whose folder lacks model.pt or metrics.jsonl")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s: %(message)s")
     started = now()
+    settings = _read_settings(args.settings)
+    if args.run and args.aggregate:
+        p.error("--run and --aggregate exclude each other")
+    needs = {"run": ("runs", "data"), "aggregate": ("published",), "whole": ("runs", "data", "published")}
+    mode = "run" if args.run else "aggregate" if args.aggregate else "whole"
+    for opt in needs[mode]:
+        if getattr(args, opt) is None:
+            p.error(f"--{opt} is required {'with --' + mode if mode != 'whole' else ''}".strip())
+
+    if mode == "aggregate":
+        from lrattnres.claims import load_published
+
+        rows = []
+        for path in args.aggregate:
+            row = read_json(path)
+            if not isinstance(row, dict) or "run_id" not in row:
+                raise DiagnosticsError(f"{path}: not a diagnostics row (expected an object with 'run_id')")
+            row.pop("provenance", None)
+            rows.append(row)
+        result = aggregate(settings, rows, set(load_published(args.published)))
+        result["provenance"] = provenance(settings, started=started)
+        atomic_write_json(args.out, result)
+        log.info("diagnostics: %d runs, %d claims -> %s", len(result["runs"]), len(result["claims"]), args.out)
+        return 0
+
     import torch
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    from lrattnres.claims import load_published
     from lrattnres.data import load_manifest
 
-    settings = read_json(args.settings)
-    for key in ("grid", "presets"):
-        if key not in settings:
-            raise DiagnosticsError(f"{args.settings}: settings lack {key!r} (expected the resolved settings of a scale)")
-    known = set(load_published(args.published))
     manifest = load_manifest(args.data, verify="size")
+    if mode == "run":
+        runs = {r.run_id: r for r in plan(settings)}
+        if args.run not in runs:
+            raise DiagnosticsError(f"--run {args.run}: not a run of the {settings.get('scale')} grid")
+        run = runs[args.run]
+        folder = Path(args.runs) / run.run_id
+        missing = _missing_inputs(run, folder)
+        if missing:
+            raise DiagnosticsError(f"{missing[0]}: not found (train run {run.run_id} first)")
+        diag = validate_settings(settings.get("diagnostics"), "settings.diagnostics")
+        row = analyse_run(run, folder, manifest, settings, diag, _device(diag["device"]))
+        row["provenance"] = provenance({"run": run.run_id, "diagnostics": diag}, started=started)
+        atomic_write_json(args.out, row)
+        log.info("diagnostics: %s -> %s", run.run_id, args.out)
+        return 0
+
+    from lrattnres.claims import load_published
+
+    known = set(load_published(args.published))
     result = diagnose(settings, Path(args.runs), manifest, known, skip_missing=args.skip_missing)
     result["provenance"] = provenance(settings, started=started)
     atomic_write_json(args.out, result)

@@ -149,9 +149,11 @@ def test_local_formats(tmp_path):
     }
     shas = {k: m["source"]["content_sha256"] for k, m in ms.items()}
     assert len(set(shas.values())) == 1, shas
+    # no split of its own: the documents are permuted with the seed (0) before the split
+    permuted = [docs[i] for i in np.random.default_rng(0).permutation(len(docs))]
     for m in ms.values():
-        assert m["counts"]["documents"] == 30
-        assert split_docs(m, "val") + split_docs(m, "train") == docs
+        assert m["counts"]["documents"] == 30 and m["shuffled"]
+        assert split_docs(m, "val") + split_docs(m, "train") == permuted
     with pytest.raises(ValueError, match="c.jsonl:1: field .text. missing"):
         prepare({**common, "local": {"glob": str(tmp_path / "*.jsonl")}}, tmp_path / "o4", progress=False)
 
@@ -225,9 +227,9 @@ def test_hf_standin_and_resume(tmp_path, monkeypatch):
 def test_local_resume_by_count(tmp_path, monkeypatch):
     write_jsonl(tmp_path / "c.jsonl", make_docs(90, seed=2))
     spec = {"source": "local", "local": {"glob": str(tmp_path / "c.jsonl")}, "val_tokens": 600,
-            "shard_tokens": 500, "vocab": "compact"}
+            "shard_tokens": 500, "vocab": "compact", "shuffle": False}
     ref = prepare(spec, tmp_path / "ref", progress=False)
-    real = sources.LocalSource.iter_texts
+    real = sources.LocalSource.iter_docs
 
     def flaky(self, skip=0):
         for i, t in enumerate(real(self, skip)):
@@ -235,26 +237,63 @@ def test_local_resume_by_count(tmp_path, monkeypatch):
                 raise KeyboardInterrupt
             yield t
 
-    monkeypatch.setattr(sources.LocalSource, "iter_texts", flaky)
+    monkeypatch.setattr(sources.LocalSource, "iter_docs", flaky)
     monkeypatch.setattr(shards, "CHUNK_DOCS", 8)
     with pytest.raises(KeyboardInterrupt):
         prepare(spec, tmp_path / "res", progress=False)
     progress = json.loads((tmp_path / ".res.partial" / "progress.json").read_text())
     assert progress["resume"] == {"state": None, "offset": progress["docs_consumed"]} and progress["docs_consumed"] > 0
-    monkeypatch.setattr(sources.LocalSource, "iter_texts", real)
+    monkeypatch.setattr(sources.LocalSource, "iter_docs", real)
     res = prepare(spec, tmp_path / "res", progress=False)
     assert res["splits"] == ref["splits"] and res["counts"] == ref["counts"]
     assert np.array_equal(np.load(tmp_path / "res" / "vocab.npy"), np.load(tmp_path / "ref" / "vocab.npy"))
 
     # a changed input file invalidates the partial build: it starts afresh instead of mixing corpora
-    monkeypatch.setattr(sources.LocalSource, "iter_texts", flaky)
+    monkeypatch.setattr(sources.LocalSource, "iter_docs", flaky)
     with pytest.raises(KeyboardInterrupt):
         prepare(spec, tmp_path / "new", progress=False)
-    monkeypatch.setattr(sources.LocalSource, "iter_texts", real)
+    monkeypatch.setattr(sources.LocalSource, "iter_docs", real)
     new_docs = make_docs(90, seed=4)
     write_jsonl(tmp_path / "c.jsonl", new_docs)
     new = prepare(spec, tmp_path / "new", progress=False)
     assert split_docs(new, "val") + split_docs(new, "train") == new_docs
+
+
+def test_shuffled_resume_and_identical_rebuild(tmp_path, monkeypatch):
+    """An interrupted shuffled build resumes to the same shards; two builds give the same manifest bytes."""
+    write_jsonl(tmp_path / "c.jsonl", make_docs(90, seed=5))
+    spec = {"source": "local", "local": {"glob": str(tmp_path / "c.jsonl")}, "val_tokens": 600,
+            "shard_tokens": 500, "vocab": "compact", "seed": 3}
+    ref = prepare(spec, tmp_path / "ref", progress=False)
+    real = shards._Shuffled.iter_docs
+
+    def flaky(self, skip=0):
+        for i, t in enumerate(real(self, skip)):
+            if i == 50:
+                raise KeyboardInterrupt
+            yield t
+
+    monkeypatch.setattr(shards._Shuffled, "iter_docs", flaky)
+    monkeypatch.setattr(shards, "CHUNK_DOCS", 8)
+    with pytest.raises(KeyboardInterrupt):
+        prepare(spec, tmp_path / "res", progress=False)
+    assert json.loads((tmp_path / ".res.partial" / "progress.json").read_text())["docs_consumed"] > 0
+    monkeypatch.setattr(shards._Shuffled, "iter_docs", real)
+    res = prepare({**spec, "num_threads": 1}, tmp_path / "res", progress=False)  # execution setting only
+    assert (tmp_path / "res" / "manifest.json").read_bytes() == (tmp_path / "ref" / "manifest.json").read_bytes()
+    assert res["_sha256"] == ref["_sha256"]
+    # another seed is another permutation: other splits, same documents
+    other = prepare({**spec, "seed": 4}, tmp_path / "other", progress=False)
+    assert other["_sha256"] != ref["_sha256"]
+    assert sorted(split_docs(other, "val") + split_docs(other, "train")) == sorted(
+        split_docs(ref, "val") + split_docs(ref, "train"))
+    assert split_docs(other, "val") != split_docs(ref, "val")
+
+
+def test_hf_shuffle_refused():
+    with pytest.raises(SpecError, match="spec.shuffle"):
+        validate_spec({"source": "hf", "shuffle": True})
+    assert validate_spec({"source": "hf"})["shuffle"] == "auto"
 
 
 def test_hf_max_tokens_and_missing_column(tmp_path):
@@ -274,8 +313,10 @@ def test_hf_max_tokens_and_missing_column(tmp_path):
 def test_val_train_disjoint_whole_documents(corpus):
     m = corpus["full"]
     val, train = split_docs(m, "val"), split_docs(m, "train")
-    nonempty = [d for d in corpus["docs"] if d.strip()]
-    assert val + train == nonempty  # source order, whole documents, nothing lost
+    docs = corpus["docs"]
+    perm = np.random.default_rng(0).permutation(len(docs))  # the spec's seed (0)
+    nonempty = [docs[i] for i in perm if docs[i].strip()]
+    assert val + train == nonempty  # permuted order, whole documents, nothing lost
     assert not set(val) & set(train)
     vt = m["splits"]["val"]["tokens"]
     assert vt >= 1500 and vt - (len(get_encoding().encode_ordinary(val[-1])) + 1) < 1500
@@ -286,7 +327,19 @@ def test_val_train_disjoint_whole_documents(corpus):
         for rec in sp["shards"]:
             assert rec["sha256"] and rec["documents"] == len(np.load(corpus["dir"] / "full" / rec["index"]))
     assert len(m["splits"]["train"]["shards"]) >= 2
-    assert m["provenance"]["config_sha256"] and m["tokenizer"]["sha256"] == EXPECTED_SHA256
+    assert m["tokenizer"]["sha256"] == EXPECTED_SHA256
+    build = json.loads((corpus["dir"] / "full" / "build.json").read_text())
+    assert build["provenance"]["config_sha256"] and build["timing"]["seconds"] >= 0
+    assert "provenance" not in m and "timing" not in m  # the manifest holds what determines the tokens
+    # per origin: both files, every document and token counted once, in both splits
+    by = {g["name"]: g for g in m["sources"]}
+    assert set(by) == {"a.jsonl", "b.jsonl"}
+    assert sum(g["documents"] for g in by.values()) == 234
+    for split in ("val", "train"):
+        assert sum(g[split]["tokens"] for g in by.values()) == m["splits"][split]["tokens"]
+        assert sum(g[split]["documents"] for g in by.values()) == m["splits"][split]["documents"]
+    assert all(g[split]["documents"] > 0 for g in by.values() for split in ("val", "train"))  # shuffled
+    assert all(g["unk_fraction"] == 0 for g in by.values())  # full vocabulary: no UNK
 
 
 def test_compaction_round_trip(corpus):

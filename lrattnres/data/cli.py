@@ -12,6 +12,9 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="lrattnres prepare-data", description=__doc__)
     p.add_argument("--spec", default="{}", help="JSON object of settings (or @file.json)")
     p.add_argument("--out", required=True, help="output folder (manifest.json + shards)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="tokeniser threads and docstring parsers (overrides the spec's num_threads and "
+                        "embedded.workers; execution settings)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     args = p.parse_args(argv)
     try:
@@ -22,6 +25,13 @@ def main(argv: list[str] | None = None) -> int:
     from .shards import prepare
     from .spec import SpecError
 
+    if args.threads is not None:
+        if args.threads < 1:
+            print(f"prepare-data: --threads: expected an integer >= 1, got {args.threads}", file=sys.stderr)
+            return 2
+        embedded = spec.get("embedded") if isinstance(spec.get("embedded"), dict) else {}
+        spec = {**spec, "num_threads": args.threads, "embedded": {**embedded, "workers": args.threads}}
+
     try:
         m = prepare(spec, args.out, progress=not args.no_progress)
     except SpecError as e:
@@ -30,7 +40,10 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, RuntimeError, OSError) as e:  # bad input, unreachable source: one clear line
         print(f"prepare-data: error: {e}", file=sys.stderr)
         return 1
-    c, t = m["counts"], m["timing"]
+    from lrattnres.io import read_json
+    from pathlib import Path
+
+    c, t = m["counts"], read_json(Path(m["_root"]) / "build.json")["timing"]
     print(
         f"prepare-data: {args.out}: {c['tokens']:,} tokens in {c['documents']:,} documents "
         f"(val {m['splits']['val']['tokens']:,} / train {m['splits']['train']['tokens']:,} tokens, "

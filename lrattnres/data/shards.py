@@ -4,6 +4,11 @@ The build works in ``<out>/../.<name>.partial/`` and renames it onto ``<out>`` w
 interrupted build never leaves a folder that looks complete. It is resumable: every shard holds whole
 documents, and after each shard is written ``progress.json`` records the number of source documents
 consumed; a restart with the same spec keeps the written shards and skips that many documents.
+
+A source without a split of its own is permuted with the spec's seed before the split (``shuffle``).
+``manifest.json`` records only what determines the tokens, so rebuilding the same data gives the same
+bytes (and the same hash, which training runs record); the build's timings, execution settings and
+provenance go to ``build.json`` beside it.
 """
 
 from __future__ import annotations
@@ -25,13 +30,14 @@ from ..provenance import config_sha256, now, provenance
 from . import tokenizer as tok
 from .manifest import FORMAT, SPLITS, load_manifest, sha256_file
 from .sources import make_source
-from .spec import max_tokens, validate_spec
+from .spec import max_tokens, science, shuffled, validate_spec
 
 CHUNK_DOCS = 2048  # at most this many documents per encode_ordinary_batch call
 CHUNK_CHARS = 1 << 20  # ... or about this many characters
 VAL_DEFINITION = (
-    "the first whole documents of the source order until the split holds at least val_tokens tokens "
-    "(the document that reaches the budget is included); every later document is training data"
+    "the first whole documents of the document order (the source's order, permuted with the seed when "
+    "shuffled) until the split holds at least val_tokens tokens (the document that reaches the budget is "
+    "included); every later document is training data"
 )
 
 
@@ -39,13 +45,15 @@ class _Buffer:
     def __init__(self):
         self.arrays: list[np.ndarray] = []
         self.lengths: list[int] = []
+        self.groups: list[int] = []  # per document: index into state["groups"]
         self.tokens = 0
         self.text = hashlib.sha256()
 
-    def add(self, text: str, ids: list[int]) -> None:
+    def add(self, text: str, ids: list[int], group: int) -> None:
         a = np.asarray(ids, dtype=np.uint32)
         self.arrays.append(a)
         self.lengths.append(a.size)
+        self.groups.append(group)
         self.tokens += a.size
         self.text.update(text.encode("utf-8", "surrogatepass"))
         self.text.update(b"\0")
@@ -65,14 +73,40 @@ def _fresh_state(spec_sha: str) -> dict[str, Any]:
         "seconds": 0.0,
         "done": False,
         "source": None,
+        "groups": [],  # the documents' origins (package, file, collection), in order of first appearance
         "resume": None,  # where a restart continues: {"state": source state or None, "offset": documents}
     }
 
 
-def _take(it) -> list[str]:
+class _Shuffled:
+    """A finite source read whole, then its documents permuted with ``seed`` (numpy's PCG64)."""
+
+    def __init__(self, source, seed: int):
+        self.source = source
+        self.seed = seed
+        self._docs: list[tuple[str, str]] | None = None
+
+    def fingerprint(self):
+        return self.source.fingerprint()
+
+    def describe(self) -> dict[str, Any]:
+        d = dict(self.source.describe())
+        d["order"] = (f"documents permuted with numpy.random.default_rng({self.seed}).permutation "
+                      f"(source order before: {d.get('order')})")
+        return d
+
+    def iter_docs(self, skip: int = 0):
+        if self._docs is None:
+            docs = list(self.source.iter_docs())
+            perm = np.random.default_rng(self.seed).permutation(len(docs))
+            self._docs = [docs[i] for i in perm]
+        yield from self._docs[skip:]
+
+
+def _take(it) -> list[tuple[str, str]]:
     out, chars = [], 0
-    for text in it:
-        out.append(text)
+    for group, text in it:
+        out.append((group, text))
         chars += len(text)
         if len(out) >= CHUNK_DOCS or chars >= CHUNK_CHARS:
             break
@@ -90,7 +124,7 @@ class _Prefetch:
         self._t.start()
 
     def _run(self, source, skip, resume) -> None:
-        it = source.iter_texts(skip=skip, resume=resume) if resume is not None else source.iter_texts(skip=skip)
+        it = source.iter_docs(skip=skip, resume=resume) if resume is not None else source.iter_docs(skip=skip)
         base, off = resume, skip  # where each chunk starts: a source state (or None) plus documents
         state_of = getattr(source, "state", lambda: None)
         try:
@@ -149,6 +183,9 @@ def _flush(work: Path, state: dict, split: str, buf: _Buffer) -> None:
     with atomic_path(idx) as tmp:
         with open(tmp, "wb") as f:
             np.save(f, ends, allow_pickle=False)
+    with atomic_path(work / "raw" / f"{name}.groups.npy") as tmp:  # per document: its origin
+        with open(tmp, "wb") as f:
+            np.save(f, np.asarray(buf.groups, dtype=np.int32), allow_pickle=False)
     s["shards"].append({
         "file": f"{name}.bin",
         "tokens": int(buf.tokens),
@@ -168,6 +205,9 @@ def _tokenize(spec: dict, work: Path, state: dict, progress: bool) -> None:
 
     t_start = time.perf_counter()
     source = make_source(spec)
+    if shuffled(spec):
+        source = _Shuffled(source, spec["seed"])
+    group_ids = {g: i for i, g in enumerate(state["groups"])}
     cap = max_tokens(spec)
     val_tokens = spec["val_tokens"]
     shard_tokens = spec["shard_tokens"]
@@ -184,13 +224,14 @@ def _tokenize(spec: dict, work: Path, state: dict, progress: bool) -> None:
     encode_s = 0.0
     try:
         while not stop:
-            base, off, texts = reader.get()
-            if not texts:
+            base, off, docs = reader.get()
+            if not docs:
                 break
+            texts = [t for _, t in docs]
             t0 = time.perf_counter()
             encoded = enc.encode_ordinary_batch(texts, num_threads=spec["num_threads"])
             encode_s += time.perf_counter() - t0
-            for j, (text, ids) in enumerate(zip(texts, encoded)):
+            for j, ((group, text), ids) in enumerate(zip(docs, encoded)):
                 state["docs_consumed"] += 1
                 state["resume"] = {"state": base, "offset": off + j + 1}
                 if not ids or not text.strip():
@@ -198,7 +239,10 @@ def _tokenize(spec: dict, work: Path, state: dict, progress: bool) -> None:
                     continue
                 ids.append(tok.EOT)
                 split = state["split"]
-                buf.add(text, ids)
+                if group not in group_ids:
+                    group_ids[group] = len(state["groups"])
+                    state["groups"].append(group)
+                buf.add(text, ids, group_ids[group])
                 n = len(ids)
                 state["tokens"] += n
                 state["documents"] += 1
@@ -243,18 +287,58 @@ def _all_shards(state: dict):
             yield split, rec
 
 
-def _finalize(spec: dict, work: Path, state: dict, progress: bool) -> dict[str, Any]:
+def _group_stats(work: Path, state: dict, fwd: np.ndarray | None, unk_id: int | None) -> list[dict[str, Any]]:
+    """Per origin (package, file, collection): documents and tokens per split, and UNK tokens.
+
+    Reads each shard's per-document origins (``raw/<shard>.groups.npy``) and, with a compacted
+    vocabulary, counts the tokens that became UNK (``fwd`` maps cl100k ids to model ids)."""
+    names = state["groups"]
+    g = len(names)
+    docs = {s: np.zeros(g, np.int64) for s in SPLITS}
+    toks = {s: np.zeros(g, np.int64) for s in SPLITS}
+    unk = np.zeros(g, np.int64)
+    for split, rec in _all_shards(state):
+        stem = rec["file"][: -len(".bin")]
+        groups = np.load(work / "raw" / f"{stem}.groups.npy", allow_pickle=False).astype(np.int64)
+        ends = np.load(work / rec["index"], allow_pickle=False).astype(np.int64)
+        lengths = np.diff(ends, prepend=0)
+        docs[split] += np.bincount(groups, minlength=g)
+        toks[split] += np.bincount(groups, weights=lengths, minlength=g).astype(np.int64)
+        if fwd is not None:
+            mm = np.memmap(work / "raw" / rec["file"], dtype="<u4", mode="r")
+            per_token = np.repeat(groups, lengths)
+            is_unk = fwd[mm] == unk_id
+            unk += np.bincount(per_token[is_unk], minlength=g)
+    out = []
+    for i, name in enumerate(names):
+        total = int(toks["val"][i] + toks["train"][i])
+        out.append({
+            "name": name,
+            "documents": int(docs["val"][i] + docs["train"][i]),
+            "tokens": total,
+            "val": {"documents": int(docs["val"][i]), "tokens": int(toks["val"][i])},
+            "train": {"documents": int(docs["train"][i]), "tokens": int(toks["train"][i])},
+            "unk_tokens": int(unk[i]) if fwd is not None else 0,
+            "unk_fraction": float(unk[i] / max(total, 1)) if fwd is not None else 0.0,
+        })
+    return out
+
+
+def _finalize(spec: dict, work: Path, state: dict, progress: bool) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(manifest, build record): compact the vocabulary if asked, count per origin, describe."""
     from tqdm import tqdm
 
+    bar = dict(file=sys.stderr, disable=not progress, mininterval=5.0)
     vocab_map = None
     vocab_size = tok.N_VOCAB
     eot_id = tok.EOT
     unk_id = None
+    fwd = None
     shards = list(_all_shards(state))
     if spec["vocab"] == "compact":
         vpath = work / "vocab.npy"
         counts = np.zeros(tok.N_VOCAB, dtype=np.int64)
-        for _, rec in tqdm(shards, desc="compaction: scan", file=sys.stderr, disable=not progress):
+        for _, rec in tqdm(shards, desc="compaction: scan", **bar):
             mm = np.memmap(work / "raw" / rec["file"], dtype="<u4", mode="r")
             for a in range(0, mm.size, 1 << 24):
                 counts += np.bincount(mm[a:a + (1 << 24)], minlength=tok.N_VOCAB)
@@ -275,16 +359,7 @@ def _finalize(spec: dict, work: Path, state: dict, progress: bool) -> dict[str, 
         ids = np.load(vpath)
         fwd = np.full(tok.N_VOCAB, ids.size, dtype=np.uint32)
         fwd[ids] = np.arange(ids.size, dtype=np.uint32)
-        for _, rec in tqdm(shards, desc="compaction: rewrite", file=sys.stderr, disable=not progress):
-            mm = np.memmap(work / "raw" / rec["file"], dtype="<u4", mode="r")
-            h = hashlib.sha256()
-            with atomic_path(work / rec["file"]) as tmp:
-                with open(tmp, "wb") as f:
-                    for a in range(0, mm.size, 1 << 24):
-                        block = fwd[mm[a:a + (1 << 24)]].astype("<u4", copy=False)
-                        h.update(block.tobytes())
-                        block.tofile(f)
-            rec["sha256"] = h.hexdigest()
+        unk_id = int(ids.size)
         kept = np.zeros(tok.N_VOCAB, dtype=bool)
         kept[ids] = True
         vocab_map = {"file": vpath.name, "sha256": sha256_file(vpath), "size": int(ids.size),
@@ -294,7 +369,18 @@ def _finalize(spec: dict, work: Path, state: dict, progress: bool) -> dict[str, 
                      "unk_token_fraction": float(counts[~kept].sum() / max(int(counts.sum()), 1))}
         vocab_size = int(ids.size) + 1
         eot_id = int(fwd[tok.EOT])
-        unk_id = int(ids.size)
+    groups = _group_stats(work, state, fwd, unk_id)
+    if fwd is not None:
+        for _, rec in tqdm(shards, desc="compaction: rewrite", **bar):
+            mm = np.memmap(work / "raw" / rec["file"], dtype="<u4", mode="r")
+            h = hashlib.sha256()
+            with atomic_path(work / rec["file"]) as tmp:
+                with open(tmp, "wb") as f:
+                    for a in range(0, mm.size, 1 << 24):
+                        block = fwd[mm[a:a + (1 << 24)]].astype("<u4", copy=False)
+                        h.update(block.tobytes())
+                        block.tofile(f)
+            rec["sha256"] = h.hexdigest()
     else:
         for _, rec in shards:
             raw = work / "raw" / rec["file"]
@@ -321,6 +407,8 @@ def _finalize(spec: dict, work: Path, state: dict, progress: bool) -> dict[str, 
         "unk_id": unk_id,
         "vocab_map": vocab_map,
         "source": source,
+        "shuffled": shuffled(spec),
+        "sources": groups,
         "counts": {
             "documents_consumed": state["docs_consumed"],
             "documents": state["documents"],
@@ -336,6 +424,11 @@ def _finalize(spec: dict, work: Path, state: dict, progress: bool) -> dict[str, 
         },
         "splits": state["splits"],
         "shard_tokens": spec["shard_tokens"],
+        "spec": science(spec),
+    }
+    build = {
+        "stage": "data",
+        "manifest": "manifest.json",
         "timing": {
             "seconds": round(state["seconds"], 3),
             "encode_seconds": round(state["encode_seconds"], 3),
@@ -348,9 +441,9 @@ def _finalize(spec: dict, work: Path, state: dict, progress: bool) -> dict[str, 
             "cpu_count": os.cpu_count(),
         },
         "spec": spec,
-        "provenance": provenance(spec, started=state["started"]),
+        "provenance": provenance(science(spec), started=state["started"]),
     }
-    return m
+    return m, build
 
 
 def _make_readable(folder: Path) -> None:
@@ -372,7 +465,7 @@ def prepare(spec: dict | None, out: str | os.PathLike, *, progress: bool = True)
         fingerprint = make_source(spec).fingerprint()
     except FileNotFoundError:
         fingerprint = None  # reported by the build itself
-    spec_sha = config_sha256({"spec": spec, "source": fingerprint, "format": FORMAT})  # resume key
+    spec_sha = config_sha256({"spec": science(spec), "source": fingerprint, "format": FORMAT})  # resume key
     state = None
     prog = work / "progress.json"
     if prog.exists():
@@ -394,8 +487,9 @@ def prepare(spec: dict | None, out: str | os.PathLike, *, progress: bool = True)
     except (ValueError, FileNotFoundError):
         shutil.rmtree(work, ignore_errors=True)  # a definitive error (empty corpus ...): nothing to resume
         raise
-    m = _finalize(spec, work, state, progress)
+    m, build = _finalize(spec, work, state, progress)
     atomic_write_json(work / "manifest.json", m)
+    atomic_write_json(work / "build.json", build)
     prog.unlink(missing_ok=True)
     _make_readable(work)
     if out.exists():

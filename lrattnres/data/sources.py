@@ -8,6 +8,11 @@
 - ``HFSource``: a Hugging Face dataset streamed with ``datasets`` (Ultra-FineWeb by default).
 - ``LocalSource``: the user's txt (one document per file), jsonl (one per line, ``field``) or parquet
   (one per row, ``field``) files matched by a glob, in sorted path order.
+- ``PackSource``: a pack of extracted documentation (:mod:`lrattnres.data.docs`), in pack order.
+
+``iter_docs(skip)`` yields ``(group, text)``: the group names the document's origin (package,
+file, dataset or documentation collection), so the manifest can count documents, tokens and UNK
+tokens per origin. ``iter_texts`` yields the texts alone.
 """
 
 from __future__ import annotations
@@ -182,6 +187,11 @@ class EmbeddedSource:
         }
 
     def iter_texts(self, skip: int = 0) -> Iterator[str]:
+        for _, text in self.iter_docs(skip):
+            yield text
+
+    def iter_docs(self, skip: int = 0) -> Iterator[tuple[str, str]]:
+        """``(package, docstring)`` in source order, after skipping ``skip`` documents."""
         plan = self._plan()
         self.package_info = [p[0] for p in plan]
         seen: set[bytes] = set()
@@ -210,7 +220,7 @@ class EmbeddedSource:
                     yielded += 1
                     self.stats["duplicates_skipped"] = dups
                     if yielded > skip:
-                        yield doc
+                        yield info["name"], doc
                     if self.max_documents is not None and yielded >= self.max_documents:
                         return
         finally:
@@ -290,8 +300,12 @@ class HFSource:
             return None
 
     def iter_texts(self, skip: int = 0, resume: Any = None) -> Iterator[str]:
-        """Rows' texts; ``resume`` (a ``state()``) restarts the stream there, then ``skip`` rows are
-        dropped."""
+        for _, text in self.iter_docs(skip, resume):
+            yield text
+
+    def iter_docs(self, skip: int = 0, resume: Any = None) -> Iterator[tuple[str, str]]:
+        """``(dataset, text)`` of the rows; ``resume`` (a ``state()``) restarts the stream there, then
+        ``skip`` rows are dropped."""
         self._ds = None
         ds = self.open()
         if resume is not None:
@@ -309,7 +323,7 @@ class HFSource:
                     f"(columns: {', '.join(map(str, row))})"
                 )
             text = row[self.column]
-            yield "" if text is None else str(text)
+            yield self.dataset, "" if text is None else str(text)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -366,8 +380,13 @@ class LocalSource:
             with open(path, encoding="utf-8", errors="replace") as f:
                 yield f.read()
         elif fmt == "jsonl":
-            with open(path, encoding="utf-8") as f:
-                for lineno, line in enumerate(f, 1):
+            with open(path, "rb") as f:
+                for lineno, raw in enumerate(f, 1):
+                    try:
+                        line = raw.decode("utf-8")
+                    except UnicodeDecodeError:
+                        raise ValueError(f"{path}:{lineno}: not UTF-8 text (expected one JSON object per "
+                                         "line)") from None
                     if not line.strip():
                         continue
                     try:
@@ -397,6 +416,11 @@ class LocalSource:
             raise ValueError(f"unknown format {fmt!r}")
 
     def iter_texts(self, skip: int = 0) -> Iterator[str]:
+        for _, text in self.iter_docs(skip):
+            yield text
+
+    def iter_docs(self, skip: int = 0) -> Iterator[tuple[str, str]]:
+        """``(file name, text)`` of every document, files by sorted path."""
         self.files = []
         n = 0
         for path in self._paths():
@@ -407,7 +431,76 @@ class LocalSource:
                 n += 1
                 rec["documents"] += 1
                 if n > skip:
-                    yield text
+                    yield os.path.basename(path), text
+
+
+# ------------------------------------------------------------------------------------------------
+# pack: extracted documentation (lrattnres.data.docs)
+
+
+class PackSource:
+    """The documents of a corpus pack (``python -m lrattnres corpus-pack``), optionally a subset of
+    its collections, in pack order. ``sha256``, when given, must match the pack file."""
+
+    kind = "pack"
+
+    def __init__(self, path: str, collections: list[str] | None = None, sha256: str | None = None,
+                 min_chars: int | None = None, **_: Any):
+        self.path = path
+        self.collections = list(collections) if collections else None
+        self.sha256 = sha256
+        self.min_chars = min_chars
+        self.stats: dict[str, Any] = {}
+
+    def _check(self) -> tuple[dict, str]:
+        from .docs import PackError, read_header
+        from .manifest import sha256_file
+
+        header = read_header(self.path)
+        digest = sha256_file(self.path)
+        if self.sha256 is not None and digest != self.sha256:
+            raise PackError(f"{self.path}: sha256 {digest[:16]}... differs from spec.pack.sha256 "
+                            f"{self.sha256[:16]}... (another pack than the configured one)")
+        if self.min_chars is not None and header["min_chars"] != self.min_chars:
+            raise PackError(f"{self.path}: built with min_chars {header['min_chars']}, spec.pack.min_chars is "
+                            f"{self.min_chars} (rebuild the pack, or set the spec to the pack's)")
+        names = [c["name"] for c in header["collections"]]
+        unknown = sorted(set(self.collections or ()) - set(names))
+        if unknown:
+            raise PackError(f"{self.path}: no collection(s) {unknown} in the pack (it has {names}); "
+                            "spec.pack.collections")
+        return header, digest
+
+    def fingerprint(self) -> Any:
+        try:
+            return self._check()[1]
+        except ValueError:
+            return None  # reported by the build itself
+
+    def describe(self) -> dict[str, Any]:
+        header, digest = self._check()
+        keep = set(self.collections or [c["name"] for c in header["collections"]])
+        return {"kind": self.kind, "path": self.path, "sha256": digest,
+                "pack_format": header["format"], "min_chars": header["min_chars"],
+                "collections": [c for c in header["collections"] if c["name"] in keep],
+                "order": "collections in pack order, files by sorted path", **self.stats}
+
+    def iter_texts(self, skip: int = 0) -> Iterator[str]:
+        for _, text in self.iter_docs(skip):
+            yield text
+
+    def iter_docs(self, skip: int = 0) -> Iterator[tuple[str, str]]:
+        from .docs import iter_pack
+
+        self._check()
+        keep = set(self.collections) if self.collections else None
+        n = 0
+        for source, _, text in iter_pack(self.path):
+            if keep is not None and source not in keep:
+                continue
+            n += 1
+            if n > skip:
+                yield source, text
 
 
 def make_source(spec: dict):
@@ -418,4 +511,6 @@ def make_source(spec: dict):
         return HFSource(**spec["hf"])
     if kind == "local":
         return LocalSource(**spec["local"])
+    if kind == "pack":
+        return PackSource(**spec["pack"])
     raise ValueError(f"spec.source: unknown source {kind!r}")  # pragma: no cover

@@ -3,24 +3,35 @@
 Keys (all optional; the defaults are the paper's data setup except the source):
 
 - ``source``: ``embedded`` (docstrings of installed packages, offline) | ``hf`` (a Hugging Face
-  dataset, streamed; Ultra-FineWeb by default) | ``local`` (txt/jsonl/parquet files by glob).
+  dataset, streamed; Ultra-FineWeb by default) | ``local`` (txt/jsonl/parquet files by glob) |
+  ``pack`` (a pack of extracted documentation, :mod:`lrattnres.data.docs`).
 - ``embedded``: ``packages`` (read in this order), ``max_documents``, ``max_tokens``, ``min_chars``,
   ``workers`` (ast-parsing processes), ``missing`` (skip | error for an uninstalled package).
 - ``hf``: ``dataset``, ``name`` (config), ``split``, ``column``, ``revision``, ``max_tokens``,
   ``data_files`` (a local mirror or a stand-in: ``dataset: parquet, data_files: [...]``).
 - ``local``: ``glob``, ``format`` (auto | txt | jsonl | parquet; txt = one document per file),
   ``field`` (jsonl key / parquet column), ``max_tokens``.
+- ``pack``: ``path`` (the .jsonl.xz pack; the workflow builds it from the installed documentation
+  when it is absent), ``collections`` (the collections to build and read, or null for all of
+  :data:`lrattnres.data.docs.COLLECTIONS`), ``min_chars`` (shortest document), ``sha256`` (null, or
+  the pack's expected sha256), ``max_tokens``.
 - ``max_tokens`` (per source) caps the total (validation + training) tokens; whole documents are
   taken until the cap is reached (the document that reaches it is kept).
-- ``val_tokens``: whole documents from the start of the stream go to the validation split until it
-  holds at least this many tokens (the paper: the first 100M tokens).
+- ``shuffle``: ``auto`` | ``true`` | ``false``. A source without a split of its own (embedded, local,
+  pack) is read in a fixed order that groups documents by origin (package, file, collection); with
+  ``auto`` or ``true`` its documents are permuted with ``seed`` before the split, so that the
+  validation and training splits sample one distribution. ``auto`` streams ``hf`` in its own order:
+  the paper's validation split is the first 100M tokens of Ultra-FineWeb's stream; ``true`` with
+  ``hf`` is refused (a stream cannot be permuted without reading it whole).
+- ``val_tokens``: whole documents from the start of the (shuffled) document order go to the
+  validation split until it holds at least this many tokens (the paper: the first 100M tokens).
 - ``shard_tokens``: a shard is closed at the first document end at or after this many tokens.
 - ``vocab``: ``full`` (cl100k ids) | ``compact`` (dense ids for the tokens the corpus uses, plus UNK).
 - ``vocab_max``: with ``compact``, keep only the ``vocab_max - 1`` most frequent ids (EOT always); the
   rest map to UNK (the manifest records the fraction of tokens that became UNK).
-- ``seed``: recorded only; the build is deterministic and never shuffles (the loader shuffles
-  windows with its own seed).
-- ``num_threads``: threads of tiktoken's ``encode_ordinary_batch``.
+- ``seed``: the seed of the document permutation (``shuffle``); the build is deterministic.
+- ``num_threads``: threads of tiktoken's ``encode_ordinary_batch``: an execution setting, left out of
+  the manifest (see :data:`EXECUTION_KEYS`).
 """
 
 from __future__ import annotations
@@ -59,6 +70,8 @@ DEFAULTS: dict[str, Any] = {
         "data_files": None,  # e.g. a local mirror: dataset "parquet", data_files "mirror/*.parquet"
     },
     "local": {"glob": None, "format": "auto", "field": "text", "max_tokens": None},
+    "pack": {"path": None, "collections": None, "min_chars": 500, "sha256": None, "max_tokens": None},
+    "shuffle": "auto",
     "val_tokens": 100_000_000,  # the paper: the first 100M tokens are the validation set
     "shard_tokens": 50_000_000,
     "vocab": "full",
@@ -67,7 +80,10 @@ DEFAULTS: dict[str, Any] = {
     "num_threads": 2,  # tiktoken encode_ordinary_batch threads
 }
 
-_SOURCES = ("embedded", "hf", "local")
+_SOURCES = ("embedded", "hf", "local", "pack")
+# Settings that change how fast the data are built, never which tokens: the manifest leaves them out,
+# so changing them neither changes the data's hash nor reruns what depends on the data.
+EXECUTION_KEYS = (("num_threads",), ("embedded", "workers"))
 _FORMATS = ("auto", "txt", "jsonl", "parquet")
 
 
@@ -157,6 +173,27 @@ def validate_spec(spec: dict | None) -> dict:
     ):
         raise SpecError(f"spec.hf.data_files: expected a path, a list of paths or a mapping, got {df!r}")
 
+    sh = out["shuffle"]
+    if sh not in ("auto", True, False):
+        raise SpecError(f"spec.shuffle: expected auto, true or false, got {sh!r}")
+    if sh is True and out["source"] == "hf":
+        raise SpecError("spec.shuffle: true is not possible with source hf (a stream is read in its own "
+                        "order; the paper's validation split is the first val_tokens of the stream): use auto")
+
+    pk = out["pack"]
+    if out["source"] == "pack":
+        _str(pk["path"], "pack.path")
+    else:
+        _str(pk["path"], "pack.path", optional=True)
+    cols = pk["collections"]
+    if cols is not None and (not isinstance(cols, list) or not cols or not all(isinstance(c, str) and c for c in cols)):
+        raise SpecError(f"spec.pack.collections: expected null or a non-empty list of collection names, got {cols!r}")
+    sha = pk["sha256"]
+    if sha is not None and not (isinstance(sha, str) and len(sha) == 64 and all(c in "0123456789abcdef" for c in sha)):
+        raise SpecError(f"spec.pack.sha256: expected null or 64 lowercase hex digits, got {sha!r}")
+    _int(pk["max_tokens"], "pack.max_tokens", 1, optional=True)
+    _int(pk["min_chars"], "pack.min_chars", 0)
+
     lo = out["local"]
     if out["source"] == "local":
         _str(lo["glob"], "local.glob")
@@ -170,3 +207,19 @@ def validate_spec(spec: dict | None) -> dict:
 
 def max_tokens(spec: dict) -> int | None:
     return spec[spec["source"]].get("max_tokens")
+
+
+def shuffled(spec: dict) -> bool:
+    """Whether the build permutes the documents before the split (``shuffle`` resolved)."""
+    return spec["shuffle"] is True or (spec["shuffle"] == "auto" and spec["source"] != "hf")
+
+
+def science(spec: dict) -> dict:
+    """``spec`` without its execution settings (:data:`EXECUTION_KEYS`): what determines the tokens."""
+    out = copy.deepcopy(spec)
+    for path in EXECUTION_KEYS:
+        node = out
+        for key in path[:-1]:
+            node = node.get(key, {})
+        node.pop(path[-1], None)
+    return out

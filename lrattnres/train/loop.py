@@ -40,7 +40,7 @@ from lrattnres.io import atomic_write_json
 from lrattnres.provenance import now, provenance
 from lrattnres.train import checkpoint as ckpt
 from lrattnres.train import spec as spec_mod
-from lrattnres.train.metrics import MetricsWriter, grad_norm_summary, memory_stats, progress_bar
+from lrattnres.train.metrics import MetricsWriter, end_of_run_summary, grad_norm_summary, memory_stats, progress_bar
 from lrattnres.train.optim import base_lrs, build_optimizers
 from lrattnres.train.schedule import apply_lr, lr_multiplier
 from lrattnres.train.val import IGNORE_INDEX, evaluate, loss_sums
@@ -440,11 +440,13 @@ def _train(
         metrics.write({"kind": "final_val", "step": step, "tokens": tokens, "val_ce": final["ce"],
                        "val_tokens": final["tokens"]})
     metrics.close()
+    end = end_of_run_summary(out / "metrics.jsonl") if master else {}
     result = {
         "stage": "train",
         "run_id": out.name,
         "final_val_ce": final["ce"],
         "val_tokens": final["tokens"],
+        **end,  # final_train_ce (mean of the last updates), steady_tokens_per_s (compilation excluded)
         "steps": step,
         "tokens": tokens,
         "train_split_tokens": train_split_tokens,

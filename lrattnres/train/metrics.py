@@ -11,6 +11,7 @@ import json
 import math
 import os
 import resource
+import statistics
 import sys
 from pathlib import Path
 from typing import Any
@@ -126,3 +127,33 @@ def grad_norm_summary(norms: list[float], clip: float | None) -> dict[str, float
     var = math.fsum((x - mean) ** 2 for x in vals) / n
     above = None if clip is None else 100.0 * sum(x > clip for x in vals) / n
     return {"mean": mean, "var": var, "above_clip_pct": above, "count": n}
+
+
+# The end-of-run training loss is the mean cross-entropy of this many last updates (all when fewer):
+# a window wide enough to average out batch noise, narrow enough to sit at the end of the schedule.
+FINAL_TRAIN_WINDOW = 50
+# Throughput "in steady state" leaves out this fraction of the first updates (compilation, warm-up).
+STEADY_SKIP_FRAC = 0.1
+
+
+def end_of_run_summary(path: str | Path) -> dict[str, float | None]:
+    """From a run's metrics.jsonl: the mean training CE of the last :data:`FINAL_TRAIN_WINDOW` updates
+    (to set beside the final validation CE: a gap says the run memorised its data) and the median
+    tokens/s of the updates after the first :data:`STEADY_SKIP_FRAC` (compilation excluded)."""
+    ces, rates = [], []
+    p = Path(path)
+    if p.is_file():
+        for line in p.read_text(encoding="utf-8").splitlines():
+            if not line.strip():
+                continue
+            rec = json.loads(line)
+            if rec.get("kind") == "train":
+                ces.append(rec.get("ce"))
+                rates.append(rec.get("tokens_per_s"))
+    last = [c for c in ces[-FINAL_TRAIN_WINDOW:] if isinstance(c, (int, float)) and math.isfinite(c)]
+    steady = [r for r in rates[int(len(rates) * STEADY_SKIP_FRAC):] if isinstance(r, (int, float))]
+    return {
+        "final_train_ce": sum(last) / len(last) if last else None,
+        "final_train_window": len(last),
+        "steady_tokens_per_s": statistics.median(steady) if steady else None,
+    }

@@ -8,6 +8,7 @@ from pathlib import Path
 sys.path.insert(0, workflow.basedir)
 
 from lrattnres.config import ConfigError, resolve, resolve_rank
+from lrattnres.data.spec import science as science_data_spec
 from lrattnres.deps import closure, package_files, package_modules
 
 try:

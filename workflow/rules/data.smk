@@ -1,8 +1,38 @@
 # Token shards and their manifest: the input of every training and evaluation job.
+from lrattnres.data.docs import by_name as doc_collections
+
+DATA = S["data"]
+PACK = DATA["pack"]["path"] if DATA["source"] == "pack" else None
+
+
+if PACK:
+
+    # The documentation pack (lrattnres/data/docs.py), built from the installed Debian documentation
+    # packages when it is absent. It is data, not code: an existing pack is kept (its sha256 goes into
+    # the manifest), so that a pack carried to a machine without those packages is used as it is.
+    rule corpus_pack:
+        output:
+            PACK,
+        log:
+            f"{LOGS}/corpus_pack.log",
+        conda:
+            "../../envs/lrattnres.yaml"
+        resources:
+            mem_mb=res("corpus_pack", "mem_mb", 4000),
+            runtime=res("corpus_pack", "runtime", 30),
+        params:
+            collections=",".join(
+                c.name for c in doc_collections(DATA["pack"]["collections"])
+            ),
+            min_chars=DATA["pack"]["min_chars"],
+        shell:
+            "python -m lrattnres corpus-pack --out {output:q} --collections {params.collections:q} "
+            "--min-chars {params.min_chars} > {log:q} 2>&1"
 
 
 rule prepare_data:
     input:
+        pack=[PACK] if PACK else [],
         src=stage_sources("lrattnres.data.cli"),
     output:
         manifest=f"{R}/data/manifest.json",
@@ -15,7 +45,8 @@ rule prepare_data:
         mem_mb=res("prepare_data", "mem_mb", 4000),
         runtime=res("prepare_data", "runtime", 30),
     params:
-        spec=lambda wc: spec(S["data"]),
+        spec=lambda wc: spec(science_data_spec(DATA)),
         out=lambda wc, output: os.path.dirname(output.manifest),
     shell:
-        "python -m lrattnres prepare-data --spec {params.spec:q} --out {params.out} > {log} 2>&1"
+        "python -m lrattnres prepare-data --spec {params.spec:q} --out {params.out:q} "
+        "--threads {threads} --no-progress > {log:q} 2>&1"

@@ -1,13 +1,41 @@
 # Sections 4.6-4.7, Appendices C.4, C.5, D, E, G.1: effective sources, heatmaps, gradient norms,
-# static-query utilisation, over every run of the grid.
+# static-query utilisation. Each run is analysed on its own, beside its model (diagnose_run); the
+# figures and claims are made from the per-run rows (diagnostics), which needs no model.
+
+
+rule diagnose_run:
+    input:
+        result=f"{R}/runs/{{run}}/result.json",
+        model=f"{R}/runs/{{run}}/model.pt",
+        settings=rules.settings.output[0],
+        data=rules.prepare_data.output.manifest,
+        src=stage_sources("lrattnres.diagnostics"),
+    output:
+        f"{R}/diagnostics/{{run}}.json",
+    log:
+        f"{LOGS}/diagnostics/{{run}}.log",
+    wildcard_constraints:
+        run="|".join(map(re.escape, RUNS)),
+    conda:
+        "../../envs/lrattnres.yaml"
+    threads: 1
+    resources:
+        mem_mb=res("diagnostics", "mem_mb", 4000),
+        runtime=res("diagnostics", "runtime", 30),
+        gpu=res("diagnostics", "gpu", 0),
+        cpus_per_gpu=res("diagnostics", "cpus_per_gpu", 1),
+    params:
+        runs=lambda wc, input: os.path.dirname(os.path.dirname(input.result)),
+    shell:
+        "python -m lrattnres diagnostics --settings {input.settings:q} --runs {params.runs:q} "
+        "--data {input.data:q} --run {wildcards.run} --threads {threads} "
+        "--out {output:q} > {log:q} 2>&1"
 
 
 rule diagnostics:
     input:
-        results=expand(f"{R}/runs/{{run}}/result.json", run=RUNS),
-        models=expand(f"{R}/runs/{{run}}/model.pt", run=RUNS),
+        rows=expand(f"{R}/diagnostics/{{run}}.json", run=RUNS),
         settings=rules.settings.output[0],
-        data=rules.prepare_data.output.manifest,
         published="reports/published.yaml",
         src=stage_sources("lrattnres.diagnostics"),
     output:
@@ -16,18 +44,12 @@ rule diagnostics:
         f"{LOGS}/diagnostics.log",
     conda:
         "../../envs/lrattnres.yaml"
-    threads: 2
     resources:
-        mem_mb=res("diagnostics", "mem_mb", 4000),
-        runtime=res("diagnostics", "runtime", 30),
-        gpu=res("diagnostics", "gpu", 0),
-        cpus_per_gpu=res("diagnostics", "cpus_per_gpu", 1),
-    params:
-        runs=lambda wc, input: os.path.dirname(os.path.dirname(input.results[0])),
+        mem_mb=res("diagnostics_all", "mem_mb", 2000),
+        runtime=res("diagnostics_all", "runtime", 10),
     shell:
-        "python -m lrattnres diagnostics --settings {input.settings} --runs {params.runs} "
-        "--data {input.data} --published {input.published} --threads {threads} "
-        "--out {output} > {log} 2>&1"
+        "python -m lrattnres diagnostics --settings {input.settings:q} --published {input.published:q} "
+        "--aggregate {input.rows:q} --out {output:q} > {log:q} 2>&1"
 
 
 REPORT_INPUTS.append(rules.diagnostics.output[0])

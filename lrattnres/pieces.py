@@ -1,0 +1,358 @@
+"""A scale run in pieces that continue each other, on machines that keep nothing between them.
+
+A GPU machine lent for a few minutes at a time cannot hold a whole scale: its disk is gone after each
+command, and only small files come back. A *piece* is a group of training runs together with every
+stage that needs their weights (routing diagnostics, conversion, downstream evaluation), so the
+weights never have to leave the machine. The scale's ``pieces`` list names the groups by run-id
+patterns; a run belongs to the first piece that matches it.
+
+``python -m lrattnres piece list`` shows the pieces and their jobs.
+``python -m lrattnres piece run NAME --out DIR [--restore A.tar.xz ...]`` restores earlier pieces,
+rebuilds the data (the manifest is deterministic, so restored results still match it), checks that
+no restored result would be redone, runs the piece through Snakemake, and writes
+``DIR/<name>.tar.xz``: the piece's small outputs (results, curves, logs, stage JSONs) with their
+Snakemake metadata, and ``DIR/<name>.json``: what ran, how long, at what throughput.
+``python -m lrattnres piece report --restore ... --into reports/recorded/<name>`` renders the report
+from restored pieces on any machine (no GPU, no weights) and records it.
+
+Continuing across machines and across commits: restored outputs are kept unless their parameters or
+the set of their inputs change (Snakemake's ``params``/``input`` triggers); a change of code alone does
+not redo a restored run, and the recorded report lists every commit its pieces ran at. Every restored
+training result must have been made on the same data manifest (sha256) as the current one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import fnmatch
+import json
+import os
+import shlex
+import subprocess
+import sys
+import tarfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from lrattnres.io import atomic_path, atomic_write_json, read_json
+from lrattnres.provenance import now, provenance
+
+# Files of a scale's results that a piece brings back (relative to <results>/<scale>/); weights,
+# checkpoints and token shards stay on the machine.
+KEEP = ("settings.json", "accounting.json", "kernel_check.json", "throughput.json", "data/manifest.json",
+        "data/build.json", "runs/*/result.json", "runs/*/metrics.jsonl", "runs/*/spec.json",
+        "diagnostics/*.json", "convert/*.json", "evaluate/*.json", "logs/**")
+STAGES = ("settings", "accounting", "kernel_check", "throughput")
+# The rules that render the report from the pieces' small outputs (no weights needed).
+REPORT_RULES = ("grid_summary", "convert_all", "diagnostics", "evaluate_pairs", "report")
+# Snakemake reruns a restored output only for these reasons (not for code or modification times).
+CONTINUE_TRIGGERS = ("params", "input", "software-env")
+
+
+class PieceError(ValueError):
+    """A piece that cannot run as asked; the message says why and what to do."""
+
+
+@dataclass(frozen=True)
+class Piece:
+    name: str
+    runs: tuple[str, ...]
+    stages: tuple[str, ...]
+
+
+def plan_pieces(settings: dict) -> list[Piece]:
+    """The scale's pieces, each with its runs (first matching piece wins) and extra stages.
+
+    Without a ``pieces`` setting the scale is one piece. Runs that no piece matches are an error."""
+    from lrattnres.grid import plan
+
+    run_ids = [r.run_id for r in plan(settings)]
+    spec = settings.get("pieces") or [{"name": "all", "runs": ["*"], "stages": list(STAGES)}]
+    taken: set[str] = set()
+    out = []
+    for p in spec:
+        runs = [r for r in run_ids if r not in taken and any(fnmatch.fnmatchcase(r, pat) for pat in p["runs"])]
+        taken.update(runs)
+        out.append(Piece(p["name"], tuple(runs), tuple(p.get("stages", ()))))
+    left = [r for r in run_ids if r not in taken]
+    if left:
+        raise PieceError(f"pieces: runs {left} match no piece's patterns (add a pattern, e.g. '*', to the last)")
+    names = [p.name for p in out]
+    if len(set(names)) != len(names):
+        raise PieceError(f"pieces: duplicate piece names in {names}")
+    return out
+
+
+def piece_targets(settings: dict, piece: Piece) -> list[str]:
+    """The files a piece makes: per run its result, diagnostics, conversion and evaluation."""
+    from lrattnres.grid import conversions, evaluations
+
+    R = settings["results"]
+    conv = {c["run_id"] for c in conversions(settings)}
+    evals = {e["run_id"] for e in evaluations(settings)}
+    out = [f"{R}/{s}.json" for s in piece.stages]
+    for run in piece.runs:
+        out += [f"{R}/runs/{run}/result.json", f"{R}/diagnostics/{run}.json"]
+        if run in conv:
+            out.append(f"{R}/convert/{run}.json")
+        if run in evals:
+            out.append(f"{R}/evaluate/{run}.json")
+    return out
+
+
+# ------------------------------------------------------------------------ bringing outputs back
+
+
+def _metadata_name(path: str) -> str:
+    """Snakemake's metadata file name for an output path (urlsafe base64 of the path)."""
+    return base64.urlsafe_b64encode(path.encode()).decode()
+
+
+def small_outputs(results: str) -> list[str]:
+    """Existing files of ``results`` (a scale's folder) that a piece brings back, sorted."""
+    root = Path(results)
+    found: set[str] = set()
+    for pattern in KEEP:
+        found.update(p.as_posix() for p in root.glob(pattern) if p.is_file())
+    return sorted(found)
+
+
+def pack(out: str | os.PathLike, results: str, workdir: str = ".") -> dict[str, Any]:
+    """Write the small outputs of ``results`` and their Snakemake metadata into an xz tarball."""
+    cwd = Path(workdir)
+    files = small_outputs(str(cwd / results))
+    rel = [Path(f).relative_to(cwd).as_posix() for f in files]
+    metas = [f".snakemake/metadata/{_metadata_name(r)}" for r in rel]
+    metas = [m for m in metas if (cwd / m).is_file()]
+    with atomic_path(out) as tmp:
+        with tarfile.open(tmp, "w:xz") as tar:
+            for r in rel + metas:
+                tar.add(str(cwd / r), arcname=r, recursive=False)
+    return {"files": len(rel), "metadata": len(metas), "bytes": os.path.getsize(out)}
+
+
+def restore(tarballs: list[str], workdir: str = ".", *, skip: tuple[str, ...] = ()) -> list[str]:
+    """Unpack pieces into ``workdir`` (modification times kept); members under ``skip`` prefixes are
+    left out. Refuses members that would land outside ``workdir``."""
+    cwd = Path(workdir).resolve()
+    restored = []
+    for tb in tarballs:
+        try:
+            tar = tarfile.open(tb, "r:xz")
+        except (OSError, tarfile.TarError) as e:
+            raise PieceError(f"{tb}: not a piece archive ({e})") from None
+        with tar:
+            for m in tar.getmembers():
+                dest = (cwd / m.name).resolve()
+                if not str(dest).startswith(str(cwd) + os.sep) or not (m.isfile() or m.isdir()):
+                    raise PieceError(f"{tb}: member {m.name!r} is not a plain file inside the working tree")
+                if any(m.name.startswith(s) for s in skip):
+                    continue
+                tar.extract(m, str(cwd), filter="data" if hasattr(tarfile, "data_filter") else None)
+                restored.append(m.name)
+    return restored
+
+
+def check_same_data(results: str) -> int:
+    """Every restored training result was trained on the current data manifest; returns how many."""
+    from lrattnres.data.manifest import sha256_file
+
+    manifest = Path(results) / "data" / "manifest.json"
+    if not manifest.is_file():
+        raise PieceError(f"{manifest}: missing (build the data first)")
+    want = sha256_file(manifest)
+    n = 0
+    for spec in sorted(Path(results).glob("runs/*/spec.json")):
+        got = read_json(spec).get("manifest_sha256")
+        if got != want:
+            raise PieceError(f"{spec}: trained on data manifest {str(got)[:12]}..., the current one is {want[:12]}... "
+                             "(the data changed since that piece: start the scale afresh, or restore the "
+                             "pieces of this data only)")
+        n += 1
+    return n
+
+
+# --------------------------------------------------------------------------------- running
+
+
+def _snakemake(args: list[str], log, timeout: float | None = None) -> int:
+    cmd = [sys.executable, "-m", "snakemake", *args]
+    log.write(f"$ {shlex.join(cmd)}\n")
+    log.flush()
+    try:
+        return subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, timeout=timeout).returncode
+    except subprocess.TimeoutExpired:
+        log.write(f"[piece] snakemake stopped at the deadline ({timeout:.0f} s)\n")
+        return 124
+
+
+def planned_jobs(targets: list[str], config_args: list[str], extra: list[str]) -> dict[str, int]:
+    """Snakemake's dry-run job counts (rule -> count) for ``targets``."""
+    cmd = [sys.executable, "-m", "snakemake", *targets, "-n", "--quiet", "rules", *extra,
+           "--rerun-triggers", *CONTINUE_TRIGGERS, "--config", *config_args]
+    out = subprocess.run(cmd, capture_output=True, text=True)
+    if out.returncode != 0:
+        raise PieceError(f"snakemake dry run failed:\n{out.stdout[-2000:]}\n{out.stderr[-2000:]}")
+    counts: dict[str, int] = {}
+    for line in out.stdout.splitlines():
+        parts = line.split()
+        if len(parts) == 2 and parts[1].isdigit() and parts[0] not in ("job", "total"):
+            counts[parts[0]] = int(parts[1])
+    return counts
+
+
+def _run_summaries(results: str, runs: tuple[str, ...]) -> list[dict[str, Any]]:
+    out = []
+    for run in runs:
+        path = Path(results) / "runs" / run / "result.json"
+        if not path.is_file():
+            out.append({"run_id": run, "done": False})
+            continue
+        r = read_json(path)
+        out.append({"run_id": run, "done": True, "final_val_ce": r.get("final_val_ce"),
+                    "final_train_ce": r.get("final_train_ce"), "data_epochs": r.get("data_epochs"),
+                    "tokens": r.get("tokens"), "wall_s": r.get("wall_s"), "train_s": r.get("train_s"),
+                    "tokens_per_s": r.get("tokens_per_s"), "steady_tokens_per_s": r.get("steady_tokens_per_s")})
+    return out
+
+
+def run_piece(settings: dict, name: str, out: str, *, restore_from: list[str], config_args: list[str],
+              gpu_jobs: int | None, cores: str, deadline_s: float | None, allow_rerun: bool,
+              extra: list[str]) -> dict[str, Any]:
+    pieces = {p.name: p for p in plan_pieces(settings)}
+    if name not in pieces:
+        raise PieceError(f"no piece {name!r}; the scale's pieces are {list(pieces)}")
+    piece = pieces[name]
+    R = settings["results"]
+    started, t0 = now(), time.monotonic()
+    Path(out).mkdir(parents=True, exist_ok=True)
+    logs = Path(out) / f"{name}.log"
+    smk = [*extra, "--cores", cores, "--scheduler", "greedy", "--keep-going", "--nolock"]
+    if gpu_jobs is not None:
+        smk += ["--resources", f"gpu={gpu_jobs}"]
+    record: dict[str, Any] = {"piece": name, "scale": settings.get("scale"), "runs": list(piece.runs),
+                              "stages": list(piece.stages), "gpu_jobs": gpu_jobs, "restored_from": restore_from}
+    with open(logs, "a", encoding="utf-8") as log:
+        # 1. the data, built here (deterministic: the same bytes as where earlier pieces ran)
+        t = time.monotonic()
+        manifest = f"{R}/data/manifest.json"
+        rc = _snakemake([manifest, *smk, "--config", *config_args], log)
+        if rc != 0:
+            raise PieceError(f"building the data failed (exit {rc}); see {logs}")
+        record["data_s"] = round(time.monotonic() - t, 1)
+        # 2. earlier pieces, then the checks that nothing restored is redone
+        if restore_from:
+            restored = restore(restore_from, skip=(f"{R}/data/",))
+            record["restored_files"] = len(restored)
+            record["restored_runs"] = check_same_data(R)
+        targets = piece_targets(settings, piece)
+        plan = planned_jobs(targets, config_args, [])
+        record["planned_jobs"] = plan
+        redo = sorted(set(plan) - {"train", "diagnose_run", "convert", "evaluate", *piece.stages})
+        if redo and not allow_rerun:
+            raise PieceError(f"the piece would also run {redo}: restored outputs would be redone "
+                             "(see the dry run; --allow-rerun accepts it)")
+        if plan.get("train", 0) > len(piece.runs):
+            raise PieceError(f"the piece would train {plan['train']} runs, more than its {len(piece.runs)}: "
+                             "restored runs would be redone")
+        # 3. the piece
+        t = time.monotonic()
+        left = None if deadline_s is None else max(60.0, deadline_s - (time.monotonic() - t0))
+        rc = _snakemake([*targets, *smk, "--rerun-triggers", *CONTINUE_TRIGGERS, "--config", *config_args],
+                        log, timeout=left)
+        record["snakemake_exit"] = rc
+        record["run_s"] = round(time.monotonic() - t, 1)
+    summaries = _run_summaries(R, piece.runs)
+    record["run_results"] = summaries
+    done = [s for s in summaries if s["done"]]
+    tokens = sum(s["tokens"] or 0 for s in done)
+    record["trained_tokens"] = tokens
+    record["aggregate_tokens_per_s"] = round(tokens / record["run_s"]) if record["run_s"] else None
+    record["missing_targets"] = [t for t in targets if not Path(t).is_file()]
+    record["wall_s"] = round(time.monotonic() - t0, 1)
+    record["provenance"] = provenance({"piece": name, "settings": settings}, started=started)
+    record["packed"] = pack(Path(out) / f"{name}.tar.xz", R)
+    atomic_write_json(Path(out) / f"{name}.json", record)
+    return record
+
+
+def render_report(settings: dict, restore_from: list[str], into: str, config_args: list[str],
+                  extra: list[str]) -> dict[str, Any]:
+    """Restore every piece, render the report of the scale, and record it under ``into``."""
+    R = settings["results"]
+    restored = restore(restore_from)
+    check_same_data(R)
+    Path(into).mkdir(parents=True, exist_ok=True)
+    with open(Path(into) / "snakemake.log", "w", encoding="utf-8") as log:
+        # only the rules that read small outputs: what the pieces made is taken as it is, never remade
+        rc = _snakemake(["reports/paper.html", "--cores", "2", "--allowed-rules", *REPORT_RULES, *extra,
+                         "--config", *config_args], log)
+    if rc != 0:
+        raise PieceError(f"rendering the report failed (exit {rc}); see {Path(into) / 'snakemake.log'}")
+    commits = sorted({read_json(p)["provenance"]["commit"] for p in Path(R).glob("runs/*/result.json")
+                      if read_json(p).get("provenance", {}).get("commit")})
+    for name in ("paper.html", "paper.json", "claims.tsv"):
+        src = Path("reports") / name
+        if src.is_file():
+            with atomic_path(Path(into) / name) as tmp:
+                Path(tmp).write_bytes(src.read_bytes())
+    record = {"scale": settings.get("scale"), "restored_files": len(restored), "pieces": restore_from,
+              "run_commits": commits, "provenance": provenance({"settings": settings})}
+    atomic_write_json(Path(into) / "recorded.json", record)
+    return record
+
+
+def main(argv: list[str] | None = None) -> int:
+    from lrattnres.config import ConfigError, load_and_resolve
+
+    p = argparse.ArgumentParser(prog="python -m lrattnres piece", description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    for cmd in ("list", "run", "report"):
+        sp = sub.add_parser(cmd)
+        sp.add_argument("--config", dest="config_args", nargs="+", default=[],
+                        help="Snakemake --config entries, e.g. scale=gpu (applied to config.yaml)")
+        if cmd == "run":
+            sp.add_argument("name", help="the piece to run")
+            sp.add_argument("--out", required=True, help="folder for <name>.tar.xz, <name>.json, <name>.log")
+            sp.add_argument("--gpu-jobs", type=int, default=None,
+                            help="GPU jobs that may run at once (Snakemake --resources gpu=N)")
+            sp.add_argument("--cores", default="all")
+            sp.add_argument("--deadline", type=float, default=None, help="seconds for the whole piece")
+            sp.add_argument("--allow-rerun", action="store_true")
+        if cmd in ("run", "report"):
+            sp.add_argument("--restore", nargs="*", default=[], help="archives of earlier pieces")
+        if cmd == "report":
+            sp.add_argument("--into", required=True, help="folder that records the rendered report")
+        sp.add_argument("--smk", default="", help="more Snakemake arguments (one quoted string)")
+    args = p.parse_args(argv)
+    overrides: dict[str, Any] = {}
+    for entry in args.config_args:
+        key, _, value = entry.partition("=")
+        if not value:
+            p.error(f"--config {entry!r}: expected KEY=VALUE")
+        overrides[key] = value
+    try:
+        settings = load_and_resolve("config.yaml", overrides)
+        extra = shlex.split(args.smk)
+        if args.cmd == "list":
+            for piece in plan_pieces(settings):
+                print(f"{piece.name}: {len(piece.runs)} runs, stages {list(piece.stages)}")
+                for t in piece_targets(settings, piece):
+                    print(f"  {t}")
+            return 0
+        if args.cmd == "run":
+            rec = run_piece(settings, args.name, args.out, restore_from=args.restore, config_args=args.config_args,
+                            gpu_jobs=args.gpu_jobs, cores=args.cores, deadline_s=args.deadline,
+                            allow_rerun=args.allow_rerun, extra=extra)
+            print(json.dumps({k: rec[k] for k in ("piece", "wall_s", "run_s", "trained_tokens",
+                                                   "aggregate_tokens_per_s", "missing_targets", "packed")}))
+            return 0 if not rec["missing_targets"] else 1
+        rec = render_report(settings, args.restore, args.into, args.config_args, extra)
+        print(json.dumps({k: rec[k] for k in ("scale", "restored_files", "run_commits")}))
+        return 0
+    except (PieceError, ConfigError) as e:
+        print(f"piece: {e}", file=sys.stderr)
+        return 2
