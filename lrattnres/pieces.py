@@ -44,7 +44,7 @@ from lrattnres.provenance import now, provenance
 # checkpoints and token shards stay on the machine.
 KEEP = ("settings.json", "accounting.json", "kernel_check.json", "throughput.json", "data/manifest.json",
         "data/build.json", "runs/*/result.json", "runs/*/metrics.jsonl", "runs/*/spec.json",
-        "diagnostics/*.json", "convert/*.json", "evaluate/*.json", "logs/**")
+        "diagnostics/*.json", "convert/*.json", "evaluate/*.json", "logs/**/*")
 STAGES = ("settings", "accounting", "kernel_check", "throughput")
 # The rules that render the report from the pieces' small outputs (no weights needed).
 REPORT_RULES = ("grid_summary", "convert_all", "diagnostics", "evaluate_pairs", "report")
