@@ -234,7 +234,9 @@ def run_piece(settings: dict, name: str, out: str, *, restore_from: list[str], c
     if gpu_jobs is not None:
         smk += ["--resources", f"gpu={gpu_jobs}"]
     record: dict[str, Any] = {"piece": name, "scale": settings.get("scale"), "runs": list(piece.runs),
-                              "stages": list(piece.stages), "gpu_jobs": gpu_jobs, "restored_from": restore_from}
+                              "stages": list(piece.stages), "gpu_jobs": gpu_jobs, "restored_from": restore_from,
+                              "environment": {k: v for k, v in sorted(os.environ.items())
+                                              if k.startswith(("KERNELS_", "LRATTNRES_", "TRITON_", "TORCH"))}}
     with open(logs, "a", encoding="utf-8") as log:
         # 1. the data, built here (deterministic: the same bytes as where earlier pieces ran)
         t = time.monotonic()
