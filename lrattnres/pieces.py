@@ -15,10 +15,11 @@ Snakemake metadata, and ``DIR/<name>.json``: what ran, how long, at what through
 ``python -m lrattnres piece report --restore ... --into reports/recorded/<name>`` renders the report
 from restored pieces on any machine (no GPU, no weights) and records it.
 
-Continuing across machines and across commits: restored outputs are kept unless their parameters or
-the set of their inputs change (Snakemake's ``params``/``input`` triggers); a change of code alone does
-not redo a restored run, and the recorded report lists every commit its pieces ran at. Every restored
-training result must have been made on the same data manifest (sha256) as the current one.
+Continuing across machines and across commits: a restored output is never redone by Snakemake; instead
+the restored results must have been made on the same data manifest (sha256) and with the same science
+settings (every run's training spec, the scale's presets, recipe, data, grid and stage settings) as
+the current configuration, or the piece refuses. A change of code alone does not redo a restored run;
+the recorded report lists every commit its pieces ran at.
 """
 
 from __future__ import annotations
@@ -48,8 +49,18 @@ KEEP = ("settings.json", "accounting.json", "kernel_check.json", "throughput.jso
 STAGES = ("settings", "accounting", "kernel_check", "throughput")
 # The rules that render the report from the pieces' small outputs (no weights needed).
 REPORT_RULES = ("grid_summary", "convert_all", "diagnostics", "evaluate_pairs", "report")
-# Snakemake reruns a restored output only for these reasons (not for code or modification times).
-CONTINUE_TRIGGERS = ("params", "input", "software-env")
+# Snakemake's rerun triggers while continuing: none of code, modification times, parameters or input
+# lists (a new module in a stage's imports would redo every restored run). What decides whether a
+# restored result still belongs to the scale is checked here instead: the same data manifest and the
+# same science settings (check_same_data, check_same_settings).
+CONTINUE_TRIGGERS = ("software-env",)
+# Several GPU jobs on one GPU: the routing kernel's eager autotuner (used by validation and the later
+# stages, not by compiled training) failed with "misaligned address" when seven training processes
+# reached their first validation together on one H200; its first candidate configuration runs.
+SHARED_GPU_ENV = {"KERNELS_AUTOTUNE": "0"}
+# Sections of the resolved settings that decide what a restored output holds.
+SCIENCE_SECTIONS = ("presets", "recipe", "data", "train", "grid", "convert", "evaluate", "diagnostics",
+                    "kernel_check")
 
 
 class PieceError(ValueError):
@@ -175,15 +186,55 @@ def check_same_data(results: str) -> int:
     return n
 
 
+def check_same_settings(settings: dict, results: str, accept: tuple[str, ...] = ()) -> list[str]:
+    """The restored scale's science settings and every restored run's training spec equal the
+    current ones, but for the dotted keys in ``accept`` (differences an operator has judged not to
+    change the results, e.g. a new key whose default is the old behaviour); returns the sections
+    compared. Raises naming the first difference."""
+    from lrattnres.train import spec as spec_mod
+
+    def differs(old, new) -> list[str]:
+        keys = spec_mod.diff_keys(old if isinstance(old, dict) else {"": old},
+                                  new if isinstance(new, dict) else {"": new}, ignore=())
+        return [k for k in keys if not any(k == a or k.startswith(a + ".") for a in accept)]
+
+    from lrattnres.grid import plan, train_spec
+
+    saved_path = Path(results) / "settings.json"
+    if not saved_path.is_file():
+        raise PieceError(f"{saved_path}: missing (the first piece writes it)")
+    saved = read_json(saved_path)
+    compared = []
+    for key in SCIENCE_SECTIONS:
+        if key in saved or key in settings:
+            keys = differs(saved.get(key), settings.get(key))
+            if keys:
+                raise PieceError(f"{saved_path}: settings.{key} differs from the current configuration in "
+                                 f"{keys} (the restored pieces belong to another experiment; --accept KEY "
+                                 "takes a difference that changes no result)")
+            compared.append(key)
+    runs = {r.run_id: r for r in plan(settings)}
+    for path in sorted(Path(results).glob("runs/*/spec.json")):
+        run_id = path.parent.name
+        if run_id not in runs:
+            raise PieceError(f"{path}: run {run_id} is not part of the current grid")
+        want = spec_mod.resolve(train_spec(settings, runs[run_id]))
+        keys = differs(read_json(path).get("spec") or {}, want)
+        if keys:
+            raise PieceError(f"{path}: the run's training spec differs from the current one in {keys}")
+    return compared
+
+
 # --------------------------------------------------------------------------------- running
 
 
-def _snakemake(args: list[str], log, timeout: float | None = None) -> int:
+def _snakemake(args: list[str], log, timeout: float | None = None, env: dict | None = None) -> int:
     cmd = [sys.executable, "-m", "snakemake", *args]
     log.write(f"$ {shlex.join(cmd)}\n")
     log.flush()
     try:
-        return subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, timeout=timeout).returncode
+        return subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, timeout=timeout,
+                              env={**os.environ, **(env or {})}).returncode
     except subprocess.TimeoutExpired:
         log.write(f"[piece] snakemake stopped at the deadline ({timeout:.0f} s)\n")
         return 124
@@ -221,7 +272,7 @@ def _run_summaries(results: str, runs: tuple[str, ...]) -> list[dict[str, Any]]:
 
 def run_piece(settings: dict, name: str, out: str, *, restore_from: list[str], config_args: list[str],
               gpu_jobs: int | None, cores: str, deadline_s: float | None, allow_rerun: bool,
-              extra: list[str]) -> dict[str, Any]:
+              extra: list[str], accept: tuple[str, ...] = ()) -> dict[str, Any]:
     pieces = {p.name: p for p in plan_pieces(settings)}
     if name not in pieces:
         raise PieceError(f"no piece {name!r}; the scale's pieces are {list(pieces)}")
@@ -250,6 +301,8 @@ def run_piece(settings: dict, name: str, out: str, *, restore_from: list[str], c
             restored = restore(restore_from, skip=(f"{R}/data/",))
             record["restored_files"] = len(restored)
             record["restored_runs"] = check_same_data(R)
+            record["settings_compared"] = check_same_settings(settings, R, accept)
+            record["accepted_differences"] = list(accept)
         targets = piece_targets(settings, piece)
         plan = planned_jobs(targets, config_args, [])
         record["planned_jobs"] = plan
@@ -263,8 +316,10 @@ def run_piece(settings: dict, name: str, out: str, *, restore_from: list[str], c
         # 3. the piece
         t = time.monotonic()
         left = None if deadline_s is None else max(60.0, deadline_s - (time.monotonic() - t0))
+        env = SHARED_GPU_ENV if (gpu_jobs or 0) > 1 else {}
+        record["job_environment"] = env
         rc = _snakemake([*targets, *smk, "--rerun-triggers", *CONTINUE_TRIGGERS, "--config", *config_args],
-                        log, timeout=left)
+                        log, timeout=left, env=env)
         record["snakemake_exit"] = rc
         record["run_s"] = round(time.monotonic() - t, 1)
     summaries = _run_summaries(R, piece.runs)
@@ -275,6 +330,10 @@ def run_piece(settings: dict, name: str, out: str, *, restore_from: list[str], c
     record["aggregate_tokens_per_s"] = round(tokens / record["run_s"]) if record["run_s"] else None
     record["missing_targets"] = [t for t in targets if not Path(t).is_file()]
     record["wall_s"] = round(time.monotonic() - t0, 1)
+    try:  # the device in the provenance: torch is asked only if imported
+        import torch  # noqa: F401
+    except ImportError:
+        pass
     record["provenance"] = provenance({"piece": name, "settings": settings}, started=started)
     record["packed"] = pack(Path(out) / f"{name}.tar.xz", R)
     atomic_write_json(Path(out) / f"{name}.json", record)
@@ -282,11 +341,12 @@ def run_piece(settings: dict, name: str, out: str, *, restore_from: list[str], c
 
 
 def render_report(settings: dict, restore_from: list[str], into: str, config_args: list[str],
-                  extra: list[str]) -> dict[str, Any]:
+                  extra: list[str], accept: tuple[str, ...] = ()) -> dict[str, Any]:
     """Restore every piece, render the report of the scale, and record it under ``into``."""
     R = settings["results"]
     restored = restore(restore_from)
     check_same_data(R)
+    check_same_settings(settings, R, accept)
     Path(into).mkdir(parents=True, exist_ok=True)
     with open(Path(into) / "snakemake.log", "w", encoding="utf-8") as log:
         # only the rules that read small outputs: what the pieces made is taken as it is, never remade
@@ -326,6 +386,8 @@ def main(argv: list[str] | None = None) -> int:
             sp.add_argument("--allow-rerun", action="store_true")
         if cmd in ("run", "report"):
             sp.add_argument("--restore", nargs="*", default=[], help="archives of earlier pieces")
+            sp.add_argument("--accept", nargs="*", default=[], metavar="KEY",
+                            help="dotted setting keys whose difference from the restored pieces changes no result")
         if cmd == "report":
             sp.add_argument("--into", required=True, help="folder that records the rendered report")
         sp.add_argument("--smk", default="", help="more Snakemake arguments (one quoted string)")
@@ -348,11 +410,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.cmd == "run":
             rec = run_piece(settings, args.name, args.out, restore_from=args.restore, config_args=args.config_args,
                             gpu_jobs=args.gpu_jobs, cores=args.cores, deadline_s=args.deadline,
-                            allow_rerun=args.allow_rerun, extra=extra)
+                            allow_rerun=args.allow_rerun, extra=extra, accept=tuple(args.accept))
             print(json.dumps({k: rec[k] for k in ("piece", "wall_s", "run_s", "trained_tokens",
                                                    "aggregate_tokens_per_s", "missing_targets", "packed")}))
             return 0 if not rec["missing_targets"] else 1
-        rec = render_report(settings, args.restore, args.into, args.config_args, extra)
+        rec = render_report(settings, args.restore, args.into, args.config_args, extra, tuple(args.accept))
         print(json.dumps({k: rec[k] for k in ("scale", "restored_files", "run_commits")}))
         return 0
     except (PieceError, ConfigError) as e:

@@ -1,0 +1,176 @@
+"""A scale in pieces (lrattnres.pieces): planning, packing, restoring, and a smoke-scale chain of two
+pieces and a report on three fresh copies of the repository, none of which redoes another's work."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import pytest
+
+from lrattnres import pieces
+from lrattnres.config import load_and_resolve
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def settings(scale="smoke"):
+    return load_and_resolve(REPO / "config.yaml", {"scale": scale})
+
+
+def test_plan_every_run_once_first_match_wins():
+    for scale in ("smoke", "gpu"):
+        S = settings(scale)
+        from lrattnres.grid import plan
+
+        got = [r for p in pieces.plan_pieces(S) for r in p.runs]
+        assert sorted(got) == sorted(r.run_id for r in plan(S)) and len(got) == len(set(got))
+    gpu = {p.name: p for p in pieces.plan_pieces(settings("gpu"))}
+    assert len(gpu["seeds"].runs) == 7 and "kernel_check" in gpu["seeds"].stages
+    assert max(len(p.runs) for p in gpu.values()) <= 7  # one wave of side-by-side trainings each
+
+
+def test_unmatched_runs_and_duplicate_names_refused():
+    S = settings()
+    with pytest.raises(pieces.PieceError, match="match no piece"):
+        pieces.plan_pieces({**S, "pieces": [{"name": "a", "runs": ["smoke-baseline-*"]}]})
+    with pytest.raises(pieces.PieceError, match="duplicate piece names"):
+        pieces.plan_pieces({**S, "pieces": [{"name": "a", "runs": ["x"]}, {"name": "a", "runs": ["*"]}]})
+
+
+def test_targets_include_the_stages_that_need_weights():
+    S = settings("gpu")
+    first = pieces.plan_pieces(S)[0]
+    t = pieces.piece_targets(S, first)
+    R = S["results"]
+    assert f"{R}/kernel_check.json" in t
+    assert f"{R}/evaluate/gpu-small-attnres-n8-r384-s0.json" in t and f"{R}/convert/gpu-small-attnres-n8-r384-s0.json" in t
+    assert all(f"{R}/diagnostics/{r}.json" in t for r in first.runs)
+
+
+def _fake_results(root: Path) -> None:
+    R = root / "results" / "smoke"
+    (R / "runs" / "a").mkdir(parents=True)
+    (R / "runs" / "a" / "result.json").write_text("{}")
+    (R / "runs" / "a" / "model.pt").write_bytes(b"weights stay behind")
+    (R / "logs" / "train").mkdir(parents=True)
+    (R / "logs" / "train" / "a.log").write_text("log")
+    (R / "data").mkdir()
+    (R / "data" / "train_00000.bin").write_bytes(b"\0" * 8)
+    meta = root / ".snakemake" / "metadata"
+    meta.mkdir(parents=True)
+    (meta / pieces._metadata_name("results/smoke/runs/a/result.json")).write_text("{}")
+
+
+def test_pack_keeps_small_outputs_and_metadata_only(tmp_path):
+    src = tmp_path / "src"
+    _fake_results(src)
+    info = pieces.pack(tmp_path / "p.tar.xz", "results/smoke", workdir=str(src))
+    with tarfile.open(tmp_path / "p.tar.xz") as tar:
+        names = set(tar.getnames())
+    assert "results/smoke/runs/a/result.json" in names and "results/smoke/logs/train/a.log" in names
+    assert not any(n.endswith((".pt", ".bin")) for n in names)
+    assert info["metadata"] == 1
+    dst = tmp_path / "dst"
+    dst.mkdir()
+    got = pieces.restore([str(tmp_path / "p.tar.xz")], workdir=str(dst), skip=("results/smoke/logs/",))
+    assert (dst / "results/smoke/runs/a/result.json").is_file() and not (dst / "results/smoke/logs").exists()
+    assert len(got) == len(names) - 1
+
+
+def test_restore_refuses_members_outside_the_tree(tmp_path):
+    evil = tmp_path / "evil.tar.xz"
+    (tmp_path / "x").write_text("x")
+    with tarfile.open(evil, "w:xz") as tar:
+        tar.add(tmp_path / "x", arcname="../outside.txt")
+    (tmp_path / "w").mkdir()
+    with pytest.raises(pieces.PieceError, match="not a plain file inside"):
+        pieces.restore([str(evil)], workdir=str(tmp_path / "w"))
+    (tmp_path / "junk.tar.xz").write_bytes(b"junk")
+    with pytest.raises(pieces.PieceError, match="not a piece archive"):
+        pieces.restore([str(tmp_path / "junk.tar.xz")], workdir=str(tmp_path / "w"))
+
+
+def test_restored_results_must_match_data_and_settings(tmp_path):
+    S = settings()
+    R = tmp_path / "r"
+    (R / "data").mkdir(parents=True)
+    (R / "data" / "manifest.json").write_text('{"a": 1}')
+    from lrattnres.data.manifest import sha256_file
+    from lrattnres.grid import plan, train_spec
+    from lrattnres.train import spec as spec_mod
+
+    run = plan(S)[0]
+    (R / "runs" / run.run_id).mkdir(parents=True)
+    spec = spec_mod.resolve(train_spec(S, run))
+    record = {"manifest_sha256": sha256_file(R / "data" / "manifest.json"), "spec": spec}
+    (R / "runs" / run.run_id / "spec.json").write_text(json.dumps(record))
+    (R / "settings.json").write_text(json.dumps(S))
+    assert pieces.check_same_data(str(R)) == 1
+    assert "train" in pieces.check_same_settings(S, str(R))
+    # other data
+    (R / "data" / "manifest.json").write_text('{"a": 2}')
+    with pytest.raises(pieces.PieceError, match="trained on data manifest"):
+        pieces.check_same_data(str(R))
+    # another experiment: a science setting differs, named; accepted only when asked
+    other = json.loads(json.dumps(S))
+    other["train"]["steps"] += 1
+    with pytest.raises(pieces.PieceError, match=r"settings.train differs .*'steps'"):
+        pieces.check_same_settings(other, str(R))
+    (R / "settings.json").write_text(json.dumps(other))  # the scale's block as now, the run as before
+    with pytest.raises(pieces.PieceError, match=r"training spec differs .*'steps'"):
+        pieces.check_same_settings(other, str(R))
+    pieces.check_same_settings(other, str(R), accept=("steps",))
+    (R / "settings.json").write_text(json.dumps(S))
+    # resources are not science: no difference
+    res = json.loads(json.dumps(S))
+    res["resources"] = {"default": {"mem_mb": 1}}
+    pieces.check_same_settings(res, str(R))
+
+
+def _copy_repo(dest: Path) -> Path:
+    ignore = shutil.ignore_patterns(".venv", "results", ".snakemake", ".git", ".pytest_cache", "__pycache__",
+                                    ".whl*", ".carry", "paper.html", "paper.json", "claims.tsv")
+    shutil.copytree(REPO, dest, ignore=ignore)
+    return dest
+
+
+def _piece(cwd: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "lrattnres", "piece", *args, "--config", "scale=smoke"],
+                          cwd=cwd, capture_output=True, text=True, timeout=900)
+
+
+@pytest.mark.slow
+def test_smoke_scale_in_two_pieces_and_a_report(tmp_path):
+    """Three fresh trees: the first piece, the second continuing it, the report from both."""
+    out = tmp_path / "out"
+    a = _copy_repo(tmp_path / "a")
+    r = _piece(a, "run", "first", "--out", str(out), "--cores", "2")
+    assert r.returncode == 0, r.stdout + r.stderr
+    first = json.loads((out / "first.json").read_text())
+    assert first["missing_targets"] == [] and first["planned_jobs"]["train"] == len(first["runs"])
+
+    b = _copy_repo(tmp_path / "b")
+    r = _piece(b, "run", "rest", "--out", str(out), "--cores", "2", "--restore", str(out / "first.tar.xz"))
+    assert r.returncode == 0, r.stdout + r.stderr
+    rest = json.loads((out / "rest.json").read_text())
+    # the restored runs are not trained again: only the piece's own runs are planned
+    assert rest["restored_runs"] == len(first["runs"])
+    assert rest["planned_jobs"]["train"] == len(rest["runs"])
+    assert not set(rest["runs"]) & set(first["runs"])
+
+    c = _copy_repo(tmp_path / "c")
+    into = tmp_path / "recorded"
+    r = _piece(c, "report", "--restore", str(out / "first.tar.xz"), str(out / "rest.tar.xz"), "--into", str(into))
+    assert r.returncode == 0, r.stdout + r.stderr
+    log = (into / "snakemake.log").read_text()
+    assert "rule train:" not in log and "rule diagnose_run:" not in log  # nothing remade
+    paper = json.loads((into / "paper.json").read_text())
+    assert paper["scale"] == "smoke" and paper["claims"]
+    run_ids = {x["run_id"] for x in (first["run_results"] + rest["run_results"])}
+    grid = json.loads((c / "results" / "smoke" / "grid.json").read_text())
+    assert {row["run_id"] for row in grid["runs"]} == run_ids
