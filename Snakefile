@@ -38,3 +38,4 @@ rule all:
     input:
         "reports/paper.html",
         "reports/paper.json",
+        "reports/claims.tsv",

@@ -545,17 +545,70 @@ def run_rows(rows: list[dict], settings: dict) -> dict[str, dict]:
     return out
 
 
+SEGMENTS = 5  # contiguous segments of a run pair's per-step gradient norms (paired batch means)
+
+
+def _norms_by_step(row: dict) -> dict:
+    tr = row.get("grad_norm_trace") or {}
+    return {st: g for st, g in zip(tr.get("step") or [], tr.get("norm") or [])
+            if isinstance(g, (int, float)) and math.isfinite(g)}
+
+
+def _segment_effects(rows: list[dict], effect, k: int = SEGMENTS) -> list[float]:
+    """``effect(*segments)`` on ``k`` contiguous segments of the runs' per-step norms at the steps all
+    of them logged (the runs share seed and data order, so a segment covers the same batches in
+    each); [] with fewer than ``k`` common steps or where ``effect`` is undefined."""
+    from lrattnres import stats
+
+    by = [_norms_by_step(r) for r in rows]
+    steps = sorted(set.intersection(*(set(b) for b in by))) if by else []
+    if len(steps) < k:
+        return []
+    out = []
+    for seg in stats.segments(steps, k):
+        v = effect(*[[b[st] for st in seg] for b in by])
+        if v is None or not math.isfinite(v):
+            return []
+        out.append(v)
+    return out
+
+
+def _mean(xs):
+    return statistics.fmean(xs)
+
+
+def _pvar(xs):
+    return statistics.pvariance(xs)
+
+
+def _reduction_pct(stat):
+    """100 (1 - stat(b) / stat(a)): how much lower b's statistic is than a's, in %."""
+    def f(a, b):
+        sa = stat(a)
+        return None if sa <= 0 else 100.0 * (1.0 - stat(b) / sa)
+    return f
+
+
+def _segmented(rows: list[dict], effect) -> dict:
+    samples = _segment_effects(rows, effect)
+    return {"samples": samples, "unit": "segments of the runs' training (same data order)"} if samples else {}
+
+
 def claims(rows: list[dict], settings: dict, known_ids=None) -> dict[str, dict]:
-    """The diagnostics claims of reports/published.yaml computed from the analysed runs."""
+    """The diagnostics claims of reports/published.yaml computed from the analysed runs.
+
+    Direction claims carry their evidence for the claims engine: N_eff comparisons are single runs
+    judged by the record's threshold (relative differences in %); gradient-norm comparisons are
+    paired over ``SEGMENTS`` contiguous segments of the runs' per-step norms."""
     out: dict[str, dict] = {}
     scale = settings.get("scale", "?")
     analog = "" if scale == "paper" else f"{scale} scale: analogous run (same method and N, same r/d, or same role)"
 
-    def put(cid: str, value, text: str = "", *, value_claim: bool = True, how: str | None = None) -> None:
+    def put(cid: str, value, text: str = "", *, value_claim: bool = True, how: str | None = None, **evidence) -> None:
         if value is None or (known_ids is not None and cid not in known_ids):
             return
         note = "; ".join(t for t in (text, (how or analog) if value_claim and analog else "") if t)
-        out[cid] = {"reproduced": value, "note": note}
+        out[cid] = {"reproduced": value, "note": note, **evidence}
 
     by_row = run_rows(rows, settings)
     seed0 = _main_seed0(rows, settings)
@@ -567,18 +620,27 @@ def claims(rows: list[dict], settings: dict, known_ids=None) -> dict[str, dict]:
             put(f"{prefix}.n_eff_final.{key}", r["n_eff"][-1], f"{r['run_id']}, {r.get('tokens')} tokens")
     full_lr = sorted((r for r in seed0 if r["method"] == "lr" and r["blocks"] == "full" and "sweep" in r["roles"]
                       and r.get("n_eff")), key=lambda r: r["rank"])
+
+    def excess(lo: dict, hi: dict) -> float:
+        return 100.0 * (lo["n_eff"][-1] / hi["n_eff"][-1] - 1.0)
+
     if len(full_lr) >= 2:
         lo, hi = full_lr[0], full_lr[-1]
-        put("sec4.6.n_eff_full_decreases_with_rank", lo["n_eff"][-1] > hi["n_eff"][-1],
+        put("sec4.6.n_eff_full_decreases_with_rank", excess(lo, hi),
             f"final-read N_eff {lo['n_eff'][-1]:.6g} at r={lo['rank']} ({lo['run_id']}) vs {hi['n_eff'][-1]:.6g} at "
             f"r={hi['rank']} ({hi['run_id']}), the smallest and largest r<d of the full sweep", value_claim=False)
+        mid = [r for r in full_lr if 2 * r["rank"] <= r["d_model"]]
+        if mid and mid[-1] is not lo:
+            put("sec4.6.n_eff_falls_r16_to_r512", excess(lo, mid[-1]),
+                f"final-read N_eff {lo['n_eff'][-1]:.6g} at r={lo['rank']} vs {mid[-1]['n_eff'][-1]:.6g} at "
+                f"r={mid[-1]['rank']} ({mid[-1]['run_id']}), the largest r <= d/2", value_claim=False)
     f6 = fig6_runs(rows, settings)
     at = f6["attnres"]
     low = [r for r in (f6["lr"], f6["plr"]) if r is not None and r.get("n_eff")]
     if at is not None and at.get("n_eff") and low:
-        ok = all(r["n_eff"][-1] > at["n_eff"][-1] for r in low)
+        worst = min(low, key=lambda r: r["n_eff"][-1])
         who = ", ".join(f"{r['run_id']} {r['n_eff'][-1]:.6g}" for r in low)
-        put("appD.1.lowrank_broader_final_read.n8", ok,
+        put("appD.1.lowrank_broader_final_read.n8", excess(worst, at),
             f"N = {at['blocks']} stands for N = 8; final-read N_eff: AttnRes {at['run_id']} {at['n_eff'][-1]:.6g} vs {who}"
             + ("" if f6["plr"] else "; no projected run at this N"), value_claim=False)
 
@@ -592,19 +654,38 @@ def claims(rows: list[dict], settings: dict, known_ids=None) -> dict[str, dict]:
     plr_runs = [r for r in seed0 if r["method"] == "plr" and r["grad_norm"]["mean"] is not None]
     full_plr = [r for r in plr_runs if r["blocks"] == "full"]
     stand = full_plr or plr_runs
-    if base is not None and base["grad_norm"]["mean"] is not None and stand:
-        b = base["grad_norm"]["mean"]
-        put("appC.5.plr_full_below_baseline", all(r["grad_norm"]["mean"] < b for r in stand),
-            f"baseline {b:.6g} vs " + ", ".join(f"{r['run_id']} {r['grad_norm']['mean']:.6g}" for r in stand)
-            + ("" if full_plr else "; no full projected run at this scale: the block projected runs stand in"),
-            value_claim=False)
+
+    def below(ref: dict, runs: list[dict], cid: str, extra: str) -> None:
+        b = ref["grad_norm"]["mean"]
+        worst = max(runs, key=lambda r: r["grad_norm"]["mean"])
+        put(cid, 100.0 * (1.0 - worst["grad_norm"]["mean"] / b),
+            f"{ref['run_id']} {b:.6g} vs " + ", ".join(f"{r['run_id']} {r['grad_norm']['mean']:.6g}" for r in runs) + extra,
+            value_claim=False,
+            **_segmented([ref, *runs], lambda a, *bs: 100.0 * (1.0 - max(_mean(x) for x in bs) / _mean(a))))
+
+    if base is not None and base["grad_norm"]["mean"] and stand:
+        below(base, stand, "appC.5.plr_full_below_baseline",
+              "" if full_plr else "; no full projected run at this scale: the block projected runs stand in")
+    at_full = next((r for r in seed0 if r["method"] == "attnres" and r["blocks"] == "full"
+                    and "sweep" in r["roles"] and r["grad_norm"]["mean"]), None)
+    if at_full is not None and full_plr:
+        below(at_full, full_plr, "appC.5.plr_full_below_attnres", "")
     ctrl = next((r for r in seed0 if "control" in r["roles"]), None)
     if ctrl is not None:
         sl = next((r for r in seed0 if r["method"] == "lr" and r["blocks"] == ctrl["blocks"] and r["rank"] == ctrl["rank"]), None)
-        if sl is not None and None not in (ctrl["grad_norm"]["mean"], sl["grad_norm"]["mean"]):
-            put("appC.5.fullrms_above_slice", ctrl["grad_norm"]["mean"] > sl["grad_norm"]["mean"],
+        if sl is not None and None not in (ctrl["grad_norm"]["mean"], sl["grad_norm"]["mean"]) and sl["grad_norm"]["mean"] > 0:
+            put("appC.5.fullrms_above_slice", 100.0 * (ctrl["grad_norm"]["mean"] / sl["grad_norm"]["mean"] - 1.0),
                 f"control {ctrl['run_id']} {ctrl['grad_norm']['mean']:.6g} vs sliced {sl['run_id']} "
-                f"{sl['grad_norm']['mean']:.6g}", value_claim=False)
+                f"{sl['grad_norm']['mean']:.6g}", value_claim=False,
+                **_segmented([ctrl, sl], lambda c, s_: 100.0 * (_mean(c) / _mean(s_) - 1.0)))
+    for n in dict.fromkeys(r["blocks"] for r in seed0 if "sweep" in r["roles"]):
+        runs = [r for r in seed0 if "sweep" in r["roles"] and r["blocks"] == n and r["method"] == "lr"
+                and r["grad_norm"]["mean"] is not None]
+        if runs and n in ("full", 4, 8, 16):
+            g = min(runs, key=lambda r: r["grad_norm"]["mean"])
+            put(f"appC.5.grad_norm_argmin_rank.n{n}", round(g["r_over_d"] * PAPER_D),
+                f"{g['run_id']} (r = {g['rank']}; paper-equivalent rank r/d x {PAPER_D}) among "
+                + ", ".join(f"r={r['rank']} {r['grad_norm']['mean']:.4g}" for r in sorted(runs, key=lambda r: r["rank"])))
 
     # Table 9 / Appendix G.1: the size pair
     for role, size in zip(("small", "large"), PAIR_SIZES):
@@ -624,15 +705,24 @@ def claims(rows: list[dict], settings: dict, known_ids=None) -> dict[str, dict]:
         ga, gl = a["grad_norm"], l["grad_norm"]
         who = f"{size.upper()} pair: {l['run_id']} vs {a['run_id']}"
         if ga["mean"] and gl["mean"] is not None:
-            put(f"appG.1.grad_norm_mean_reduction_pct.{size}", 100.0 * (ga["mean"] - gl["mean"]) / ga["mean"], who, how=how)
-            put(f"appG.1.lr_lower_grad_norm.{size}", gl["mean"] < ga["mean"],
-                f"{who}: mean {gl['mean']:.6g} vs {ga['mean']:.6g}", value_claim=False)
+            red = 100.0 * (ga["mean"] - gl["mean"]) / ga["mean"]
+            put(f"appG.1.grad_norm_mean_reduction_pct.{size}", red, who, how=how)
+            put(f"appG.1.lr_lower_grad_norm.{size}", red, f"{who}: mean {gl['mean']:.6g} vs {ga['mean']:.6g}",
+                value_claim=False, **_segmented([a, l], _reduction_pct(_mean)))
         if ga["var"] and gl["var"] is not None:
-            put(f"appG.1.grad_norm_var_reduction_pct.{size}", 100.0 * (ga["var"] - gl["var"]) / ga["var"], who, how=how)
+            red = 100.0 * (ga["var"] - gl["var"]) / ga["var"]
+            put(f"appG.1.grad_norm_var_reduction_pct.{size}", red, who, how=how)
+            put(f"appG.1.lr_lower_grad_norm_var.{size}", red, f"{who}: variance {gl['var']:.6g} vs {ga['var']:.6g}",
+                value_claim=False, **_segmented([a, l], _reduction_pct(_pvar)))
         if None not in (ga["above_clip_pct"], gl["above_clip_pct"]):
-            put(f"appG.1.lr_fewer_clipped.{size}", gl["above_clip_pct"] < ga["above_clip_pct"],
-                f"{who}: {gl['above_clip_pct']:.2f}% vs {ga['above_clip_pct']:.2f}% of steps above {ga['clip']:g}",
-                value_claim=False)
+            clip = ga["clip"]
+
+            def above(xs, clip=clip):
+                return 100.0 * sum(x > clip for x in xs) / len(xs)
+
+            put(f"appG.1.lr_fewer_clipped.{size}", ga["above_clip_pct"] - gl["above_clip_pct"],
+                f"{who}: {gl['above_clip_pct']:.2f}% vs {ga['above_clip_pct']:.2f}% of steps above {clip:g}",
+                value_claim=False, **_segmented([a, l], lambda x, y: above(x) - above(y)))
     return out
 
 

@@ -8,9 +8,15 @@ that serves two roles trains once.
 
 Summarising (``python -m lrattnres summarize-grid``) reads every run's ``result.json`` and
 ``metrics.jsonl`` and writes the grid result: the per-run table, validation curves, gradient-norm
-traces, and the claims of the training sections (Table 5 losses, Section 4.2-4.5, Appendix A).
-Runs of the small scales are reported under the paper's row ids by analogy (same method and N, the
-same r/d ratio); their value claims show "different scale".
+traces, and the claims of the training sections (Table 5 losses and shape, Sections 4.2-4.6,
+Appendices A, C.3 and C.5).  Runs of the small scales are reported under the paper's row ids by
+analogy (same method and N, the same r/d ratio); their value claims show "different scale".
+
+Direction claims carry their evidence for the claims engine (lrattnres/claims.py): paired samples
+over seeds or configurations, or, for a comparison of single runs, a standard error from the same
+scale's run-to-run noise: the pooled sample SD of the headline pair's seed replicates times the norm
+of the comparison's coefficients (sqrt 2 for a difference of two runs), with the pooled degrees of
+freedom.  Near-ties take as margin half the headline pair's mean paired reduction.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from lrattnres import stats
 from lrattnres.accounting import added_flops
 from lrattnres.config import deep_merge, resolve_rank
 from lrattnres.io import atomic_write_json, read_json
@@ -165,17 +172,28 @@ def read_curve(metrics_path: Path) -> tuple[list[dict], list[dict]]:
     return val, steps
 
 
-def summarize(settings: dict, run_dirs: dict[str, Path], known_ids=None) -> dict:
+def summarize(settings: dict, run_dirs: dict[str, Path], known_ids=None, published: dict | None = None) -> dict:
     """The grid result: per-run table, curves and the claims of the training sections.
 
     ``known_ids``: the published claim ids; claims without a published counterpart (a small-scale
     run whose analogue the paper did not train) are left out of ``claims`` but stay in the table.
+    ``published``: the published records by id (Table 5's losses for the rank correlation).  A run
+    whose ``final_val_ce`` is not a finite number stays in the table with ``final_val_ce`` null and a
+    ``problem`` naming the file and key; the claims that depend on it are left without a value.
     """
     runs = plan(settings)
     table = []
     for run in runs:
         folder = run_dirs[run.run_id]
         result = read_json(folder / "result.json")
+        loss = result.get("final_val_ce") if isinstance(result, dict) else None
+        problem = None
+        if not _finite_loss(loss):
+            problem = f"{folder / 'result.json'}: final_val_ce: expected a finite number, got {loss!r}"
+            log.warning("%s", problem)
+            loss = None
+        if not isinstance(result, dict):
+            result = {}
         val, steps = read_curve(folder / "metrics.jsonl")
         shape = get_preset(run.preset)
         d = shape["d_model"]
@@ -190,7 +208,7 @@ def summarize(settings: dict, run_dirs: dict[str, Path], known_ids=None) -> dict
             "seed": run.seed,
             "roles": list(run.roles),
             "added_flops_pct": cost["pct"],
-            "final_val_ce": result["final_val_ce"],
+            "final_val_ce": loss,
             "steps": result.get("steps"),
             "tokens": result.get("tokens"),
             "data_epochs": result.get("data_epochs"),
@@ -201,8 +219,10 @@ def summarize(settings: dict, run_dirs: dict[str, Path], known_ids=None) -> dict
             "grad_norm_trace": [s["grad_norm"] for s in steps],
         }
         row["paper_row"] = paper_row(row, d)
+        if problem:
+            row["problem"] = problem
         table.append(row)
-    produced = claims(settings, table)
+    produced = claims(settings, table, published)
     if known_ids is not None:
         dropped = sorted(set(produced) - set(known_ids))
         if dropped:
@@ -218,19 +238,87 @@ def _loss(rows: list[dict], **match) -> float | None:
     return None
 
 
-def claims(settings: dict, rows: list[dict]) -> dict[str, dict]:
-    """Claims of Sections 4.2-4.5 / Appendix A from the run table (see reports/published.yaml)."""
+def _finite_loss(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+SEGMENTS = 5  # contiguous segments of a run pair's per-step gradient norms (paired batch means)
+# A bad run's loss is replaced by each of these in turn: a claim that changes depends on it.
+_SENTINELS = (-1.0e6, 1.0e6)
+
+
+def claims(settings: dict, rows: list[dict], published: dict | None = None) -> dict[str, dict]:
+    """Claims of Sections 4.2-4.6, Appendices A and C.3, C.5 and Table 5's shape from the run table
+    (see reports/published.yaml).  ``published``: the records by id (Table 5's losses for the rank
+    correlation).
+
+    A run whose ``final_val_ce`` is not a finite number (its ``problem`` says why) leaves every claim
+    that depends on it without a value and with the problem as its note: the claims are computed
+    with the run's loss set to a very low and to a very high value, and a claim that differs between
+    the two depends on it."""
+    bad = [r for r in rows if not _finite_loss(r.get("final_val_ce"))]
+    if not bad:
+        return _claims(settings, rows, published)
+    why = "; ".join(r.get("problem") or f"{r['run_id']}: final_val_ce: expected a finite number, got "
+                    f"{r.get('final_val_ce')!r}" for r in bad)
+    outs = [_claims(settings, [dict(r, final_val_ce=v) if r in bad else r for r in rows], published)
+            for v in _SENTINELS]
+    out = {}
+    for cid in dict.fromkeys(list(outs[0]) + list(outs[1])):
+        a, b = outs[0].get(cid), outs[1].get(cid)
+        out[cid] = a if a == b else {"reproduced": None, "note": f"not computed: {why}"}
+    return out
+
+
+def _claims(settings: dict, rows: list[dict], published: dict | None) -> dict[str, dict]:
     out: dict[str, dict] = {}
     scale = settings["scale"]
     note = "" if scale == "paper" else f"{scale} scale: analogous run (same method and N, same r/d)"
 
-    def put(cid: str, value, text: str = "") -> None:
+    def put(cid: str, value, text: str = "", **evidence) -> None:
         if value is not None:
-            out[cid] = {"reproduced": value, "note": "; ".join(t for t in (text, note) if t)}
+            out[cid] = {"reproduced": value, "note": "; ".join(t for t in (text, note) if t), **evidence}
+
+    def absent(cid: str, why: str) -> None:
+        out[cid] = {"reproduced": None, "note": f"{why} ({scale} scale)"}
 
     main = settings["presets"]["main"]
     seed0 = [r for r in rows if r["preset"] == main and r["seed"] == 0]
     sweep = [r for r in seed0 if "sweep" in r["roles"] or "baseline" in r["roles"] or r["method"] in ("plr", "lr-fullrms")]
+    grid = settings["grid"]
+    d = next((r["d_model"] for r in seed0), None)
+    h = grid.get("headline")
+
+    # Run-to-run noise of one training run at this scale: the headline pair's seed replicates.
+    lr_runs: dict[int, float] = {}
+    at_runs: dict[int, float] = {}
+    if h and d:
+        hr = resolve_rank(h["rank"], d, where="grid.headline.rank")
+        lr_runs = {r["seed"]: r["final_val_ce"] for r in rows if r["preset"] == main and r["method"] == "lr"
+                   and r["blocks"] == h["blocks"] and r["rank"] == hr}
+        at_runs = {r["seed"]: r["final_val_ce"] for r in rows if r["preset"] == main and r["method"] == "attnres"
+                   and r["blocks"] == h["blocks"]}
+    pooled = stats.pooled_sd([list(lr_runs.values()), list(at_runs.values())])
+    noise_text = ("no seed replicates at this scale: single-run comparisons have no interval" if pooled is None else
+                  f"single-run noise: pooled seed SD {pooled[0]:.3g} ({pooled[1]} df, headline pair)")
+
+    def single(norm: float) -> dict:
+        """Evidence of a single-run contrast whose coefficients have Euclidean norm ``norm``."""
+        return {} if pooled is None else {"se": pooled[0] * norm, "df": pooled[1]}
+
+    def judged(text: str) -> str:
+        return "; ".join(t for t in (text, noise_text) if t)
+
+    pairs = sorted(set(lr_runs) & set(at_runs))
+    reductions = [at_runs[s] - lr_runs[s] for s in pairs]
+    margin = abs(statistics.fmean(reductions)) / 2 if reductions and statistics.fmean(reductions) != 0 else None
+
+    def tie(cid: str, effect: float, text: str, norm: float) -> None:
+        ev = single(norm)
+        if margin is not None:
+            ev["margin"] = margin
+        put(cid, effect, judged(text + ("; no tie margin: the headline pair has no paired reduction" if margin is None
+                                        else "; margin: half the headline pair's mean paired reduction")), **ev)
 
     # Table 5 / Appendix A losses of seed 0 on the main preset
     for r in sweep:
@@ -239,61 +327,188 @@ def claims(settings: dict, rows: list[dict]) -> dict[str, dict]:
             put(key, r["final_val_ce"], r["run_id"])
 
     base = _loss(seed0, method="baseline")
-    routed = [r for r in seed0 if "sweep" in r["roles"] or r["method"] in ("plr", "lr-fullrms")]
-    if base is not None and routed:
-        beat = [r for r in routed if r["final_val_ce"] < base]
-        put("sec4.2.routed_beat_baseline", len(beat) == len(routed), f"{len(beat)} of {len(routed)} routed runs below the baseline {base:.4f}")
     sweep_only = [r for r in seed0 if "sweep" in r["roles"]]
+    by_nr = {(r["blocks"], r["rank"]): r for r in sweep_only}
+    settings_n = list(dict.fromkeys(r["blocks"] for r in sweep_only))
+    block_ns = sorted(n for n in settings_n if n != "full")
+
+    # Table 5's shape: each configuration's change against the baseline, and the ordering
+    if base is not None:
+        routed = [r for r in sweep if r["method"] != "baseline" and r["paper_row"]]
+        for r in routed:
+            put(f"table5.loss_change_pct.{r['paper_row']}", 100.0 * (r["final_val_ce"] / base - 1.0),
+                judged(f"{r['run_id']} {r['final_val_ce']:.4f} against the baseline {base:.4f}"),
+                **{k: (100.0 * v / base if k == "se" else v) for k, v in single(math.sqrt(2)).items()})
+        if published is not None:
+            pts = {r["paper_row"]: [r["final_val_ce"], published[f"table5.val_loss.{r['paper_row']}"]["published"]]
+                   for r in routed if f"table5.val_loss.{r['paper_row']}" in published}
+            if len(pts) >= 3:
+                rho = stats.spearman_interval([v[0] for v in pts.values()], [v[1] for v in pts.values()])["rho"]
+                put("table5.loss_order_spearman", rho, f"configurations: {', '.join(pts)}", pairs=pts)
+            else:
+                absent("table5.loss_order_spearman", f"{len(pts)} configurations with a Table 5 row: too few to rank")
+
+    # Section 4.2
+    if base is not None and sweep_only:
+        imp = [base - r["final_val_ce"] for r in sweep_only]
+        below = sum(x > 0 for x in imp)
+        put("sec4.2.routed_beat_baseline", statistics.fmean(imp),
+            judged(f"{below} of {len(imp)} sweep configurations below the baseline {base:.4f}"),
+            samples=imp, unit="configurations", labels=[r["run_id"] for r in sweep_only], **_item(single(math.sqrt(2))))
     endpoints = {r["blocks"]: r["final_val_ce"] for r in sweep_only if r["method"] == "attnres"}
     lowrank = [r for r in sweep_only if r["method"] == "lr" and r["blocks"] in endpoints]
-    if lowrank:
-        wins = sum(r["final_val_ce"] < endpoints[r["blocks"]] for r in lowrank)
-        put("sec4.2.lowrank_beat_endpoint", wins, f"{wins} of {len(lowrank)} low-rank configurations beat r=d at the same N")
-    if sweep_only:
-        best = min(sweep_only, key=lambda r: r["final_val_ce"])
-        put("sec4.2.best_is_lowrank", best["rank"] < best["d_model"], f"best: {best['run_id']} ({best['final_val_ce']:.4f})")
-        best_lr = min((r for r in sweep_only if r["method"] == "lr"), key=lambda r: r["final_val_ce"], default=None)
-        if best_lr:
-            put("sec4.2.best_config", best_lr["paper_row"] or best_lr["run_id"], best_lr["run_id"])
-            put("sec4.2.best_val_loss", best_lr["final_val_ce"], best_lr["run_id"])
+    exception = [r for r in lowrank if r["paper_row"] == "lr.nfull.r16"]
+    counted = [r for r in lowrank if r not in exception]
+    if counted:
+        imp = [endpoints[r["blocks"]] - r["final_val_ce"] for r in counted]
+        wins = sum(x > 0 for x in imp)
+        put("sec4.2.lowrank_beat_endpoint", statistics.fmean(imp),
+            judged(f"{wins} of {len(imp)} low-rank configurations ({wins / len(imp):.3f}) beat r = d at the same N "
+                   f"(paper: 27 of 28 = 0.964)" + ("; the exception's analogue (full, r = d/64) apart" if exception else "")),
+            samples=imp, unit="configurations", labels=[r["run_id"] for r in counted], **_item(single(math.sqrt(2))))
+    if exception:
+        r = exception[0]
+        put("sec4.2.lowrank_endpoint_exception.nfull.r16", r["final_val_ce"] - endpoints["full"],
+            judged(f"{r['run_id']} {r['final_val_ce']:.4f} against full r = d {endpoints['full']:.4f}"), **single(math.sqrt(2)))
+    elif sweep_only:
+        absent("sec4.2.lowrank_endpoint_exception.nfull.r16", "no full-routing run at r = d/64")
+    ends = [r for r in sweep_only if r["method"] == "attnres"]
+    lows = [r for r in sweep_only if r["method"] == "lr"]
+    if ends and lows:
+        be, bl = min(ends, key=lambda r: r["final_val_ce"]), min(lows, key=lambda r: r["final_val_ce"])
+        put("sec4.2.best_is_lowrank", be["final_val_ce"] - bl["final_val_ce"],
+            judged(f"best r = d {be['run_id']} {be['final_val_ce']:.4f}, best r < d {bl['run_id']} {bl['final_val_ce']:.4f}"),
+            **single(math.sqrt(2)))
+        put("sec4.2.best_config", bl["paper_row"] or bl["run_id"], bl["run_id"])
+        put("sec4.2.best_val_loss", bl["final_val_ce"], bl["run_id"])
+    interior, labels = [], []
+    for n in settings_n:
+        runs = sorted((r for r in sweep_only if r["blocks"] == n), key=lambda r: r["rank"])
+        if len(runs) >= 3:
+            interior.append(min(runs[0]["final_val_ce"], runs[-1]["final_val_ce"]) - min(r["final_val_ce"] for r in runs[1:-1]))
+            labels.append(f"N={n}")
+        best = min(runs, key=lambda r: r["final_val_ce"]) if runs else None
+        if best is not None and n in PAPER_BLOCKS:
+            put(f"sec4.2.best_rank.n{n}", round(best["rank"] / best["d_model"] * PAPER_D),
+                f"{best['run_id']} (r = {best['rank']} of d = {best['d_model']}; paper-equivalent rank r/d x {PAPER_D})")
+    if interior:
+        put("sec4.2.best_rank_interior", statistics.fmean(interior),
+            f"per routing setting ({', '.join(labels)}): " + ", ".join(f"{x:+.4f}" for x in interior),
+            samples=interior, unit="routing settings")
+    elif sweep_only:
+        absent("sec4.2.best_rank_interior", "fewer than three ranks per routing setting: no interior rank")
+    ranks = sorted({r["rank"] for r in sweep_only if r["method"] == "lr"})
+    if d and "full" in settings_n and block_ns and len(ranks) >= 2:
+        r_small = d // 8 if d % 8 == 0 and d // 8 in ranks else ranks[0]
+        r_large = ranks[-1]
+        deltas = {n: by_nr[(n, r_large)]["final_val_ce"] - by_nr[(n, r_small)]["final_val_ce"]
+                  for n in settings_n if (n, r_large) in by_nr and (n, r_small) in by_nr}
+        blk = [deltas[n] for n in block_ns if n in deltas]
+        if r_large > r_small and "full" in deltas and blk:
+            put("sec4.2.rank_preference_depends_on_grouping", statistics.fmean(blk) - deltas["full"],
+                judged(f"L(r = {r_large}) - L(r = {r_small}): full {deltas['full']:+.4f}, "
+                       + ", ".join(f"N={n} {deltas[n]:+.4f}" for n in block_ns if n in deltas)),
+                **single(math.sqrt(2 / len(blk) + 2)))
+    if h and d:
+        hr = resolve_rank(h["rank"], d, where="grid.headline.rank")
+        at0 = _loss(seed0, method="attnres", blocks=h["blocks"])
+        lr0 = _loss(seed0, method="lr", blocks=h["blocks"], rank=hr)
+        if at0 is not None and lr0 is not None:
+            put("sec4.2.improvement_vs_attnres_n8", at0 - lr0, f"N = {h['blocks']}, r = {hr}, seed 0")
+        if ends and lr0 is not None:
+            put("sec4.2.improvement_vs_best_attnres", min(r["final_val_ce"] for r in ends) - lr0, f"N = {h['blocks']}, r = {hr}")
+        r16 = hr // 2 if hr % 2 == 0 else None
+        a, b = by_nr.get((h["blocks"], r16)), by_nr.get((h["blocks"], hr))
+        if a is not None and b is not None and a["method"] == "lr":
+            tie("sec4.2.r64_minus_r128", a["final_val_ce"] - b["final_val_ce"], f"{a['run_id']} - {b['run_id']}", math.sqrt(2))
+        elif sweep_only:
+            absent("sec4.2.r64_minus_r128", f"no sweep run at N = {h['blocks']}, r = {r16} (half the headline rank)")
+
+    # Section 4.3: block granularity
+    if d:
+        for n in block_ns:
+            if n in PAPER_BLOCKS:
+                put(f"sec4.3.block_min_val_loss.n{n}", min(r["final_val_ce"] for r in sweep_only if r["blocks"] == n))
+
+        def spread(r_: int) -> tuple[float, list[dict]] | None:
+            runs = [by_nr[(n, r_)] for n in block_ns if (n, r_) in by_nr]
+            if len(runs) < 2:
+                return None
+            vals = [x["final_val_ce"] for x in runs]
+            return max(vals) - min(vals), runs
+
+        sp = spread(d // 4) if d % 4 == 0 else None
+        if sp:
+            tie("sec4.3.block_spread.r256", sp[0], "block settings at r = d/4: " + ", ".join(
+                f"{x['run_id']} {x['final_val_ce']:.4f}" for x in sp[1]), math.sqrt(2))
+        elif sweep_only:
+            absent("sec4.3.block_spread.r256", "fewer than two block settings at r = d/4")
+        sp = spread(d // 2) if d % 2 == 0 else None
+        if sp:
+            put("sec4.3.block_spread.r512", sp[0], ", ".join(x["run_id"] for x in sp[1]))
+        if len(block_ns) >= 2:
+            nmax = block_ns[-1]
+            worst = []
+            for r_ in sorted({r["rank"] for r in sweep_only}):
+                runs = {n: by_nr[(n, r_)]["final_val_ce"] for n in block_ns if (n, r_) in by_nr}
+                if len(runs) >= 2:
+                    best_n = min(runs, key=runs.get)
+                    paper_r = round(r_ / d * PAPER_D)
+                    if paper_r in PAPER_RANKS:
+                        put(f"sec4.3.best_blocks.r{paper_r}", best_n, f"r = {r_}: " + ", ".join(f"N={n} {v:.4f}" for n, v in runs.items()))
+                    if nmax in runs:
+                        worst.append((runs[nmax] - min(v for n, v in runs.items() if n != nmax), r_))
+            if worst:
+                w, wr = max(worst)
+                put("sec4.3.more_blocks_not_consistently_better", w,
+                    judged(f"largest N = {nmax} against the best smaller N, largest excess at r = {wr}"), **single(math.sqrt(2)))
+            if d % 4 == 0:
+                q, hf = d // 4, d // 2
+                dl = {n: by_nr[(n, hf)]["final_val_ce"] - by_nr[(n, q)]["final_val_ce"]
+                      for n in block_ns if (n, q) in by_nr and (n, hf) in by_nr}
+                small = [dl[n] for n in block_ns[:-1] if n in dl]
+                if nmax in dl and small:
+                    put("sec4.3.r256_to_r512_depends_on_n", statistics.fmean(small) - dl[nmax],
+                        judged(f"L(r = {hf}) - L(r = {q}): " + ", ".join(f"N={n} {v:+.4f}" for n, v in dl.items())),
+                        **single(math.sqrt(2 / len(small) + 2)))
+                elif sweep_only:
+                    absent("sec4.3.r256_to_r512_depends_on_n", "no pair of block settings run at both r = d/4 and d/2")
+        elif sweep_only:
+            for cid in ("sec4.3.more_blocks_not_consistently_better", "sec4.3.r256_to_r512_depends_on_n"):
+                absent(cid, "fewer than two block settings")
 
     # Section 4.4: seeds and the control
-    h = settings["grid"].get("headline")
-    if h:
-        d = next(r["d_model"] for r in seed0)
-        hr = resolve_rank(h["rank"], d, where="grid.headline.rank")
-        lr_runs = {r["seed"]: r["final_val_ce"] for r in rows if r["preset"] == main and r["method"] == "lr" and r["blocks"] == h["blocks"] and r["rank"] == hr}
-        at_runs = {r["seed"]: r["final_val_ce"] for r in rows if r["preset"] == main and r["method"] == "attnres" and r["blocks"] == h["blocks"]}
-        prow_lr, prow_at = HEADLINE_LR, HEADLINE_ATTNRES
+    if h and d:
         for seed in sorted(lr_runs):
-            put(f"appA.val_loss.{prow_lr}.s{seed}", lr_runs[seed])
+            put(f"appA.val_loss.{HEADLINE_LR}.s{seed}", lr_runs[seed])
         for seed in sorted(at_runs):
-            put(f"appA.val_loss.{prow_at}.s{seed}", at_runs[seed])
-        pairs = sorted(set(lr_runs) & set(at_runs))
+            put(f"appA.val_loss.{HEADLINE_ATTNRES}.s{seed}", at_runs[seed])
         if pairs:
-            reductions = [at_runs[s] - lr_runs[s] for s in pairs]
-            put("sec4.4.paired_reduction_all_positive", all(x > 0 for x in reductions), f"reductions per seed: {', '.join(f'{x:+.4f}' for x in reductions)}")
+            put("sec4.4.paired_reduction_all_positive", statistics.fmean(reductions),
+                judged(f"reductions per seed: {', '.join(f'{x:+.4f}' for x in reductions)}"),
+                samples=reductions, unit="seeds", labels=[f"seed {s}" for s in pairs], **_item(single(math.sqrt(2))))
             put("sec4.4.paired_reduction_mean", statistics.fmean(reductions))
         if len(lr_runs) >= 2:
-            put(f"sec4.4.val_loss_mean.{prow_lr}", statistics.fmean(lr_runs.values()))
-            put(f"sec4.4.val_loss_sd.{prow_lr}", statistics.stdev(lr_runs.values()))
+            put(f"sec4.4.val_loss_mean.{HEADLINE_LR}", statistics.fmean(lr_runs.values()))
+            put(f"sec4.4.val_loss_sd.{HEADLINE_LR}", statistics.stdev(lr_runs.values()))
         if len(at_runs) >= 2:
-            put(f"sec4.4.val_loss_mean.{prow_at}", statistics.fmean(at_runs.values()))
-            put(f"sec4.4.val_loss_sd.{prow_at}", statistics.stdev(at_runs.values()))
-        c = settings["grid"].get("control")
+            put(f"sec4.4.val_loss_mean.{HEADLINE_ATTNRES}", statistics.fmean(at_runs.values()))
+            put(f"sec4.4.val_loss_sd.{HEADLINE_ATTNRES}", statistics.stdev(at_runs.values()))
+        c = grid.get("control")
         if c:
             cr = resolve_rank(c["rank"], d, where="grid.control.rank")
             ctrl = _loss(seed0, method="lr-fullrms", blocks=c["blocks"], rank=cr)
-            sl = _loss(seed0, method="lr", blocks=c["blocks"], rank=cr)
-            at = _loss(seed0, method="attnres", blocks=c["blocks"])
             if ctrl is not None:
                 put(f"appA.val_loss.{CONTROL}", ctrl)
-            if ctrl is not None and at is not None:
-                put("sec4.4.fullrms_beats_attnres", ctrl < at, f"control {ctrl:.4f} vs AttnRes {at:.4f}")
-            if ctrl is not None and sl is not None and at is not None:
-                gain = at - sl
-                put("sec4.4.fullrms_close_to_slice", abs(ctrl - sl) < 0.5 * abs(gain) if gain > 0 else False,
-                    f"|control - slice| = {abs(ctrl - sl):.4f}; slice gain over AttnRes {gain:+.4f}")
+            if ctrl is not None and at_runs:
+                m = statistics.fmean(at_runs.values())
+                put("sec4.4.fullrms_beats_attnres", m - ctrl,
+                    judged(f"control {ctrl:.4f} vs AttnRes mean {m:.4f} over {len(at_runs)} seeds"),
+                    **single(math.sqrt(1 + 1 / len(at_runs))))
+            if ctrl is not None and lr_runs:
+                m = statistics.fmean(lr_runs.values())
+                tie("sec4.4.fullrms_close_to_slice", ctrl - m, f"control {ctrl:.4f} vs slice mean {m:.4f} over {len(lr_runs)} seeds",
+                    math.sqrt(1 + 1 / len(lr_runs)))
 
     # Section 4.5 / Table 1: the size pair
     for size_role, size in zip(("small", "large"), PAIR_SIZES):
@@ -306,7 +521,75 @@ def claims(settings: dict, rows: list[dict]) -> dict[str, dict]:
             put(f"table1.val_loss.{size}.lr", lr, next(r["run_id"] for r in pair if r["method"] == "lr"))
         if at is not None and lr is not None:
             put(f"sec4.5.val_loss_reduction.{size}", at - lr)
-            put(f"sec4.5.lr_lower_loss.{size}", lr < at, f"LR {lr:.4f} vs AttnRes {at:.4f}")
+            put(f"sec4.5.lr_lower_loss.{size}", at - lr,
+                judged(f"LR {lr:.4f} vs AttnRes {at:.4f}; the main preset's seed noise stands for the pair's"),
+                **single(math.sqrt(2)))
+
+    # Section 4.6: the loss over the full-routing ranks whose N_eff the diagnostics compare
+    full = sorted((r for r in sweep_only if r["method"] == "lr" and r["blocks"] == "full"), key=lambda r: r["rank"])
+    mid = [r for r in full if r["rank"] * 2 <= r["d_model"]]
+    if len(full) >= 2 and mid and mid[-1] is not full[0]:
+        lo, hi = full[0], mid[-1]
+        put("sec4.6.loss_improves_r16_to_r512", lo["final_val_ce"] - hi["final_val_ce"],
+            judged(f"{lo['run_id']} {lo['final_val_ce']:.4f} -> {hi['run_id']} {hi['final_val_ce']:.4f}"), **single(math.sqrt(2)))
+    elif sweep_only:
+        absent("sec4.6.loss_improves_r16_to_r512", "fewer than two full-routing ranks r <= d/2")
+
+    # Appendix C.3: projected keys
+    plr = [r for r in seed0 if r["method"] == "plr"]
+    if plr and lows:
+        bp, bl = min(plr, key=lambda r: r["final_val_ce"]), min(lows, key=lambda r: r["final_val_ce"])
+        tie("appC.3.best_plr_minus_best_lr", bp["final_val_ce"] - bl["final_val_ce"], f"{bp['run_id']} - {bl['run_id']}", math.sqrt(2))
+    plr_full = sorted((r for r in plr if r["blocks"] == "full"), key=lambda r: r["rank"])
+    matched = [(p, by_nr[("full", p["rank"])]) for p in plr_full if ("full", p["rank"]) in by_nr
+               and by_nr[("full", p["rank"])]["method"] == "lr"]
+    if matched:
+        p, s_ = next(((p, s_) for p, s_ in matched if p["paper_row"] == "plr.nfull.r64"), matched[0])
+        if p["paper_row"] == "plr.nfull.r64":
+            put("appC.3.lr_minus_plr.full.r64", s_["final_val_ce"] - p["final_val_ce"], f"{s_['run_id']} - {p['run_id']}")
+        put("appC.3.plr_beats_lr.full.r64", s_["final_val_ce"] - p["final_val_ce"],
+            judged(f"{s_['run_id']} {s_['final_val_ce']:.4f} vs {p['run_id']} {p['final_val_ce']:.4f}"), **single(math.sqrt(2)))
+    elif seed0:
+        absent("appC.3.plr_beats_lr.full.r64", "no full-routing projected run with a sliced run of the same rank")
+    if len(plr_full) >= 2:
+        put("appC.3.plr_full_improves_with_rank", plr_full[0]["final_val_ce"] - plr_full[-1]["final_val_ce"],
+            judged(f"{plr_full[0]['run_id']} -> {plr_full[-1]['run_id']}"), **single(math.sqrt(2)))
+    elif seed0:
+        absent("appC.3.plr_full_improves_with_rank", "fewer than two full-routing projected runs")
+
+    # Appendix C.5: the rank of the lowest loss is not the rank of the smallest gradient norm
+    full_g = [r for r in full if (r.get("grad_norm") or {}).get("mean") is not None]
+    if len(full_g) >= 2:
+        la = min(full_g, key=lambda r: r["final_val_ce"])
+        ga = min(full_g, key=lambda r: r["grad_norm"]["mean"])
+        samples = _segment_ratios(la.get("grad_norm_trace") or [], ga.get("grad_norm_trace") or [])
+        effect = 100.0 * (la["grad_norm"]["mean"] / ga["grad_norm"]["mean"] - 1.0)
+        text = (f"lowest loss {la['run_id']} (mean norm {la['grad_norm']['mean']:.4g}), smallest mean norm "
+                f"{ga['run_id']} ({ga['grad_norm']['mean']:.4g})" + ("; one rank minimises both" if la is ga else ""))
+        put("appC.5.grad_argmin_not_loss_argmin.nfull", effect, text,
+            **({"samples": samples, "unit": "segments of the run pair"} if samples else {}))
+    return out
+
+
+def _item(single_evidence: dict) -> dict:
+    """The single-run half-width of each item of an "every" claim (``item_se`` and ``df``)."""
+    if not single_evidence:
+        return {}
+    return {"item_se": single_evidence["se"], "df": single_evidence["df"]}
+
+
+def _segment_ratios(a: list, b: list, k: int = SEGMENTS) -> list[float]:
+    """100 (mean a / mean b - 1) on each of ``k`` contiguous segments of two runs' per-step series
+    (steps where either is not finite left out); [] when a segment would be empty."""
+    pts = [(x, y) for x, y in zip(a, b) if _finite_loss(x) and _finite_loss(y)]
+    if len(pts) < k:
+        return []
+    out = []
+    for seg in stats.segments(pts, k):
+        mb = statistics.fmean(y for _, y in seg)
+        if mb <= 0:
+            return []
+        out.append(100.0 * (statistics.fmean(x for x, _ in seg) / mb - 1.0))
     return out
 
 
@@ -323,8 +606,8 @@ def main(argv: list[str] | None = None) -> int:
     runs_root = Path(args.runs)
     from lrattnres.claims import load_published
 
-    known = set(load_published(args.published))
-    result = summarize(settings, {run.run_id: runs_root / run.run_id for run in plan(settings)}, known)
+    published = load_published(args.published)
+    result = summarize(settings, {run.run_id: runs_root / run.run_id for run in plan(settings)}, set(published), published)
     result["provenance"] = provenance(settings, started=started)
     atomic_write_json(args.out, result)
     log.info("grid: %d runs, %d claims -> %s", len(result["runs"]), len(result["claims"]), args.out)

@@ -198,7 +198,7 @@ def cli_result(tmp_path_factory, manifest_path):
 
 
 def test_cli_end_to_end(cli_result):
-    from lrattnres.claims import load_published
+    from lrattnres.claims import judge, load_published
     from lrattnres.grid import plan
 
     res = cli_result
@@ -231,15 +231,26 @@ def test_cli_end_to_end(cli_result):
     lr_mean = sum(LR_NORMS) / 6
     assert claims["table9.grad_norm_mean.1b.attnres"]["reproduced"] == pytest.approx(at_mean)
     assert claims["table9.grad_norm_mean.4b.lr"]["reproduced"] == pytest.approx(lr_mean)
-    assert claims["appG.1.lr_lower_grad_norm.1b"]["reproduced"] is True
-    assert claims["appG.1.lr_fewer_clipped.4b"]["reproduced"] is True
+    verdict = {cid: judge(published[cid], c, "smoke")["verdict"] for cid, c in claims.items()}
+    # the mean norm is 48.6% lower, but per segment of the six steps the pair disagrees: not resolved
+    lower = claims["appG.1.lr_lower_grad_norm.1b"]
+    assert lower["reproduced"] == pytest.approx(100 * (at_mean - lr_mean) / at_mean)
+    seg = [(ATTNRES_NORMS[i:j], LR_NORMS[i:j]) for i, j in ((0, 1), (1, 2), (2, 4), (4, 5), (5, 6))]
+    assert lower["samples"] == pytest.approx([100 * (1 - sum(b) / sum(a)) for a, b in seg])
+    assert lower["unit"].startswith("segments") and verdict["appG.1.lr_lower_grad_norm.1b"] == "inconclusive"
+    assert claims["appG.1.lr_fewer_clipped.4b"]["reproduced"] == pytest.approx(50 - 100 / 6)
+    assert claims["appG.1.lr_lower_grad_norm_var.1b"]["reproduced"] > 0
     assert claims["appG.1.grad_norm_mean_reduction_pct.1b"]["reproduced"] == pytest.approx(100 * (at_mean - lr_mean) / at_mean)
     assert claims["appC.5.grad_norm_mean.baseline"]["reproduced"] == pytest.approx(at_mean)
-    assert claims["appC.5.fullrms_above_slice"]["reproduced"] is False  # equal norms: not above
+    assert claims["appC.5.fullrms_above_slice"]["reproduced"] == 0.0  # equal norms: no effect
+    assert verdict["appC.5.fullrms_above_slice"] == "inconclusive"
     assert "smoke-plr-n2-r4-s0" in claims["appC.5.plr_full_below_baseline"]["note"]  # block run stood in
-    # uniform routing: N_eff at the final read = S, so low rank is not broader and N_eff does not fall with rank
-    assert claims["appD.1.lowrank_broader_final_read.n8"]["reproduced"] is False
-    assert claims["sec4.6.n_eff_full_decreases_with_rank"]["reproduced"] is False
+    assert claims["appC.5.grad_norm_argmin_rank.nfull"]["reproduced"] in (128, 256)
+    # uniform routing: N_eff at the final read = S, so low rank is not broader and N_eff does not fall with
+    # rank; within the claims' 10% threshold that is no effect either way
+    assert claims["appD.1.lowrank_broader_final_read.n8"]["reproduced"] == pytest.approx(0.0, abs=1e-3)
+    assert claims["sec4.6.n_eff_full_decreases_with_rank"]["reproduced"] == pytest.approx(0.0, abs=1e-3)
+    assert verdict["appD.1.lowrank_broader_final_read.n8"] == verdict["sec4.6.n_eff_full_decreases_with_rank"] == "inconclusive"
     assert claims["appD.1.n_eff_final.attnres.n8.r1024"]["reproduced"] == pytest.approx(3.0, rel=1e-5)  # N=2: emb+2
     fd = res["figures_data"]
     assert [c["rank"] for c in fd["fig4"]] == [4, 8, 32]

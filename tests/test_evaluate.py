@@ -305,9 +305,17 @@ def test_pair_claims_and_direction():
     assert lr_above_attnres_each_pair(rs[:2])["reproduced"] is True
     assert lr_above_attnres_each_pair(rs[:1])["reproduced"] is None
     pc = pair_claims(rs)
-    assert pc["sec4.5.lr_higher_acc.1b"]["reproduced"] is True
-    assert pc["sec4.5.lr_higher_acc.4b"]["reproduced"] is False
+    assert pc["sec4.5.lr_higher_acc.1b"]["reproduced"] == pytest.approx(1.0)  # the gain, signed the paper's way
+    assert pc["sec4.5.lr_higher_acc.4b"]["reproduced"] == pytest.approx(-0.5)
+    assert "se" not in pc["sec4.5.lr_higher_acc.1b"]  # no standard errors given: no interval
     assert pc["sec4.5.avg_acc_gain.4b"]["reproduced"] == pytest.approx(-0.5)
+    # with the tasks' binomial standard errors: sqrt(sum of both runs' squares) / 8
+    for r in rs:
+        for t in TASK_NAMES:
+            r["tasks"][t]["stderr"] = 0.5
+    pc = pair_claims(rs)
+    assert pc["sec4.5.lr_higher_acc.1b"]["se"] == pytest.approx((16 * 0.25) ** 0.5 / 8)
+    assert pc["sec4.5.lr_higher_acc.1b"]["n"] == 80
     ids = {"table1.avg_acc.1b.lr", "table8.acc.1b.lr.mean", "table8.acc.1b.lr.piqa"}
     assert set(task_claims(rs[1], ids)) == ids
     assert task_claims(res("baseline", "1b", 1.0), ids) == {}

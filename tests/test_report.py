@@ -1,4 +1,5 @@
-"""The report stage: assembly, claims bookkeeping, and the page rendered in headless Chromium."""
+"""The report stage: assembly, claims bookkeeping, resilience to bad stage data, the recorded report
+beside this one, and the page (glance section, claims filter) rendered in headless Chromium."""
 
 from __future__ import annotations
 
@@ -12,65 +13,246 @@ from pathlib import Path
 import pytest
 from conftest import REPO
 
-from lrattnres import accounting, report
+from lrattnres import accounting, claims as engine, grid, report
 from lrattnres.config import load_and_resolve
 from lrattnres.io import atomic_write_json, read_json
+
+PUBLISHED = REPO / "reports" / "published.yaml"
+
+
+def _loss(run: grid.Run) -> float:
+    """Synthetic outcomes with every kind of verdict: low rank helps, AttnRes does worse than the baseline."""
+    if run.method == "baseline":
+        return 5.0
+    base = {"attnres": 5.05, "lr": 4.9, "lr-fullrms": 4.91, "plr": 4.93}[run.method]
+    return base + 0.002 * run.seed - (0.1 if run.preset == "tiny-large" else 0.0)
+
+
+def grid_result(settings: dict, folder: Path, loss=_loss) -> Path:
+    """grid.json of synthetic run folders of the scale's plan (result.json and metrics.jsonl each)."""
+    dirs = {}
+    for run in grid.plan(settings):
+        d = folder / "runs" / run.run_id
+        d.mkdir(parents=True)
+        value = loss(run)
+        (d / "result.json").write_text(json.dumps({"stage": "train", "final_val_ce": value, "steps": 4, "tokens": 100}))
+        lines = [{"kind": "train", "step": i, "tokens": 10 * i, "grad_norm": 0.5 + i / 10, "ce": 6.0} for i in range(1, 11)]
+        lines.append({"kind": "final_val", "step": 10, "tokens": 100, "val_ce": value})
+        (d / "metrics.jsonl").write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+        dirs[run.run_id] = d
+    pub = engine.load_published(PUBLISHED)
+    out = folder / "grid.json"
+    atomic_write_json(out, {**grid.summarize(settings, dirs, set(pub), pub), "provenance": {"started": "2026-12-01T10:00:00"}})
+    return out
+
+
+def render(tmp: Path, results: list[Path], settings: dict | None = None, root: Path = REPO, extra: tuple = ()) -> int:
+    settings = settings or load_and_resolve(REPO / "config.yaml")
+    atomic_write_json(tmp / "settings.json", settings)
+    return report.main(["--settings", str(tmp / "settings.json"), "--published", str(PUBLISHED),
+                        "--results", *map(str, results), "--html", str(tmp / "paper.html"), "--json",
+                        str(tmp / "paper.json"), "--tsv", str(tmp / "claims.tsv"), "--root", str(root), *extra])
 
 
 @pytest.fixture(scope="module")
 def built_report(tmp_path_factory) -> dict[str, Path]:
-    """A report of the tiny scale's settings with the accounting stage done (as after a fresh install)."""
+    """A report of the tiny scale's settings with the accounting stage done and a synthetic training grid."""
     tmp = tmp_path_factory.mktemp("report")
     settings = load_and_resolve(REPO / "config.yaml")
-    atomic_write_json(tmp / "settings.json", settings)
     assert accounting.main(["--spec", json.dumps({"architectures": {"tiny": "tiny", "tiny-large": "tiny-large"},
                                                    "ranks": ["d/8", "d"], "blocks": ["full", 2]}),
                             "--out", str(tmp / "accounting.json")]) == 0
-    html, js = tmp / "paper.html", tmp / "paper.json"
-    rc = report.main(["--settings", str(tmp / "settings.json"), "--published", str(REPO / "reports" / "published.yaml"),
-                      "--results", str(tmp / "accounting.json"), "--html", str(html), "--json", str(js), "--root", str(REPO)])
-    assert rc == 0
-    return {"html": html, "json": js, "dir": tmp}
+    g = grid_result(settings, tmp)
+    assert render(tmp, [tmp / "accounting.json", g], settings) == 0
+    return {"html": tmp / "paper.html", "json": tmp / "paper.json", "tsv": tmp / "claims.tsv", "dir": tmp}
+
+
+def _strict(text: str):
+    def refuse(name):
+        raise ValueError(f"not strict JSON: {name}")
+    return json.loads(text, parse_constant=refuse)
 
 
 def test_paper_json_shape_and_not_run_claims(built_report):
-    paper = read_json(built_report["json"])
+    paper = _strict(built_report["json"].read_text())
     assert paper["scale"] == "tiny"
     assert {"commit", "dirty", "config_sha256", "versions", "device", "started", "finished"} <= set(paper["provenance"])
     claims = paper["claims"]
     ids = [c["id"] for c in claims]
     assert len(ids) == len(set(ids)) >= 300
     for c in claims:
-        assert set(c) >= {"id", "source", "row", "quantity", "kind", "published", "reproduced", "verdict", "note"}
+        assert set(c) == set(engine.CLAIM_FIELDS)
+        assert c["verdict"] in engine.VERDICTS
+        if c["kind"] in ("direction", "shape") and c["verdict"] in ("reproduced", "contradicted"):
+            assert c["n"] and len(c["interval"]) == 2 and "95% interval" in c["note"], c
     exact = [c for c in claims if c["kind"] == "exact"]
     assert exact and all(c["verdict"] == "match" for c in exact)
     table5 = [c for c in claims if c["id"].startswith("table5.added_flops.")]
     assert len(table5) >= 38 and all(c["verdict"] == "match" for c in table5)
     not_run = [c for c in claims if c["verdict"] == "not run"]
-    assert not_run, "only the accounting ran, so most claims are not run"
-    # the note names the stage that will produce the claim
-    assert all(re.search(r"\b(grid|convert|evaluate|throughput|diagnostics|kernel|stage)\b", c["note"]) for c in not_run)
+    assert not_run, "only the accounting and the grid ran, so most claims are not run"
+    # the note names the stage that will produce the claim, why it could not, or the parts not run
+    assert all(re.search(r"\b(grid|convert|evaluate|throughput|diagnostics|kernel|stage|scale|all of)\b", c["note"]) for c in not_run)
+    verdicts = {c["verdict"] for c in claims}
+    assert {"match", "reproduced", "contradicted", "inconclusive", "different scale", "not run"} <= verdicts
+    assert paper["problems"] == []
 
 
-def test_duplicate_claims_are_an_error():
+def test_claims_tsv_is_the_claims_table(built_report):
+    import pandas as pd
+
+    frame = pd.read_csv(built_report["tsv"], sep="\t", keep_default_na=False)
+    paper = read_json(built_report["json"])
+    assert list(frame.columns) == list(report.TSV_COLUMNS)
+    assert list(frame["id"]) == [c["id"] for c in paper["claims"]]
+    assert list(frame["verdict"]) == [c["verdict"] for c in paper["claims"]]
+    row = frame.set_index("id").loc["sec4.2.routed_beat_baseline"]
+    claim = next(c for c in paper["claims"] if c["id"] == "sec4.2.routed_beat_baseline")
+    assert float(row["interval_lo"]) == pytest.approx(claim["interval"][0]) and int(row["n"]) == claim["n"]
+
+
+def test_duplicate_claims_are_an_error_or_a_named_problem():
     a = {"_path": "a.json", "stage": "x", "claims": {"c1": {"reproduced": 1}}}
     b = {"_path": "b.json", "stage": "y", "claims": {"c1": {"reproduced": 2}}}
     with pytest.raises(ValueError, match="c1.*a.json.*b.json"):
         report.collect_produced({"x": [a], "y": [b]}, {})
+    problems: dict[str, str] = {}
+    rec = {"id": "c1", "source": "Table 5", "section": "C.3", "row": {}, "quantity": "q", "kind": "value",
+           "published": 1.0, "stage": "grid", "statement": "s"}
+    assert report.collect_produced({"x": [a], "y": [b]}, {}, {"c1": rec}, problems) == {}
+    assert "a.json" in problems["c1"] and "b.json" in problems["c1"]
 
 
-def test_result_without_stage_is_rejected(tmp_path):
+def test_result_without_stage_is_rejected_or_listed(tmp_path):
     bad = tmp_path / "r.json"
     bad.write_text("{}")
     with pytest.raises(ValueError, match="r.json.*stage"):
         report.load_results([str(bad)])
+    junk = tmp_path / "j.json"
+    junk.write_text("{not json")
+    problems: list[str] = []
+    assert report.load_results([str(bad), str(junk)], problems) == {}
+    assert "r.json" in problems[0] and "stage" in problems[0] and "j.json" in problems[1] and "not valid JSON" in problems[1]
 
 
 def test_sections_are_discovered_in_order():
     mods = report.discover_sections()
     names = [report.section_id(m) for m in mods]
-    assert names[0] == "accounting" and "grid" in names
+    assert names[0] == "glance" and "grid" in names
+    # the training results come before the accounting tables
+    assert names.index("grid") < names.index("accounting") and names[-1] == "accounting"
     assert all(hasattr(m, "TITLE") for m in mods)
+
+
+def test_accounting_tables_are_collapsed(built_report):
+    page = built_report["html"].read_text()
+    sec = page[page.index('<section id="accounting">'):]
+    sec = sec[: sec.index("</section>")]
+    assert '<details class="collapsed" id="accounting-tables">' in sec and "<details open" not in sec
+    assert sec.index("<details") < sec.index("<table")  # every table inside the closed details
+
+
+def test_malformed_stage_values_leave_their_claims_not_run(tmp_path):
+    """One malformed value per kind of fault: the page renders, the claims are "not run" naming the
+    file and key, the page lists the problems, paper.json stays strict."""
+    settings = load_and_resolve(REPO / "config.yaml")
+    g = grid_result(settings, tmp_path)
+    data = read_json(g)
+    data["claims"]["table5.val_loss.baseline"]["reproduced"] = "5.0x"  # a string
+    data["claims"]["sec4.2.routed_beat_baseline"]["samples"] = [0.1, None]  # a null in the evidence
+    data["claims"]["sec4.2.best_is_lowrank"]["reproduced"] = float("nan")  # NaN (Python's json writes it)
+    data["claims"]["no.such.claim"] = {"reproduced": 1}
+    data["runs"][0]["final_val_ce"] = None  # the grid section's table
+    data["runs"][1]["final_val_ce"] = "abc"
+    g.write_text(json.dumps(data))
+    junk = tmp_path / "junk.json"
+    junk.write_text('{"stage": "convert", "claims": ')
+    nostage = tmp_path / "nostage.json"
+    nostage.write_text('{"claims": {}}')
+    assert render(tmp_path, [g, junk, nostage], settings) == 0
+    paper = _strict((tmp_path / "paper.json").read_text())
+    by = {c["id"]: c for c in paper["claims"]}
+    for cid, key in (("table5.val_loss.baseline", "reproduced"), ("sec4.2.routed_beat_baseline", "samples"),
+                     ("sec4.2.best_is_lowrank", "reproduced")):
+        assert by[cid]["verdict"] == "not run", by[cid]
+        assert str(g) in by[cid]["note"] and f"claims['{cid}'].{key}" in by[cid]["note"], by[cid]["note"]
+    assert by["sec4.4.paired_reduction_all_positive"]["verdict"] != "not run"  # the rest stands
+    text = " ".join(paper["problems"])
+    assert "no.such.claim" in text and "junk.json" in text and "nostage.json" in text
+    assert "runs[0]" in text and "runs[1]" in text and "final_val_ce" in text
+    page = (tmp_path / "paper.html").read_text()
+    assert 'id="problems"' in page and "junk.json" in page and "Table 5 reproduced" in page
+
+
+def test_a_failing_section_is_contained(tmp_path, monkeypatch):
+    from lrattnres.report.sections import kernel
+
+    def boom(ctx):
+        raise KeyError("rows")
+
+    monkeypatch.setattr(kernel, "build", boom)
+    assert render(tmp_path, []) == 0
+    page = (tmp_path / "paper.html").read_text()
+    assert "This section could not be drawn" in page and "KeyError" in page and 'id="all-claims"' in page
+
+
+def test_a_failing_render_keeps_the_older_report(tmp_path, monkeypatch):
+    assert render(tmp_path, []) == 0
+    before = {p: (tmp_path / p).read_bytes() for p in ("paper.html", "paper.json", "claims.tsv")}
+
+    def broken(*a, **k):
+        raise RuntimeError("template exploded")
+
+    monkeypatch.setattr(report, "render", broken)
+    with pytest.raises(RuntimeError):
+        render(tmp_path, [])
+    assert {p: (tmp_path / p).read_bytes() for p in before} == before
+    assert not list(tmp_path.glob(".*.tmp"))  # no half-written temporary file left behind
+
+
+def _recorded_paper(root: Path, settings: dict, **override) -> Path:
+    """A synthetic recorded report of the gpu scale (paper.json shape)."""
+    path = root / settings["recorded"][report.RECORDED_REPORT]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    doc = {"scale": "gpu", "provenance": {"commit": "0123456789abcdef", "dirty": False, "device": "cuda: NVIDIA H200 x1",
+                                          "started": "2026-11-30T20:00:00+00:00", "finished": "2026-12-01T06:30:00+00:00"},
+           "claims": [{"id": "sec4.2.routed_beat_baseline", "verdict": "reproduced", "kind": "direction",
+                       "reproduced": 0.021, "interval": [0.011, 0.031], "n": 12},
+                      {"id": "sec4.4.paired_reduction_all_positive", "verdict": "inconclusive", "kind": "direction",
+                       "reproduced": 0.004, "interval": [-0.01, 0.018], "n": 3}]}
+    doc.update(override)
+    path.write_text(json.dumps(doc))
+    return path
+
+
+def test_recorded_report_column(tmp_path):
+    settings = load_and_resolve(REPO / "config.yaml")
+    assert report.RECORDED_REPORT in settings["recorded"]
+    _recorded_paper(tmp_path, settings)
+    assert render(tmp_path, [], settings, root=tmp_path) == 0
+    label = "gpu scale, cuda: NVIDIA H200 x1, 01234567, 2026-12-01"
+    page = (tmp_path / "paper.html").read_text()
+    glance = page[page.index('id="glance-table"'):page.index("</table>", page.index('id="glance-table"'))]
+    assert f"recorded: {label}" in glance and "[+0.011, +0.031], n = 12" in glance
+    claims_table = page[page.index('id="claims-table"'):]
+    assert f"recorded: {label}" in claims_table
+    row = claims_table[claims_table.index('id="claim-sec4.4.paired_reduction_all_positive"'):]
+    assert "inconclusive" in row[: row.index("</tr>")]
+    import pandas as pd
+
+    frame = pd.read_csv(tmp_path / "claims.tsv", sep="\t", keep_default_na=False).set_index("id")
+    assert frame.loc["sec4.2.routed_beat_baseline", "recorded_verdict"] == "reproduced"
+    assert frame.loc["table5.val_loss.baseline", "recorded_verdict"] == ""
+    # absent: no column; not a paper.json: no column, the problem named
+    (tmp_path / settings["recorded"][report.RECORDED_REPORT]).unlink()
+    assert render(tmp_path, [], settings, root=tmp_path) == 0
+    assert "recorded: " not in (tmp_path / "paper.html").read_text()
+    assert "recorded_verdict" not in (tmp_path / "claims.tsv").read_text()
+    _recorded_paper(tmp_path, settings, claims={"a": 1})
+    assert render(tmp_path, [], settings, root=tmp_path) == 0
+    paper = read_json(tmp_path / "paper.json")
+    assert any("recorded report" in p and "'claims'" in p for p in paper["problems"])
+    assert "recorded: " not in (tmp_path / "paper.html").read_text()
 
 
 def _chromium() -> str | None:
@@ -84,16 +266,27 @@ CHROME_FLAGS = [
 ]
 
 
+def _dom(url: str, profile: Path) -> str:
+    proc = subprocess.run([_chromium(), *CHROME_FLAGS, f"--user-data-dir={profile}", "--dump-dom", url],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    console = [line for line in proc.stderr.splitlines() if "CONSOLE" in line or "Uncaught" in line]
+    assert not [line for line in console if "error" in line.lower() or "Uncaught" in line], console
+    return proc.stdout
+
+
+def _rows(dom: str) -> list[tuple[str, bool]]:
+    """(claim id, hidden) of every row of the all-claims table in a dumped DOM."""
+    body = dom[dom.index('id="claims-table"'):]
+    body = body[: body.index("</table>")]
+    return [(m.group(1), "hidden" in m.group(0)) for m in re.finditer(r'<tr id="claim-([^"]+)"[^>]*>', body)]
+
+
 @pytest.mark.skipif(_chromium() is None, reason="chromium not installed (scripts/install.sh test installs it)")
 def test_page_renders_in_headless_chromium(built_report, tmp_path):
     html = built_report["html"]
     url = html.resolve().as_uri()
-    common = [_chromium(), *CHROME_FLAGS, f"--user-data-dir={tmp_path / 'profile'}"]
-    dom = subprocess.run([*common, "--dump-dom", url], capture_output=True, text=True, timeout=120)
-    assert dom.returncode == 0, dom.stderr[-2000:]
-    console = [line for line in dom.stderr.splitlines() if "CONSOLE" in line or "Uncaught" in line]
-    assert not [line for line in console if "error" in line.lower() or "Uncaught" in line], console
-    page = dom.stdout
+    page = _dom(url, tmp_path / "profile")
     assert "Low-Rank Attention Residuals: replication report" in page
     # every section the contents list names is on the page, and so are the claims and provenance
     for anchor in re.findall(r'<a href="#([^"]+)">', page):
@@ -106,8 +299,65 @@ def test_page_renders_in_headless_chromium(built_report, tmp_path):
     # Table 5's added-FLOPs column is shown with its verdicts
     assert "Table 5" in page and "match" in page
     shot = tmp_path / "page.png"
+    common = [_chromium(), *CHROME_FLAGS, f"--user-data-dir={tmp_path / 'profile'}"]
     proc = subprocess.run([*common, f"--screenshot={shot}", "--window-size=1280,2000", url], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and shot.stat().st_size > 10_000
+
+
+@pytest.mark.skipif(_chromium() is None, reason="chromium not installed (scripts/install.sh test installs it)")
+def test_glance_section_leads_the_page(built_report, tmp_path):
+    page = _dom(built_report["html"].resolve().as_uri(), tmp_path / "profile")
+    sections = re.findall(r'<section id="([^"]+)"', page)
+    assert sections[0] == "glance" and sections.index("grid") < sections.index("accounting")
+    glance = page[page.index('<section id="glance">'):]
+    glance = glance[: glance.index("</section>")]
+    assert "<h2>Results at a glance</h2>" in glance
+    rows = re.findall(r'<tr data-claim="([^"]+)">(.*?)</tr>', glance, re.S)
+    published = engine.load_published(PUBLISHED)
+    assert [cid for cid, _ in rows] == [cid for cid, r in published.items() if "glance" in r]
+    assert 10 <= len(rows) <= 14
+    paper = {c["id"]: c for c in read_json(built_report["json"])["claims"]}
+    for cid, cells in rows:
+        tds = re.findall(r"<td>(.*?)</td>", cells, re.S)
+        assert len(tds) == 5, cid  # conclusion, paper location, published, reproduced, verdict
+        assert f">{paper[cid]['verdict']}</span>" in tds[4], (cid, tds[4])
+        links = re.findall(r'href="#([^"]+)"', tds[0])
+        assert f"claim-{cid}" in links and all(f'id="{a}"' in page for a in links), (cid, links)
+        if paper[cid]["interval"]:
+            assert f"n = {paper[cid]['n']}" in tds[3] and "[" in tds[3]
+    # a statistical verdict of the synthetic grid shows its interval in the glance
+    assert paper["sec4.2.routed_beat_baseline"]["verdict"] == "contradicted"
+
+
+@pytest.mark.skipif(_chromium() is None, reason="chromium not installed (scripts/install.sh test installs it)")
+def test_claims_filter_works_from_disk(built_report, tmp_path):
+    """The inline filter, driven from disk: choosing values hides the other rows and counts the rest;
+    the choice can come from the address too."""
+    paper = read_json(built_report["json"])["claims"]
+    rows = _rows(_dom(built_report["html"].resolve().as_uri(), tmp_path / "p0"))
+    assert len(rows) == len(paper) and not any(hidden for _, hidden in rows)
+
+    def chosen(verdict="", kind="", section=""):
+        return [c["id"] for c in paper if (not verdict or c["verdict"] == verdict) and (not kind or c["kind"] == kind)
+                and (not section or c["section"] == section)]
+
+    # the user's way: change the selects; a script appended to a copy of the page does it
+    drive = built_report["dir"] / "driven.html"
+    script = """<script>
+      function pick(k, v) { var s = document.querySelector('select[data-filter="' + k + '"]');
+        s.value = v; s.dispatchEvent(new Event('change')); }
+      pick('kind', 'direction'); pick('verdict', 'inconclusive');
+    </script></body>"""
+    drive.write_text(built_report["html"].read_text().replace("</body>", script))
+    dom = _dom(drive.resolve().as_uri(), tmp_path / "p1")
+    visible = [cid for cid, hidden in _rows(dom) if not hidden]
+    want = chosen("inconclusive", "direction")
+    assert want and visible == want
+    assert f'<b id="claims-shown">{len(want)}</b>' in dom
+    # from the address
+    dom = _dom(built_report["html"].resolve().as_uri() + "?section=C.3&kind=shape", tmp_path / "p2")
+    visible = [cid for cid, hidden in _rows(dom) if not hidden]
+    assert visible == chosen(kind="shape", section="C.3") and visible
 
 
 def test_recorded_train_step_table():

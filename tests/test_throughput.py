@@ -228,24 +228,43 @@ def _fake_gpu_result(device: str, rd4: tuple = (48100, 48200, 48150)) -> dict:
 def test_claims_only_for_paper_shapes_and_gpus():
     if not PUBLISHED.exists():
         pytest.skip("reports/published.yaml not present")
+    from lrattnres.claims import judge, load_published
+
+    pub = load_published(PUBLISHED)
     ids = tp.published_ids(str(PUBLISHED))
+    # an H200 stands in for the H100 in the gains' directions, never in Table 3's values
     res, s = _fake_gpu_result("NVIDIA H200")
     c = tp.claims_for(res, s)
-    assert set(c) == {"sec4.9.rank_gain_positive.1b", "sec4.9.rank_gain_positive.4b"}
-    assert c["sec4.9.rank_gain_positive.1b"]["reproduced"] is True
-    assert "interval excludes 0" in c["sec4.9.rank_gain_positive.1b"]["note"]
-    # a positive mean whose interval straddles 0: the claim (a positive mean) holds, the note says the sign is open
+    assert set(c) == {f"sec4.9.{k}.h100.{size}" for k in ("rank_gain_positive", "fast_beats_fla", "combined_gain_positive")
+                      for size in ("1b", "4b")}
+    rank = c["sec4.9.rank_gain_positive.h100.1b"]
+    assert rank["samples"] == pytest.approx(res["gains"]["1B"]["rank"]["per_repeat"]) and rank["unit"] == "repeats"
+    assert rank["reproduced"] == pytest.approx(res["gains"]["1B"]["rank"]["mean"]) and "H200" in rank["note"]
+    assert judge(pub["sec4.9.rank_gain_positive.h100.1b"], rank, "tiny")["verdict"] == "reproduced"
+    # a positive mean whose interval straddles 0 does not establish the sign
     res, s = _fake_gpu_result("NVIDIA H200", rd4=(48500, 47300, 48000))
     c = tp.claims_for(res, s)
-    assert c["sec4.9.rank_gain_positive.1b"]["reproduced"] is True
-    assert "includes 0, so the sign is not established" in c["sec4.9.rank_gain_positive.1b"]["note"]
+    out = judge(pub["sec4.9.rank_gain_positive.h100.1b"], c["sec4.9.rank_gain_positive.h100.1b"], "tiny")
+    assert c["sec4.9.rank_gain_positive.h100.1b"]["reproduced"] > 0 and out["verdict"] == "inconclusive"
+    assert out["interval"][0] < 0 < out["interval"][1] and out["n"] == 3
     res, s = _fake_gpu_result("NVIDIA H100 80GB HBM3")
     c = tp.claims_for(res, s)
     assert set(c) <= ids
     assert c["table3.tokens_per_s.h100.1b.fla.rd"]["reproduced"] == pytest.approx(47050)
     assert "table3.rank_gain_ci_high.h100.4b" in c and "sec4.9.combined_gain_pct.h100.1b" in c
+    assert "H200" not in c["sec4.9.rank_gain_positive.h100.1b"]["note"]
+    assert tp.claims_for(*_fake_gpu_result("NVIDIA A100-SXM4-80GB")) == {}  # no paper GPU, no stand-in
     res["device_type"] = "cpu"
     assert tp.claims_for(res, s) == {}
+
+
+def test_stopping_rule_claim_names_the_runs_that_missed_it():
+    res, s = _fake_gpu_result("NVIDIA H200")
+    res["runs"] = [{"preset": "1B", "repeat": j, "name": n, "stopped": "converged" if (j, n) != (1, "fused-rd") else
+                    "max_updates", "updates": 30 if (j, n) == (1, "fused-rd") else 12}
+                   for j in range(3) for n in ("fla-rd", "fused-rd", "fused-rd4")]
+    c = tp.claims_for(res, s)["appI.repeats_met_stopping_rule.1b"]
+    assert c["reproduced"] == 1 and "8 of 9" in c["note"] and "repeat 1 fused-rd (max_updates, 30 updates)" in c["note"]
 
 
 # ------------------------------------------------------------------------------ report section
@@ -290,8 +309,8 @@ def test_section_with_recorded(cpu_result):
     assert "Recorded GPU result (NVIDIA H200, eager)" in html and "2026-11-29T12:00:00" in html
     assert "benchmarks/results/throughput_h200.json" in html
     assert "48,150 ±" in html  # ours r = d/4 mean
-    assert "sec4.9.rank_gain_positive.1b" in html and "reproduced" in html
-    assert ctx.claims["sec4.9.rank_gain_positive.1b"]["verdict"] == "reproduced"
+    assert "sec4.9.rank_gain_positive.h100.1b" in html and "reproduced" in html
+    assert ctx.claims["sec4.9.rank_gain_positive.h100.1b"]["verdict"] == "reproduced"
     # the CPU run's measurements: how many met the stopping rule, how many ran to the cap
     n = sum(1 for r in cpu_result["runs"] if r["preset"] == "smoke")
     met = sum(1 for r in cpu_result["runs"] if r["preset"] == "smoke" and r["stopped"] == "converged")
@@ -379,8 +398,8 @@ def test_recorded_claims_are_derived_again_by_this_code():
 
     res, s = _fake_gpu_result("NVIDIA H200")
     res["spec"] = s
-    res["claims"] = {"sec4.9.rank_gain_positive.1b": {"reproduced": False, "note": "stale"}}
+    res["claims"] = {"sec4.9.rank_gain_positive.h100.1b": {"reproduced": False, "note": "stale"}}
     report.rederive_claims({"throughput_gpu_1b": res, "kernel": {"stage": "kernel", "claims": {"x": 1}}},
                            tp.published_ids(str(PUBLISHED)))
-    assert res["claims"]["sec4.9.rank_gain_positive.1b"]["reproduced"] is True
-    assert "interval excludes 0" in res["claims"]["sec4.9.rank_gain_positive.1b"]["note"]
+    assert res["claims"]["sec4.9.rank_gain_positive.h100.1b"]["reproduced"] > 0
+    assert len(res["claims"]["sec4.9.rank_gain_positive.h100.1b"]["samples"]) == 3

@@ -1,83 +1,188 @@
 """The report stage: every table and figure of the paper beside the reproduced one, with verdicts.
 
 ``python -m lrattnres report --settings S.json --published reports/published.yaml
---results a.json b.json ... --html reports/paper.html --json reports/paper.json``
+--results a.json b.json ... --html reports/paper.html --json reports/paper.json --tsv reports/claims.tsv``
 
 Result files name their stage (``"stage": ...``) and may carry ``claims``; the claims engine
 (:mod:`lrattnres.claims`) turns them into verdicts, and every published claim no result produced is
 listed as "not run" with the stage that will produce it.  Sections live in
-:mod:`lrattnres.report.sections` (one module each, ordered by ``ORDER``).
+:mod:`lrattnres.report.sections` (one module each, ordered by ``ORDER``); the page opens with
+"Results at a glance" (the records of reports/published.yaml that carry ``glance``).
+
+Bad stage data never stops the render: a result file that is not JSON or names no stage, a claim
+whose value is malformed (wrong type, NaN, an unknown id, produced twice) and a section that fails
+are listed on the page with the file and key, and the claims concerned are "not run".  Every output
+is written to a temporary file and renamed, so an older report survives any failure.
+
+A report recorded elsewhere (config ``recorded.gpu_report``: the paper.json of another scale, e.g.
+the gpu scale on an H200) is shown beside this one's verdicts, labelled with its scale, device,
+commit and date; an absent file leaves the column out.
 """
 
 from __future__ import annotations
 
 import argparse
+import html as html_lib
 import importlib
+import json
 import logging
 import pkgutil
 import sys
+import traceback
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
 from lrattnres import claims as claims_engine
-from lrattnres.io import atomic_write_json, atomic_write_text, read_json
+from lrattnres.io import atomic_path, atomic_write_text, read_json
 from lrattnres.provenance import now, provenance
 from lrattnres.report.context import ReportContext
 
 log = logging.getLogger("lrattnres.report")
 TEMPLATE_DIR = Path(__file__).parent / "templates"
+RECORDED_REPORT = "gpu_report"  # config key under `recorded`: a paper.json made elsewhere
+TSV_COLUMNS = ("id", "source", "section", "origin", "kind", "quantity", "published", "reproduced", "verdict",
+               "interval_lo", "interval_hi", "n", "note")
 
 
-def load_results(paths: list[str]) -> dict[str, list[dict]]:
+def _problem(problems: list[str] | None, text: str) -> None:
+    if problems is None:
+        raise ValueError(text)
+    log.warning("%s", text)
+    problems.append(text)
+
+
+def load_results(paths: list[str], problems: list[str] | None = None) -> dict[str, list[dict]]:
+    """Result JSONs by stage.  A file that cannot be read or names no stage raises ValueError, or,
+    with ``problems`` given, is recorded there and skipped."""
     by_stage: dict[str, list[dict]] = {}
     for path in paths:
-        data = read_json(path)
+        try:
+            data = read_json(path)
+        except (OSError, ValueError) as e:
+            _problem(problems, f"{path}: cannot be read ({e}); its claims are not run")
+            continue
         stage = data.get("stage") if isinstance(data, dict) else None
-        if not stage:
-            raise ValueError(f"{path}: result file has no 'stage' field; expected a stage's result JSON")
+        if not stage or not isinstance(stage, str):
+            _problem(problems, f"{path}: result file has no 'stage' field; expected a stage's result JSON")
+            continue
         data.setdefault("_path", str(path))
         by_stage.setdefault(stage, []).append(data)
     return by_stage
 
 
-def load_recorded(recorded: dict[str, str], root: Path) -> dict[str, dict]:
-    """Result files measured elsewhere (e.g. on a GPU); missing ones are skipped with a log line."""
+def load_recorded(recorded: dict[str, str], root: Path, problems: list[str] | None = None) -> dict[str, dict]:
+    """Result files measured elsewhere (e.g. on a GPU); missing ones are skipped with a log line.
+    The recorded report (``recorded.gpu_report``) is not a result file: :func:`load_recorded_report`."""
     out = {}
     for name, rel in recorded.items():
+        if name == RECORDED_REPORT:
+            continue
         path = root / rel
-        if path.exists():
-            data = read_json(path)
-            data.setdefault("_path", str(rel))
-            out[name] = data
-        else:
+        if not path.exists():
             log.info("recorded result %s not found at %s; skipped", name, path)
+            continue
+        try:
+            data = read_json(path)
+        except (OSError, ValueError) as e:
+            _problem(problems, f"{rel}: recorded result {name!r} cannot be read ({e}); skipped")
+            continue
+        if not isinstance(data, dict):
+            _problem(problems, f"{rel}: recorded result {name!r}: expected a JSON object; skipped")
+            continue
+        data.setdefault("_path", str(rel))
+        out[name] = data
     return out
 
 
-def rederive_claims(recorded: dict[str, dict], ids: set[str]) -> None:
+def recorded_label(report: dict) -> str:
+    """"gpu scale, NVIDIA H200, 1a2b3c4d, 2026-12-01": a recorded report's scale, device, commit and date."""
+    prov = report.get("provenance") if isinstance(report.get("provenance"), dict) else {}
+    commit = str(prov.get("commit") or "?")[:8] + (" (dirty)" if prov.get("dirty") else "")
+    date = str(prov.get("finished") or prov.get("started") or "?")[:10]
+    device = str(prov.get("device") or "?")
+    return f"{report.get('scale', '?')} scale, {device}, {commit}, {date}"
+
+
+def load_recorded_report(rel: str | None, root: Path, problems: list[str] | None = None) -> dict | None:
+    """``{"label", "path", "claims": {id: claim}}`` of a paper.json made elsewhere, or None when the
+    config names none, the file is absent, or it is not a report (the last recorded as a problem)."""
+    if not rel:
+        return None
+    path = root / rel
+    if not path.exists():
+        log.info("recorded report not found at %s; its column is left out", path)
+        return None
+    try:
+        data = read_json(path)
+    except (OSError, ValueError) as e:
+        _problem(problems, f"{rel}: recorded report cannot be read ({e}); its column is left out")
+        return None
+    items = data.get("claims") if isinstance(data, dict) else None
+    if not isinstance(items, list) or not all(isinstance(c, dict) and isinstance(c.get("id"), str)
+                                              and isinstance(c.get("verdict"), str) for c in items):
+        _problem(problems, f"{rel}: recorded report: key 'claims': expected a list of claims with 'id' and "
+                           "'verdict' (a paper.json); its column is left out")
+        return None
+    return {"label": recorded_label(data), "path": str(rel), "scale": data.get("scale"),
+            "claims": {c["id"]: c for c in items}}
+
+
+def rederive_claims(recorded: dict[str, dict], ids: set[str], problems: list[str] | None = None) -> None:
     """Derive the claims of recorded throughput results again with this code: the measurements are
     kept as recorded, and a recorded file and a local run are judged by the same rules (and notes)."""
     from lrattnres import throughput
 
     for res in recorded.values():
         if res.get("stage") == "throughput" and isinstance(res.get("spec"), dict):
-            res["claims"] = throughput.claims_for(res, res["spec"], ids)
+            try:
+                res["claims"] = throughput.claims_for(res, res["spec"], ids)
+            except (KeyError, TypeError, ValueError) as e:
+                _problem(problems, f"{res['_path']}: throughput claims cannot be derived ({type(e).__name__}: {e}); "
+                                   "the recorded claims are used as they are")
 
 
-def collect_produced(by_stage: dict[str, list[dict]], recorded: dict[str, dict]) -> dict[str, dict]:
-    """Merge the ``claims`` of every result; two results producing one claim is an error."""
+def collect_produced(by_stage: dict[str, list[dict]], recorded: dict[str, dict],
+                     published: dict[str, dict] | None = None,
+                     problems: dict[str, str] | None = None) -> dict[str, dict]:
+    """Merge the ``claims`` of every result.
+
+    Without ``problems`` a claim produced twice is an error.  With it (the report), a malformed
+    claim, an id the published file does not know, and a claim produced twice are recorded there
+    (claim id -> the file and key) and left out, so the claim is "not run" with that note."""
     produced: dict[str, dict] = {}
     origin: dict[str, str] = {}
     sources = [(r["_path"], r, None) for rs in by_stage.values() for r in rs]
-    sources += [(r["_path"], r, r.get("provenance", {}).get("device")) for r in recorded.values()]
+    sources += [(r["_path"], r, (r.get("provenance") or {}).get("device")) for r in recorded.values()]
+    twice: set[str] = set()
     for path, result, device in sources:
-        for cid, claim in (result.get("claims") or {}).items():
-            if cid in produced:
-                raise ValueError(f"claim {cid!r} produced twice: by {origin[cid]} and by {path}")
+        items = result.get("claims") or {}
+        if not isinstance(items, dict):
+            if problems is None:
+                raise ValueError(f"{path}: key 'claims': expected a mapping of claim ids, got {type(items).__name__}")
+            problems[f"{path}:claims"] = f"{path}: key 'claims': expected a mapping of claim ids, got {type(items).__name__}"
+            continue
+        for cid, claim in items.items():
+            if cid in produced or cid in twice:
+                text = f"claim {cid!r} produced twice: by {origin[cid]} and by {path}"
+                if problems is None:
+                    raise ValueError(text)
+                problems[cid] = text
+                produced.pop(cid, None)
+                twice.add(cid)
+                continue
+            if published is not None and problems is not None:
+                if cid not in published:
+                    problems[f"{path}:{cid}"] = f"{path}: claims[{cid!r}]: not a claim id of the published-numbers file"
+                    continue
+                claim, problem = claims_engine.check_produced(published[cid], claim, path)
+                if problem:
+                    problems[cid] = problem
+                    origin[cid] = path
+                    continue
             claim = dict(claim)
             if device:
-                claim["note"] = (claim.get("note", "") + f" (recorded on {device}, {path})").strip()
+                claim["note"] = ((claim.get("note") or "") + f" (recorded on {device}, {path})").strip()
             produced[cid] = claim
             origin[cid] = path
     return produced
@@ -94,6 +199,26 @@ def section_id(module) -> str:
     return module.__name__.rsplit(".", 1)[-1]
 
 
+def build_section(mod, ctx: ReportContext) -> str:
+    """A section's HTML; a section that fails on its stage data says so instead of stopping the page."""
+    try:
+        return mod.build(ctx)
+    except Exception as e:  # a section must never take the page down with it
+        where = traceback.extract_tb(e.__traceback__)[-1]
+        text = (f"section {section_id(mod)!r} could not be drawn from its stage data: {type(e).__name__}: {e} "
+                f"({Path(where.filename).name}:{where.lineno})")
+        log.error("%s", text)
+        ctx.problems.append(text)
+        return f'<p class="notrun">This section could not be drawn: {html_lib.escape(text)}</p>'
+
+
+def _counts(claims: list[dict]) -> dict[str, Counter]:
+    out = {"paper": Counter(), "supplementary": Counter()}
+    for c in claims:
+        out["paper" if c.get("origin", "paper") == "paper" else "supplementary"][c["verdict"]] += 1
+    return out
+
+
 def render(ctx: ReportContext, claims: list[dict], prov: dict) -> str:
     import jinja2
 
@@ -103,22 +228,65 @@ def render(ctx: ReportContext, claims: list[dict], prov: dict) -> str:
     sections = []
     for mod in discover_sections():
         log.info("section %s", section_id(mod))
-        sections.append({"id": section_id(mod), "title": mod.TITLE, "html": mod.build(ctx)})
-    counts = Counter(c["verdict"] for c in claims)
+        sections.append({"id": section_id(mod), "title": mod.TITLE, "html": build_section(mod, ctx)})
     by_kind: dict[str, Counter] = {}
     for c in claims:
         by_kind.setdefault(c["kind"], Counter())[c["verdict"]] += 1
+    sections_of = sorted({c["section"] for c in claims}, key=_section_key)
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(TEMPLATE_DIR), autoescape=True)
     return env.get_template("paper.html.j2").render(
         scale=ctx.scale,
         sections=sections,
         claims=claims,
-        counts=counts,
+        counts=_counts(claims),
         by_kind=by_kind,
+        kinds=claims_engine.KINDS,
+        verdicts=claims_engine.VERDICTS,
+        paper_sections=sections_of,
         provenance=prov,
-        claims_table=html.claims_table,
+        problems=ctx.problems,
+        recorded=ctx.recorded_report,
         badge=html.badge,
+        fmt=html.fmt,
+        reproduced_cell=html.reproduced_cell,
     )
+
+
+def _section_key(s: str) -> tuple:
+    """Paper sections in reading order: 1, 3.2, 4.2 ... then appendices A, B.2, ..."""
+    head = s.split(".")[0]
+    return (0, [int(x) if x.isdigit() else 0 for x in s.split(".")]) if head.isdigit() else (1, [s])
+
+
+def claims_frame(claims: list[dict], recorded: dict | None = None):
+    """The claims as a pandas DataFrame, one row per claim (the columns of reports/claims.tsv)."""
+    import pandas as pd
+
+    rows = []
+    for c in claims:
+        iv = c.get("interval") if isinstance(c.get("interval"), list) else [None, None]
+        row = {k: c.get(k) for k in TSV_COLUMNS if k not in ("interval_lo", "interval_hi")}
+        row.update(interval_lo=iv[0], interval_hi=iv[1])
+        for k in ("published", "reproduced"):
+            if isinstance(row[k], (dict, list)):
+                row[k] = json.dumps(row[k])
+        if recorded is not None:
+            rc = recorded["claims"].get(c["id"])
+            row["recorded_verdict"] = rc.get("verdict") if rc else None
+        rows.append(row)
+    cols = list(TSV_COLUMNS) + (["recorded_verdict"] if recorded is not None else [])
+    return pd.DataFrame(rows, columns=cols).astype({"n": "Int64"})
+
+
+def write_tsv(path: str, claims: list[dict], recorded: dict | None = None) -> None:
+    frame = claims_frame(claims, recorded)
+    with atomic_path(path) as tmp:
+        frame.to_csv(tmp, sep="\t", index=False, lineterminator="\n")
+
+
+def write_json_strict(path: str, obj: Any) -> None:
+    """JSON without NaN or Infinity (a value that cannot be written strictly is an error)."""
+    atomic_write_text(path, json.dumps(claims_engine.json_safe(obj), indent=2, allow_nan=False) + "\n")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -128,6 +296,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--results", nargs="*", default=[])
     p.add_argument("--html", required=True)
     p.add_argument("--json", required=True)
+    p.add_argument("--tsv", default=None, help="the claims as a tab-separated table (pandas)")
     p.add_argument("--root", default=".", help="repository root (for recorded results)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stderr)
@@ -136,11 +305,18 @@ def main(argv: list[str] | None = None) -> int:
     settings = read_json(args.settings)
     scale = settings["scale"]
     published = claims_engine.load_published(args.published)
-    by_stage = load_results(args.results)
-    recorded = load_recorded(settings.get("recorded", {}), Path(args.root))
-    rederive_claims(recorded, set(published))
-    produced = collect_produced(by_stage, recorded)
-    claims = claims_engine.evaluate_claims(published, produced, scale)
+    problems: list[str] = []
+    by_stage = load_results(args.results, problems)
+    root = Path(args.root)
+    rec_cfg = settings.get("recorded") or {}
+    recorded = load_recorded(rec_cfg, root, problems)
+    recorded_report = load_recorded_report(rec_cfg.get(RECORDED_REPORT), root, problems)
+    rederive_claims(recorded, set(published), problems)
+    claim_problems: dict[str, str] = {}
+    produced = collect_produced(by_stage, recorded, published, claim_problems)
+    claims = claims_engine.evaluate_claims(published, produced, scale,
+                                           {k: v for k, v in claim_problems.items() if k in published})
+    problems += list(dict.fromkeys(claim_problems.values()))
     ctx = ReportContext(
         scale=scale,
         published=published,
@@ -148,11 +324,17 @@ def main(argv: list[str] | None = None) -> int:
         settings=settings,
         by_stage=by_stage,
         recorded=recorded,
+        recorded_report=recorded_report,
+        problems=problems,
     )
-    starts = [r.get("provenance", {}).get("started") for rs in by_stage.values() for r in rs]
-    prov = provenance(settings, started=min([s for s in starts if s] or [started]))
+    starts = [r.get("provenance", {}).get("started") for rs in by_stage.values() for r in rs
+              if isinstance(r.get("provenance"), dict)]
+    prov = provenance(settings, started=min([s for s in starts if isinstance(s, str)] or [started]))
     page = render(ctx, claims, prov)
     atomic_write_text(args.html, page)
-    atomic_write_json(args.json, {"scale": scale, "provenance": prov, "claims": claims})
-    log.info("wrote %s and %s: %d claims (%s)", args.html, args.json, len(claims), dict(Counter(c["verdict"] for c in claims)))
+    write_json_strict(args.json, {"scale": scale, "provenance": prov, "claims": claims, "problems": problems})
+    if args.tsv:
+        write_tsv(args.tsv, claims, recorded_report)
+    log.info("wrote %s and %s: %d claims (%s); %d problems", args.html, args.json, len(claims),
+             dict(Counter(c["verdict"] for c in claims)), len(problems))
     return 0

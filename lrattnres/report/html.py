@@ -13,10 +13,12 @@ VERDICT_CLASS = {
     "match": "ok",
     "reproduced": "ok",
     "mismatch": "bad",
-    "not reproduced": "bad",
+    "contradicted": "bad",
+    "inconclusive": "warn",
     "different scale": "info",
     "not run": "muted",
 }
+UNITS = (("_pct", "%"), ("_pp", " pp"))
 
 
 def esc(text: Any) -> str:
@@ -40,6 +42,32 @@ def fmt(value: Any, digits: int = 4) -> str:
             return f"{value:.{digits - 1}e}"
         return f"{value:.{digits}g}" if abs(value) < 1 else f"{value:,.{digits}g}"
     return str(value)
+
+
+def fmt_interval(interval: Any, n: Any = None) -> str:
+    """``[lo, hi], n = 5`` of a statistical verdict ('' without an interval or n)."""
+    parts = []
+    if isinstance(interval, (list, tuple)) and len(interval) == 2 and all(isinstance(x, (int, float)) for x in interval):
+        parts.append(f"[{interval[0]:+.3g}, {interval[1]:+.3g}]")
+    if n is not None:
+        parts.append(f"n = {n}")
+    return ", ".join(parts)
+
+
+def unit(quantity: str | None) -> str:
+    for suffix, u in UNITS:
+        if quantity and quantity.endswith(suffix):
+            return u
+    return ""
+
+
+def effect(value: Any, quantity: str | None = None) -> str:
+    """A signed effect with its unit ("+0.0301", "+19.5%"); other values as :func:`fmt`."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return fmt(value)
+    if isinstance(value, float) and not math.isfinite(value):
+        return fmt(value)
+    return f"{value:+.4g}{unit(quantity)}"
 
 
 def badge(verdict: str | None) -> str:
@@ -75,17 +103,24 @@ def figure(fig, caption: str, *, fig_id: str | None = None) -> str:
     )
 
 
+def reproduced_cell(c: dict) -> str:
+    """The reproduced value of a claim dict with its interval and n where the verdict is statistical."""
+    value = fmt(c.get("reproduced"))
+    extra = fmt_interval(c.get("interval"), c.get("n")) if c.get("kind") in ("direction", "shape") else ""
+    return esc(value) + (f' <span class="iv">{esc(extra)}</span>' if extra else "")
+
+
 def claims_table(claims: Iterable[dict], caption: str | None = None) -> str:
     """Published vs reproduced for a list of claim dicts (paper.json shape), with verdict badges."""
     rows = []
     for c in claims:
         rows.append(
             [
-                esc(c["id"]),
+                f'<a href="#claim-{esc(c["id"])}">{esc(c["id"])}</a>',
                 esc(c.get("source", "")),
                 esc(c.get("kind", "")),
                 esc(fmt(c.get("published"))),
-                esc(fmt(c.get("reproduced"))),
+                reproduced_cell(c),
                 badge(c.get("verdict")),
                 esc(c.get("note", "")),
             ]

@@ -1,4 +1,8 @@
 # The report: every stage's result beside the published numbers, with verdicts.
+#
+# The outputs are flagged update(): Snakemake keeps the previous report while the job runs and puts
+# it back if the job fails, and the stage itself writes each file to a temporary name and renames it.
+# A malformed stage value does not fail the job: the page lists it and its claims are "not run".
 
 
 rule report:
@@ -6,7 +10,8 @@ rule report:
         settings=rules.settings.output[0],
         published="reports/published.yaml",
         results=REPORT_INPUTS,
-        # result files measured elsewhere (config `recorded`): a new recording reruns the report
+        # result files measured elsewhere (config `recorded`, including a recorded report such as
+        # `recorded.gpu_report`): a new recording reruns the report
         recorded=[p for p in config.get("recorded", {}).values() if os.path.exists(p)],
         src=stage_sources(
             "lrattnres.report",
@@ -15,8 +20,9 @@ rule report:
         )
         + package_files("lrattnres.report.templates", "*.j2"),
     output:
-        html="reports/paper.html",
-        json="reports/paper.json",
+        html=update("reports/paper.html"),
+        json=update("reports/paper.json"),
+        tsv=update("reports/claims.tsv"),
     log:
         f"{LOGS}/report.log",
     conda:
@@ -25,5 +31,6 @@ rule report:
         mem_mb=res("report", "mem_mb", 2000),
         runtime=res("report", "runtime", 10),
     shell:
-        "python -m lrattnres report --settings {input.settings} --published {input.published} "
-        "--results {input.results} --html {output.html} --json {output.json} > {log} 2>&1"
+        "python -m lrattnres report --settings {input.settings:q} --published {input.published:q} "
+        "--results {input.results:q} --html {output.html:q} --json {output.json:q} "
+        "--tsv {output.tsv:q} > {log:q} 2>&1"

@@ -1,13 +1,18 @@
-"""Report section: cost accounting (Appendix F, Table 5's added-FLOPs column, F.4-F.6)."""
+"""Report section: cost accounting (Appendix F, Table 5's added-FLOPs column, F.4-F.6).
+
+It follows the training results and its tables are collapsed: the page opens with the verdict counts
+of the accounting claims and the tables open on a click."""
 
 from __future__ import annotations
 
 from typing import Any
 
+from collections import Counter
+
 from lrattnres.report.html import badge, claims_table, esc, fmt, table
 
 TITLE = "Cost accounting (Appendix F, Table 5)"
-ORDER = 10
+ORDER = 90
 
 METHOD_NAMES = {
     "baseline": "Baseline Transformer",
@@ -99,6 +104,16 @@ def _paper_arch_table(name: str, arch: dict) -> str:
 
 
 def build(ctx) -> str:
+    mine = [c for cid, c in ctx.claims.items() if ctx.published.get(cid, {}).get("stage") == "accounting"]
+    counts = Counter(c["verdict"] for c in mine)
+    summary = ", ".join(f"{n} {v}" for v, n in counts.most_common())
+    return (f'<p>{len(mine)} analytic claims ({esc(summary)}): added FLOPs, parameters and memory of every '
+            'configuration, computed for the paper\'s architectures at every scale.</p>'
+            '<details class="collapsed" id="accounting-tables"><summary>Show the accounting tables</summary>'
+            + _tables(ctx) + "</details>")
+
+
+def _tables(ctx) -> str:
     result = _result(ctx)
     out: list[str] = []
     out.append(

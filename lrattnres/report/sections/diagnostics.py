@@ -235,8 +235,9 @@ def _n_eff_table(ctx, res: dict | None) -> str:
     caption = ("Final-read effective number of sources quoted by the paper (Section 4.6, Appendix D.1), beside this "
                "scale's analogous run where the scale has one (same method and N, same r/d, or the same role).")
     out = [table(["source", "method", "N", "r", "paper", "reproduced", "verdict", "note"], rows, caption, raw=True)]
-    direction = [ctx.claims[c] for c in ("sec4.6.n_eff_full_decreases_with_rank", "appD.1.lowrank_broader_final_read.n8")
-                 if c in ctx.claims]
+    direction = [ctx.claims[c] for c in ("sec4.6.n_eff_full_decreases_with_rank", "sec4.6.n_eff_falls_r16_to_r512",
+                                         "sec4.6.loss_improves_r16_to_r512", "sec4.6.broader_routing_not_lower_loss",
+                                         "appD.1.lowrank_broader_final_read.n8") if c in ctx.claims]
     if direction:
         out.append(claims_table(direction, "Direction claims on N_eff"))
     if res:

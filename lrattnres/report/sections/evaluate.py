@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from lrattnres.report.html import badge, claims_table, esc, table
+from lrattnres.report.html import badge, claims_table, esc, fmt_interval, table
 
 TITLE = "Downstream evaluation (Appendix G, Table 8, Table 1 accuracy)"
 ORDER = 60
@@ -84,16 +84,17 @@ def _direction(ctx, results: list[dict]) -> str:
     from lrattnres.evaluate.claims import lr_above_attnres_each_pair
 
     d = lr_above_attnres_each_pair([r for r in results if r.get("claim_size")] or results)
-    if d["reproduced"] is None:
-        verdict = badge("not run")
-    else:
-        verdict = badge("reproduced" if d["reproduced"] else "not reproduced")
-    rows = [[esc(s.upper()), esc(_pct(p["attnres"])), esc(_pct(p["lr"])), esc(f"{p['gain']:+.2f}"),
-             badge("reproduced" if p["gain"] > 0 else "not reproduced")] for s, p in d["pairs"].items()]
-    out = [f"<p>Direction: LR-AttnRes eight-task mean above AttnRes mean at each size pair {verdict} "
-           f"(paper: +0.40 pp at 1B, +0.57 pp at 4B). {esc(d['note'])}</p>"]
+    rows = []
+    for s, p in d["pairs"].items():
+        c = ctx.claims.get(f"sec4.5.lr_higher_acc.{s}", {})
+        rows.append([esc(s.upper()), esc(_pct(p["attnres"])), esc(_pct(p["lr"])), esc(f"{p['gain']:+.2f}"),
+                     esc(fmt_interval(c.get("interval"), c.get("n"))), badge(c.get("verdict"))])
+    out = ["<p>Direction: LR-AttnRes eight-task mean above AttnRes mean at each size pair (paper: +0.40 pp at 1B, "
+           "+0.57 pp at 4B), judged by the 95% interval of the gain from both runs' binomial standard errors. "
+           f"{esc(d['note'])}</p>"]
     if rows:
-        out.append(table(["size pair", "AttnRes mean", "LR-AttnRes mean", "gain (pp)", "direction"], rows, raw=True))
+        out.append(table(["size pair", "AttnRes mean", "LR-AttnRes mean", "gain (pp)", "95% interval, items",
+                          "verdict"], rows, raw=True))
     pair_claims = [c for c in ctx.claims.values()
                    if c["id"].startswith(("sec4.5.avg_acc_gain.", "sec4.5.lr_higher_acc."))]
     if pair_claims:

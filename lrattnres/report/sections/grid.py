@@ -3,9 +3,10 @@ the size pair (Table 1 losses) and the validation curves (Figure 10, left)."""
 
 from __future__ import annotations
 
+import math
 import statistics
 
-from lrattnres.report.html import badge, claims_table, esc, figure, fmt, table
+from lrattnres.report.html import badge, claims_table, effect, esc, figure, fmt, fmt_interval, table
 
 TITLE = "Training runs: rank/grouping sweep, seeds, control, size pair (Sections 4.2-4.5, Table 5, Table 1)"
 ORDER = 20
@@ -140,6 +141,54 @@ def _recorded_runs(ctx) -> str:
     return "\n".join(parts)
 
 
+def _finite(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _shape(ctx) -> str:
+    """The sweep's shape below the paper's scale: each configuration's loss change against the same
+    scale's baseline beside the paper's, and the rank correlation of the two orderings."""
+    rows = []
+    for cid, c in ctx.claims.items():
+        if cid.startswith("table5.loss_change_pct.") and c.get("reproduced") is not None:
+            rows.append([esc(cid.removeprefix("table5.loss_change_pct.")), esc(effect(c["reproduced"], "_pct")),
+                         esc(effect(c["published"], "_pct")), esc(fmt_interval(c.get("interval"), c.get("n"))),
+                         badge(c["verdict"])])
+    rho = ctx.claims.get("table5.loss_order_spearman", {})
+    out = ["<h3>Shape of the sweep</h3>",
+           "<p>Below the paper's scale the losses themselves differ; the pattern is compared instead. Each "
+           "configuration's validation loss change relative to the same scale's baseline (in %) stands beside the "
+           "paper's (its best, N = 8, r = 128, is -1.77% against its baseline), judged in the paper's sign with the "
+           "single-run noise of this scale; and the configurations' ordering by loss is compared with Table 5's by "
+           f"Spearman's rank correlation: {badge(rho.get('verdict'))} {esc(rho.get('note', ''))}</p>"]
+    if rows:
+        out.append(table(["paper row", "change (this scale)", "change (paper)", "95% interval, n", "verdict"], rows,
+                         "Loss change against the baseline, per configuration", raw=True))
+    return "\n".join(out)
+
+
+def _usable_runs(ctx, grid: dict) -> list[dict]:
+    """The grid's runs; a run without a finite ``final_val_ce`` keeps its row with the loss shown as
+    missing, and the problem (file and key) goes to the page's list."""
+    path = grid.get("_path", "grid result")
+    runs = grid.get("runs")
+    if not isinstance(runs, list):
+        ctx.problems.append(f"{path}: key 'runs': expected a list of runs, got {type(runs).__name__}")
+        return []
+    out = []
+    for i, r in enumerate(runs):
+        if not isinstance(r, dict) or not isinstance(r.get("run_id"), str):
+            ctx.problems.append(f"{path}: runs[{i}]: expected a run with a 'run_id'; left out")
+            continue
+        if not _finite(r.get("final_val_ce")):
+            why = r.get("problem") or f"{path}: runs[{i}] ({r['run_id']}).final_val_ce: expected a finite number, got {r.get('final_val_ce')!r}"
+            if why not in ctx.problems:
+                ctx.problems.append(why)
+            r = {**r, "final_val_ce": None}
+        out.append(r)
+    return out
+
+
 def build(ctx) -> str:
     grids = ctx.results("grid")
     pub5 = _published_table5(ctx)
@@ -154,7 +203,7 @@ def build(ctx) -> str:
         return "\n".join(parts)
 
     grid = grids[0]
-    runs = grid["runs"]
+    runs = _usable_runs(ctx, grid)
     main = ctx.settings.get("presets", {}).get("main")
     seed0 = [r for r in runs if r["preset"] == main and r["seed"] == 0]
     pub_by_row = {f"{p['method']}.n{p['N']}.r{p['r']}" if p["method"] != "baseline" else "baseline": p for p in pub5}
@@ -168,7 +217,7 @@ def build(ctx) -> str:
         rows.append([
             esc(METHOD_LABEL[r["method"]]), esc(fmt(r["blocks"])), esc(fmt(r["rank"])),
             esc(f"{r['rank'] / r['d_model']:.3g}" if r["rank"] else "–"),
-            esc(fmt(r["added_flops_pct"])), esc(f"{r['final_val_ce']:.4f}"),
+            esc(fmt(r["added_flops_pct"])), esc("–" if r["final_val_ce"] is None else f"{r['final_val_ce']:.4f}"),
             esc(r["paper_row"] or "–"), esc(fmt(pub.get("added_flops_pct"))), esc(fmt(pub.get("val_loss"))),
             badge(claim["verdict"]) if claim else "",
         ])
@@ -176,11 +225,14 @@ def build(ctx) -> str:
         ["method", "N", "r", "r/d", "added FLOPs (%)", "val. loss", "paper row", "paper FLOPs (%)", "paper loss", "verdict"],
         rows, f"Table 5 reproduced ({ctx.scale} scale, preset {main}) beside the published 0.5B rows", raw=True))
     parts.append(_figure1(ctx, seed0))
+    parts.append(_shape(ctx))
 
     # Seeds (Section 4.4, Appendix A)
     h = ctx.settings.get("grid", {}).get("headline")
-    seeds_lr = {r["seed"]: r["final_val_ce"] for r in runs if "seeds" in r["roles"] and r["method"] == "lr"}
-    seeds_at = {r["seed"]: r["final_val_ce"] for r in runs if "seeds" in r["roles"] and r["method"] == "attnres"}
+    seeds_lr = {r["seed"]: r["final_val_ce"] for r in runs
+                if "seeds" in r["roles"] and r["method"] == "lr" and r["final_val_ce"] is not None}
+    seeds_at = {r["seed"]: r["final_val_ce"] for r in runs
+                if "seeds" in r["roles"] and r["method"] == "attnres" and r["final_val_ce"] is not None}
     if seeds_lr and seeds_at:
         pub_at = [ctx.published[f"appA.val_loss.attnres.n8.r1024.s{s}"]["published"] for s in range(3)]
         pub_lr = [ctx.published[f"appA.val_loss.lr.n8.r128.s{s}"]["published"] for s in range(3)]
