@@ -27,6 +27,7 @@ from typing import Any
 
 from lrattnres.accounting import added_flops
 from lrattnres.config import deep_merge, resolve_rank
+from lrattnres.errors import InputError
 from lrattnres.io import atomic_write_json, read_json
 from lrattnres.presets import get_preset
 from lrattnres.provenance import now, provenance
@@ -176,6 +177,11 @@ def summarize(settings: dict, run_dirs: dict[str, Path], known_ids=None) -> dict
     for run in runs:
         folder = run_dirs[run.run_id]
         result = read_json(folder / "result.json")
+        ce = result.get("final_val_ce") if isinstance(result, dict) else None
+        ok = ce is None or isinstance(ce, (int, float)) and not isinstance(ce, bool)
+        if not isinstance(result, dict) or "final_val_ce" not in result or not ok:
+            raise InputError(f"{folder / 'result.json'}: field 'final_val_ce' is {ce!r}; expected a number or null "
+                             "(the result of a training run)")
         val, steps = read_curve(folder / "metrics.jsonl")
         shape = get_preset(run.preset)
         d = shape["d_model"]
