@@ -8,7 +8,7 @@ CONVERT_SETTINGS = {k: v for k, v in S.get("convert", {}).items() if k != "rank"
 
 rule convert:
     input:
-        model=f"{R}/runs/{{run}}/model.pt",
+        model=f"{R}/runs/{{run}}/model.safetensors",
         data=rules.prepare_data.output.manifest,
         published="reports/published.yaml",
         src=stage_sources("lrattnres.convert"),

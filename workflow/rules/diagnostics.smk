@@ -5,7 +5,7 @@
 rule diagnostics:
     input:
         results=expand(f"{R}/runs/{{run}}/result.json", run=RUNS),
-        models=expand(f"{R}/runs/{{run}}/model.pt", run=RUNS),
+        models=expand(f"{R}/runs/{{run}}/model.safetensors", run=RUNS),
         settings=rules.settings.output[0],
         data=rules.prepare_data.output.manifest,
         published="reports/published.yaml",

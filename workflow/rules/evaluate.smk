@@ -6,7 +6,7 @@ EVALUATIONS = {e["run_id"]: e for e in evaluations(S)}
 
 rule evaluate:
     input:
-        model=f"{R}/runs/{{run}}/model.pt",
+        model=f"{R}/runs/{{run}}/model.safetensors",
         data=rules.prepare_data.output.manifest,
         published="reports/published.yaml",
         src=stage_sources("lrattnres.evaluate.cli"),

@@ -14,7 +14,8 @@ rule train:
         ),
     output:
         result=f"{R}/runs/{{run}}/result.json",
-        model=f"{R}/runs/{{run}}/model.pt",
+        model=f"{R}/runs/{{run}}/model.safetensors",
+        model_sha256=f"{R}/runs/{{run}}/model.safetensors.sha256",
     log:
         f"{LOGS}/train/{{run}}.log",
     wildcard_constraints:
