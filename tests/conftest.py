@@ -46,8 +46,11 @@ def copy_repo(dest: Path) -> Path:
     ).stdout.decode().split("\0")
     for rel in filter(None, files):
         src = REPO / rel
-        if src.is_file():
-            target = dest / rel
+        target = dest / rel
+        if src.is_symlink():  # e.g. profiles -> workflow/profiles, where Snakemake looks for its profile
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.symlink_to(os.readlink(src))
+        elif src.is_file():
             target.parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(src, target)
     subprocess.run(["git", "init", "-q"], cwd=dest, check=True)

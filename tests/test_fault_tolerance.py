@@ -20,7 +20,7 @@ import yaml
 from conftest import copy_repo, snakemake
 from test_slurm import PROFILE, cluster_flags, slurm_cluster, slurm_logs  # noqa: F401  (fixture)
 
-LOCAL_PROFILE = "workflow/profiles/local"
+LOCAL_PROFILE = "workflow/profiles/default"
 
 
 def _wait_for(cond, timeout: float, proc: subprocess.Popen | None = None, what: str = "") -> None:

@@ -1,4 +1,6 @@
-# Token shards and their manifest: the input of every training and evaluation job.
+# Token shards and their manifest: the input of every training and evaluation job. The tokeniser's
+# thread count is the rule's `threads` (config data.num_threads), not part of its params: changing it
+# reruns nothing.
 
 
 rule prepare_data:
@@ -10,12 +12,16 @@ rule prepare_data:
         f"{LOGS}/prepare_data.log",
     conda:
         "../../envs/lrattnres.yaml"
-    threads: 2
+    threads: S["data"].get("num_threads", 2)
     resources:
+        attempt=attempt,
         mem_mb=res("prepare_data", "mem_mb", 4000),
         runtime=res("prepare_data", "runtime", 30),
     params:
-        spec=lambda wc: spec(S["data"]),
+        spec=lambda wc: spec(science(S)["data"]),
         out=lambda wc, output: os.path.dirname(output.manifest),
     shell:
-        "python -m lrattnres prepare-data --spec {params.spec:q} --out {params.out} > {log} 2>&1"
+        stage(
+            "prepare-data --spec {params.spec:q} --out {params.out:q} "
+            "--threads {threads} --no-progress > {log:q} 2>&1",
+        )

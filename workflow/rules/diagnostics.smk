@@ -18,16 +18,21 @@ rule diagnostics:
         "../../envs/lrattnres.yaml"
     threads: 2
     resources:
+        attempt=attempt,
         mem_mb=res("diagnostics", "mem_mb", 4000),
         runtime=res("diagnostics", "runtime", 30),
         gpu=res("diagnostics", "gpu", 0),
+        gpu_slots=gpu_slots("diagnostics"),
         cpus_per_gpu=res("diagnostics", "cpus_per_gpu", 1),
     params:
         runs=lambda wc, input: os.path.dirname(os.path.dirname(input.results[0])),
     shell:
-        "python -m lrattnres diagnostics --settings {input.settings} --runs {params.runs} "
-        "--data {input.data} --published {input.published} --threads {threads} "
-        "--out {output} > {log} 2>&1"
+        stage(
+            "diagnostics --settings {input.settings:q} --runs {params.runs:q} "
+            "--data {input.data:q} --published {input.published:q} --threads {threads} "
+            "--out {output:q} > {log:q} 2>&1",
+            gpu=True,
+        )
 
 
 REPORT_INPUTS.append(rules.diagnostics.output[0])
