@@ -1,7 +1,7 @@
 """Retry only what a retry can fix: a record of each job's last attempt.
 
 Snakemake's ``--retries`` is a plain count: it reruns a failed job whatever made it fail. Every rule
-runs its stage as ``python -m lrattnres --log <log> --attempt <n> <stage> ...`` (``n`` is
+runs its stage as ``python -m lrattnres --job-log <log> --attempt <n> <stage> ...`` (``n`` is
 Snakemake's attempt number). The stage's exit status is recorded in
 ``<log folder>/attempts/<log stem>.status.json``; the next attempt of the same job reads it and
 

@@ -1,4 +1,4 @@
-"""``python -m lrattnres [--log LOG --attempt N --gpu-slots S/K] <stage> ...``: one subcommand per stage.
+"""``python -m lrattnres [--job-log LOG --attempt N --gpu-slots S/K] <stage> ...``: every stage.
 
 Each stage lives in its own module with a ``main(argv) -> int``; it is imported only when it runs,
 so a cheap stage (accounting, report) does not pay for torch's import.
@@ -6,7 +6,7 @@ so a cheap stage (accounting, report) does not pay for torch's import.
 Exit codes shared by every stage: 0 done; 2 a user error (:class:`lrattnres.errors.UserError`, a
 missing input file, a full disk), printed as one line naming the file, the key and what was
 expected; 75 a temporary stop that a rerun continues (training stopped by SIGTERM); anything else a
-failure. With ``--log`` (the workflow's rules give it, with Snakemake's attempt number) the exit
+failure. With ``--job-log`` (the workflow's rules give it, with Snakemake's attempt number) the exit
 status is recorded beside the log and a retry of a failure that cannot succeed stops at once
 (:mod:`lrattnres.attempts`). With ``--gpu-slots S/K`` the stage first claims S of the K slots of
 one GPU of the machine and sees only that GPU (:mod:`lrattnres.gpus`).
@@ -42,9 +42,11 @@ def _usage() -> str:
 
 
 def _job_options(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
-    """The options before the stage name: ``--log PATH``, ``--attempt N``, ``--gpu-slots S/K``."""
-    p = argparse.ArgumentParser(prog="python -m lrattnres", add_help=False)
-    p.add_argument("--log", default=None)
+    """The options before the stage name: ``--job-log PATH``, ``--attempt N``, ``--gpu-slots S/K``.
+    (Their names are no prefix of a torchrun option: torchrun would take ``--log`` for ``--log-dir``
+    although it comes after ``-m lrattnres``.)"""
+    p = argparse.ArgumentParser(prog="python -m lrattnres", add_help=False, allow_abbrev=False)
+    p.add_argument("--job-log", dest="log", default=None)
     p.add_argument("--attempt", type=int, default=1)
     p.add_argument("--gpu-slots", default=None)
     i = 0

@@ -274,7 +274,7 @@ def test_retries_run_only_what_can_succeed(corpus, tmp_path, faults):
         log.unlink(missing_ok=True)  # Snakemake removes a job's log before each attempt
         with open(log, "w") as f:  # and the rule's shell writes a new one
             env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-            return subprocess.run([sys.executable, "-m", "lrattnres", "--log", str(log), "--attempt", str(n), *argv],
+            return subprocess.run([sys.executable, "-m", "lrattnres", "--job-log", str(log), "--attempt", str(n), *argv],
                                   env=env, cwd=REPO, stdout=f, stderr=subprocess.STDOUT, timeout=300)
 
     bad = _train_argv(corpus, tmp_path / "bad", spec={**corpus["spec"], "stepz": 3})

@@ -118,6 +118,23 @@ def test_config_overrides_reach_the_jobs(shared_copy, tmp_path):
     assert bad.returncode != 0 and "train.steps: 'fifty' cannot be read as integer" in bad.stdout + bad.stderr
 
 
+def test_multi_gpu_training_command_passes_through_torchrun(shared_copy):
+    """torchrun parses its options by prefix even after `-m lrattnres`: the job options of a
+    multi-GPU training command must reach the package unchanged."""
+    import shlex
+
+    from torch.distributed.run import get_args_parser
+
+    out = snakemake(shared_copy, "-n", "-p", "--config", "scale=smoke", "--set-resources", "train:gpu=2").stdout
+    cmd = _shell_commands(out, "train")[0]
+    args = shlex.split(cmd.split(" > ")[0])
+    assert args[0] == "torchrun"
+    parsed = get_args_parser().parse_args(args[1:])
+    assert parsed.module and parsed.training_script == "lrattnres" and parsed.nproc_per_node == "2"
+    rest = parsed.training_script_args
+    assert rest[:2] == ["--job-log", args[args.index("--job-log") + 1]] and "train" in rest and "--spec" in rest
+
+
 def test_default_profile_loads_by_itself(shared_copy):
     proc = snakemake(shared_copy, "-n", "--config", "scale=smoke")
     assert "workflow specific profile profiles/default" in proc.stderr + proc.stdout

@@ -97,12 +97,12 @@ if workflow.global_resources["_nodes"].value is None:
 
 def stage(command, gpu=False, launcher="python -m lrattnres"):
     """The shell command of a rule: ``command`` (a stage and its arguments, every path quoted with
-    {...:q}) run as `python -m lrattnres --log <log> --attempt <n> <stage> ...`. The exit status is
+    {...:q}) run as `python -m lrattnres --job-log <log> --attempt <n> <stage> ...`. The exit status is
     recorded beside the log, every attempt's log is kept, and a retry of a failure that a retry
     cannot fix stops at once (lrattnres/attempts.py). A stage that may run on a GPU (``gpu``) first
     claims the GPU slots its job declares and then sees only that GPU, or none where the job
     declares none (lrattnres/gpus.py)."""
-    job = "--log {log:q} --attempt {resources.attempt}"
+    job = "--job-log {log:q} --attempt {resources.attempt}"
     if gpu:
         job += f" --gpu-slots {{resources.gpu_slots}}/{GPU_SLOTS}"
     return f"{launcher} {job} {command}"
