@@ -603,7 +603,7 @@ def test_training_job_stopped_then_requeued_resumes_with_identical_weights(slurm
     assert ma["step"] == mb["step"] == overrides["steps"] and a.keys() == b.keys()
     differ = [k for k in a if not bool((a[k] == b[k]).all())]
     assert not differ, f"weights differ after resume: {differ[:5]}"
-    faults("Slurm: SIGTERM, then requeue of a training job", runs=1, lost=len(differ) > 0)
+    faults("Slurm: SIGTERM, then requeue of a training job", runs=1, lost=int(bool(differ)))
     print(f"SIGTERM to Slurm job {first} (resumed at step {step1}), requeue of job {second} (resumed at step "
           f"{step2}) of {overrides['steps']}: identical weights; {time.time() - t0:.0f} s "
           f"(after the requeue {time.time() - t_requeue:.0f} s)")
