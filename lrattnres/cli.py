@@ -1,11 +1,20 @@
-"""``python -m lrattnres <stage> ...``: one subcommand per pipeline stage.
+"""``python -m lrattnres [--job-log LOG --attempt N --gpu-slots S/K] <stage> ...``: every stage.
 
 Each stage lives in its own module with a ``main(argv) -> int``; it is imported only when it runs,
 so a cheap stage (accounting, report) does not pay for torch's import.
+
+Exit codes shared by every stage: 0 done; 2 a user error (:class:`lrattnres.errors.UserError`, a
+missing input file, a full disk), printed as one line naming the file, the key and what was
+expected; 75 a temporary stop that a rerun continues (training stopped by SIGTERM); anything else a
+failure. With ``--job-log`` (the workflow's rules give it, with Snakemake's attempt number) the exit
+status is recorded beside the log and a retry of a failure that cannot succeed stops at once
+(:mod:`lrattnres.attempts`). With ``--gpu-slots S/K`` the stage first claims S of the K slots of
+one GPU of the machine and sees only that GPU (:mod:`lrattnres.gpus`).
 """
 
 from __future__ import annotations
 
+import argparse
 import importlib
 import sys
 
@@ -34,14 +43,73 @@ def _usage() -> str:
     return "\n".join(lines)
 
 
+def _job_options(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    """The options before the stage name: ``--job-log PATH``, ``--attempt N``, ``--gpu-slots S/K``.
+    (Their names are no prefix of a torchrun option: torchrun would take ``--log`` for ``--log-dir``
+    although it comes after ``-m lrattnres``.)"""
+    p = argparse.ArgumentParser(prog="python -m lrattnres", add_help=False, allow_abbrev=False)
+    p.add_argument("--job-log", dest="log", default=None)
+    p.add_argument("--attempt", type=int, default=1)
+    p.add_argument("--gpu-slots", default=None)
+    i = 0
+    while i < len(argv) and argv[i].startswith("--"):
+        i += 1 if "=" in argv[i] else 2
+    return p.parse_args(argv[:i]), argv[i:]
+
+
+def run_stage(stage: str, rest: list[str]) -> int:
+    """Run one stage; user errors and a full disk become one line on stderr and exit code 2."""
+    from lrattnres.errors import UserError, one_line
+    from lrattnres.io import DiskFull, is_disk_full
+
+    try:
+        module = importlib.import_module(STAGES[stage][0])
+        return int(module.main(rest) or 0)
+    except DiskFull as e:
+        print(f"{stage}: {e}", file=sys.stderr)
+    except (UserError, FileNotFoundError) as e:
+        print(f"{stage}: {one_line(e)}", file=sys.stderr)
+    except OSError as e:
+        if not is_disk_full(e):
+            raise
+        print(f"{stage}: no space left on device: {e.filename or '(a file this stage writes)'}", file=sys.stderr)
+    return 2
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
         print(_usage())
         return 0
-    stage, rest = argv[0], argv[1:]
-    if stage not in STAGES:
-        print(f"unknown stage {stage!r}\n\n{_usage()}", file=sys.stderr)
+    opts, argv = _job_options(argv)
+    if not argv or argv[0] not in STAGES:
+        print(f"unknown stage {argv[0] if argv else ''!r}\n\n{_usage()}", file=sys.stderr)
         return 2
-    module = importlib.import_module(STAGES[stage][0])
-    return int(module.main(rest) or 0)
+    stage, rest = argv[0], argv[1:]
+    if opts.gpu_slots:
+        from lrattnres import gpus
+
+        slots, _, per_gpu = opts.gpu_slots.partition("/")
+        gpus.claim(int(slots), int(per_gpu or 1), say=lambda m: print(m, file=sys.stderr, flush=True))
+    if opts.log is None:
+        return run_stage(stage, rest)
+
+    from lrattnres import attempts
+    from lrattnres.provenance import now
+
+    print(f"[lrattnres] {stage}: attempt {opts.attempt}, started {now()}", file=sys.stderr, flush=True)
+    attempts.keep_log(opts.log, opts.attempt)
+    refused = attempts.refusal(stage, opts.attempt, opts.log)
+    if refused is not None:
+        print(refused[1], file=sys.stderr)
+        return refused[0]
+    attempts.record(opts.log, stage, opts.attempt, "running")
+    code, status = 1, "exited"
+    try:
+        code = run_stage(stage, rest)
+    except KeyboardInterrupt:
+        code, status = 130, "interrupted"
+        raise
+    finally:
+        attempts.record(opts.log, stage, opts.attempt, status, code)
+    return code

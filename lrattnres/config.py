@@ -1,9 +1,13 @@
 """Load, validate and resolve config.yaml into the settings of one scale.
 
-The raw config is validated against ``workflow/schemas/config.schema.yaml`` (so a typo in a key is an
-error, not a silently ignored setting), then the selected scale's block is merged with the top-level
-overrides, then semantic checks that need the model presets run (a rank wider than the model, more
-blocks than writes).  Every error names the file, the key and what was expected.
+Values given as text where the schema wants a number, a boolean or null (Snakemake passes every
+value nested in ``--config 'train={"steps": 50}'`` as a string) are converted first; a value that
+cannot be converted is refused with its key.  The raw config is then validated against
+``workflow/schemas/config.schema.yaml`` (so a typo in a key is an error, not a silently ignored
+setting).  The settings of the selected scale are ``base`` (what every scale starts from), refined
+by the scale's block, overridden key by key by the top-level sections (a ``--configfile`` or
+``--config``).  Semantic checks that need the model presets run last (a rank wider than the model,
+more blocks than writes).  Every error names the file, the key and what was expected.
 
 ``python -m lrattnres config [--config config.yaml] [--scale tiny]`` prints the resolved settings.
 """
@@ -13,11 +17,14 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import math
 import re
 import sys
 from pathlib import Path
 
 import yaml
+
+from lrattnres.errors import UserError
 
 REPO = Path(__file__).resolve().parent.parent
 SCHEMA_PATH = REPO / "workflow" / "schemas" / "config.schema.yaml"
@@ -39,7 +46,7 @@ SECTIONS = (
 )
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError, ValueError):
     """A config that cannot be run; the message names the file, the key and the expectation."""
 
 
@@ -77,12 +84,123 @@ def _key_path(parts) -> str:
     return ".".join(str(p) for p in parts) or "<top level>"
 
 
-def validate(config: dict, source: str = "config.yaml") -> dict:
-    """Validate against the JSON schema and fill defaults; returns a new dict."""
+def _resolve_ref(schema, root: dict):
+    while isinstance(schema, dict) and isinstance(schema.get("$ref"), str) and schema["$ref"].startswith("#/"):
+        node = root
+        for part in schema["$ref"][2:].split("/"):
+            node = node[part]
+        schema = {**node, **{k: v for k, v in schema.items() if k != "$ref"}}
+    return schema
+
+
+def _types(schema, root: dict) -> set[str]:
+    """The JSON types a (sub)schema names, through $ref, oneOf/anyOf, enum and const."""
+    schema = _resolve_ref(schema, root)
+    if not isinstance(schema, dict):
+        return set()
+    t = schema.get("type")
+    out = {t} if isinstance(t, str) else set(t or ())
+    for key in ("oneOf", "anyOf"):
+        for branch in schema.get(key, []):
+            out |= _types(branch, root)
+    for v in [*schema.get("enum", []), *([schema["const"]] if "const" in schema else [])]:
+        out.add({type(None): "null", bool: "boolean", int: "integer", float: "number"}.get(type(v), "string"))
+    return out
+
+
+def _readings(text: str) -> list:
+    """What a text could stand for, most specific first: integer, finite number, boolean, null,
+    a YAML list or mapping."""
+    out: list = []
+    t = text.strip()
+    try:
+        out.append(int(t))
+    except ValueError:
+        pass
+    try:
+        f = float(t)
+        if math.isfinite(f):
+            out.append(f)
+    except ValueError:
+        pass
+    if t.lower() in ("true", "false"):
+        out.append(t.lower() == "true")
+    if t.lower() in ("null", "~"):
+        out.append(None)
+    if t[:1] in "[{":
+        try:
+            out.append(yaml.safe_load(t))
+        except yaml.YAMLError:
+            pass
+    return out
+
+
+def _fits(value, schema, root: dict) -> bool:
     import jsonschema
 
-    config = copy.deepcopy(config)
+    schema = _resolve_ref(schema, root)
+    if not isinstance(schema, dict):
+        return True
+    doc = {**schema, "$defs": root.get("$defs", {})}
+    return jsonschema.validators.validator_for(root)(doc).is_valid(value)
+
+
+def _subschema(schema, key, root: dict):
+    """The schema of ``key`` (a name, or an index) inside ``schema``; ``{}`` (anything) inside an
+    object or array the schema leaves open; None for a key the schema does not know."""
+    schema = _resolve_ref(schema, root)
+    if not isinstance(schema, dict):
+        return {}
+    if isinstance(key, int):
+        return schema.get("items", {})
+    if key in schema.get("properties", {}):
+        return schema["properties"][key]
+    for branch in schema.get("oneOf", []) + schema.get("anyOf", []):
+        sub = _subschema(branch, key, root)
+        if sub is not None and sub != {}:
+            return sub
+    extra = schema.get("additionalProperties", {})
+    return extra if isinstance(extra, dict) else None
+
+
+def coerce(value, schema, root: dict, where: tuple = (), source: str = "config.yaml"):
+    """``value`` with every text turned into the number, boolean, null, list or mapping its schema
+    wants (Snakemake passes nested ``--config`` values as text), and a number into text where only
+    text is allowed. Text that the schema does not admit and that reads as nothing it admits is
+    refused, naming the key. Where the schema leaves a value open (a stage's own settings), a text
+    that reads as a number, a boolean or null becomes one."""
+    if isinstance(value, dict):
+        out = {}
+        for k, v in value.items():
+            sub = _subschema(schema, k, root)
+            out[k] = v if sub is None else coerce(v, sub, root, (*where, k), source)
+        return out
+    if isinstance(value, list):
+        return [coerce(v, _subschema(schema, i, root), root, (*where, i), source) for i, v in enumerate(value)]
+    types = _types(schema, root)
+    if isinstance(value, str):
+        if not types:  # open: read it as YAML would
+            return next(iter(_readings(value)), value)
+        if "string" in types and _fits(value, schema, root):
+            return value
+        for reading in _readings(value):
+            if _fits(reading, schema, root):
+                return coerce(reading, schema, root, where, source) if isinstance(reading, (dict, list)) else reading
+        if "string" not in types:
+            raise ConfigError(f"{source}: {_key_path(where)}: {value!r} cannot be read as {' or '.join(sorted(types))}")
+        return value
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and types == {"string"}:
+        return str(value)
+    return value
+
+
+def validate(config: dict, source: str = "config.yaml") -> dict:
+    """Convert text values to the schema's types, validate against the JSON schema and fill
+    defaults; returns a new dict."""
+    import jsonschema
+
     schema = load_schema()
+    config = coerce(copy.deepcopy(config), schema, schema, source=source)
     validator_cls = jsonschema.validators.validator_for(schema)
     validator = validator_cls(schema)
     errors = sorted(validator.iter_errors(config), key=lambda e: (len(e.absolute_path), list(map(str, e.absolute_path))))
@@ -152,17 +270,15 @@ def preset_shape(name: str, *, where: str) -> dict:
 
 
 def resolve(config: dict, source: str = "config.yaml") -> dict:
-    """The validated settings of the selected scale, with top-level overrides applied."""
+    """The validated settings of the selected scale: ``base``, refined by the scale's block,
+    overridden key by key by the top-level sections."""
     config = validate(config, source)
     scale = config["scale"]
     if scale not in config["scales"]:
         known = ", ".join(config["scales"])
         raise ConfigError(f"{source}: scale: {scale!r} is not a scale of this config; expected one of: {known}")
-    block = config["scales"][scale]
-    overrides = {k: config[k] for k in SECTIONS if k in config and k != "recipe"}
-    settings = deep_merge(block, overrides)
-    # The shared recipe is the base; a scale's own recipe block refines it.
-    settings["recipe"] = deep_merge(config.get("recipe", {}), block.get("recipe", {}))
+    overrides = {k: config[k] for k in SECTIONS if k in config}
+    settings = deep_merge(deep_merge(config.get("base", {}), config["scales"][scale]), overrides)
     settings["scale"] = scale
     settings["results"] = f"{config.get('results', 'results')}/{scale}"
     settings["recorded"] = dict(config.get("recorded", {}))
@@ -191,12 +307,33 @@ def _check_semantics(settings: dict, where: str) -> None:
             shape = shapes[role]
             resolve_rank(grid["pair"]["rank"], shape["d_model"], where=f"{where}.grid.pair.rank ({role})")
             check_blocks(grid["pair"]["blocks"], shape["n_layers"], where=f"{where}.grid.pair.blocks ({role})")
+    for rule in TIMING_RULES:
+        if settings.get("resources", {}).get(rule, {}).get("jobs_per_gpu", 1) != 1:
+            raise ConfigError(f"{where}.resources.{rule}.jobs_per_gpu: a timing job runs alone on its GPU; expected 1")
     acc = settings["accounting"]
     for role, shape in shapes.items():
         for i, rank in enumerate(acc.get("ranks", [])):
             resolve_rank(rank, shape["d_model"], where=f"{where}.accounting.ranks[{i}] ({role})")
         for i, blocks in enumerate(acc.get("blocks", [])):
             check_blocks(blocks, shape["n_layers"], where=f"{where}.accounting.blocks[{i}] ({role})")
+
+
+# Settings that say how and where a scale runs, not what it computes: changing them reruns nothing.
+EXECUTION_KEYS = (("resources",), ("results",), ("data", "num_threads"))
+TIMING_RULES = ("throughput", "kernel_check")  # timed: always alone on their GPU
+
+
+def science(settings: dict) -> dict:
+    """The resolved settings without the execution settings (:data:`EXECUTION_KEYS`): what the
+    stages that read a whole scale (``settings.json``) are given."""
+    out = copy.deepcopy(settings)
+    for path in EXECUTION_KEYS:
+        node = out
+        for key in path[:-1]:
+            node = node.get(key, {}) if isinstance(node, dict) else {}
+        if isinstance(node, dict):
+            node.pop(path[-1], None)
+    return out
 
 
 def load_and_resolve(path: str | Path = "config.yaml", overrides: dict | None = None) -> dict:

@@ -57,9 +57,9 @@ Checks (Table 2, Appendix B.2)
 
 CLI::
 
-    python -m lrattnres convert --checkpoint results/<scale>/runs/<run>/model.pt --data <manifest.json>
+    python -m lrattnres convert --checkpoint results/<scale>/runs/<run>/model.safetensors --data <manifest.json>
         --spec '{"rank": "d/8", "val_tokens": null, "batch_size": 8, "claim_row": "0.5b.nfull"}'
-        --out convert.json [--save converted/model.pt]
+        --out convert.json [--save converted/model.safetensors]
     python -m lrattnres convert --aggregate a.json b.json ... --out convert_all.json
 
 Spec keys: ``rank`` (int, "d", "d/<n>" or "k" = the joint rank), ``val_tokens`` (int target tokens or
@@ -82,6 +82,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from lrattnres.errors import UserError
+
 log = logging.getLogger("lrattnres.convert")
 
 DEFAULT_PUBLISHED = Path(__file__).resolve().parent.parent / "reports" / "published.yaml"
@@ -90,7 +92,7 @@ SPEC_REQUIRED = ("rank", "batch_size")
 SIZES = ("0.5b", "1b", "4b")
 
 
-class RankError(ValueError):
+class RankError(UserError, ValueError):
     """The requested rank is below the joint query rank: the conversion would not be exact."""
 
 
@@ -686,9 +688,8 @@ def run(checkpoint: str | Path, data: str | Path, spec: dict, save: str | Path |
 
     saved = None
     if save is not None:
-        obj = {
-            "kind": "model",
-            "model": {k: v.detach().cpu() for k, v in conv_export.state_dict().items()},
+        weights = {k: v.detach().cpu() for k, v in conv_export.state_dict().items()}
+        meta = {
             "model_config": dataclasses.asdict(conv_export.cfg),
             "spec": info.get("spec"),
             "manifest_sha256": info.get("manifest_sha256"),
@@ -697,10 +698,10 @@ def run(checkpoint: str | Path, data: str | Path, spec: dict, save: str | Path |
             "converted_from": {"checkpoint": str(checkpoint), "run_id": run_id, "joint_rank": spectrum.joint_rank,
                                "rank": int(conv_export.cfg.rank), "method": "lr-fullrms", "rtol": spectrum.rtol},
         }
-        ckpt.save(obj, save)
+        ckpt.save_model(weights, meta, save)
         back, _ = ckpt.load_model(save, "cpu")  # strict reload
         for k, v in back.state_dict().items():
-            if not torch.equal(v, obj["model"][k]):
+            if not torch.equal(v, weights[k]):
                 raise RuntimeError(f"{save}: parameter {k} changed in the save/load round trip")
         saved = str(save)
         log.info("saved the converted checkpoint to %s", save)
@@ -765,11 +766,12 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m lrattnres convert",
                                 description="convert a standard AttnRes checkpoint to full-width-RMS LR-AttnRes "
                                             "(Section 4.8), or aggregate conversion results")
-    p.add_argument("--checkpoint", help="model.pt of a standard AttnRes run")
+    p.add_argument("--checkpoint", help="model.safetensors of a standard AttnRes run")
     p.add_argument("--data", help="data manifest (manifest.json or its folder)")
     p.add_argument("--spec", help="JSON: rank, val_tokens, batch_size, claim_row [, precision, device, rtol, seq_len]")
     p.add_argument("--out", required=True, help="result JSON")
-    p.add_argument("--save", default=None, help="write the converted checkpoint here (model.pt format)")
+    p.add_argument("--save", default=None,
+                   help="write the converted weights here (a .safetensors file, with its .sha256 beside it)")
     p.add_argument("--published", default=None, help="published claims file (default: reports/published.yaml)")
     p.add_argument("--aggregate", nargs="+", default=None, metavar="RESULT",
                    help="combine per-checkpoint convert results into one (convert_all)")

@@ -14,6 +14,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 PACKAGES = ("lrattnres", "kernels")
+# Modules that decide how a job runs (which GPU, whether a retry may run), never what it computes:
+# not inputs of any rule, so that a change to them reruns nothing.
+EXECUTION_MODULES = ("lrattnres.attempts", "lrattnres.gpus")
 
 
 def module_file(name: str) -> Path | None:
@@ -55,7 +58,7 @@ def closure(*modules: str) -> tuple[str, ...]:
     todo = list(modules)
     while todo:
         name = todo.pop()
-        if name in seen:
+        if name in seen or name in EXECUTION_MODULES:
             continue
         path = module_file(name)
         if path is None:

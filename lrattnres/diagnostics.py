@@ -50,6 +50,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from lrattnres.errors import UserError
 from lrattnres.grid import HEADLINE_ATTNRES, HEADLINE_LR, CONTROL, PAIR_SIZES, PAPER_D, paper_row, plan
 from lrattnres.io import atomic_write_json, read_json
 from lrattnres.presets import get_preset
@@ -71,7 +72,7 @@ DEVICES = ("auto", "cpu", "cuda")
 QUERY_GROUPS = ("pre_attention", "pre_mlp", "final_output", "all")
 
 
-class DiagnosticsError(ValueError):
+class DiagnosticsError(UserError, ValueError):
     """Bad settings or inputs; the message names the file or key and what was expected."""
 
 
@@ -359,7 +360,7 @@ def _device(name: str):
 
 
 def _clip_of(folder: Path, info: dict | None, settings: dict) -> float:
-    """The run's grad_clip (spec.json, else model.pt's spec, else the scale's recipe); 1 if none."""
+    """The run's grad_clip (spec.json, else the weights' spec, else the scale's recipe); 1 if none."""
     spec = None
     if (folder / "spec.json").exists():
         spec = read_json(folder / "spec.json").get("spec")
@@ -375,7 +376,7 @@ def analyse_run(run, folder: Path, manifest: dict | None, settings: dict, diag: 
     """Every diagnostic of one run folder (see the module doc)."""
     import torch
 
-    from lrattnres.train.checkpoint import load_model
+    from lrattnres.train.checkpoint import MODEL_FILE, load_model
 
     shape = get_preset(run.preset)
     row: dict[str, Any] = {
@@ -388,16 +389,17 @@ def analyse_run(run, folder: Path, manifest: dict | None, settings: dict, diag: 
     row.update(n_eff=None, heatmap=None, query_util=None, tokens=0)
     info = None
     if run.method != "baseline":
-        model, info = load_model(folder / "model.pt", device)
+        weights = folder / MODEL_FILE
+        model, info = load_model(weights, device)
         cfg = model.cfg
         if (cfg.method, cfg.blocks, cfg.rank) != (run.method, run.blocks, run.rank):
             raise DiagnosticsError(
-                f"{folder / 'model.pt'}: holds method={cfg.method} blocks={cfg.blocks} rank={cfg.rank}, but the grid "
+                f"{weights}: holds method={cfg.method} blocks={cfg.blocks} rank={cfg.rank}, but the grid "
                 f"plans {run.run_id} as method={run.method} blocks={run.blocks} rank={run.rank}")
         if manifest is not None:
             if int(manifest["vocab_size"]) > cfg.vocab_size:
                 raise DiagnosticsError(f"{manifest.get('_path')}: vocab_size {manifest['vocab_size']} exceeds the model's "
-                                       f"{cfg.vocab_size} ({folder / 'model.pt'}); not the data it was trained on")
+                                       f"{cfg.vocab_size} ({weights}); not the data it was trained on")
             if info.get("manifest_sha256") and info["manifest_sha256"] != manifest.get("_sha256"):
                 log.warning("%s: trained on manifest sha256 %s..., diagnosing on %s...", run.run_id,
                             str(info["manifest_sha256"])[:12], str(manifest.get("_sha256"))[:12])
@@ -780,7 +782,9 @@ def diagnose(settings: dict, runs_root: Path, manifest: dict | None, known_ids=N
 
 
 def _missing_inputs(run, folder: Path) -> list[Path]:
-    need = [folder / "metrics.jsonl"] + ([] if run.method == "baseline" else [folder / "model.pt"])
+    from lrattnres.train.checkpoint import MODEL_FILE
+
+    need = [folder / "metrics.jsonl"] + ([] if run.method == "baseline" else [folder / MODEL_FILE])
     return [p for p in need if not p.exists()]
 
 
@@ -805,7 +809,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", required=True, help="diagnostics result JSON (with --run: that run's row)")
     p.add_argument("--run", help="analyse this run of the grid only")
     p.add_argument("--aggregate", nargs="+", metavar="ROW_JSON", help="per-run rows written by --run")
-    p.add_argument("--skip-missing", action="store_true", help="skip runs whose folder lacks model.pt or metrics.jsonl")
+    p.add_argument("--skip-missing", action="store_true", help="skip runs whose folder lacks the model or metrics.jsonl")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s: %(message)s")

@@ -34,6 +34,7 @@ from typing import Any
 from lrattnres import stats
 from lrattnres.accounting import added_flops
 from lrattnres.config import deep_merge, resolve_rank
+from lrattnres.errors import InputError
 from lrattnres.io import atomic_write_json, read_json
 from lrattnres.presets import get_preset
 from lrattnres.provenance import now, provenance

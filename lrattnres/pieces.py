@@ -54,7 +54,7 @@ REPORT_RULES = ("grid_summary", "convert_all", "diagnostics", "evaluate_pairs", 
 # restored result still belongs to the scale is checked here instead: the same data manifest and the
 # same science settings (check_same_data, check_same_settings).
 CONTINUE_TRIGGERS = ("software-env",)
-# Several GPU jobs on one GPU: the routing kernel's eager autotuner (used by validation and the later
+# Trainings side by side on one GPU (the scale's resources.train.jobs_per_gpu > 1): the routing kernel's eager autotuner (used by validation and the later
 # stages, not by compiled training) failed with "misaligned address" when seven training processes
 # reached their first validation together on one H200; its first candidate configuration runs.
 SHARED_GPU_ENV = {"KERNELS_AUTOTUNE": "0"}
@@ -271,7 +271,7 @@ def _run_summaries(results: str, runs: tuple[str, ...]) -> list[dict[str, Any]]:
 
 
 def run_piece(settings: dict, name: str, out: str, *, restore_from: list[str], config_args: list[str],
-              gpu_jobs: int | None, cores: str, deadline_s: float | None, allow_rerun: bool,
+              cores: str, deadline_s: float | None, allow_rerun: bool,
               extra: list[str], accept: tuple[str, ...] = ()) -> dict[str, Any]:
     pieces = {p.name: p for p in plan_pieces(settings)}
     if name not in pieces:
@@ -282,10 +282,10 @@ def run_piece(settings: dict, name: str, out: str, *, restore_from: list[str], c
     Path(out).mkdir(parents=True, exist_ok=True)
     logs = Path(out) / f"{name}.log"
     smk = [*extra, "--cores", cores, "--scheduler", "greedy", "--keep-going", "--nolock"]
-    if gpu_jobs is not None:
-        smk += ["--resources", f"gpu={gpu_jobs}"]
+    sharing = int(settings.get("resources", {}).get("train", {}).get("jobs_per_gpu", 1))
     record: dict[str, Any] = {"piece": name, "scale": settings.get("scale"), "runs": list(piece.runs),
-                              "stages": list(piece.stages), "gpu_jobs": gpu_jobs, "restored_from": restore_from,
+                              "stages": list(piece.stages), "train_jobs_per_gpu": sharing,
+                              "restored_from": restore_from,
                               "environment": {k: v for k, v in sorted(os.environ.items())
                                               if k.startswith(("KERNELS_", "LRATTNRES_", "TRITON_", "TORCH"))}}
     with open(logs, "a", encoding="utf-8") as log:
@@ -316,7 +316,7 @@ def run_piece(settings: dict, name: str, out: str, *, restore_from: list[str], c
         # 3. the piece
         t = time.monotonic()
         left = None if deadline_s is None else max(60.0, deadline_s - (time.monotonic() - t0))
-        env = SHARED_GPU_ENV if (gpu_jobs or 0) > 1 else {}
+        env = SHARED_GPU_ENV if sharing > 1 else {}
         record["job_environment"] = env
         rc = _snakemake([*targets, *smk, "--rerun-triggers", *CONTINUE_TRIGGERS, "--config", *config_args],
                         log, timeout=left, env=env)
@@ -379,8 +379,6 @@ def main(argv: list[str] | None = None) -> int:
         if cmd == "run":
             sp.add_argument("name", help="the piece to run")
             sp.add_argument("--out", required=True, help="folder for <name>.tar.xz, <name>.json, <name>.log")
-            sp.add_argument("--gpu-jobs", type=int, default=None,
-                            help="GPU jobs that may run at once (Snakemake --resources gpu=N)")
             sp.add_argument("--cores", default="all")
             sp.add_argument("--deadline", type=float, default=None, help="seconds for the whole piece")
             sp.add_argument("--allow-rerun", action="store_true")
@@ -409,7 +407,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if args.cmd == "run":
             rec = run_piece(settings, args.name, args.out, restore_from=args.restore, config_args=args.config_args,
-                            gpu_jobs=args.gpu_jobs, cores=args.cores, deadline_s=args.deadline,
+                            cores=args.cores, deadline_s=args.deadline,
                             allow_rerun=args.allow_rerun, extra=extra, accept=tuple(args.accept))
             print(json.dumps({k: rec[k] for k in ("piece", "wall_s", "run_s", "trained_tokens",
                                                    "aggregate_tokens_per_s", "missing_targets", "packed")}))

@@ -70,6 +70,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+from lrattnres.errors import UserError
+
 # --------------------------------------------------------------------------------------- spec
 
 METHOD_TABLE: dict[str, dict[str, Any]] = {
@@ -126,7 +128,7 @@ PAPER_SIZES = {"1B": "1b", "4B": "4b"}
 PAPER_GPUS = ("H100", "B200")
 
 
-class SpecError(ValueError):
+class SpecError(UserError, ValueError):
     pass
 
 

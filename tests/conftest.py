@@ -46,8 +46,11 @@ def copy_repo(dest: Path) -> Path:
     ).stdout.decode().split("\0")
     for rel in filter(None, files):
         src = REPO / rel
-        if src.is_file():
-            target = dest / rel
+        target = dest / rel
+        if src.is_symlink():  # e.g. profiles -> workflow/profiles, where Snakemake looks for its profile
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.symlink_to(os.readlink(src))
+        elif src.is_file():
             target.parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(src, target)
     subprocess.run(["git", "init", "-q"], cwd=dest, check=True)
@@ -78,3 +81,29 @@ def snakemake(workdir: Path, *args: str, check: bool = True, timeout: int = 900)
     if check and proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}")
     return proc
+
+
+# ---- the fault suite's record (tests/test_fault_tolerance.py) ----------------------------------------
+
+FAULTS: list[dict] = []
+
+
+@pytest.fixture
+def faults(request):
+    """``faults(name, runs=1, lost=0)``: record a fault a test injected, how many runs it checked
+    afterwards and how many of them lost anything (finished work, a valid checkpoint, progress)."""
+
+    def record(name: str, runs: int = 1, lost: int = 0) -> None:
+        FAULTS.append({"test": request.node.name, "fault": name, "runs": runs, "lost": lost})
+
+    return record
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    if not FAULTS:
+        return
+    terminalreporter.write_sep("-", "fault suite")
+    for f in FAULTS:
+        terminalreporter.write_line(f"{f['fault']}: {f['runs']} run(s) checked, {f['lost']} lost anything ({f['test']})")
+    lost = sum(f["lost"] for f in FAULTS)
+    terminalreporter.write_line(f"{len(FAULTS)} faults tried; {lost} runs lost anything (goal: 0)")

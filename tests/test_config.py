@@ -101,3 +101,59 @@ def test_resolve_rank():
         resolve_rank("d/3", 64, where="x")
     with pytest.raises(ConfigError, match="must be between"):
         resolve_rank(0, 64, where="x")
+
+
+# ---- overrides as Snakemake passes them ----------------------------------------------------------
+
+
+def test_text_values_of_nested_config_are_read_as_the_schema_types():
+    """`--config 'train={"steps": 50}'`: Snakemake hands every nested value over as text."""
+    s = resolve(dict(RAW, scale="smoke", train={"steps": "50", "compile": "true", "schedule": {"warmdown_frac": "0.3"}},
+                     grid={"ranks": ["d/4", "8"]}, data={"embedded": {"max_documents": "null"}},
+                     evaluate={"limit": "5"}))
+    assert s["train"]["steps"] == 50 and s["train"]["compile"] is True
+    assert s["train"]["schedule"]["warmdown_frac"] == 0.3
+    assert s["grid"]["ranks"] == ["d/4", 8]
+    assert s["data"]["embedded"]["max_documents"] is None
+    assert s["evaluate"]["limit"] == 5  # a stage's own settings: numbers read as numbers
+    assert resolve(dict(RAW, scale="smoke", results=2024))["results"] == "2024/smoke"
+
+
+@pytest.mark.parametrize("section, value, key", [
+    ("train", {"steps": "fifty"}, "train.steps"),
+    ("train", {"compile": "maybe"}, "train.compile"),
+    ("recipe", {"optim": {"adam": {"betas": ["0.9", "x"]}}}, "recipe.optim.adam.betas.1"),
+])
+def test_text_that_reads_as_nothing_valid_is_refused_by_key(section, value, key):
+    msg = _bad(lambda r: r.update({"scale": "smoke", section: value}))
+    assert f"{key}:" in msg and "cannot be read as" in msg
+
+
+def test_top_level_recipe_overrides_the_scale_recipe_key_by_key():
+    """A --configfile's top-level recipe wins over the scale's own recipe block, key by key."""
+    raw = deep_merge(RAW, {"recipe": {"optim": {"muon": {"lr": 0.005}}, "z_loss": 0.0}})
+    s = resolve(raw)  # tiny: its own recipe sets muon.lr 0.02
+    assert s["recipe"]["optim"]["muon"] == {"lr": 0.005, "momentum": 0.95, "weight_decay": 0.1}
+    assert s["recipe"]["optim"]["adam"]["lr"] == RAW["scales"]["tiny"]["recipe"]["optim"]["adam"]["lr"]
+    assert s["recipe"]["z_loss"] == 0.0
+    from lrattnres.grid import plan, train_spec
+
+    spec = train_spec(s, plan(s)[0])
+    assert spec["optim"]["muon"]["lr"] == 0.005 and spec["z_loss"] == 0.0
+
+
+def test_science_leaves_out_execution_settings():
+    from lrattnres.config import science
+
+    a = resolve(RAW)
+    b = resolve(deep_merge(RAW, {"resources": {"default": {"mem_mb": 123}}, "data": {"num_threads": 7},
+                                 "results": "elsewhere"}))
+    assert a != b and science(a) == science(b)
+    assert "resources" not in science(a) and "num_threads" not in science(a)["data"]
+    c = resolve(deep_merge(RAW, {"train": {"steps": 7}}))
+    assert science(c) != science(a)
+
+
+def test_timing_rules_never_share_a_gpu():
+    msg = _bad(lambda r: r.update(scale="gpu", resources={"throughput": {"jobs_per_gpu": 2}}))
+    assert "resources.throughput.jobs_per_gpu" in msg and "expected 1" in msg

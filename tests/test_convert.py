@@ -293,12 +293,12 @@ def test_report_section_with_and_without_results():
 
 
 def test_converted_checkpoint_round_trip(tmp_path):
-    """The converted weights saved in the model.pt format load with load_model and give the same logits."""
+    """The converted weights saved as checked safetensors load with load_model and give the same logits."""
     m = attnres("smoke", "full")
     conv = C.convert_model(m, "d/8", dtype=torch.float32)
-    path = tmp_path / "conv" / "model.pt"
-    ckpt.save({"kind": "model", "model": conv.model.state_dict(), "model_config": dataclasses.asdict(conv.config),
-               "spec": None, "manifest_sha256": None, "step": 0, "tokens": 0}, path)
+    path = tmp_path / "conv" / "model.safetensors"
+    ckpt.save_model(conv.model.state_dict(), {"model_config": dataclasses.asdict(conv.config), "spec": None,
+                                              "manifest_sha256": None, "step": 0, "tokens": 0}, path)
     back, info = ckpt.load_model(path)
     assert back.cfg.method == "lr-fullrms" and back.cfg.rank == 4 and back.cfg.blocks == "full"
     x, doc = inputs_for(m, batch=1)
@@ -344,15 +344,15 @@ def test_cli_end_to_end(tmp_path, tiny_manifest):
     for blocks, row in (("full", "0.5b.nfull"), (2, None)):
         m = attnres("smoke", blocks, vocab=man["vocab_size"])
         run = tmp_path / "runs" / f"smoke-attnres-n{blocks}-r32-s0"
-        ckpt.save({"kind": "model", "model": m.state_dict(), "model_config": dataclasses.asdict(m.cfg),
-                   "spec": {"seq_len": 64}, "manifest_sha256": manifest_sha256(man), "step": 1, "tokens": 64},
-                  run / "model.pt")
+        ckpt.save_model(m.state_dict(), {"model_config": dataclasses.asdict(m.cfg), "spec": {"seq_len": 64},
+                                         "manifest_sha256": manifest_sha256(man), "step": 1, "tokens": 64},
+                        run / "model.safetensors")
         out = tmp_path / f"convert-{blocks}.json"
         spec = {"rank": "d/8", "val_tokens": 300, "batch_size": 2, "claim_row": row}
-        argv = ["--checkpoint", str(run / "model.pt"), "--data", str(mdir), "--spec", json.dumps(spec),
+        argv = ["--checkpoint", str(run / "model.safetensors"), "--data", str(mdir), "--spec", json.dumps(spec),
                 "--out", str(out), "--no-progress"]
         if row:
-            argv += ["--save", str(tmp_path / "converted" / "model.pt")]
+            argv += ["--save", str(tmp_path / "converted" / "model.safetensors")]
         assert C.main(argv) == 0
         r = json.loads(out.read_text())
         results.append(out)
@@ -380,7 +380,7 @@ def test_cli_end_to_end(tmp_path, tiny_manifest):
     assert set(agg["claims"]) == set(json.loads(results[0].read_text())["claims"])
     assert agg["invariants"]["fp64_rel_below_1e-9"] is True
     with pytest.raises(SystemExit):
-        C.main(["--checkpoint", "x.pt", "--out", str(out)])  # --data/--spec missing
+        C.main(["--checkpoint", "x.safetensors", "--out", str(out)])  # --data/--spec missing
 
 
 def test_cli_refuses_rank_below_k(tmp_path, capsys, tiny_manifest):
@@ -389,9 +389,9 @@ def test_cli_refuses_rank_below_k(tmp_path, capsys, tiny_manifest):
     mdir = tiny_manifest
     man = load_manifest(mdir)
     m = attnres("smoke", 2, vocab=man["vocab_size"])
-    path = tmp_path / "run" / "model.pt"
-    ckpt.save({"kind": "model", "model": m.state_dict(), "model_config": dataclasses.asdict(m.cfg), "spec": None,
-               "manifest_sha256": None, "step": 0, "tokens": 0}, path)
+    path = tmp_path / "run" / "model.safetensors"
+    ckpt.save_model(m.state_dict(), {"model_config": dataclasses.asdict(m.cfg), "spec": None,
+                                     "manifest_sha256": None, "step": 0, "tokens": 0}, path)
     spec = json.dumps({"rank": 2, "val_tokens": 64, "batch_size": 1, "claim_row": None})
     rc = C.main(["--checkpoint", str(path), "--data", str(mdir), "--spec", spec, "--out", str(tmp_path / "o.json")])
     assert rc == 2 and not (tmp_path / "o.json").exists()

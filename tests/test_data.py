@@ -454,5 +454,5 @@ def test_cli(tmp_path, capsys):
     assert cli.main(["--spec", '{"vocab_size": 3}', "--out", str(tmp_path / "o2")]) == 2
     assert "spec.vocab_size" in capsys.readouterr().err
     bad = {"source": "local", "local": {"glob": str(tmp_path / "none*.jsonl")}}
-    assert cli.main(["--spec", json.dumps(bad), "--out", str(tmp_path / "o3"), "--no-progress"]) == 1
+    assert cli.main(["--spec", json.dumps(bad), "--out", str(tmp_path / "o3"), "--no-progress"]) == 2  # bad input: exit 2
     assert "matches no files" in capsys.readouterr().err

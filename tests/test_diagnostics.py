@@ -174,8 +174,9 @@ def _fake_runs(root: Path, manifest_path: Path) -> None:
         folder.mkdir(parents=True)
         model = build_model({**run.model(), "vocab_size": m["vocab_size"]})  # fresh: zero queries, uniform routing
         spec = {"seq_len": 32, "grad_clip": 1.0, "precision": "fp32"}
-        ckpt.save({"kind": "model", "model": model.state_dict(), "model_config": model.cfg.to_dict(), "spec": spec,
-                   "manifest_sha256": m["_sha256"], "step": 6, "tokens": 6 * 64}, folder / "model.pt")
+        ckpt.save_model(model.state_dict(), {"model_config": model.cfg.to_dict(), "spec": spec,
+                                             "manifest_sha256": m["_sha256"], "step": 6, "tokens": 6 * 64},
+                        folder / "model.safetensors")
         norms = ATTNRES_NORMS if run.method in ("attnres", "baseline") else LR_NORMS
         recs = [{"kind": "train", "step": i + 1, "tokens": 64 * (i + 1), "grad_norm": g} for i, g in enumerate(norms)]
         recs.insert(3, {"kind": "val", "step": 3, "tokens": 192, "val_ce": 4.0})
@@ -258,13 +259,17 @@ def test_cli_end_to_end(cli_result):
     assert set(fd["fig10"]) == {"1b", "4b"} and set(fd["fig10"]["4b"]) == {"attnres", "lr"}
 
 
-def test_cli_missing_run_is_named(tmp_path, manifest_path):
+def test_cli_missing_run_is_named(tmp_path, manifest_path, capsys):
     (tmp_path / "settings.json").write_text(json.dumps(SETTINGS), encoding="utf-8")
     from lrattnres.cli import main
 
+    argv = ["--settings", str(tmp_path / "settings.json"), "--runs", str(tmp_path / "none"),
+            "--data", str(manifest_path), "--published", str(PUBLISHED), "--out", str(tmp_path / "o.json")]
     with pytest.raises(dg.DiagnosticsError, match="smoke-baseline-s0"):
-        main(["diagnostics", "--settings", str(tmp_path / "settings.json"), "--runs", str(tmp_path / "none"),
-              "--data", str(manifest_path), "--published", str(PUBLISHED), "--out", str(tmp_path / "o.json")])
+        dg.main(argv)
+    assert main(["diagnostics", *argv]) == 2  # the command line: one line, exit 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("diagnostics: ") and "smoke-baseline-s0" in err[-1] and "Traceback" not in err[-1]
 
 
 def _ctx(results, scale="smoke"):

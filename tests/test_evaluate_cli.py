@@ -45,10 +45,11 @@ def run(tmp_path_factory):
                       method="lr", blocks=2, rank=8)
     model = build_model(cfg)
     run_dir = d / "runs" / "smoke-lr-n2-r8-s0"
-    checkpoint.save({"kind": "model", "model": model.state_dict(), "model_config": dataclasses.asdict(cfg),
-                     "spec": {"model": {"preset": "smoke", "method": "lr"}}, "manifest_sha256": "x", "step": 0,
-                     "tokens": 0}, run_dir / "model.pt")
-    return {"dir": d, "ckpt": run_dir / "model.pt", "manifest": d / "data" / "manifest.json"}
+    checkpoint.save_model(model.state_dict(), {"model_config": dataclasses.asdict(cfg),
+                                               "spec": {"model": {"preset": "smoke", "method": "lr"}},
+                                               "manifest_sha256": "x", "step": 0, "tokens": 0},
+                          run_dir / "model.safetensors")
+    return {"dir": d, "ckpt": run_dir / "model.safetensors", "manifest": d / "data" / "manifest.json"}
 
 
 def test_cli_writes_result(run, tmp_path):

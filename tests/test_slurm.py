@@ -101,8 +101,12 @@ def test_profile_keys():
     # account and partition are the user's (their own profile or --default-resources)
     assert "slurm_account" not in json.dumps(prof) and "slurm_partition" not in json.dumps(prof)
     assert "default-resources" not in prof, "would hide the user's default-resources (account, partition)"
-    local = yaml.safe_load((REPO / "workflow" / "profiles" / "local" / "config.yaml").read_text())
-    assert local["cores"] == "all" and local["rerun-incomplete"] is True and local["keep-going"] is False
+    # the workflow's own profile, loaded beside this one and winning key by key, leaves the
+    # cluster's settings alone
+    default = yaml.safe_load((REPO / "profiles" / "default" / "config.yaml").read_text())
+    assert default["cores"] == "all" and default["rerun-incomplete"] is True
+    assert not {"executor", "jobs", "keep-going", "latency-wait", "set-resources"} & set(default)
+    assert default["retries"] == prof["retries"] and default["printshellcmds"] == prof["printshellcmds"]
 
 
 def test_smoke_dag_through_the_slurm_profile(slurm_cluster, tmp_path):

@@ -1,4 +1,5 @@
-"""End-to-end tests of the trainer on a tiny corpus: resume, SIGTERM, refusals, NaN, DDP, final CE."""
+"""End-to-end tests of the trainer on a tiny corpus: resume, SIGTERM, starting over after a change,
+checked checkpoints, NaN, DDP, final CE."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import pytest
 import torch
 
 from lrattnres.train import loop
-from lrattnres.train.checkpoint import load, load_model
+from lrattnres.train.checkpoint import CheckpointError, load_checkpoint, load_model, read_model
 from lrattnres.train.loop import NonFiniteLoss, Preempted, ResumeMismatch, train
 
 REPO = Path(__file__).resolve().parent.parent
@@ -46,8 +47,13 @@ def make_spec(**over):
     return s
 
 
+def load(out):
+    """The whole checked resumable state of run folder ``out``."""
+    return load_checkpoint(out)
+
+
 def weights(path):
-    return load(path)["model"]
+    return read_model(path)[0]
 
 
 def records(out, kind="train"):
@@ -63,7 +69,8 @@ def full_run(manifest, tmp_path_factory):
 
 def test_outputs_and_metrics(full_run):
     out, res = full_run
-    for name in ("spec.json", "metrics.jsonl", "checkpoint.pt", "model.pt", "result.json"):
+    for name in ("spec.json", "metrics.jsonl", "checkpoint.json", "model.safetensors", "model.safetensors.sha256",
+                 "result.json"):
         assert (out / name).exists(), name
     r = json.loads((out / "result.json").read_text())
     assert r["stage"] == "train" and r["run_id"] == "full" and r["steps"] == 6
@@ -84,12 +91,12 @@ def test_resume_bit_for_bit(manifest, full_run, tmp_path):
     out, _ = full_run
     with pytest.raises(Preempted):
         train(make_spec(), manifest, tmp_path, progress=False, stop_after=3)
-    assert load(tmp_path / "checkpoint.pt")["step"] == 3 and not (tmp_path / "result.json").exists()
+    assert load(tmp_path)["step"] == 3 and not (tmp_path / "result.json").exists()
     res = train(make_spec(), manifest, tmp_path, progress=False)
     assert res["resumed"] and res["steps"] == 6
-    a, b = weights(out / "model.pt"), weights(tmp_path / "model.pt")
+    a, b = weights(out / "model.safetensors"), weights(tmp_path / "model.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    oa, ob = load(out / "checkpoint.pt")["optimizers"], load(tmp_path / "checkpoint.pt")["optimizers"]
+    oa, ob = load(out)["optimizers"], load(tmp_path)["optimizers"]
     for name in oa:
         for i, st in oa[name]["state"].items():
             for k, v in st.items():
@@ -99,17 +106,90 @@ def test_resume_bit_for_bit(manifest, full_run, tmp_path):
     assert json.loads((tmp_path / "result.json").read_text())["final_val_ce"] == json.loads((out / "result.json").read_text())["final_val_ce"]
 
 
-def test_resume_refuses_other_config(manifest, tmp_path):
+def test_resume_must_refuses_other_config(manifest, tmp_path):
     with pytest.raises(Preempted):
         train(make_spec(), manifest, tmp_path, progress=False, stop_after=1)
     other = make_spec(model={"preset": "smoke", "method": "lr", "blocks": 2, "rank": 16})
     with pytest.raises(ResumeMismatch, match=r"model\.rank: checkpoint 8 != now 16"):
-        train(other, manifest, tmp_path, progress=False)
+        train(other, manifest, tmp_path, progress=False, resume="must")
     with pytest.raises(ResumeMismatch, match=r"optim\.muon\.lr"):
-        train(make_spec(optim={"muon": {"lr": 0.02}}), manifest, tmp_path, progress=False)
+        train(make_spec(optim={"muon": {"lr": 0.02}}), manifest, tmp_path, progress=False, resume="force")
+    assert load(tmp_path)["step"] == 1 and not (tmp_path / "stale").exists()  # a refusal moves nothing
     # allowed changes: validation/checkpoint cadence, device, compile
     with pytest.raises(Preempted):
         train(make_spec(val={"every": 0, "batches": 1}), manifest, tmp_path, progress=False, stop_after=2)
+    assert load(tmp_path)["step"] == 2 and [r["step"] for r in records(tmp_path)] == [1, 2]
+
+
+def test_changed_steps_moves_the_checkpoint_aside_and_starts_over(manifest, tmp_path):
+    """A finished run whose spec changed (more steps) starts fresh; its checkpoint, metrics and spec
+    move into stale/ with the reason, and the log says so."""
+    train(make_spec(steps=4, val={"every": 0, "final": False}), manifest, tmp_path, progress=False)
+    old = load(tmp_path)
+    logged = []
+    res = train(make_spec(steps=6, val={"every": 0, "final": False}), manifest, tmp_path, progress=False,
+                log=logged.append)
+    assert not res["resumed"] and res["steps"] == 6
+    assert [r["step"] for r in records(tmp_path)] == [1, 2, 3, 4, 5, 6]
+    (stale,) = (tmp_path / "stale").iterdir()
+    assert stale.name.endswith("-step4")
+    assert {"checkpoint.json", "metrics.jsonl", "spec.json", "reason.txt"} <= {p.name for p in stale.iterdir()}
+    assert "steps: checkpoint 4 != now 6" in (stale / "reason.txt").read_text()
+    assert [r["step"] for r in records(stale)] == [1, 2, 3, 4]
+    kept = load(stale)  # the stale checkpoint is whole and still checks
+    assert kept["step"] == 4 and all(torch.equal(kept["model"][k], old["model"][k]) for k in old["model"])
+    assert any("moved it aside to" in m and "steps: checkpoint 4 != now 6" in m for m in logged), logged
+    # the same spec again resumes (nothing more moves aside)
+    again = train(make_spec(steps=6, val={"every": 0, "final": False}), manifest, tmp_path, progress=False)
+    assert again["resumed"] and len(list((tmp_path / "stale").iterdir())) == 1
+
+
+def _flip_bytes(path: Path, at: float = 0.5, n: int = 64) -> None:
+    data = bytearray(path.read_bytes())
+    i = int(len(data) * at)
+    data[i:i + n] = bytes(b ^ 0xFF for b in data[i:i + n])
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("part", ["model", "state"])
+@pytest.mark.parametrize("damage", ["flip", "truncate"])
+def test_corrupt_checkpoint_is_refused_never_used(manifest, tmp_path, part, damage):
+    with pytest.raises(Preempted):
+        train(make_spec(), manifest, tmp_path, progress=False, stop_after=2)
+    rec = json.loads((tmp_path / "checkpoint.json").read_text())
+    target = tmp_path / rec["files"][part]["file"]
+    if damage == "flip":
+        _flip_bytes(target)
+    else:
+        target.write_bytes(target.read_bytes()[: target.stat().st_size // 2])
+    before = (tmp_path / "metrics.jsonl").read_text()
+    with pytest.raises(CheckpointError, match=rf"{target.name}: sha256 .* differs .* refusing to use it"):
+        train(make_spec(), manifest, tmp_path, progress=False)
+    assert (tmp_path / "metrics.jsonl").read_text() == before and not (tmp_path / "model.safetensors").exists()
+    # on the command line: exit 2, one line naming the file
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "lrattnres", "train", "--spec", json.dumps(make_spec()), "--data",
+                           manifest, "--out", str(tmp_path), "--no-progress"], env=env, cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip().count("\n") == 0 and target.name in proc.stderr and "Traceback" not in proc.stderr
+    # --resume never moves the corrupt checkpoint aside (kept, not deleted) and starts over
+    res = train(make_spec(val={"final": False}), manifest, tmp_path, progress=False, resume="never")
+    assert not res["resumed"] and res["steps"] == 6
+    (stale,) = (tmp_path / "stale").iterdir()
+    assert (stale / target.name).exists()
+
+
+def test_checkpoint_holds_no_pickled_code(manifest, tmp_path):
+    """The training state loads with weights_only=True; the weights are safetensors."""
+    with pytest.raises(Preempted):
+        train(make_spec(), manifest, tmp_path, progress=False, stop_after=2)
+    rec = json.loads((tmp_path / "checkpoint.json").read_text())
+    state = torch.load(tmp_path / rec["files"]["state"]["file"], weights_only=True)
+    assert set(state) == {"optimizers", "rng", "loader", "grad_norms"}
+    from safetensors.torch import load_file
+
+    assert set(load_file(tmp_path / rec["files"]["model"]["file"])) == set(load(tmp_path)["model"])
 
 
 def test_nonfinite_loss_stops_and_keeps_last_checkpoint(manifest, tmp_path, monkeypatch):
@@ -126,9 +206,9 @@ def test_nonfinite_loss_stops_and_keeps_last_checkpoint(manifest, tmp_path, monk
     monkeypatch.setattr(loop, "loss_sums", poisoned)
     with pytest.raises(NonFiniteLoss, match=r"non-finite z-loss .* at step 5"):
         train(make_spec(), manifest, tmp_path, progress=False)
-    assert load(tmp_path / "checkpoint.pt")["step"] == 4
-    assert not (tmp_path / "model.pt").exists() and not (tmp_path / "result.json").exists()
-    assert all(torch.isfinite(v).all() for v in load(tmp_path / "checkpoint.pt")["model"].values())
+    assert load(tmp_path)["step"] == 4
+    assert not (tmp_path / "model.safetensors").exists() and not (tmp_path / "result.json").exists()
+    assert all(torch.isfinite(v).all() for v in load(tmp_path)["model"].values())
 
 
 def test_grad_norm_logged_before_clipping(manifest, tmp_path):
@@ -137,7 +217,7 @@ def test_grad_norm_logged_before_clipping(manifest, tmp_path):
     ga, gb = records(tmp_path / "a"), records(tmp_path / "b")
     assert ga[0]["grad_norm"] == gb[0]["grad_norm"] > 1e-3  # same pre-clip norm, far above the clip
     assert tight["grad_norm"]["above_clip_pct"] == 100.0 and loose["grad_norm"]["above_clip_pct"] is None
-    wa, wb = weights(tmp_path / "a" / "model.pt"), weights(tmp_path / "b" / "model.pt")
+    wa, wb = weights(tmp_path / "a" / "model.safetensors"), weights(tmp_path / "b" / "model.safetensors")
     assert not torch.equal(wa["layers.0.attn.qkv.weight"], wb["layers.0.attn.qkv.weight"])
 
 
@@ -145,7 +225,7 @@ def test_final_val_ce_matches_fp64(full_run, manifest):
     from lrattnres.data import iter_eval_batches, load_manifest
 
     out, res = full_run
-    model, info = load_model(out / "model.pt")
+    model, info = load_model(out / "model.safetensors")
     model = model.double()
     total, count = 0.0, 0
     with torch.no_grad():
@@ -186,7 +266,7 @@ def test_ddp_two_ranks_match_one(manifest, tmp_path):
                                           str(tmp_path / "two")), nprocs=2, join=True, start_method="spawn")
     two = json.loads((tmp_path / "two" / "result.json").read_text())
     assert two["world_size"] == 2 and two["tokens"] == one["tokens"]
-    a, b = weights(tmp_path / "one" / "model.pt"), weights(tmp_path / "two" / "model.pt")
+    a, b = weights(tmp_path / "one" / "model.safetensors"), weights(tmp_path / "two" / "model.safetensors")
     for k in a:
         torch.testing.assert_close(b[k], a[k], rtol=1e-4, atol=1e-5, msg=k)
     ra, rb = records(tmp_path / "one"), records(tmp_path / "two")
@@ -209,8 +289,8 @@ def test_sigterm_writes_checkpoint_that_resumes(manifest, tmp_path):
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == loop.EXIT_PREEMPTED, err
-    assert "checkpoint" in err and (tmp_path / "checkpoint.pt").exists()
-    k = load(tmp_path / "checkpoint.pt")["step"]
+    assert "checkpoint" in err and (tmp_path / "checkpoint.json").exists()
+    k = load(tmp_path)["step"]
     with pytest.raises(Preempted, match=f"stopped at step {k + 2}"):
         train(spec, manifest, tmp_path, progress=False, stop_after=k + 2)
     assert [r["step"] for r in records(tmp_path)] == list(range(1, k + 3))
@@ -224,3 +304,5 @@ def test_code_change_starts_over(manifest, tmp_path, monkeypatch):
         train(make_spec(steps=3), manifest, tmp_path, progress=False, resume="must")
     res = train(make_spec(steps=3, val={"final": False}), manifest, tmp_path, progress=False)
     assert not res["resumed"] and [r["step"] for r in records(tmp_path)] == [1, 2, 3]
+    (stale,) = (tmp_path / "stale").iterdir()
+    assert "other training code" in (stale / "reason.txt").read_text()

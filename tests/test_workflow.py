@@ -80,6 +80,110 @@ def test_malformed_config_stops_before_any_job(shared_copy):
     assert proc.returncode != 0 and "'stepz'" in proc.stdout + proc.stderr
 
 
+def _shell_commands(stdout: str, rule: str) -> list[str]:
+    """The shell commands of a dry run (-p) of one rule."""
+    out, current = [], None
+    for line in stdout.splitlines():
+        m = re.match(r"^(?:local)?rule (\w+):", line)
+        if m:
+            current = m.group(1)
+        elif line.startswith("Shell command: ") and current == rule:
+            out.append(line[len("Shell command: "):])
+    return out
+
+
+def _train_specs(stdout: str) -> list[dict]:
+    import shlex
+
+    specs = []
+    for cmd in _shell_commands(stdout, "train"):
+        args = shlex.split(cmd)
+        specs.append(json.loads(args[args.index("--spec") + 1]))
+    return specs
+
+
+def test_config_overrides_reach_the_jobs(shared_copy, tmp_path):
+    """The README's overrides work as written: --config with a nested number (Snakemake passes it as
+    text), and a --configfile whose top-level recipe overrides the scale's own recipe."""
+    out = snakemake(shared_copy, "-n", "-p", "--config", "scale=smoke", 'train={"steps": 50, "compile": false}').stdout
+    specs = _train_specs(out)
+    assert specs and all(s["steps"] == 50 and s["compile"] is False for s in specs)
+    overrides = tmp_path / "mine.yaml"
+    overrides.write_text("scale: smoke\nrecipe:\n  optim:\n    muon: {lr: 0.005}\ntrain: {steps: 7}\n")
+    out = snakemake(shared_copy, "-n", "-p", "--configfile", "config.yaml", str(overrides)).stdout
+    specs = _train_specs(out)
+    assert specs and all(s["optim"]["muon"]["lr"] == 0.005 and s["steps"] == 7 for s in specs)
+    assert all(s["optim"]["muon"]["momentum"] == 0.95 for s in specs)  # the rest of the recipe stays
+    bad = snakemake(shared_copy, "-n", "--config", "scale=smoke", 'train={"steps": "fifty"}', check=False)
+    assert bad.returncode != 0 and "train.steps: 'fifty' cannot be read as integer" in bad.stdout + bad.stderr
+
+
+def test_multi_gpu_training_command_passes_through_torchrun(shared_copy):
+    """torchrun parses its options by prefix even after `-m lrattnres`: the job options of a
+    multi-GPU training command must reach the package unchanged."""
+    import shlex
+
+    from torch.distributed.run import get_args_parser
+
+    out = snakemake(shared_copy, "-n", "-p", "--config", "scale=smoke", "--set-resources", "train:gpu=2").stdout
+    cmd = _shell_commands(out, "train")[0]
+    args = shlex.split(cmd.split(" > ")[0])
+    assert args[0] == "torchrun"
+    parsed = get_args_parser().parse_args(args[1:])
+    assert parsed.module and parsed.training_script == "lrattnres" and parsed.nproc_per_node == "2"
+    rest = parsed.training_script_args
+    assert rest[:2] == ["--job-log", args[args.index("--job-log") + 1]] and "train" in rest and "--spec" in rest
+
+
+def test_default_profile_loads_by_itself(shared_copy):
+    proc = snakemake(shared_copy, "-n", "--config", "scale=smoke")
+    assert "workflow specific profile profiles/default" in proc.stderr + proc.stdout
+    import yaml
+
+    prof = yaml.safe_load((shared_copy / "profiles" / "default" / "config.yaml").read_text())
+    assert prof["rerun-incomplete"] is True and prof["retries"] >= 1
+    # a cluster profile is still what --profile selects, and the default leaves its executor alone
+    slurm = yaml.safe_load((shared_copy / "workflow" / "profiles" / "slurm" / "config.yaml").read_text())
+    assert slurm["executor"] == "slurm" and not {"executor", "jobs", "keep-going"} & set(prof)
+
+
+GPU_RULES = ("train", "evaluate", "convert", "diagnostics", "throughput", "kernel_check")
+EXCLUSIVE = ("throughput", "kernel_check")
+
+
+def test_gpu_scale_never_runs_a_timing_job_beside_another_gpu_job(shared_copy):
+    """A dry run of the gpu scale under the default profile on a machine of one GPU: every GPU job
+    declares its GPU; the resources each job declares never let Snakemake run a timing job beside
+    another GPU job, nor two other GPU jobs on one GPU, while up to jobs_per_gpu trainings share it."""
+    proc = snakemake(shared_copy, "-n", "--config", "scale=gpu", "--resources", "gpu=1")
+    jobs: dict[str, list[dict]] = {}
+    rule = None
+    for line in proc.stdout.splitlines():
+        m = re.match(r"^(?:local)?rule (\w+):", line)
+        if m:
+            rule = m.group(1)
+        m = re.match(r"^\s+resources: (.*)$", line)
+        if m and rule:
+            res = dict(kv.split("=", 1) for kv in m.group(1).split(", "))
+            jobs.setdefault(rule, []).append({k: int(v) for k, v in res.items() if v.isdigit()})
+    settings = load_and_resolve(REPO / "config.yaml", {"scale": "gpu"})
+    per_gpu = settings["resources"]["train"]["jobs_per_gpu"]
+    assert per_gpu > 1
+    slots = 1 * per_gpu  # what the workflow offers for --resources gpu=1
+    for r in GPU_RULES:
+        assert jobs.get(r), r
+        assert all(j["gpu"] >= 1 and j["gpu_slots"] >= 1 for j in jobs[r]), (r, jobs[r])
+    demand = {r: max(j["gpu_slots"] for j in jobs[r]) for r in GPU_RULES}
+    for a in EXCLUSIVE:
+        for b in GPU_RULES:
+            assert demand[a] + min(j["gpu_slots"] for j in jobs[b]) > slots, (a, b, demand)
+    for a in ("evaluate", "convert", "diagnostics"):
+        assert demand[a] * 2 > slots and demand[a] + demand["train"] > slots
+    assert demand["train"] * per_gpu <= slots  # the scale lets this many trainings share one GPU
+    # on a machine with two GPUs, two timing jobs may run at once (one per GPU)
+    assert demand["throughput"] + demand["kernel_check"] <= 2 * slots
+
+
 def test_lint_clean(shared_copy):
     proc = snakemake(shared_copy, "--lint")
     assert "Congratulations" in proc.stdout + proc.stderr
@@ -121,6 +225,19 @@ def test_smoke_dag_end_to_end_and_reruns_follow_code(tmp_path):
     print(f"smoke DAG: {elapsed:.1f} s")
 
     # nothing to do after a complete run
+    assert _planned(work) == {}
+
+    # execution settings rerun nothing: resources, threads, retries, GPUs, the retry and GPU machinery
+    for extra in (
+        ("--config", "scale=smoke", 'resources={"default": {"mem_mb": 3000, "runtime": 20}, "train": {"mem_mb": 5000}}'),
+        ("--config", "scale=smoke", 'data={"num_threads": 1}'),
+        ("--set-threads", "train=2", "evaluate=2", "prepare_data=1", "--retries", "7", "--resources", "gpu=2",
+         "--config", "scale=smoke"),
+    ):
+        assert job_counts(snakemake(work, "-n", *extra).stdout) == {}, extra
+    for module in ("attempts.py", "gpus.py"):
+        f = work / "lrattnres" / module
+        f.write_text(f.read_text() + "\n# a change\n")
     assert _planned(work) == {}
 
     # a bare touch of a source file reruns nothing (content checksums, not mtimes)

@@ -1,10 +1,15 @@
-"""``prepare-data`` stage: ``python -m lrattnres.data.cli --spec '<json>' --out <dir>``."""
+"""``prepare-data`` stage: ``python -m lrattnres.data.cli --spec '<json>' --out <dir> [--threads N]``.
+
+Exit codes: 0 done; 2 bad input (a bad spec key, an empty or malformed source, a file that is not
+UTF-8 text, a full disk), one line naming the file or key; 1 a source that cannot be reached.
+"""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
+from lrattnres.errors import one_line
 from lrattnres.io import read_spec_arg
 
 
@@ -22,10 +27,12 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"prepare-data: {e}", file=sys.stderr)
         return 2
+    from lrattnres.io import DiskFull
+
     from .shards import prepare
     from .spec import SpecError
 
-    if args.threads is not None:
+    if args.threads is not None and isinstance(spec, dict):
         if args.threads < 1:
             print(f"prepare-data: --threads: expected an integer >= 1, got {args.threads}", file=sys.stderr)
             return 2
@@ -37,11 +44,19 @@ def main(argv: list[str] | None = None) -> int:
     except SpecError as e:
         print(f"prepare-data: {e}", file=sys.stderr)
         return 2
-    except (ValueError, RuntimeError, OSError) as e:  # bad input, unreachable source: one clear line
-        print(f"prepare-data: error: {e}", file=sys.stderr)
+    except UnicodeDecodeError as e:  # the sources name their file; this is the last line of defence
+        print(f"prepare-data: a source file is not UTF-8 text ({e.reason}); expected UTF-8 text (txt) or "
+              "JSON lines (jsonl)", file=sys.stderr)
+        return 2
+    except (DiskFull, ValueError, FileNotFoundError) as e:  # bad input: one clear line
+        print(f"prepare-data: {one_line(e)}", file=sys.stderr)
+        return 2
+    except (RuntimeError, OSError) as e:  # an unreachable source
+        print(f"prepare-data: error: {one_line(e)}", file=sys.stderr)
         return 1
-    from lrattnres.io import read_json
     from pathlib import Path
+
+    from lrattnres.io import read_json
 
     c, t = m["counts"], read_json(Path(m["_root"]) / "build.json")["timing"]
     print(

@@ -13,14 +13,14 @@ Shards hold whole documents; every document ends with the end-of-text id ``manif
 
 from __future__ import annotations
 
-import hashlib
 import os
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from ..io import read_json
+from ..errors import UserError
+from ..io import read_json, sha256_file
 from . import tokenizer as _tok
 
 FORMAT = "lrattnres-tokens/1"
@@ -29,19 +29,8 @@ SPLITS = ("val", "train")
 _VERIFIED: dict[tuple, bool] = {}
 
 
-class ManifestError(ValueError):
+class ManifestError(UserError, ValueError):
     pass
-
-
-def sha256_file(path: str | os.PathLike, chunk: int = 1 << 22) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while True:
-            b = f.read(chunk)
-            if not b:
-                break
-            h.update(b)
-    return h.hexdigest()
 
 
 def root_of(manifest: dict) -> Path:
@@ -152,7 +141,10 @@ def load_manifest(path: str | os.PathLike, verify: bool | str = True) -> dict:
     p = Path(path)
     if p.is_dir():
         p = p / "manifest.json"
-    m = read_json(p)
+    try:
+        m = read_json(p)
+    except ValueError as e:  # not JSON, not text: the message names the file
+        raise ManifestError(f"{e}; expected the manifest.json of prepare-data") from None
     validate_manifest(m, p, verify)
     m["_root"] = str(p.parent.resolve())
     m["_path"] = str(p.resolve())

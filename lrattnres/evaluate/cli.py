@@ -1,8 +1,8 @@
 """``python -m lrattnres evaluate``: zero-shot downstream accuracy of one checkpoint (Appendix G).
 
-    python -m lrattnres evaluate --checkpoint results/tiny/runs/<run>/model.pt \\
+    python -m lrattnres evaluate --checkpoint results/tiny/runs/<run>/model.safetensors \\
         --data results/tiny/data/manifest.json --spec '{"limit": 50}' --out <eval.json> \\
-        [--claim-size 1b|4b|none] [--published reports/published.yaml]
+        [--claim-size 1b|4b|none] [--published reports/published.yaml] [--threads N]
 
 Spec keys (all optional):
 
@@ -15,8 +15,9 @@ Spec keys (all optional):
     device      auto | cpu | cuda (default auto)
     precision   auto (bf16 on a GPU, fp32 on the CPU) | bf16 | fp32
     cache_dir   where task JSONL/YAMLs go (default: <out dir>/task_cache)
-    threads     torch CPU threads (default: torch's). On a shared CPU give the rule's thread count:
-                oversubscribed threads made the tiny model 10x slower on a loaded 2-core machine
+    threads     torch CPU threads (default: torch's; --threads overrides it). On a shared CPU give the
+                rule's thread count: oversubscribed threads made the tiny model 10x slower on a loaded
+                2-core machine
     run_id, size, method   override what is read from the checkpoint
 
 Output JSON: {"stage": "evaluate", "run_id", "size", "method", "claim_size", "tasks": {task:
@@ -33,6 +34,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from lrattnres.errors import UserError
+
 log = logging.getLogger("lrattnres.evaluate")
 
 SPEC_KEYS = {
@@ -41,7 +44,7 @@ SPEC_KEYS = {
 }
 
 
-class SpecError(ValueError):
+class SpecError(UserError, ValueError):
     pass
 
 
@@ -143,13 +146,15 @@ def build_result(
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m lrattnres evaluate", description=__doc__.split("\n")[0])
-    ap.add_argument("--checkpoint", required=True, help="model.pt or checkpoint.pt of a training run")
+    ap.add_argument("--checkpoint", required=True,
+                    help="model.safetensors (or checkpoint.json, or the run folder) of a training run")
     ap.add_argument("--data", required=True, help="data manifest.json (its tokenizer and vocabulary compaction)")
     ap.add_argument("--spec", default="{}", help="JSON object of settings (see the module docstring)")
     ap.add_argument("--out", required=True, help="result JSON to write")
     ap.add_argument("--claim-size", default="auto",
                     help="paper size this run stands in for: 1b, 4b, none, or auto (the run's own size if 1b/4b)")
     ap.add_argument("--published", default=None, help="published claims file (default: reports/published.yaml)")
+    ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (overrides the spec's)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stderr)
 
@@ -181,10 +186,11 @@ def main(argv: list[str] | None = None) -> int:
     from lrattnres.io import atomic_write_json
     from lrattnres.train.checkpoint import load_model
 
-    if spec["threads"]:
+    threads = args.threads or spec["threads"]
+    if threads:
         import torch
 
-        torch.set_num_threads(spec["threads"])
+        torch.set_num_threads(threads)
     device = _device(spec["device"])
     model, info = load_model(args.checkpoint, device)
     manifest = load_manifest(args.data)

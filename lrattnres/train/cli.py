@@ -1,9 +1,11 @@
 """``python -m lrattnres train --spec '<json>' --data <manifest.json> --out <run dir>``
 
-Exit codes: 0 done (``result.json`` written); 2 bad spec, bad input or a refused resume (the
-message names the key); 3 non-finite loss (the last good checkpoint is kept); 75 (EX_TEMPFAIL)
-stopped by SIGTERM/SIGINT or ``--stop-after`` after writing ``checkpoint.pt``: rerun the same
-command to resume (Slurm: ``--requeue``; Snakemake: ``--retries``).
+Exit codes: 0 done (``result.json`` written); 2 bad spec, bad input, a checkpoint that fails its
+sha256 check or a refused resume (one line naming the file and the key); 3 non-finite loss (the
+last good checkpoint is kept); 75 (EX_TEMPFAIL) stopped by SIGTERM/SIGINT or ``--stop-after``
+after writing ``checkpoint.json``: rerun the same command to resume (Slurm: ``--requeue``;
+Snakemake: ``--retries``).  A checkpoint written for another spec, data manifest, world size or
+training code is moved aside into ``<out>/stale/`` and the run starts over (the log says so).
 
 Data-parallel: ``torchrun --nproc-per-node K -m lrattnres train ...`` (NCCL on GPUs, gloo on CPUs);
 the global batch is ``micro_batch x seq_len x grad_accum x K`` tokens.  torchrun forwards SIGTERM to
@@ -24,11 +26,12 @@ def _parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--spec", required=True, help="the run's settings as a JSON object, or @file.json")
     p.add_argument("--data", required=True, help="data manifest (manifest.json of prepare-data)")
-    p.add_argument("--out", required=True, help="run folder (spec.json, metrics.jsonl, checkpoint.pt, model.pt, result.json)")
+    p.add_argument("--out", required=True, help="run folder (spec.json, metrics.jsonl, checkpoint.json, model.safetensors, result.json)")
     p.add_argument("--resume", choices=("auto", "never", "must", "force"), default="auto",
-                   help="auto (default): continue from <out>/checkpoint.pt when present and written by the same "
-                        "training code, else start over; never: start over; must: fail unless it can continue; "
-                        "force: continue even if the training code changed")
+                   help="auto (default): continue from <out>/checkpoint.json when it was written for the same "
+                        "spec, data and training code, else move it aside to <out>/stale/ and start over; never: "
+                        "move it aside and start over; must: fail unless it can continue; force: continue even "
+                        "if the training code changed")
     p.add_argument("--stop-after", type=int, default=None, help="checkpoint and exit 75 after this many updates")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (CPU)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -73,6 +76,8 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     from lrattnres.train.loop import EXIT_NONFINITE, EXIT_PREEMPTED, NonFiniteLoss, Preempted, ResumeMismatch, train
     from lrattnres.data import ManifestError
+    from lrattnres.io import DiskFull
+    from lrattnres.train.checkpoint import CheckpointError
     from lrattnres.train.spec import SpecError
 
     try:
@@ -83,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     except NonFiniteLoss as e:
         print(f"train: {e}", file=sys.stderr)
         return EXIT_NONFINITE
-    except (SpecError, ResumeMismatch, ManifestError, FileNotFoundError) as e:
+    except (SpecError, ResumeMismatch, ManifestError, CheckpointError, DiskFull, FileNotFoundError) as e:
         print(f"train: {e}", file=sys.stderr)
         return 2
     finally:

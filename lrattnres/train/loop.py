@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lrattnres.errors import UserError
 from lrattnres.io import atomic_write_json
 from lrattnres.provenance import now, provenance
 from lrattnres.train import checkpoint as ckpt
@@ -57,7 +58,7 @@ class Preempted(Exception):
     pass
 
 
-class ResumeMismatch(ValueError):
+class ResumeMismatch(UserError, ValueError):
     pass
 
 
@@ -135,14 +136,6 @@ def _device(choice: str, local_rank: int) -> torch.device:
     return torch.device("cuda", local_rank)
 
 
-def file_sha256(path: str | os.PathLike) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 _REPO = Path(__file__).resolve().parent.parent.parent
 CODE_FILES = ("lrattnres/train/*.py", "lrattnres/model.py", "lrattnres/routing.py", "lrattnres/attention.py",
               "lrattnres/presets.py", "lrattnres/data/loader.py", "kernels/*.py")
@@ -155,6 +148,24 @@ def code_fingerprint() -> str:
         for f in sorted(_REPO.glob(pattern)):
             h.update(f.relative_to(_REPO).as_posix().encode() + b"\0" + f.read_bytes() + b"\0")
     return h.hexdigest()
+
+
+def resume_problems(rec: dict, s: dict, mcfg_dict: dict, manifest_sha: str, world: int,
+                    fingerprint: str) -> tuple[list[str], bool]:
+    """Why checkpoint record ``rec`` cannot continue this run (spec, architecture, data or world size
+    differ), and whether it was written by other training code."""
+    problems = []
+    keys = spec_mod.diff_keys(rec["spec"], s)
+    if keys:
+        problems.append("spec differs: " + spec_mod.describe_diff(rec["spec"], s, keys))
+    mkeys = spec_mod.diff_keys(rec["model_config"], mcfg_dict, ignore=("router", "attention"))
+    if mkeys:
+        problems.append("model architecture differs: " + spec_mod.describe_diff(rec["model_config"], mcfg_dict, mkeys))
+    if rec["manifest_sha256"] != manifest_sha:
+        problems.append(f"data manifest differs (sha256 {str(rec['manifest_sha256'])[:12]} != {manifest_sha[:12]})")
+    if rec["world_size"] != world:
+        problems.append(f"world_size differs: checkpoint {rec['world_size']} != now {world}")
+    return problems, rec.get("code_sha256") != fingerprint
 
 
 def resolve_model_config(model_spec: dict, vocab_size: int, seq_len: int):
@@ -212,12 +223,14 @@ class _StopFlag:
 def train(spec: dict, data: str | os.PathLike, out: str | os.PathLike, **kw) -> dict[str, Any]:
     """Train one run; returns the result dict (also written to ``<out>/result.json`` by rank 0).
 
-    Keywords: ``resume``: ``auto`` (continue from ``<out>/checkpoint.pt`` if present and written by
-    the same training code, else start over), ``never`` (start over, ignoring a checkpoint),
-    ``must`` (fail without a checkpoint of the same code), ``force`` (continue even if the code
-    changed).  The spec, architecture, data and world size must match in every mode.  ``stop_after``: stop after
-    that many total updates, writing a checkpoint as on preemption (for tests and time-sliced jobs;
-    raises :class:`Preempted`).  ``progress``: show the tqdm bar.  SIGTERM/SIGINT are caught from
+    Keywords: ``resume``: ``auto`` (continue from ``<out>/checkpoint.json`` when it was written for
+    the same spec, architecture, data manifest, world size and training code; otherwise move it
+    aside into ``<out>/stale/`` and start over), ``never`` (move any checkpoint aside and start
+    over), ``must`` (fail unless the checkpoint continues this run), ``force`` (continue even if the
+    training code changed; spec, architecture, data and world size must still match).  A checkpoint
+    whose files fail their sha256 check stops the run with :class:`CheckpointError` in every mode
+    but ``never``.  ``stop_after``: stop after that many total updates, writing a checkpoint as on
+    preemption (for tests and time-sliced jobs; raises :class:`Preempted`).  ``progress``: show the tqdm bar.  SIGTERM/SIGINT are caught from
     the start (a signal during start-up still stops at the first step boundary with a checkpoint).
     """
     stop = _StopFlag().install()
@@ -277,46 +290,50 @@ def _train(
 
     # ---- resume -------------------------------------------------------------------------------
     step, tokens, train_s, grad_norms, wall_prev, cpu_prev = 0, 0, 0.0, [], 0.0, 0.0
-    ck_path = out / "checkpoint.pt"
+    ck_path = out / ckpt.CHECKPOINT_FILE
     say = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
     if resume not in ("auto", "never", "must", "force"):
         raise ValueError(f"resume must be auto, never, must or force, got {resume!r}")
-    if resume in ("must", "force") and not ck_path.exists():
-        raise FileNotFoundError(f"{ck_path}: --resume must, but there is no checkpoint")
-    resumed = False
     fingerprint = code_fingerprint()
-    if resume != "never" and ck_path.exists():
-        st = ckpt.load(ck_path, map_location="cpu")
-        if st.get("code_sha256") != fingerprint and resume != "force":
-            msg = (f"{ck_path} was written by other training code (code sha256 {str(st.get('code_sha256'))[:12]} "
-                   f"!= {fingerprint[:12]})")
-            if resume == "must":
-                raise ResumeMismatch(f"refusing to resume: {msg}")
-            say(f"[train] {msg}: starting over (a run must not mix two code versions; "
-                "--resume force continues anyway, --resume must refuses)")
-            st = None
-    else:
-        st = None
+    st, stale, stale_step = None, None, None
+    if ckpt.has_checkpoint(out):
+        if resume == "never":
+            stale = "--resume never"
+        elif not ck_path.exists():
+            stale = f"{', '.join(n for n in ckpt.LEGACY_FILES if (out / n).exists())} is an earlier checkpoint format"
+        else:
+            rec = ckpt.read_record(out)  # a file that fails its check stops the run (CheckpointError)
+            stale_step = rec["step"]
+            problems, code_differs = resume_problems(rec, s, mcfg_dict, manifest_sha, world, fingerprint)
+            if code_differs and resume != "force":
+                problems.append(f"written by other training code (code sha256 {str(rec.get('code_sha256'))[:12]} "
+                                f"!= {fingerprint[:12]}; a run must not mix two code versions)")
+            if problems and resume in ("must", "force"):
+                raise ResumeMismatch(f"{ck_path}: refusing to resume: " + "; ".join(problems)
+                                     + " (--resume auto or never starts over)")
+            if problems:
+                stale = "; ".join(problems)
+            else:
+                st = ckpt.load_checkpoint(out, rec)
+    if resume in ("must", "force") and st is None:
+        raise FileNotFoundError(f"{ck_path}: --resume {resume}, but there is no checkpoint to continue")
+    if stale is not None:
+        if world > 1:
+            dist.barrier()  # every rank has read the checkpoint before it moves
+        if master:
+            dest = ckpt.move_aside(out, f"{stale}\n")
+            at = f" at step {stale_step}" if stale_step is not None else ""
+            say(f"[train] {out.name}: the checkpoint{at} does not continue this run ({stale}); "
+                f"moved it aside to {dest} and starting over")
+        if world > 1:
+            dist.barrier()
     planned_epochs = steps_total * tokens_per_step / max(train_split_tokens, 1)
     if master and planned_epochs > 1:
         say(f"[train] warning: {steps_total} updates of {tokens_per_step:,} tokens read the {train_split_tokens:,}-token "
             f"training split {planned_epochs:.1f} times; past one epoch the validation loss measures memorisation "
             "as well as modelling (point the scale's data stage at a larger corpus)")
+    resumed = False
     if st is not None:
-        problems = []
-        keys = spec_mod.diff_keys(st["spec"], s)
-        if keys:
-            problems.append("spec differs: " + spec_mod.describe_diff(st["spec"], s, keys))
-        mkeys = spec_mod.diff_keys(st["model_config"], mcfg_dict, ignore=("router", "attention"))
-        if mkeys:
-            problems.append("model architecture differs: " + spec_mod.describe_diff(st["model_config"], mcfg_dict, mkeys))
-        if st["manifest_sha256"] != manifest_sha:
-            problems.append(f"data manifest differs (sha256 {st['manifest_sha256'][:12]} != {manifest_sha[:12]})")
-        if st["world_size"] != world:
-            problems.append(f"world_size differs: checkpoint {st['world_size']} != now {world}")
-        if problems:
-            raise ResumeMismatch(f"{ck_path}: refusing to resume: " + "; ".join(problems)
-                                 + " (use a new --out folder, or --resume never to start over)")
         model.load_state_dict(st["model"])
         for name, opt in optimizers.items():
             opt.load_state_dict(st["optimizers"][name])
@@ -364,15 +381,16 @@ def _train(
             dist.all_gather_object(rngs, ckpt.rng_state())
         if master:
             metrics.flush()
-            ckpt.save({
-                "kind": "checkpoint", "model": model.state_dict(), "model_config": mcfg_dict,
-                "optimizers": {k: o.state_dict() for k, o in optimizers.items()},
-                "step": step, "tokens": tokens, "train_s": train_s, "grad_norms": grad_norms,
-                "wall_s": wall_prev + time.perf_counter() - t_process,
-                "cpu_s": cpu_prev + time.process_time() - cpu_process,
-                "rng": rngs, "loader": loader_states, "world_size": world, "spec": s,
-                "manifest_sha256": manifest_sha, "code_sha256": fingerprint,
-            }, ck_path)
+            ckpt.save_checkpoint(
+                out, model_state=model.state_dict(),
+                state={"optimizers": {k: o.state_dict() for k, o in optimizers.items()}, "rng": rngs,
+                       "loader": loader_states, "grad_norms": grad_norms},
+                meta={"step": step, "tokens": tokens, "train_s": train_s,
+                      "wall_s": wall_prev + time.perf_counter() - t_process,
+                      "cpu_s": cpu_prev + time.process_time() - cpu_process,
+                      "world_size": world, "spec": s, "model_config": mcfg_dict,
+                      "manifest_sha256": manifest_sha, "code_sha256": fingerprint},
+            )
 
     bar = progress_bar(steps_total, step, enabled=master and progress, desc=out.name or "train")
     zc = float(s["z_loss"])
@@ -432,8 +450,8 @@ def _train(
     # ---- end: final checkpoint, weights, final validation, result (last) -----------------------
     save_checkpoint()
     if master:
-        ckpt.save({"kind": "model", "model": model.state_dict(), "model_config": mcfg_dict, "spec": s,
-                   "manifest_sha256": manifest_sha, "step": step, "tokens": tokens}, out / "model.pt")
+        ckpt.save_model(model.state_dict(), {"model_config": mcfg_dict, "spec": s, "manifest_sha256": manifest_sha,
+                                             "step": step, "tokens": tokens}, out / ckpt.MODEL_FILE)
     final = {"ce": None, "tokens": 0}
     if s["val"]["final"]:
         final = evaluate(model, val_batches(), device, s["precision"], None, rank, world)

@@ -11,9 +11,10 @@ import math
 from typing import Any
 
 from lrattnres.config import deep_merge
+from lrattnres.errors import UserError
 
 
-class SpecError(ValueError):
+class SpecError(UserError, ValueError):
     pass
 
 

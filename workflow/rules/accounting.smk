@@ -12,6 +12,7 @@ rule accounting:
     conda:
         "../../envs/lrattnres.yaml"
     resources:
+        attempt=attempt,
         mem_mb=res("accounting", "mem_mb", 2000),
         runtime=res("accounting", "runtime", 10),
     params:
@@ -25,7 +26,9 @@ rule accounting:
             }
         ),
     shell:
-        "python -m lrattnres accounting --spec {params.spec:q} --out {output} > {log} 2>&1"
+        stage(
+            "accounting --spec {params.spec:q} --out {output:q} > {log:q} 2>&1",
+        )
 
 
 REPORT_INPUTS.append(rules.accounting.output[0])

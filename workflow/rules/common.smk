@@ -1,5 +1,7 @@
-# Shared helpers: the resolved settings of the selected scale, source-file inputs, spec quoting.
+# Shared helpers: the resolved settings of the selected scale, source-file inputs, spec quoting,
+# the command every stage runs through, GPU resources.
 import json
+import math
 import os
 import re
 import sys
@@ -7,7 +9,8 @@ from pathlib import Path
 
 sys.path.insert(0, workflow.basedir)
 
-from lrattnres.config import ConfigError, resolve, resolve_rank
+from lrattnres import gpus
+from lrattnres.config import ConfigError, resolve, resolve_rank, science
 from lrattnres.data.spec import science as science_data_spec
 from lrattnres.deps import closure, package_files, package_modules
 
@@ -35,6 +38,11 @@ def stage_sources(*modules):
     return list(closure("lrattnres.__main__", "lrattnres.cli", *modules))
 
 
+def attempt(wildcards, attempt):
+    """Snakemake's attempt number of a job, as a resource that the shell command passes on."""
+    return attempt
+
+
 def spec(obj):
     """A stage's settings as one JSON argument (quote with {params.spec:q})."""
     return json.dumps(obj, sort_keys=True)
@@ -47,6 +55,58 @@ def res(rule_name, key, fallback):
         if key in block:
             return block[key]
     return fallback
+
+
+# GPUs (lrattnres/gpus.py): every GPU job declares `gpu` (the GPUs it uses; what a cluster executor
+# requests) and `gpu_slots`. Each GPU has GPU_SLOTS slots; the jobs of a rule that the scale lets k
+# jobs share a GPU (resources jobs_per_gpu = k) take GPU_SLOTS / k of them per GPU, every other GPU
+# job (the timing jobs always) all of them, so it has its GPU to itself. On one machine the workflow offers GPU_SLOTS slots per GPU:
+# `--resources gpu=N` says how many GPUs there are (default: the machine's), and the slots, not the
+# `gpu` count, then limit what runs at once. A cluster's scheduler places jobs itself.
+GPU_SLOTS = math.lcm(
+    *(
+        int(block.get("jobs_per_gpu", 1))
+        for block in S.get("resources", {}).values()
+        if isinstance(block, dict)
+    ),
+    1,
+)
+
+
+def gpu_slots(rule_name):
+    """The GPU slots a job of ``rule_name`` takes (0 for a CPU job)."""
+    k = int(res(rule_name, "jobs_per_gpu", 1))
+    return int(res(rule_name, "gpu", 0)) * GPU_SLOTS // k
+
+
+# one machine: no --jobs, no cluster executor
+if workflow.global_resources["_nodes"].value is None:
+    _given = workflow.global_resources.get("gpu").value
+    _n_gpus = gpus.count() if _given is None else int(_given)
+    if workflow.global_resources.get("gpu_slots").value is None:
+        workflow.global_resources["gpu_slots"] = _n_gpus * GPU_SLOTS
+    workflow.global_resources["gpu"] = None  # counted by the slots
+    _gpu_rules = sorted(r for r in S.get("resources", {}) if int(res(r, "gpu", 0)) > 0)
+    if _n_gpus == 0 and _gpu_rules:
+        print(
+            f"warning: scale {SCALE!r} runs {', '.join(_gpu_rules)} on GPUs, and this machine shows "
+            "none (CUDA_VISIBLE_DEVICES, /dev/nvidia*): those jobs cannot start here; "
+            "--resources gpu=N names the GPUs to use",
+            file=sys.stderr,
+        )
+
+
+def stage(command, gpu=False, launcher="python -m lrattnres"):
+    """The shell command of a rule: ``command`` (a stage and its arguments, every path quoted with
+    {...:q}) run as `python -m lrattnres --job-log <log> --attempt <n> <stage> ...`. The exit status is
+    recorded beside the log, every attempt's log is kept, and a retry of a failure that a retry
+    cannot fix stops at once (lrattnres/attempts.py). A stage that may run on a GPU (``gpu``) first
+    claims the GPU slots its job declares and then sees only that GPU, or none where the job
+    declares none (lrattnres/gpus.py)."""
+    job = "--job-log {log:q} --attempt {resources.attempt}"
+    if gpu:
+        job += f" --gpu-slots {{resources.gpu_slots}}/{GPU_SLOTS}"
+    return f"{launcher} {job} {command}"
 
 
 # Result files the report reads: each stage's .smk appends its outputs.

@@ -8,7 +8,7 @@ CONVERT_SETTINGS = {k: v for k, v in S.get("convert", {}).items() if k != "rank"
 
 rule convert:
     input:
-        model=f"{R}/runs/{{run}}/model.pt",
+        model=f"{R}/runs/{{run}}/model.safetensors",
         data=rules.prepare_data.output.manifest,
         published="reports/published.yaml",
         src=stage_sources("lrattnres.convert"),
@@ -22,9 +22,11 @@ rule convert:
         "../../envs/lrattnres.yaml"
     threads: 1
     resources:
+        attempt=attempt,
         mem_mb=res("convert", "mem_mb", 4000),
         runtime=res("convert", "runtime", 30),
         gpu=res("convert", "gpu", 0),
+        gpu_slots=gpu_slots("convert"),
         cpus_per_gpu=res("convert", "cpus_per_gpu", 1),
     params:
         spec=lambda wc: spec(
@@ -35,9 +37,13 @@ rule convert:
             }
         ),
     shell:
-        "OMP_NUM_THREADS={threads} python -m lrattnres convert --checkpoint {input.model} "
-        "--data {input.data} --spec {params.spec:q} --published {input.published} "
-        "--out {output} --no-progress > {log} 2>&1"
+        stage(
+            "convert --checkpoint {input.model:q} "
+            "--data {input.data:q} --spec {params.spec:q} --published {input.published:q} "
+            "--out {output:q} --no-progress > {log:q} 2>&1",
+            gpu=True,
+            launcher="OMP_NUM_THREADS={threads} python -m lrattnres",
+        )
 
 
 rule convert_all:
@@ -52,11 +58,14 @@ rule convert_all:
     conda:
         "../../envs/lrattnres.yaml"
     resources:
+        attempt=attempt,
         mem_mb=res("convert_all", "mem_mb", 2000),
         runtime=res("convert_all", "runtime", 10),
     shell:
-        "python -m lrattnres convert --aggregate {input.results} --published {input.published} "
-        "--out {output} > {log} 2>&1"
+        stage(
+            "convert --aggregate {input.results:q} --published {input.published:q} "
+            "--out {output:q} > {log:q} 2>&1",
+        )
 
 
 REPORT_INPUTS.append(rules.convert_all.output[0])

@@ -1,4 +1,6 @@
-# Token shards and their manifest: the input of every training and evaluation job.
+# Token shards and their manifest: the input of every training and evaluation job. The tokeniser's
+# thread count is the rule's `threads` (config data.num_threads), not part of its params: changing it
+# reruns nothing.
 from lrattnres.data.docs import by_name as doc_collections
 
 DATA = S["data"]
@@ -18,6 +20,7 @@ if PACK:
         conda:
             "../../envs/lrattnres.yaml"
         resources:
+            attempt=attempt,
             mem_mb=res("corpus_pack", "mem_mb", 4000),
             runtime=res("corpus_pack", "runtime", 30),
         params:
@@ -26,8 +29,10 @@ if PACK:
             ),
             min_chars=DATA["pack"]["min_chars"],
         shell:
-            "python -m lrattnres corpus-pack --out {output:q} --collections {params.collections:q} "
-            "--min-chars {params.min_chars} > {log:q} 2>&1"
+            stage(
+                "corpus-pack --out {output:q} --collections {params.collections:q} "
+                "--min-chars {params.min_chars} > {log:q} 2>&1",
+            )
 
 
 rule prepare_data:
@@ -40,13 +45,16 @@ rule prepare_data:
         f"{LOGS}/prepare_data.log",
     conda:
         "../../envs/lrattnres.yaml"
-    threads: 2
+    threads: S["data"].get("num_threads", 2)
     resources:
+        attempt=attempt,
         mem_mb=res("prepare_data", "mem_mb", 4000),
         runtime=res("prepare_data", "runtime", 30),
     params:
-        spec=lambda wc: spec(science_data_spec(DATA)),
+        spec=lambda wc: spec(science_data_spec(science(S)["data"])),
         out=lambda wc, output: os.path.dirname(output.manifest),
     shell:
-        "python -m lrattnres prepare-data --spec {params.spec:q} --out {params.out:q} "
-        "--threads {threads} --no-progress > {log:q} 2>&1"
+        stage(
+            "prepare-data --spec {params.spec:q} --out {params.out:q} "
+            "--threads {threads} --no-progress > {log:q} 2>&1",
+        )

@@ -6,7 +6,7 @@
 rule diagnose_run:
     input:
         result=f"{R}/runs/{{run}}/result.json",
-        model=f"{R}/runs/{{run}}/model.pt",
+        model=f"{R}/runs/{{run}}/model.safetensors",
         settings=rules.settings.output[0],
         data=rules.prepare_data.output.manifest,
         src=stage_sources("lrattnres.diagnostics"),
@@ -20,16 +20,21 @@ rule diagnose_run:
         "../../envs/lrattnres.yaml"
     threads: 1
     resources:
+        attempt=attempt,
         mem_mb=res("diagnostics", "mem_mb", 4000),
         runtime=res("diagnostics", "runtime", 30),
         gpu=res("diagnostics", "gpu", 0),
+        gpu_slots=gpu_slots("diagnostics"),
         cpus_per_gpu=res("diagnostics", "cpus_per_gpu", 1),
     params:
         runs=lambda wc, input: os.path.dirname(os.path.dirname(input.result)),
     shell:
-        "python -m lrattnres diagnostics --settings {input.settings:q} --runs {params.runs:q} "
-        "--data {input.data:q} --run {wildcards.run} --threads {threads} "
-        "--out {output:q} > {log:q} 2>&1"
+        stage(
+            "diagnostics --settings {input.settings:q} --runs {params.runs:q} "
+            "--data {input.data:q} --run {wildcards.run} --threads {threads} "
+            "--out {output:q} > {log:q} 2>&1",
+            gpu=True,
+        )
 
 
 rule diagnostics:
@@ -45,11 +50,14 @@ rule diagnostics:
     conda:
         "../../envs/lrattnres.yaml"
     resources:
+        attempt=attempt,
         mem_mb=res("diagnostics_all", "mem_mb", 2000),
         runtime=res("diagnostics_all", "runtime", 10),
     shell:
-        "python -m lrattnres diagnostics --settings {input.settings:q} --published {input.published:q} "
-        "--aggregate {input.rows:q} --out {output:q} > {log:q} 2>&1"
+        stage(
+            "diagnostics --settings {input.settings:q} --published {input.published:q} "
+            "--aggregate {input.rows:q} --out {output:q} > {log:q} 2>&1",
+        )
 
 
 REPORT_INPUTS.append(rules.diagnostics.output[0])

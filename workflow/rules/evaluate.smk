@@ -6,7 +6,7 @@ EVALUATIONS = {e["run_id"]: e for e in evaluations(S)}
 
 rule evaluate:
     input:
-        model=f"{R}/runs/{{run}}/model.pt",
+        model=f"{R}/runs/{{run}}/model.safetensors",
         data=rules.prepare_data.output.manifest,
         published="reports/published.yaml",
         src=stage_sources("lrattnres.evaluate.cli"),
@@ -20,17 +20,22 @@ rule evaluate:
         "../../envs/lrattnres.yaml"
     threads: 1
     resources:
+        attempt=attempt,
         mem_mb=res("evaluate", "mem_mb", 4000),
         runtime=res("evaluate", "runtime", 30),
         gpu=res("evaluate", "gpu", 0),
+        gpu_slots=gpu_slots("evaluate"),
         cpus_per_gpu=res("evaluate", "cpus_per_gpu", 1),
     params:
-        spec=lambda wc, threads: spec({**S.get("evaluate", {}), "threads": threads}),
+        spec=lambda wc: spec(S.get("evaluate", {})),
         size=lambda wc: EVALUATIONS[wc.run]["claim_size"],
     shell:
-        "python -m lrattnres evaluate --checkpoint {input.model} --data {input.data} "
-        "--spec {params.spec:q} --claim-size {params.size} --published {input.published} "
-        "--out {output} > {log} 2>&1"
+        stage(
+            "evaluate --checkpoint {input.model:q} --data {input.data:q} "
+            "--spec {params.spec:q} --claim-size {params.size:q} --published {input.published:q} "
+            "--threads {threads} --out {output:q} > {log:q} 2>&1",
+            gpu=True,
+        )
 
 
 rule evaluate_pairs:
@@ -45,11 +50,14 @@ rule evaluate_pairs:
     conda:
         "../../envs/lrattnres.yaml"
     resources:
+        attempt=attempt,
         mem_mb=res("evaluate_pairs", "mem_mb", 2000),
         runtime=res("evaluate_pairs", "runtime", 10),
     shell:
-        "python -m lrattnres evaluate-pairs --results {input.results} --published {input.published} "
-        "--out {output} > {log} 2>&1"
+        stage(
+            "evaluate-pairs --results {input.results:q} --published {input.published:q} "
+            "--out {output:q} > {log:q} 2>&1",
+        )
 
 
 REPORT_INPUTS.extend(expand(f"{R}/evaluate/{{run}}.json", run=EVALUATIONS))

@@ -12,13 +12,18 @@ rule kernel_check:
     conda:
         "../../envs/lrattnres.yaml"
     resources:
+        attempt=attempt,
         mem_mb=res("kernel_check", "mem_mb", 2000),
         runtime=res("kernel_check", "runtime", 10),
         gpu=res("kernel_check", "gpu", 0),
+        gpu_slots=gpu_slots("kernel_check"),
     params:
         spec=lambda wc: spec(S.get("kernel_check", {})),
     shell:
-        "python -m lrattnres kernel-check --spec {params.spec:q} --out {output} > {log} 2>&1"
+        stage(
+            "kernel-check --spec {params.spec:q} --out {output:q} > {log:q} 2>&1",
+            gpu=True,
+        )
 
 
 REPORT_INPUTS.append(rules.kernel_check.output[0])

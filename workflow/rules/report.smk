@@ -28,9 +28,12 @@ rule report:
     conda:
         "../../envs/lrattnres.yaml"
     resources:
+        attempt=attempt,
         mem_mb=res("report", "mem_mb", 2000),
         runtime=res("report", "runtime", 10),
     shell:
-        "python -m lrattnres report --settings {input.settings:q} --published {input.published:q} "
-        "--results {input.results:q} --html {output.html:q} --json {output.json:q} "
-        "--tsv {output.tsv:q} > {log:q} 2>&1"
+        stage(
+            "report --settings {input.settings:q} --published {input.published:q} "
+            "--results {input.results:q} --html {output.html:q} --json {output.json:q} "
+            "--tsv {output.tsv:q} > {log:q} 2>&1",
+        )

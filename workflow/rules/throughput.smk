@@ -14,15 +14,20 @@ rule throughput:
         "../../envs/lrattnres.yaml"
     threads: 1
     resources:
+        attempt=attempt,
         mem_mb=res("throughput", "mem_mb", 4000),
         runtime=res("throughput", "runtime", 30),
         gpu=res("throughput", "gpu", 0),
+        gpu_slots=gpu_slots("throughput"),
         cpus_per_gpu=res("throughput", "cpus_per_gpu", 1),
     params:
         spec=lambda wc, input: spec({**S["throughput"], "published": input.published}),
     shell:
-        "python -m lrattnres throughput --spec {params.spec:q} --data {input.data} "
-        "--out {output} > {log} 2>&1"
+        stage(
+            "throughput --spec {params.spec:q} --data {input.data:q} "
+            "--out {output:q} > {log:q} 2>&1",
+            gpu=True,
+        )
 
 
 REPORT_INPUTS.append(rules.throughput.output[0])

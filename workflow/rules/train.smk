@@ -14,7 +14,8 @@ rule train:
         ),
     output:
         result=f"{R}/runs/{{run}}/result.json",
-        model=f"{R}/runs/{{run}}/model.pt",
+        model=f"{R}/runs/{{run}}/model.safetensors",
+        model_sha256=f"{R}/runs/{{run}}/model.safetensors.sha256",
     log:
         f"{LOGS}/train/{{run}}.log",
     wildcard_constraints:
@@ -23,21 +24,28 @@ rule train:
         "../../envs/lrattnres.yaml"
     threads: 1
     resources:
+        attempt=attempt,
         mem_mb=res("train", "mem_mb", 4000),
         runtime=res("train", "runtime", 60),
         gpu=res("train", "gpu", 0),
+        gpu_slots=gpu_slots("train"),
         cpus_per_gpu=res("train", "cpus_per_gpu", 1),
     params:
         spec=lambda wc: spec(train_spec(S, RUNS[wc.run])),
         out=lambda wc, output: os.path.dirname(output.result),
+        # the GPU count of a training job is its data-parallel world size: part of the experiment
         launcher=lambda wc, resources: (
             f"torchrun --standalone --nproc-per-node {resources.gpu} -m lrattnres"
             if resources.gpu > 1
             else "python -m lrattnres"
         ),
     shell:
-        "{params.launcher} train --spec {params.spec:q} --data {input.data} --out {params.out} "
-        "--threads {threads} --no-progress >> {log} 2>&1"
+        stage(
+            "train --spec {params.spec:q} --data {input.data:q} --out {params.out:q} "
+            "--threads {threads} --no-progress > {log:q} 2>&1",
+            gpu=True,
+            launcher="{params.launcher}",
+        )
 
 
 rule grid_summary:
@@ -53,13 +61,16 @@ rule grid_summary:
     conda:
         "../../envs/lrattnres.yaml"
     resources:
+        attempt=attempt,
         mem_mb=res("grid_summary", "mem_mb", 2000),
         runtime=res("grid_summary", "runtime", 10),
     params:
         runs=lambda wc, input: os.path.dirname(os.path.dirname(input.runs[0])),
     shell:
-        "python -m lrattnres summarize-grid --settings {input.settings} --runs {params.runs} "
-        "--published {input.published} --out {output} > {log} 2>&1"
+        stage(
+            "summarize-grid --settings {input.settings:q} --runs {params.runs:q} "
+            "--published {input.published:q} --out {output:q} > {log:q} 2>&1",
+        )
 
 
 REPORT_INPUTS.append(rules.grid_summary.output[0])
