@@ -315,9 +315,7 @@ def test_data_rebuilt_differently_reruns_training(corpus, tmp_path, faults):
     faults("data rebuilt differently under a finished run", runs=1, lost=0)
 
 
-@pytest.mark.xfail(strict=False, reason="needs a deterministic manifest.json: an identical rebuild writes "
-                                        "new timings and provenance into it, so its hash changes")
-def test_data_rebuilt_identically_does_not_rerun_training(corpus, tmp_path):
+def test_data_rebuilt_identically_does_not_rerun_training(corpus, tmp_path, faults):
     from lrattnres.data import prepare
     from lrattnres.train.loop import train
 
@@ -329,6 +327,7 @@ def test_data_rebuilt_identically_does_not_rerun_training(corpus, tmp_path):
     prepare(corpus["data_spec"], data, progress=False)
     again = train(spec, data / "manifest.json", tmp_path / "run", progress=False)
     assert again["resumed"] and not (tmp_path / "run" / "stale").exists()
+    faults("data rebuilt identically under a finished run", runs=1, lost=0)
 
 
 # ================================================================================ faults on the DAG
