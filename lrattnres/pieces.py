@@ -141,7 +141,11 @@ def pack(out: str | os.PathLike, results: str, workdir: str = ".") -> dict[str, 
     with atomic_path(out) as tmp:
         with tarfile.open(tmp, "w:xz") as tar:
             for r in rel + metas:
-                tar.add(str(cwd / r), arcname=r, recursive=False)
+                info = tar.gettarinfo(str(cwd / r), arcname=r)
+                if info.islnk():  # a hard link (an attempt's kept log): stored as the file it links
+                    info.type, info.linkname, info.size = tarfile.REGTYPE, "", (cwd / r).stat().st_size
+                with open(cwd / r, "rb") as f:
+                    tar.addfile(info, f)
     return {"files": len(rel), "metadata": len(metas), "bytes": os.path.getsize(out)}
 
 
@@ -340,6 +344,25 @@ def run_piece(settings: dict, name: str, out: str, *, restore_from: list[str], c
     return record
 
 
+def piece_summary(archives: list[str]) -> dict[str, Any]:
+    """What the pieces cost, from the ``<name>.json`` beside each ``<name>.tar.xz``: per piece its
+    wall time on the GPU machine, runs and trained tokens, and the total in GPU-minutes (one GPU)."""
+    rows = []
+    for arc in archives:
+        rec_path = Path(str(arc)[: -len(".tar.xz")] + ".json") if str(arc).endswith(".tar.xz") else None
+        if rec_path is None or not rec_path.is_file():
+            continue
+        r = read_json(rec_path)
+        rows.append({"piece": r.get("piece"), "runs": len(r.get("runs", [])), "wall_s": r.get("wall_s"),
+                     "data_s": r.get("data_s"), "run_s": r.get("run_s"), "trained_tokens": r.get("trained_tokens"),
+                     "aggregate_tokens_per_s": r.get("aggregate_tokens_per_s"),
+                     "train_jobs_per_gpu": r.get("train_jobs_per_gpu", r.get("gpu_jobs")),
+                     "device": (r.get("provenance") or {}).get("device"),
+                     "commit": (r.get("provenance") or {}).get("commit")})
+    total = sum(x["wall_s"] or 0 for x in rows)
+    return {"piece_costs": rows, "gpu_minutes": round(total / 60, 1) if rows else None}
+
+
 def render_report(settings: dict, restore_from: list[str], into: str, config_args: list[str],
                   extra: list[str], accept: tuple[str, ...] = ()) -> dict[str, Any]:
     """Restore every piece, render the report of the scale, and record it under ``into``."""
@@ -362,7 +385,8 @@ def render_report(settings: dict, restore_from: list[str], into: str, config_arg
             with atomic_path(Path(into) / name) as tmp:
                 Path(tmp).write_bytes(src.read_bytes())
     record = {"scale": settings.get("scale"), "restored_files": len(restored), "pieces": restore_from,
-              "run_commits": commits, "provenance": provenance({"settings": settings})}
+              "run_commits": commits, **piece_summary(restore_from),
+              "provenance": provenance({"settings": settings})}
     atomic_write_json(Path(into) / "recorded.json", record)
     return record
 

@@ -4,6 +4,7 @@ pieces and a report on three fresh copies of the repository, none of which redoe
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -59,6 +60,8 @@ def _fake_results(root: Path) -> None:
     (R / "runs" / "a" / "model.pt").write_bytes(b"weights stay behind")
     (R / "logs" / "train").mkdir(parents=True)
     (R / "logs" / "train" / "a.log").write_text("log")
+    (R / "logs" / "attempts").mkdir()
+    os.link(R / "logs" / "train" / "a.log", R / "logs" / "attempts" / "a.1.log")  # kept attempt logs
     (R / "data").mkdir()
     (R / "data" / "train_00000.bin").write_bytes(b"\0" * 8)
     meta = root / ".snakemake" / "metadata"
@@ -73,13 +76,16 @@ def test_pack_keeps_small_outputs_and_metadata_only(tmp_path):
     with tarfile.open(tmp_path / "p.tar.xz") as tar:
         names = set(tar.getnames())
     assert "results/smoke/runs/a/result.json" in names and "results/smoke/logs/train/a.log" in names
+    assert "results/smoke/logs/attempts/a.1.log" in names
     assert not any(n.endswith((".pt", ".bin")) for n in names)
     assert info["metadata"] == 1
     dst = tmp_path / "dst"
     dst.mkdir()
     got = pieces.restore([str(tmp_path / "p.tar.xz")], workdir=str(dst), skip=("results/smoke/logs/",))
     assert (dst / "results/smoke/runs/a/result.json").is_file() and not (dst / "results/smoke/logs").exists()
-    assert len(got) == len(names) - 1
+    assert len(got) == len(names) - 2
+    pieces.restore([str(tmp_path / "p.tar.xz")], workdir=str(dst))
+    assert (dst / "results/smoke/logs/attempts/a.1.log").read_text() == "log"
 
 
 def test_restore_refuses_members_outside_the_tree(tmp_path):
@@ -174,3 +180,16 @@ def test_smoke_scale_in_two_pieces_and_a_report(tmp_path):
     run_ids = {x["run_id"] for x in (first["run_results"] + rest["run_results"])}
     grid = json.loads((c / "results" / "smoke" / "grid.json").read_text())
     assert {row["run_id"] for row in grid["runs"]} == run_ids
+
+
+def test_piece_summary_totals_the_gpu_minutes(tmp_path):
+    for name, wall in (("a", 90.0), ("b", 150.0)):
+        (tmp_path / f"{name}.tar.xz").write_bytes(b"")
+        (tmp_path / f"{name}.json").write_text(json.dumps({
+            "piece": name, "runs": ["r1", "r2"], "wall_s": wall, "trained_tokens": 10,
+            "train_jobs_per_gpu": 7, "provenance": {"device": "cuda: X", "commit": "c"}}))
+    (tmp_path / "orphan.tar.xz").write_bytes(b"")  # no record beside it: not counted
+    got = pieces.piece_summary([str(tmp_path / f"{n}.tar.xz") for n in ("a", "b", "orphan")])
+    assert got["gpu_minutes"] == 4.0 and [r["piece"] for r in got["piece_costs"]] == ["a", "b"]
+    assert got["piece_costs"][0]["runs"] == 2 and got["piece_costs"][1]["device"] == "cuda: X"
+    assert pieces.piece_summary([]) == {"piece_costs": [], "gpu_minutes": None}

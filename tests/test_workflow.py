@@ -4,6 +4,7 @@ and reruns that follow real code changes."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import subprocess
@@ -147,14 +148,15 @@ def test_default_profile_loads_by_itself(shared_copy):
     assert slurm["executor"] == "slurm" and not {"executor", "jobs", "keep-going"} & set(prof)
 
 
-GPU_RULES = ("train", "evaluate", "convert", "diagnostics", "throughput", "kernel_check")
+GPU_RULES = ("train", "evaluate", "convert", "diagnose_run", "throughput", "kernel_check")
 EXCLUSIVE = ("throughput", "kernel_check")
+RESOURCE_BLOCK = {"diagnose_run": "diagnostics"}  # the rule whose resources a GPU rule reads
 
 
 def test_gpu_scale_never_runs_a_timing_job_beside_another_gpu_job(shared_copy):
     """A dry run of the gpu scale under the default profile on a machine of one GPU: every GPU job
     declares its GPU; the resources each job declares never let Snakemake run a timing job beside
-    another GPU job, nor two other GPU jobs on one GPU, while up to jobs_per_gpu trainings share it."""
+    another GPU job, and let exactly the scale's jobs_per_gpu jobs of a rule share one GPU."""
     proc = snakemake(shared_copy, "-n", "--config", "scale=gpu", "--resources", "gpu=1")
     jobs: dict[str, list[dict]] = {}
     rule = None
@@ -167,9 +169,10 @@ def test_gpu_scale_never_runs_a_timing_job_beside_another_gpu_job(shared_copy):
             res = dict(kv.split("=", 1) for kv in m.group(1).split(", "))
             jobs.setdefault(rule, []).append({k: int(v) for k, v in res.items() if v.isdigit()})
     settings = load_and_resolve(REPO / "config.yaml", {"scale": "gpu"})
-    per_gpu = settings["resources"]["train"]["jobs_per_gpu"]
-    assert per_gpu > 1
-    slots = 1 * per_gpu  # what the workflow offers for --resources gpu=1
+    res = settings["resources"]
+    per_gpu = {r: int(res.get(RESOURCE_BLOCK.get(r, r), {}).get("jobs_per_gpu", 1)) for r in GPU_RULES}
+    assert per_gpu["train"] > 1 and all(per_gpu[r] == 1 for r in EXCLUSIVE)
+    slots = math.lcm(*per_gpu.values())  # what the workflow offers for --resources gpu=1
     for r in GPU_RULES:
         assert jobs.get(r), r
         assert all(j["gpu"] >= 1 and j["gpu_slots"] >= 1 for j in jobs[r]), (r, jobs[r])
@@ -177,9 +180,8 @@ def test_gpu_scale_never_runs_a_timing_job_beside_another_gpu_job(shared_copy):
     for a in EXCLUSIVE:
         for b in GPU_RULES:
             assert demand[a] + min(j["gpu_slots"] for j in jobs[b]) > slots, (a, b, demand)
-    for a in ("evaluate", "convert", "diagnostics"):
-        assert demand[a] * 2 > slots and demand[a] + demand["train"] > slots
-    assert demand["train"] * per_gpu <= slots  # the scale lets this many trainings share one GPU
+    for r in GPU_RULES:  # exactly jobs_per_gpu of them fit one GPU, one more does not
+        assert demand[r] * per_gpu[r] <= slots < demand[r] * (per_gpu[r] + 1), (r, demand, per_gpu)
     # on a machine with two GPUs, two timing jobs may run at once (one per GPU)
     assert demand["throughput"] + demand["kernel_check"] <= 2 * slots
 
