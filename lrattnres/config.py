@@ -3,7 +3,9 @@
 The raw config is validated against ``workflow/schemas/config.schema.yaml`` (so a typo in a key is an
 error, not a silently ignored setting), then the selected scale's block is merged with the top-level
 overrides, then semantic checks that need the model presets run (a rank wider than the model, more
-blocks than writes).  Every error names the file, the key and what was expected.
+blocks than writes) or the installed packages (attention ``flash`` needs flash-attn, the optional
+``flash`` extra; the check runs in the Python that checks the config, e.g. Snakemake's).  Every error
+names the file, the key and what was expected.
 
 ``python -m lrattnres config [--config config.yaml] [--scale tiny]`` prints the resolved settings.
 """
@@ -167,7 +169,28 @@ def resolve(config: dict, source: str = "config.yaml") -> dict:
     settings["results"] = f"{config.get('results', 'results')}/{scale}"
     settings["recorded"] = dict(config.get("recorded", {}))
     _check_semantics(settings, f"{source}: scales.{scale}")
+    _check_attention(config, settings, source)
     return settings
+
+
+def _check_attention(config: dict, settings: dict, source: str) -> None:
+    """Attention ``flash`` is refused here, not mid-forward, where flash-attn is not installed."""
+    import importlib.util
+
+    scale = settings["scale"]
+    in_block = config["scales"][scale]
+    for section in ("recipe", "throughput"):
+        if (settings.get(section) or {}).get("attention") != "flash" or importlib.util.find_spec("flash_attn"):
+            continue
+        # the key where the value comes from: a scale's recipe refines the shared one; a top-level
+        # section overrides the scale's
+        scale_key = (in_block.get(section) or {}).get("attention") == "flash"
+        top_key = (config.get(section) or {}).get("attention") == "flash"
+        from_scale = scale_key if section == "recipe" else not top_key
+        key = f"scales.{scale}.{section}.attention" if from_scale else f"{section}.attention"
+        raise ConfigError(
+            f"{source}: {key}: 'flash' needs the flash-attn package, which is not installed here "
+            "(pip install '.[flash]', a CUDA build from source); expected auto, flex or sdpa, or install it")
 
 
 def _check_semantics(settings: dict, where: str) -> None:

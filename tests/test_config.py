@@ -101,3 +101,33 @@ def test_resolve_rank():
         resolve_rank("d/3", 64, where="x")
     with pytest.raises(ConfigError, match="must be between"):
         resolve_rank(0, 64, where="x")
+
+
+def _hide_flash_attn(monkeypatch, installed: bool):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: (object() if installed else None) if name == "flash_attn" else real(name, *a))
+
+
+@pytest.mark.parametrize("where", ["recipe", "scale recipe", "throughput"])
+def test_flash_attention_without_the_package_is_refused_naming_the_key(monkeypatch, where):
+    _hide_flash_attn(monkeypatch, installed=False)
+    raw = copy.deepcopy(RAW)
+    if where == "recipe":
+        raw["recipe"]["attention"], key = "flash", "recipe.attention"
+    elif where == "scale recipe":
+        raw["scales"]["gpu"]["recipe"] = {"attention": "flash"}
+        key = "scales.gpu.recipe.attention"
+    else:
+        raw["throughput"], key = {"attention": "flash"}, "throughput.attention"
+    with pytest.raises(ConfigError, match=rf"config.yaml: {key}: 'flash' needs the flash-attn package.*\[flash\]"):
+        resolve(dict(raw, scale="gpu"))
+    # with flash-attn installed the same config resolves, and the other backends never need it
+    _hide_flash_attn(monkeypatch, installed=True)
+    assert resolve(dict(raw, scale="gpu"))
+    _hide_flash_attn(monkeypatch, installed=False)
+    for backend in ("auto", "flex", "sdpa"):
+        assert resolve(dict(RAW, scale="gpu", recipe=dict(RAW["recipe"], attention=backend),
+                            throughput={"attention": backend}))

@@ -66,6 +66,7 @@ def test_cli_writes_result(run, tmp_path):
     assert all(t["n"] == 4 and t["metric"] == "acc_norm" for t in res["tasks"].values())
     assert res["mean"] is None and res["requests_per_s"] > 0
     assert res["provenance"]["config_sha256"]
+    assert res["provenance"]["attention"]["backend"] == "sdpa"  # requests carry no document ids
     assert set(res["claims"]) <= {"table8.acc.4b.lr.arc_challenge", "table8.acc.4b.lr.piqa"}
     # the task cache lives beside the result, with the subsampled JSONL and the YAMLs
     assert list((out.parent / "task_cache" / "yamls").glob("*/piqa.yaml"))

@@ -70,6 +70,8 @@ def test_outputs_and_metrics(full_run):
     assert r["tokens"] == 6 * 4 * 2 * 32 and r["val_tokens"] > 0 and r["final_val_ce"] > 0
     assert r["train_split_tokens"] > 0 and r["data_epochs"] == pytest.approx(r["tokens"] / r["train_split_tokens"])
     assert set(r["grad_norm"]) >= {"mean", "var", "above_clip_pct"} and "provenance" in r
+    # the attention the forward ran (auto on the CPU: masked SDPA) and its version
+    assert r["provenance"]["attention"] == {"requested": "auto", "backend": "sdpa", "version": f"torch {torch.__version__}"}
     recs = records(out)
     assert [x["step"] for x in recs] == list(range(1, 7))
     for x in recs:
@@ -224,3 +226,4 @@ def test_code_change_starts_over(manifest, tmp_path, monkeypatch):
         train(make_spec(steps=3), manifest, tmp_path, progress=False, resume="must")
     res = train(make_spec(steps=3, val={"final": False}), manifest, tmp_path, progress=False)
     assert not res["resumed"] and [r["step"] for r in records(tmp_path)] == [1, 2, 3]
+

@@ -297,6 +297,16 @@ class LRAttnResLM(_LMBase):
         s = self.stats["forward_s"]
         return self.stats["requests"] / s if s > 0 else None
 
+    def attention(self) -> dict | None:
+        """The attention the scoring forward runs (``lrattnres.attention.describe``; the requests carry
+        no document ids, so plain causal SDPA), or None for a module without a model config."""
+        requested = getattr(getattr(self.model, "cfg", None), "attention", None)
+        if requested is None:
+            return None
+        from lrattnres.attention import describe
+
+        return describe(requested, self.device, documents=False)
+
     def get_model_info(self) -> dict:
         return {
             "adapter": "lrattnres.evaluate.adapter.LRAttnResLM",
@@ -304,4 +314,5 @@ class LRAttnResLM(_LMBase):
             "max_length": self.max_length,
             "precision": self.precision,
             "device": str(self.device),
+            "attention": self.attention(),
         }

@@ -219,7 +219,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     res = build_result(
         ev, run_id=run_id, size=size, method=method, claim_size=claim_size, spec=spec,
-        provenance=provenance({"spec": spec, "checkpoint": str(args.checkpoint), "data": str(args.data)}, started),
+        provenance=provenance({"spec": spec, "checkpoint": str(args.checkpoint), "data": str(args.data)}, started,
+                              attention=lm.attention()),
         published=args.published,
         extra={
             "checkpoint": str(args.checkpoint),

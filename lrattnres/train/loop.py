@@ -69,18 +69,21 @@ class LossModule(nn.Module):
         self.model = model
         self.precision = precision
 
-    def forward(self, inputs, targets, doc_ids):
+    def forward(self, inputs, targets, doc_ids, segments=None):
         with torch.autocast(device_type=inputs.device.type, dtype=torch.bfloat16, enabled=self.precision == "bf16"):
-            logits = self.model(inputs, doc_ids)
+            logits = self.model(inputs, doc_ids, segments=segments)
         return loss_sums(logits, targets)
 
 
-def accumulate_gradients(fwd, lm, batches, params, device, z_loss: float, clip: float | None, world: int = 1):
+def accumulate_gradients(fwd, lm, batches, params, device, z_loss: float, clip: float | None, world: int = 1,
+                         segments: bool = False):
     """Forward/backward of one global batch, then clipping: returns (ce, z-loss term, pre-clip norm).
 
     ``fwd`` is ``lm`` or its compiled form; ``lm`` is the (DDP-wrapped) :class:`LossModule`.  Every
     micro-batch's loss is ``(sum CE + z_loss * sum lse^2) * world / N_global``, so the gradient is
     that of the token-averaged loss of the whole global batch.  One host sync at the end.
+    ``segments``: hand each batch's host-built document offsets to the model (attention ``flash``
+    reads them; the other backends do not, and a compiled model is not given what it does not read).
     """
     ddp = world > 1
     n_valid = torch.zeros((), dtype=torch.float64)
@@ -96,9 +99,10 @@ def accumulate_gradients(fwd, lm, batches, params, device, z_loss: float, clip: 
         inputs = b.inputs.to(device, non_blocking=True)
         targets = b.targets.to(device, non_blocking=True)
         doc_ids = b.doc_ids.to(device, non_blocking=True)
+        segs = b.segments.to(device, non_blocking=True) if segments else None
         sync = contextlib.nullcontext() if (not ddp or i == len(batches) - 1) else lm.no_sync()
         with sync:
-            ce_sum, z_sum = fwd(inputs, targets, doc_ids)
+            ce_sum, z_sum = fwd(inputs, targets, doc_ids, segs)
             loss = (ce_sum + z_loss * z_sum) * scale
             loss.backward()
         sums += torch.stack([ce_sum.detach(), z_sum.detach()])
@@ -145,6 +149,7 @@ def file_sha256(path: str | os.PathLike) -> str:
 
 _REPO = Path(__file__).resolve().parent.parent.parent
 CODE_FILES = ("lrattnres/train/*.py", "lrattnres/model.py", "lrattnres/routing.py", "lrattnres/attention.py",
+              "lrattnres/segments.py",
               "lrattnres/presets.py", "lrattnres/data/loader.py", "kernels/*.py")
 
 
@@ -270,6 +275,9 @@ def _train(
             model = build_model(mcfg)
     else:
         model = build_model(mcfg)
+    from lrattnres.attention import describe as describe_attention
+
+    attention = describe_attention(mcfg.attention, device)  # what the forward runs (auto resolved), recorded
     optimizers = build_optimizers(model, s["optim"], device.type)
     lrs = base_lrs(s["optim"])
     params = [p for p in model.parameters() if p.requires_grad]
@@ -346,7 +354,8 @@ def _train(
                                               "manifest_sha256": manifest_sha, "world_size": world,
                                               "total_steps": steps_total, "tokens_per_step": tokens_per_step})
         say(f"[train] {out.name}: {model.num_parameters():,} parameters, {steps_total} steps of "
-            f"{tokens_per_step:,} tokens, device {device}, world {world}"
+            f"{tokens_per_step:,} tokens, device {device}, world {world}, attention {attention['backend']} "
+            f"({attention['version']})"
             + (f", resumed at step {step}" if resumed else ""))
 
     val_bs = s["val"]["batch_size"] or s["micro_batch"]
@@ -395,7 +404,8 @@ def _train(
             lr_now = apply_lr(optimizers, lrs, mult)
 
             batches = [next(loader) for _ in range(s["grad_accum"])]
-            ce, zl, gn = accumulate_gradients(fwd, lm, batches, params, device, zc, clip, world)
+            ce, zl, gn = accumulate_gradients(fwd, lm, batches, params, device, zc, clip, world,
+                                              segments=attention["backend"] == "flash")
             for term, v in (("cross-entropy", ce), ("z-loss", zl), ("gradient norm", gn)):
                 if not math.isfinite(v):
                     raise NonFiniteLoss(
@@ -462,7 +472,7 @@ def _train(
         "model_config": mcfg_dict,
         "world_size": world,
         "memory": memory_stats(device),
-        "provenance": provenance(s, started=started),
+        "provenance": provenance(s, started=started, attention=attention),
     }
     if master:
         atomic_write_json(out / "result.json", result)
