@@ -1,7 +1,9 @@
 """``python -m lrattnres <stage> ...``: one subcommand per pipeline stage.
 
 Each stage lives in its own module with a ``main(argv) -> int``; it is imported only when it runs,
-so a cheap stage (accounting, report) does not pay for torch's import.
+so a cheap stage (accounting, report) does not pay for torch's import.  Before that import, where
+stderr is not a terminal (a log file), the libraries' own progress bars are switched off
+(``lrattnres.progress.quiet_library_bars``): the stages report progress in plain lines there.
 """
 
 from __future__ import annotations
@@ -43,5 +45,8 @@ def main(argv: list[str] | None = None) -> int:
     if stage not in STAGES:
         print(f"unknown stage {stage!r}\n\n{_usage()}", file=sys.stderr)
         return 2
+    from lrattnres.progress import quiet_library_bars
+
+    quiet_library_bars()
     module = importlib.import_module(STAGES[stage][0])
     return int(module.main(rest) or 0)

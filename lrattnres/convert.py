@@ -372,12 +372,9 @@ def paired_ce(models: dict, batches, device, precision: str, max_windows: int | 
     sums = {n: torch.zeros((), dtype=torch.float64, device=device) for n in models}
     per_window: dict[str, list] = {n: [] for n in models}
     tokens = windows = 0
-    try:
-        from tqdm import tqdm
+    from lrattnres.progress import bar as progress_bar
 
-        it = tqdm(batches, desc="[convert] paired CE", file=sys.stderr, disable=not progress, leave=False)
-    except ImportError:  # pragma: no cover
-        it = batches
+    it = progress_bar(batches, desc="[convert] paired CE", unit="batch", live=progress, leave=False)
     with torch.no_grad():
         for b in it:
             if max_windows is not None:
@@ -780,7 +777,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--published", default=None, help="published claims file (default: reports/published.yaml)")
     p.add_argument("--aggregate", nargs="+", default=None, metavar="RESULT",
                    help="combine per-checkpoint convert results into one (convert_all)")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-progress", action="store_true",
+                   help="no live progress bar (plain progress lines instead, as whenever stderr is not a terminal)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stderr)
 

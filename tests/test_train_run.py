@@ -227,3 +227,24 @@ def test_code_change_starts_over(manifest, tmp_path, monkeypatch):
     res = train(make_spec(steps=3, val={"final": False}), manifest, tmp_path, progress=False)
     assert not res["resumed"] and [r["step"] for r in records(tmp_path)] == [1, 2, 3]
 
+
+def test_plain_status_lines_where_stderr_is_not_a_terminal(manifest, tmp_path, monkeypatch):
+    """In a log file (a non-terminal stderr) training prints whole lines, no carriage returns: step,
+    loss, tokens/s, elapsed and ETA, here after every update (log_every_s tiny); with 0, none."""
+    import io
+    import re
+
+    fake = io.StringIO()  # isatty() is False, as for a log file
+    monkeypatch.setattr(sys, "stderr", fake)
+    spec = make_spec(steps=3, val={"every": 0, "batches": 1}, checkpoint={"every": 0}, log_every_s=1e-9)
+    train(spec, manifest, tmp_path / "logged", progress=True)
+    text = fake.getvalue()
+    assert "\r" not in text
+    pattern = re.compile(r"\[train\] logged: step (\d)/3 \(\d+\.\d%\), loss (\d+\.\d{4}), [\d,]+ tokens/s, "
+                         r"elapsed \d+:\d\d, eta \d+:\d\d")
+    steps = [int(m.group(1)) for m in map(pattern.fullmatch, text.splitlines()) if m]
+    assert steps == [1, 2, 3], text
+    fake.seek(0)
+    fake.truncate()
+    train(dict(spec, log_every_s=0), manifest, tmp_path / "quiet", progress=True)
+    assert "step 1/3" not in fake.getvalue() and "done" in fake.getvalue()

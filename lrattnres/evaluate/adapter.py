@@ -214,13 +214,10 @@ class LRAttnResLM(_LMBase):
         scored: list[tuple[float, bool] | None] = [None] * len(prepared)
         t0 = time.perf_counter()
         it = range(0, len(order), self.batch_size)
-        if self.progress:
-            try:
-                from tqdm import tqdm
+        if self.progress:  # a live bar on a terminal, plain lines in a log file
+            from lrattnres.progress import bar as progress_bar
 
-                it = tqdm(it, desc="loglikelihood", unit="batch")
-            except ImportError:  # pragma: no cover
-                pass
+            it = progress_bar(it, desc="loglikelihood", unit="batch")
         for start in it:
             idx = order[start : start + self.batch_size]
             logits = self._forward_logits([prepared[i][0] for i in idx])

@@ -40,7 +40,8 @@ from lrattnres.io import atomic_write_json
 from lrattnres.provenance import now, provenance
 from lrattnres.train import checkpoint as ckpt
 from lrattnres.train import spec as spec_mod
-from lrattnres.train.metrics import MetricsWriter, end_of_run_summary, grad_norm_summary, memory_stats, progress_bar
+from lrattnres.train.metrics import (MetricsWriter, StatusLines, end_of_run_summary, grad_norm_summary, memory_stats,
+                                     progress_bar)
 from lrattnres.train.optim import base_lrs, build_optimizers
 from lrattnres.train.schedule import apply_lr, lr_multiplier
 from lrattnres.train.val import IGNORE_INDEX, evaluate, loss_sums
@@ -220,10 +221,12 @@ def train(spec: dict, data: str | os.PathLike, out: str | os.PathLike, **kw) -> 
     Keywords: ``resume``: ``auto`` (continue from ``<out>/checkpoint.pt`` if present and written by
     the same training code, else start over), ``never`` (start over, ignoring a checkpoint),
     ``must`` (fail without a checkpoint of the same code), ``force`` (continue even if the code
-    changed).  The spec, architecture, data and world size must match in every mode.  ``stop_after``: stop after
-    that many total updates, writing a checkpoint as on preemption (for tests and time-sliced jobs;
-    raises :class:`Preempted`).  ``progress``: show the tqdm bar.  SIGTERM/SIGINT are caught from
-    the start (a signal during start-up still stops at the first step boundary with a checkpoint).
+    changed).  The spec, architecture, data and world size must match in every mode.  ``stop_after``:
+    stop after that many total updates, writing a checkpoint as on preemption (for tests and
+    time-sliced jobs; raises :class:`Preempted`).  ``progress``: a live tqdm bar when stderr is a
+    terminal; otherwise (or without ``progress``) plain status lines every ``log_every_s`` seconds of
+    the spec.  SIGTERM/SIGINT are caught from the start (a signal during start-up still stops at the
+    first step boundary with a checkpoint).
     """
     stop = _StopFlag().install()
     try:
@@ -383,7 +386,13 @@ def _train(
                 "manifest_sha256": manifest_sha, "code_sha256": fingerprint,
             }, ck_path)
 
-    bar = progress_bar(steps_total, step, enabled=master and progress, desc=out.name or "train")
+    from lrattnres.progress import interactive
+
+    live = master and progress and interactive(sys.stderr)
+    bar = progress_bar(steps_total, step, enabled=live, desc=out.name or "train")
+    # where no live bar is drawn (a log file, a batch job, --no-progress): plain status lines
+    status = (StatusLines(out.name or "train", steps_total, step, s["log_every_s"], say)
+              if master and not live and s["log_every_s"] > 0 else None)
     zc = float(s["z_loss"])
     clip = s["grad_clip"]
     ddp = world > 1
@@ -423,6 +432,8 @@ def _train(
                    "step_s": dt, "memory": memory_stats(device)}
             metrics.write(rec)
             bar.update(1)
+            if status is not None:
+                status.update(step, ce + zl, tokens_per_step)
             if master and (step % 10 == 0 or step == steps_total):
                 bar.set_postfix(loss=f"{ce + zl:.3f}", tok_s=f"{tokens_per_step / dt:,.0f}", refresh=False)
 
@@ -437,6 +448,8 @@ def _train(
                 save_checkpoint()
     finally:
         bar.close()
+        if status is not None:
+            status.close()
         metrics.flush()
 
     # ---- end: final checkpoint, weights, final validation, result (last) -----------------------
