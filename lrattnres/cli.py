@@ -21,6 +21,8 @@ STAGES: dict[str, tuple[str, str]] = {
     "convert": ("lrattnres.convert", "convert a standard AttnRes checkpoint to LR-AttnRes"),
     "evaluate": ("lrattnres.evaluate.cli", "zero-shot downstream evaluation with lm-eval"),
     "evaluate-pairs": ("lrattnres.evaluate.pairs", "the size-pair accuracy claims from the evaluations"),
+    "evaluate-tasks": ("lrattnres.evaluate.tasks", "write the offline downstream tasks for lm-eval's --include_path"),
+    "lm-eval": ("lrattnres.evaluate.lm_eval_cli", "lm-eval's own command line, with the lrattnres model registered"),
     "kernel-check": ("lrattnres.kernel_check", "the fused routing kernel against the reference"),
     "throughput": ("lrattnres.throughput", "training-step throughput with the paper's protocol"),
     "diagnostics": ("lrattnres.diagnostics", "routing diagnostics: N_eff, heatmaps, grad norms"),
