@@ -4,28 +4,34 @@ Training packs several documents into one row; a token may attend only to earlie
 document (``doc_ids`` [B, T] labels them; documents are contiguous runs of equal ids).  Three
 backends compute the same function:
 
-* ``flash``: flash-attn's varlen kernel over the documents cut out of the rows (the author's
-  choice); used by ``auto`` when flash-attn imports and the inputs are CUDA fp16/bf16;
 * ``flex``: PyTorch's flex_attention with a document block mask, skipping the blocks the mask
-  empties (compiled on CUDA); ``auto``'s choice on CUDA without flash-attn.  Inside an outer
-  ``torch.compile`` the block mask is built from tensor ops (``document_block_mask``, equal to
-  ``create_block_mask``'s), so it traces with no graph break.  An earlier build of that mask (index
-  lists ordered by ``BlockMask.from_kv_blocks``' argsort), with an fp32 residual stream, gave the
-  compiled 1B step a first loss 1.3e-3 off masked SDPA's and NaN within 8 updates on an H200
-  (torch 2.11); with this build and the bf16 stream it matches SDPA's first loss to 1e-5 and stayed
-  finite in every run since (benchmarks/results/train_step_bench_paper_*.md: 8 updates of 64
-  micro-batches per configuration).  Which of the two changes cured it is not isolated: in
-  isolation both mask builds match SDPA (benchmarks/results/flex_mask_check_h200_2026-11-29.json).
-  At accumulation 8 the 1B baseline step ran 61,302-61,890 tokens/s with it against 54,206-55,218
-  with masked SDPA (separate runs).  flex needs a head width of at least 16 on CUDA;
+  empties (compiled on CUDA); ``auto``'s choice on CUDA, the backend measured on the H200
+  (docs/attention.md).  Inside an outer ``torch.compile`` the block mask is built from tensor ops
+  (``document_block_mask``, equal to ``create_block_mask``'s), so it traces with no graph break.
+  An earlier build of that mask (index lists ordered by ``BlockMask.from_kv_blocks``' argsort),
+  with an fp32 residual stream, gave the compiled 1B step a first loss 1.3e-3 off masked SDPA's
+  and NaN within 8 updates on an H200 (torch 2.11); with this build and the bf16 stream it matches
+  SDPA's first loss to 1e-5 and stayed finite in every run since
+  (benchmarks/results/train_step_bench_paper_*.md: 8 updates of 64 micro-batches per
+  configuration).  Which of the two changes cured it is not isolated: in isolation both mask
+  builds match SDPA (benchmarks/results/flex_mask_check_h200_2026-11-29.json).  At accumulation 8
+  the 1B baseline step ran 61,302-61,890 tokens/s with it against 54,206-55,218 with masked SDPA
+  (separate runs).  flex needs a head width of at least 16 on CUDA;
 * ``sdpa``: scaled_dot_product_attention with an explicit boolean [B, 1, T, T] mask (every score
-  computed); ``auto``'s choice on the CPU.
+  computed); ``auto``'s choice on the CPU;
+* ``flash``: flash-attn's varlen kernel over the documents cut out of the rows (the author's
+  choice); only when asked for by name (``auto`` never picks it), and only with the optional
+  ``flash`` extra installed (a config that names it without the package is refused when it is
+  checked).  Its bookkeeping (``Segments``: the cumulative document offsets ``cu_seqlens`` over the
+  flattened rows and the longest document, ``lrattnres.segments``) is built once per batch on the
+  host by the data loader and handed to the forward, so the forward never waits on the GPU.
 
 Without ``doc_ids`` every backend is plain causal SDPA (one document per row).  RoPE positions
 count from the start of the row, not of the document: RoPE scores depend only on the distance
 between two tokens, and two tokens of one document are the same distance apart either way.
 
 The model prepares the mask once per forward (``make_attention``) and every layer reuses it.
+``describe`` names the backend a forward uses and its version, for the provenance of results.
 """
 
 from __future__ import annotations
@@ -37,50 +43,79 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from lrattnres.segments import Segments, document_segments  # noqa: F401 (re-exported)
+
 BACKENDS = ("auto", "flash", "flex", "sdpa")
+FLASH_PACKAGE = "flash_attn"  # the module the ``flash`` backend imports (distribution flash-attn)
 
 Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-def _has_flash_attn() -> bool:
-    return importlib.util.find_spec("flash_attn") is not None
+def flash_installed() -> bool:
+    """Whether flash-attn is installed (found, not imported: importing it loads its CUDA library)."""
+    return importlib.util.find_spec(FLASH_PACKAGE) is not None
 
 
-def resolve_backend(backend: str, device: torch.device, dtype: torch.dtype) -> str:
-    """The concrete backend ``auto`` stands for on this device and dtype (others pass through)."""
+def resolve_backend(backend: str, device: torch.device, dtype: torch.dtype | None = None) -> str:
+    """The concrete backend ``auto`` stands for on this device: ``flex`` on CUDA, ``sdpa`` elsewhere
+    (the measured choices; ``auto`` never picks ``flash``).  Named backends pass through."""
     if backend not in BACKENDS:
         raise ValueError(f"attention backend must be one of {BACKENDS}, got {backend!r}")
     if backend != "auto":
         return backend
-    if device.type != "cuda":
-        return "sdpa"
-    if dtype in (torch.float16, torch.bfloat16) and _has_flash_attn():
-        return "flash"
-    return "flex"
+    return "flex" if torch.device(device).type == "cuda" else "sdpa"
+
+
+def describe(backend: str, device: torch.device | str, *, documents: bool = True) -> dict[str, str]:
+    """``{"requested", "backend", "version"}`` of the attention a forward runs on ``device``.
+
+    ``documents``: whether the forward gets ``doc_ids`` (training, validation, diagnostics); without
+    them every backend is plain causal SDPA (the downstream evaluation).  The version is torch's for
+    flex and SDPA, flash-attn's for flash."""
+    used = resolve_backend(backend, torch.device(device)) if documents else "sdpa"
+    if used == "flash":
+        from importlib import metadata
+
+        try:
+            version = f"flash-attn {metadata.version('flash-attn')}"
+        except metadata.PackageNotFoundError:
+            version = "flash-attn (not installed)"
+    else:
+        version = f"torch {torch.__version__}"
+    return {"requested": backend, "backend": used, "version": version}
 
 
 def make_attention(
-    doc_ids: torch.Tensor | None, *, seq_len: int, device: torch.device, dtype: torch.dtype, backend: str = "auto"
+    doc_ids: torch.Tensor | None, *, seq_len: int, device: torch.device, dtype: torch.dtype, backend: str = "auto",
+    segments: Segments | None = None,
 ) -> Attend:
-    """``attend(q, k, v)`` for q, k, v [B, H, T, hd]: causal, and within documents if ``doc_ids`` is given."""
+    """``attend(q, k, v)`` for q, k, v [B, H, T, hd]: causal, and within documents if ``doc_ids`` is given.
+
+    ``segments`` (the batch's ``Segments``, on ``device``) is what the ``flash`` backend reads; the
+    other backends ignore it."""
     backend = resolve_backend(backend, device, dtype)
     if doc_ids is None:
         return functools.partial(F.scaled_dot_product_attention, is_causal=True)
     if doc_ids.dim() != 2 or doc_ids.shape[1] != seq_len:
         raise ValueError(f"doc_ids must be [B, T] with T = {seq_len}, got shape {tuple(doc_ids.shape)}")
+    if backend == "flash":
+        if segments is None:
+            raise ValueError("attention 'flash' needs the batch's Segments (cu_seqlens and max_seqlen, built on "
+                             "the host by the data loader: Batch.segments); pass segments= to the model")
+        return _flash_attention(doc_ids.shape[0], seq_len, segments)
     doc_ids = doc_ids.to(device)
     if backend == "sdpa":
         return _sdpa_attention(doc_ids)
-    if backend == "flex":
-        return _flex_attention(doc_ids)
-    return _flash_attention(doc_ids)
+    return _flex_attention(doc_ids)
 
 
 def causal_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_ids: torch.Tensor | None = None, backend: str = "auto"
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_ids: torch.Tensor | None = None, backend: str = "auto",
+    segments: Segments | None = None,
 ) -> torch.Tensor:
     """One-off causal document-masked attention, [B, H, T, hd] -> [B, H, T, hd]."""
-    attend = make_attention(doc_ids, seq_len=q.shape[2], device=q.device, dtype=q.dtype, backend=backend)
+    attend = make_attention(doc_ids, seq_len=q.shape[2], device=q.device, dtype=q.dtype, backend=backend,
+                            segments=segments)
     return attend(q, k, v)
 
 
@@ -191,20 +226,35 @@ def _flex_attention(doc_ids: torch.Tensor) -> Attend:
     return lambda q, k, v: flex(q, k, v, block_mask=block_mask)
 
 
-def _flash_attention(doc_ids: torch.Tensor) -> Attend:
-    from flash_attn import flash_attn_varlen_func
+def _flash_varlen():
+    """flash-attn's ``flash_attn_varlen_func`` behind a check of device and dtype, or an error saying
+    how to get it."""
+    try:
+        from flash_attn import flash_attn_varlen_func
+    except ImportError as e:
+        raise ImportError(
+            f"attention 'flash' needs flash-attn, which does not import here ({e}); install the optional "
+            "extra: pip install '.[flash]' (a CUDA build from source), or use attention 'auto' or 'flex'"
+        ) from None
 
-    B, T = doc_ids.shape
-    starts = torch.ones_like(doc_ids, dtype=torch.bool)
-    starts[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]  # a row start always opens a document
-    cu = torch.cat([starts.flatten().nonzero().flatten(), torch.tensor([B * T], device=doc_ids.device)])
-    cu = cu.to(torch.int32)
-    max_len = int((cu[1:] - cu[:-1]).max())
+    def varlen(q, k, v, cu_q, cu_k, max_q, max_k, causal):
+        if q.device.type != "cuda" or q.dtype not in (torch.float16, torch.bfloat16):
+            raise ValueError(f"attention 'flash' runs on CUDA in fp16/bf16 only, got {q.dtype} on {q.device} "
+                             "(use precision bf16 on a GPU, or attention 'auto')")
+        return flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, causal=causal)
+
+    return varlen
+
+
+def _flash_attention(B: int, T: int, segments: Segments) -> Attend:
+    """Attention over the flattened rows cut at ``segments``: no read-back of any device value."""
+    varlen = _flash_varlen()
+    cu, max_len = segments.cu_seqlens, segments.max_seqlen
 
     def attend(q, k, v):
         H, hd = q.shape[1], q.shape[3]
         flat = [x.transpose(1, 2).reshape(B * T, H, hd) for x in (q, k, v)]
-        out = flash_attn_varlen_func(*flat, cu, cu, max_len, max_len, causal=True)
+        out = varlen(*flat, cu, cu, max_len, max_len, causal=True)
         return out.reshape(B, T, H, hd).transpose(1, 2)
 
     return attend

@@ -1,7 +1,9 @@
 """``python -m lrattnres [--job-log LOG --attempt N --gpu-slots S/K] <stage> ...``: every stage.
 
 Each stage lives in its own module with a ``main(argv) -> int``; it is imported only when it runs,
-so a cheap stage (accounting, report) does not pay for torch's import.
+so a cheap stage (accounting, report) does not pay for torch's import.  Before that import, where
+stderr is not a terminal (a log file), the libraries' own progress bars are switched off
+(``lrattnres.progress.quiet_library_bars``): the stages report progress in plain lines there.
 
 Exit codes shared by every stage: 0 done; 2 a user error (:class:`lrattnres.errors.UserError`, a
 missing input file, a full disk), printed as one line naming the file, the key and what was
@@ -28,6 +30,8 @@ STAGES: dict[str, tuple[str, str]] = {
     "convert": ("lrattnres.convert", "convert a standard AttnRes checkpoint to LR-AttnRes"),
     "evaluate": ("lrattnres.evaluate.cli", "zero-shot downstream evaluation with lm-eval"),
     "evaluate-pairs": ("lrattnres.evaluate.pairs", "the size-pair accuracy claims from the evaluations"),
+    "evaluate-tasks": ("lrattnres.evaluate.tasks", "write the offline downstream tasks for lm-eval's --include_path"),
+    "lm-eval": ("lrattnres.evaluate.lm_eval_cli", "lm-eval's own command line, with the lrattnres model registered"),
     "kernel-check": ("lrattnres.kernel_check", "the fused routing kernel against the reference"),
     "throughput": ("lrattnres.throughput", "training-step throughput with the paper's protocol"),
     "diagnostics": ("lrattnres.diagnostics", "routing diagnostics: N_eff, heatmaps, grad norms"),
@@ -62,6 +66,9 @@ def run_stage(stage: str, rest: list[str]) -> int:
     from lrattnres.errors import UserError, one_line
     from lrattnres.io import DiskFull, is_disk_full
 
+    from lrattnres.progress import quiet_library_bars
+
+    quiet_library_bars()
     try:
         module = importlib.import_module(STAGES[stage][0])
         return int(module.main(rest) or 0)

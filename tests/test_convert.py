@@ -364,6 +364,10 @@ def test_cli_end_to_end(tmp_path, tiny_manifest):
         assert r["val_tokens_evaluated"] == 256  # 300 // 64 windows of 64
         assert r["slice_drift"]["max_logit_err"] >= 0 and "delta_ce" in r["slice_drift"]
         assert r["provenance"]["commit"] is not None or r["provenance"]["commit"] is None
+        # the attention each forward ran: the FP64 check in SDPA, the paired CE on the CPU in SDPA too
+        att = r["provenance"]["attention"]
+        assert set(att) == {"fp64_check", "original", "converted", "slice"}
+        assert all(a["backend"] == "sdpa" and a["version"].startswith("torch ") for a in att.values())
         if row:
             assert set(r["claims"]) == {"table2.fp64_max_err.0.5b.nfull", "table2.delta_ce.0.5b.nfull",
                                         "table2.orig_ce.0.5b.nfull", "table2.conv_ce.0.5b.nfull",

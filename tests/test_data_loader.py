@@ -139,3 +139,27 @@ def test_loader_errors(manifest, tmp_path):
         TokenLoader(manifest, "val", 1000, 64, seed=0)
     with pytest.raises(ValueError, match="split"):
         TokenLoader(manifest, "test", 2, 16, seed=0)
+
+
+def test_every_batch_carries_its_document_segments_built_on_the_host(manifest):
+    """flash-attn's offsets come with the batch (computed once, on the CPU): they cut exactly where a
+    row starts or a document id changes, and rows taken with head() get their own."""
+    from lrattnres.segments import document_segments
+
+    eot = int(manifest["eot_id"])
+    batches = [next(TokenLoader(manifest, "train", batch_size=4, seq_len=64, seed=3))]
+    batches += list(iter_eval_batches(manifest, "val", 4, 64))[:2]
+    for b in batches:
+        seg = b.segments
+        assert seg.cu_seqlens.device.type == "cpu" and seg.cu_seqlens.dtype == torch.int32
+        assert torch.equal(seg.cu_seqlens, document_segments(b.doc_ids).cu_seqlens)
+        cu = seg.cu_seqlens.tolist()
+        B, T = b.inputs.shape
+        assert cu[0] == 0 and cu[-1] == B * T and seg.max_seqlen == max(np.diff(cu))
+        flat = b.inputs.flatten().tolist()
+        starts = {i for i in range(B * T) if i % T == 0 or flat[i - 1] == eot}
+        assert set(cu[:-1]) == starts
+        moved = b.to("meta")
+        assert moved.segments.cu_seqlens.device.type == "meta" and moved.segments.max_seqlen == seg.max_seqlen
+    first = batches[0].head(2)
+    assert first.inputs.shape[0] == 2 and first.segments.cu_seqlens[-1] == 2 * 64

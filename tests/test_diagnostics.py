@@ -204,6 +204,11 @@ def test_cli_end_to_end(cli_result):
 
     res = cli_result
     assert res["stage"] == "diagnostics" and "provenance" in res and "figures_data" in res
+    # every routed run's forward: auto on the CPU is masked SDPA (the baseline runs no model here)
+    routed = {r.run_id for r in plan(SETTINGS) if r.method != "baseline"}
+    assert set(res["provenance"]["attention"]) == routed
+    assert all(a == {"requested": "auto", "backend": "sdpa", "version": f"torch {torch.__version__}"}
+               for a in res["provenance"]["attention"].values())
     planned = plan(SETTINGS)
     assert set(res["runs"]) == {r.run_id for r in planned}
     for run in planned:

@@ -67,6 +67,7 @@ def test_cli_writes_result(run, tmp_path):
     assert all(t["n"] == 4 and t["metric"] == "acc_norm" for t in res["tasks"].values())
     assert res["mean"] is None and res["requests_per_s"] > 0
     assert res["provenance"]["config_sha256"]
+    assert res["provenance"]["attention"]["backend"] == "sdpa"  # requests carry no document ids
     assert set(res["claims"]) <= {"table8.acc.4b.lr.arc_challenge", "table8.acc.4b.lr.piqa"}
     # the task cache lives beside the result, with the subsampled JSONL and the YAMLs
     assert list((out.parent / "task_cache" / "yamls").glob("*/piqa.yaml"))
@@ -79,3 +80,64 @@ def test_cli_rejects_bad_spec(run, tmp_path, capsys):
                "--out", str(tmp_path / "x.json")])
     assert rc == 2 and "'limit'" in capsys.readouterr().err
     assert not (tmp_path / "x.json").exists()
+
+
+def test_lm_eval_command_line_runs_the_registered_model(run, tmp_path):
+    """lm-eval's own command line (its entry point, ``lm_eval.__main__.cli_evaluate``) through
+    ``python -m lrattnres lm-eval``: the ``lrattnres`` model built from --model_args (the data
+    manifest taken from the run folder's spec.json), one offline task from --include_path, a small
+    --limit; stderr is a log file, so no carriage-return bars."""
+    import glob
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    (run["ckpt"].parent / "spec.json").write_text(json.dumps({"data": str(run["manifest"])}))
+    env = {k: v for k, v in os.environ.items() if k not in ("TQDM_DISABLE", "HF_DATASETS_DISABLE_PROGRESS_BARS")}
+    tasks = tmp_path / "tasks"
+    proc = subprocess.run([sys.executable, "-m", "lrattnres", "evaluate-tasks", "--out", str(tasks), "--tasks", "arc_easy",
+                           "--limit", "6"], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == str(tasks.resolve()) and (tasks / "arc_easy.yaml").exists()
+    log = tmp_path / "lm_eval.log"
+    with open(log, "w") as err:
+        proc = subprocess.run(
+            [sys.executable, "-m", "lrattnres", "lm-eval", "--model", "lrattnres",
+             "--model_args", f"checkpoint={run['ckpt']},device=cpu,batch_size=3", "--tasks", "arc_easy",
+             "--include_path", str(tasks), "--limit", "4", "--output_path", str(tmp_path / "out")],
+            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=err, text=True, timeout=600)
+    text = log.read_text()
+    assert proc.returncode == 0, text[-3000:]
+    assert "|arc_easy|" in proc.stdout and "\r" not in text
+    (path,) = glob.glob(str(tmp_path / "out" / "*" / "results_*.json"))
+    res = json.loads(open(path).read())
+    assert res["n-samples"]["arc_easy"]["effective"] == 4 and 0 <= res["results"]["arc_easy"]["acc_norm,none"] <= 1
+    assert res["config"]["model"] == "lrattnres" and res["config"]["max_length"] == 64
+    assert res["config"]["attention"]["backend"] == "sdpa"  # the scoring forward: no document ids
+
+
+def test_model_args_build_the_adapter_and_refuse_what_they_cannot(run):
+    from lrattnres.evaluate.adapter import LRAttnResLM
+
+    lm = LRAttnResLM.create_from_arg_string(f"checkpoint={run['ckpt']},data={run['manifest']},batch_size=5",
+                                            {"batch_size": 1, "device": "cuda:0", "max_batch_size": None})
+    # model_args win; lm-eval's default device falls back to the CPU where CUDA is absent
+    import torch
+
+    assert lm.batch_size == 5 and lm.max_length == 64
+    assert str(lm.device) == ("cuda:0" if torch.cuda.is_available() else "cpu")
+    lm = LRAttnResLM.create_from_arg_obj({"checkpoint": str(run["ckpt"]), "data": str(run["manifest"]), "device": "cpu"},
+                                         {"batch_size": 2})
+    assert lm.batch_size == 2 and str(lm.device) == "cpu"
+    with pytest.raises(ValueError, match="'checkpoint' is required"):
+        LRAttnResLM.create_from_arg_string("device=cpu")
+    with pytest.raises(ValueError, match=r"unknown key\(s\) \['pretrained'\]"):
+        LRAttnResLM.create_from_arg_string(f"checkpoint={run['ckpt']},pretrained=gpt2")
+    with pytest.raises(ValueError, match="batch_size must be a positive integer"):
+        LRAttnResLM.create_from_arg_string(f"checkpoint={run['ckpt']},data={run['manifest']},batch_size=auto")
+    other = run["dir"] / "elsewhere" / "model.pt"  # a checkpoint whose folder records no manifest
+    other.parent.mkdir(exist_ok=True)
+    other.write_bytes(run["ckpt"].read_bytes())
+    with pytest.raises(ValueError, match="pass data="):
+        LRAttnResLM.create_from_arg_string(f"checkpoint={other},device=cpu")

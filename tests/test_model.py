@@ -376,3 +376,52 @@ def test_autocast_sources_share_one_dtype(fake_kernels, monkeypatch, stream_dtyp
 def test_stream_dtype_is_checked():
     with pytest.raises(ValueError, match="ModelConfig.stream_dtype='fp16': expected one of"):
         smoke("lr", blocks=3, stream_dtype="fp16")
+
+
+# ---- the flash path's plumbing, with a stand-in for flash-attn's kernel ------------------------------
+
+
+def test_flash_plumbing_from_the_loader_batch_to_the_kernel(monkeypatch):
+    """A loader-built batch through the trainer's step (LossModule, accumulate_gradients): with
+    attention 'flash' the kernel gets the batch's own host-built offsets, and loss and gradients equal
+    SDPA's with the block-diagonal mask.  The stand-in computes causal SDPA per segment."""
+    import numpy as np
+    import torch.nn.functional as F
+
+    import lrattnres.attention as attention
+    from lrattnres.data.loader import batch_from_rows
+    from lrattnres.train.loop import LossModule, accumulate_gradients
+
+    seen = []
+
+    def per_segment(q, k, v, cu_q, cu_k, max_q, max_k, causal):
+        seen.append((cu_q, max_q))
+        b = cu_q.tolist()
+        return torch.cat([F.scaled_dot_product_attention(*(x[s:e].transpose(0, 1) for x in (q, k, v)), is_causal=True)
+                          .transpose(0, 1) for s, e in zip(b, b[1:])])
+
+    monkeypatch.setattr(attention, "_flash_varlen", lambda: per_segment)
+    rng = np.random.default_rng(0)
+    rows = rng.integers(1, V, size=(3, 25))
+    rows[rng.random(rows.shape) < 0.15] = 0  # end-of-text id 0
+    batch = batch_from_rows(rows, eot_id=0)
+    results = {}
+    for backend in ("sdpa", "flash"):
+        torch.manual_seed(0)
+        model = build_model(smoke("lr", blocks=3, attention=backend))
+        lm = LossModule(model, "fp32")
+        params = list(model.parameters())
+        ce, zl, gn = accumulate_gradients(lm, lm, [batch], params, torch.device("cpu"), 1e-4, None,
+                                          segments=backend == "flash")
+        results[backend] = (ce, zl, gn, [p.grad.clone() for p in params])
+    assert len(seen) == model.cfg.n_layers  # one call per attention layer, each with the loader's offsets
+    assert all(cu is batch.segments.cu_seqlens or torch.equal(cu, batch.segments.cu_seqlens) for cu, _ in seen)
+    assert all(m == batch.segments.max_seqlen for _, m in seen)
+    (ce_s, zl_s, gn_s, g_s), (ce_f, zl_f, gn_f, g_f) = results["sdpa"], results["flash"]
+    assert ce_f == pytest.approx(ce_s, rel=1e-6) and zl_f == pytest.approx(zl_s, rel=1e-6)
+    assert gn_f == pytest.approx(gn_s, rel=1e-5)
+    for a, b in zip(g_f, g_s):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-4)
+    # without the loader's segments the flash model refuses rather than computing them on the device
+    with pytest.raises(ValueError, match="Segments"):
+        build_model(smoke("lr", blocks=3, attention="flash"))(batch.inputs, batch.doc_ids)

@@ -193,3 +193,15 @@ def test_piece_summary_totals_the_gpu_minutes(tmp_path):
     assert got["gpu_minutes"] == 4.0 and [r["piece"] for r in got["piece_costs"]] == ["a", "b"]
     assert got["piece_costs"][0]["runs"] == 2 and got["piece_costs"][1]["device"] == "cuda: X"
     assert pieces.piece_summary([]) == {"piece_costs": [], "gpu_minutes": None}
+
+
+def test_the_recorded_gpu_pieces_still_belong_to_the_gpu_scale(tmp_path):
+    """Every committed piece of the gpu scale was made with today's gpu-scale settings: continuing the
+    scale from them needs no --accept (a change of the gpu scale's science fails here first)."""
+    archives = sorted((REPO / "reports" / "recorded" / "gpu" / "pieces").glob("*.tar.xz"))
+    assert archives
+    S = settings("gpu")
+    for arc in archives:
+        with tarfile.open(arc) as tar:
+            tar.extractall(tmp_path / arc.stem, filter="data")
+        assert "train" in pieces.check_same_settings(S, str(tmp_path / arc.stem / S["results"]))

@@ -184,6 +184,7 @@ def test_cpu_run_json_shape(cpu_result):
     r = cpu_result
     assert r["stage"] == "throughput" and r["device"].startswith("cpu") and r["complete"] is True
     assert r["provenance"]["commit"] is not None or "commit" in r["provenance"]
+    assert r["provenance"]["attention"]["backend"] == "sdpa"  # auto on the CPU
     names = [row["name"] for row in r["rows"]]
     assert names == ["baseline", "fused-rd", "fused-rd4", "reference-rd4"]
     assert r["skipped"] and r["skipped"][0]["method"] == "fla-rd"

@@ -77,6 +77,8 @@ def test_outputs_and_metrics(full_run):
     assert r["tokens"] == 6 * 4 * 2 * 32 and r["val_tokens"] > 0 and r["final_val_ce"] > 0
     assert r["train_split_tokens"] > 0 and r["data_epochs"] == pytest.approx(r["tokens"] / r["train_split_tokens"])
     assert set(r["grad_norm"]) >= {"mean", "var", "above_clip_pct"} and "provenance" in r
+    # the attention the forward ran (auto on the CPU: masked SDPA) and its version
+    assert r["provenance"]["attention"] == {"requested": "auto", "backend": "sdpa", "version": f"torch {torch.__version__}"}
     recs = records(out)
     assert [x["step"] for x in recs] == list(range(1, 7))
     for x in recs:
@@ -306,3 +308,25 @@ def test_code_change_starts_over(manifest, tmp_path, monkeypatch):
     assert not res["resumed"] and [r["step"] for r in records(tmp_path)] == [1, 2, 3]
     (stale,) = (tmp_path / "stale").iterdir()
     assert "other training code" in (stale / "reason.txt").read_text()
+
+
+def test_plain_status_lines_where_stderr_is_not_a_terminal(manifest, tmp_path, monkeypatch):
+    """In a log file (a non-terminal stderr) training prints whole lines, no carriage returns: step,
+    loss, tokens/s, elapsed and ETA, here after every update (log_every_s tiny); with 0, none."""
+    import io
+    import re
+
+    fake = io.StringIO()  # isatty() is False, as for a log file
+    monkeypatch.setattr(sys, "stderr", fake)
+    spec = make_spec(steps=3, val={"every": 0, "batches": 1}, checkpoint={"every": 0}, log_every_s=1e-9)
+    train(spec, manifest, tmp_path / "logged", progress=True)
+    text = fake.getvalue()
+    assert "\r" not in text
+    pattern = re.compile(r"\[train\] logged: step (\d)/3 \(\d+\.\d%\), loss (\d+\.\d{4}), [\d,]+ tokens/s, "
+                         r"elapsed \d+:\d\d, eta \d+:\d\d")
+    steps = [int(m.group(1)) for m in map(pattern.fullmatch, text.splitlines()) if m]
+    assert steps == [1, 2, 3], text
+    fake.seek(0)
+    fake.truncate()
+    train(dict(spec, log_every_s=0), manifest, tmp_path / "quiet", progress=True)
+    assert "step 1/3" not in fake.getvalue() and "done" in fake.getvalue()

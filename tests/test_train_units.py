@@ -161,3 +161,40 @@ def test_fused_loss_matches_plain():
     assert vals[0] == pytest.approx(vals[1], rel=1e-6)
     torch.testing.assert_close(grads[0], grads[1], rtol=1e-5, atol=1e-6)
     assert grads[0][1, 2].abs().max() == 0  # ignored target: no gradient
+
+
+def test_status_lines_interval_mean_loss_rate_and_eta():
+    """One line after the first update, then one per interval with the mean loss and the token rate of
+    the updates since the last line, and a last one at close; the ETA from the mean time per update."""
+    from lrattnres.train.metrics import StatusLines
+
+    t = [100.0]
+    lines = []
+    st = StatusLines("run", total_steps=10, start_step=2, every_s=60, say=lines.append, clock=lambda: t[0])
+    t[0] += 10
+    st.update(3, 4.0, 1000)  # first update of this process: a line at once
+    assert lines == ["[train] run: step 3/10 (30.0%), loss 4.0000, 100 tokens/s, elapsed 0:10, eta 1:10"]
+    for step, loss in ((4, 3.0), (5, 2.0)):
+        t[0] += 25
+        st.update(step, loss, 1000)
+    assert len(lines) == 1  # 50 s since the last line: not yet
+    t[0] += 25
+    st.update(6, 1.0, 1000)
+    assert lines[-1] == "[train] run: step 6/10 (60.0%), loss 2.0000, 40 tokens/s, elapsed 1:25, eta 1:25"
+    st.close()
+    assert len(lines) == 2  # nothing since the last line
+    t[0] += 5
+    st.update(7, 0.5, 1000)
+    st.close()
+    assert lines[-1].startswith("[train] run: step 7/10 (70.0%), loss 0.5000, 200 tokens/s, elapsed 1:30")
+
+
+def test_spec_log_every_s_default_and_check():
+    from lrattnres.train.spec import RESUMABLE_CHANGES, SpecError, resolve
+
+    base = {"model": "smoke", "steps": 1, "micro_batch": 1, "seq_len": 8}
+    assert resolve(base)["log_every_s"] == 60.0
+    assert resolve(dict(base, log_every_s=0))["log_every_s"] == 0
+    with pytest.raises(SpecError, match="'log_every_s'"):
+        resolve(dict(base, log_every_s=-1))
+    assert "log_every_s" in RESUMABLE_CHANGES  # how often it prints never blocks a resume

@@ -263,3 +263,19 @@ def test_smoke_dag_end_to_end_and_reruns_follow_code(tmp_path):
     model.write_text(model.read_text() + "\n# a change\n")
     planned = _planned(work)
     assert "train" in planned and "accounting" not in planned and "prepare_data" not in planned
+
+
+def test_shell_scripts_clean():
+    """The install script and the conda post-deploy scripts parse and are shfmt-formatted (2 spaces)."""
+    import shutil
+
+    files = [REPO / "scripts" / "install.sh", *sorted((REPO / "envs").glob("*.sh"))]
+    assert len(files) >= 2
+    for f in files:
+        proc = subprocess.run(["bash", "-n", str(f)], capture_output=True, text=True)
+        assert proc.returncode == 0, f"{f}: {proc.stderr}"
+    shfmt = shutil.which("shfmt") or shutil.which("shfmt", path=str(Path(sys.executable).parent))
+    if shfmt is None:
+        pytest.skip("shfmt (installed with snakefmt) not found")
+    proc = subprocess.run([shfmt, "-i", "2", "-d", *map(str, files)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -20,7 +20,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=None,
                    help="tokeniser threads and docstring parsers (overrides the spec's num_threads and "
                         "embedded.workers; execution settings)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.add_argument("--no-progress", action="store_true",
+                   help="no live progress bars (plain progress lines instead, as whenever stderr is not a terminal)")
     args = p.parse_args(argv)
     try:
         spec = read_spec_arg(args.spec)

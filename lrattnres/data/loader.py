@@ -31,12 +31,40 @@ class Batch:
     inputs: Any  # torch.LongTensor [B, T]
     targets: Any  # torch.LongTensor [B, T]
     doc_ids: Any  # torch.IntTensor [B, T]
+    segments: Any = None  # lrattnres.segments.Segments of doc_ids (built with the batch, on the host)
 
     def to(self, device, non_blocking: bool = False) -> "Batch":
-        return Batch(*(x.to(device, non_blocking=non_blocking) for x in (self.inputs, self.targets, self.doc_ids)))
+        moved = (x.to(device, non_blocking=non_blocking) for x in (self.inputs, self.targets, self.doc_ids))
+        segments = None if self.segments is None else self.segments.to(device, non_blocking=non_blocking)
+        return Batch(*moved, segments)
+
+    def head(self, rows: int) -> "Batch":
+        """The first ``rows`` rows (host tensors), with their own segments."""
+        return batch_from_arrays(self.inputs[:rows], self.targets[:rows], self.doc_ids[:rows])
 
     def __iter__(self):  # allows `inputs, targets, doc_ids = batch`
         return iter((self.inputs, self.targets, self.doc_ids))
+
+
+def batch_from_arrays(inputs, targets, doc_ids) -> Batch:
+    """A Batch of host arrays or tensors [B, T], with the segments of ``doc_ids``."""
+    import torch
+
+    from lrattnres.segments import document_segments
+
+    inputs, targets, doc_ids = (
+        x if isinstance(x, torch.Tensor) else torch.from_numpy(np.ascontiguousarray(x)) for x in (inputs, targets, doc_ids)
+    )
+    return Batch(inputs, targets, doc_ids, document_segments(doc_ids))
+
+
+def batch_from_rows(rows: np.ndarray, eot_id: int) -> Batch:
+    """The Batch of windows ``rows`` [B, T + 1]: inputs, shifted targets, document ids, segments."""
+    inputs = rows[:, :-1]
+    targets = rows[:, 1:]
+    is_eot = (inputs == eot_id).astype(np.int32)
+    doc_ids = np.cumsum(is_eot, axis=1, dtype=np.int32) - is_eot  # exclusive prefix count
+    return batch_from_arrays(inputs, targets, doc_ids)
 
 
 def _as_manifest(manifest, verify=True) -> dict:
@@ -77,19 +105,9 @@ class SplitTokens:
 
 
 def _make_batch(data: SplitTokens, windows: np.ndarray, seq_len: int) -> Batch:
-    import torch
-
     rows = np.stack([data.read(int(w) * seq_len, seq_len + 1) for w in windows]) if len(windows) else \
         np.zeros((0, seq_len + 1), dtype=np.int64)
-    inputs = rows[:, :-1]
-    targets = rows[:, 1:]
-    is_eot = (inputs == data.eot_id).astype(np.int32)
-    doc_ids = np.cumsum(is_eot, axis=1, dtype=np.int32) - is_eot  # exclusive prefix count
-    return Batch(
-        torch.from_numpy(np.ascontiguousarray(inputs)),
-        torch.from_numpy(np.ascontiguousarray(targets)),
-        torch.from_numpy(np.ascontiguousarray(doc_ids)),
-    )
+    return batch_from_rows(rows, data.eot_id)
 
 
 class TokenLoader:

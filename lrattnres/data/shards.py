@@ -201,7 +201,7 @@ def _flush(work: Path, state: dict, split: str, buf: _Buffer) -> None:
 
 
 def _tokenize(spec: dict, work: Path, state: dict, progress: bool) -> None:
-    from tqdm import tqdm
+    from lrattnres.progress import bar as progress_bar
 
     t_start = time.perf_counter()
     source = make_source(spec)
@@ -218,8 +218,8 @@ def _tokenize(spec: dict, work: Path, state: dict, progress: bool) -> None:
     reader = _Prefetch(source, res["offset"], res["state"])
     buf = _Buffer()
     pending = {s: state["splits"][s]["tokens"] for s in SPLITS}
-    bar = tqdm(total=cap, initial=state["tokens"], unit="tok", unit_scale=True, file=sys.stderr,
-               disable=not progress, desc=f"prepare-data ({spec['source']})", mininterval=1.0)
+    bar = progress_bar(total=cap, initial=state["tokens"], unit="tok", desc=f"prepare-data ({spec['source']})",
+                       live=progress, unit_scale=True, mininterval=1.0)
     stop = cap is not None and state["tokens"] >= cap
     encode_s = 0.0
     try:
@@ -326,9 +326,9 @@ def _group_stats(work: Path, state: dict, fwd: np.ndarray | None, unk_id: int | 
 
 def _finalize(spec: dict, work: Path, state: dict, progress: bool) -> tuple[dict[str, Any], dict[str, Any]]:
     """(manifest, build record): compact the vocabulary if asked, count per origin, describe."""
-    from tqdm import tqdm
+    from lrattnres.progress import bar as progress_bar
 
-    bar = dict(file=sys.stderr, disable=not progress, mininterval=5.0)
+    bar = dict(live=progress, unit="shard", mininterval=5.0)
     vocab_map = None
     vocab_size = tok.N_VOCAB
     eot_id = tok.EOT
@@ -338,7 +338,7 @@ def _finalize(spec: dict, work: Path, state: dict, progress: bool) -> tuple[dict
     if spec["vocab"] == "compact":
         vpath = work / "vocab.npy"
         counts = np.zeros(tok.N_VOCAB, dtype=np.int64)
-        for _, rec in tqdm(shards, desc="compaction: scan", **bar):
+        for _, rec in progress_bar(shards, desc="compaction: scan", **bar):
             mm = np.memmap(work / "raw" / rec["file"], dtype="<u4", mode="r")
             for a in range(0, mm.size, 1 << 24):
                 counts += np.bincount(mm[a:a + (1 << 24)], minlength=tok.N_VOCAB)
@@ -371,7 +371,7 @@ def _finalize(spec: dict, work: Path, state: dict, progress: bool) -> tuple[dict
         eot_id = int(fwd[tok.EOT])
     groups = _group_stats(work, state, fwd, unk_id)
     if fwd is not None:
-        for _, rec in tqdm(shards, desc="compaction: rewrite", **bar):
+        for _, rec in progress_bar(shards, desc="compaction: rewrite", **bar):
             mm = np.memmap(work / "raw" / rec["file"], dtype="<u4", mode="r")
             h = hashlib.sha256()
             with atomic_path(work / rec["file"]) as tmp:

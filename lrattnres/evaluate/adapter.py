@@ -27,6 +27,14 @@ Protocol (Appendix G):
   still merges across the boundary (rare; a context ending mid-word), the split is HFLM's, and
   the adapter counts such requests in ``stats["boundary_mismatch"]``.
 
+From a training checkpoint (``from_checkpoint``; lm-eval's ``--model_args`` through
+``create_from_arg_string``/``create_from_arg_obj``): ``checkpoint`` (model.pt or checkpoint.pt of a
+run), ``data`` (the run's data manifest, whose tokenizer and vocabulary compaction the model was
+trained with; default: the one the run folder's spec.json records), ``device`` (auto | cpu | cuda
+| cuda:N), ``batch_size``, ``max_length`` (default: the model's max_seq_len), ``precision``.  Values
+in ``--model_args`` win over lm-eval's own ``--device``/``--batch_size``; lm-eval's default device
+(``cuda:0``) falls back to the CPU, with a warning, where CUDA is absent (as lm-eval's HFLM does).
+
 ``loglikelihood_rolling`` uses lm-eval's own rolling windows (``get_rolling_token_windows`` with the
 end-of-text id as prefix token, windows of ``max_length``, disjoint). ``generate_until`` is not
 supported: the paper's eight tasks only score continuations.
@@ -34,11 +42,15 @@ supported: the paper's eight tasks only score continuations.
 
 from __future__ import annotations
 
+import logging
 import time
+from pathlib import Path
 from typing import Any, Sequence
 
 import torch
 import torch.nn.functional as F
+
+log = logging.getLogger("lrattnres.evaluate")
 
 try:  # lm-eval is needed for evaluation, not for importing the scoring core
     from lm_eval.api.model import LM as _LMBase
@@ -48,6 +60,18 @@ except ImportError:  # pragma: no cover - lm-eval missing
 
     def register_model(*_names):
         return lambda cls: cls
+
+
+def resolve_device(name: str | torch.device) -> str:
+    """``auto`` -> cuda where available, else cpu; a CUDA device where none is available is an error."""
+    name = str(name)
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if name != "cpu" and not name.startswith("cuda"):
+        raise ValueError(f"device: expected auto, cpu, cuda or cuda:N, got {name!r}")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"device: {name!r} requested but CUDA is not available here")
+    return name
 
 
 def _find_eot(tokenizer: Any) -> int:
@@ -155,6 +179,96 @@ class LRAttnResLM(_LMBase):
     def device(self) -> torch.device:
         return self._device
 
+    # -- construction from a checkpoint (lm-eval's --model_args) ------------------------------
+
+    MODEL_ARGS = ("checkpoint", "data", "device", "batch_size", "max_length", "precision")
+
+    @classmethod
+    def from_checkpoint(
+        cls,
+        checkpoint: str | Path,
+        data: str | Path | None = None,
+        *,
+        device: str = "auto",
+        batch_size: int = 8,
+        max_length: int | None = None,
+        precision: str = "auto",
+        progress: bool = False,
+    ) -> "LRAttnResLM":
+        """The adapter over a training run's weights; ``.checkpoint_info`` holds the checkpoint's
+        records (spec, model_config, ...) and ``.manifest_path`` the data manifest used."""
+        import json
+
+        from lrattnres.data import Tokenizer, load_manifest
+        from lrattnres.train.checkpoint import load_model
+
+        checkpoint = Path(checkpoint)
+        if data is None:
+            recorded = checkpoint.parent / "spec.json"
+            try:
+                data = json.loads(recorded.read_text())["data"]
+            except (OSError, ValueError, KeyError):
+                raise ValueError(f"{checkpoint}: no data manifest given and {recorded} records none; pass "
+                                 "data=<the run's manifest.json> (its tokenizer and vocabulary)") from None
+        device = resolve_device(device)
+        model, info = load_model(checkpoint, device)
+        manifest = load_manifest(data)
+        tok = Tokenizer.from_manifest(manifest)
+        mcfg = info.get("model_config", {})
+        if mcfg.get("vocab_size") is not None and int(mcfg["vocab_size"]) != int(tok.vocab_size):
+            raise ValueError(
+                f"{checkpoint}: model vocab_size {mcfg['vocab_size']} does not match the tokenizer of {data} "
+                f"(vocab_size {tok.vocab_size}); evaluate with the manifest the model was trained on")
+        if info.get("manifest_sha256") and manifest.get("_sha256") and info["manifest_sha256"] != manifest["_sha256"]:
+            log.warning("%s was trained on data manifest %s..., scoring with the tokenizer of %s (%s...)", checkpoint,
+                        str(info["manifest_sha256"])[:12], data, str(manifest["_sha256"])[:12])
+        model_len = mcfg.get("max_seq_len")
+        length = max_length or model_len or 2048
+        if model_len and length > int(model_len):
+            log.warning("max_length %d exceeds the model's max_seq_len %d; using %d", length, model_len, model_len)
+            length = int(model_len)
+        lm = cls(model, tok, batch_size=batch_size, max_length=length, device=device, precision=precision,
+                 progress=progress)
+        lm.checkpoint_info, lm.manifest_path = info, str(data)
+        return lm
+
+    @classmethod
+    def create_from_arg_obj(cls, arg_dict: dict, additional_config: dict | None = None) -> "LRAttnResLM":
+        """lm-eval's constructor hook: ``arg_dict`` is ``--model_args`` (see the module docstring),
+        ``additional_config`` lm-eval's ``--batch_size``/``--device`` (used where ``arg_dict`` has none)."""
+        args = dict(arg_dict or {})
+        unknown = sorted(set(args) - set(cls.MODEL_ARGS))
+        if unknown:
+            raise ValueError(f"lrattnres model_args: unknown key(s) {unknown}; expected {list(cls.MODEL_ARGS)}")
+        if not args.get("checkpoint"):
+            raise ValueError("lrattnres model_args: 'checkpoint' is required (model.pt or checkpoint.pt of a run)")
+        extra = {k: v for k, v in (additional_config or {}).items() if v is not None}
+        if "device" not in args and "device" in extra:
+            args["device"] = str(extra["device"])
+            if args["device"].startswith("cuda") and not torch.cuda.is_available():
+                log.warning("lrattnres: lm-eval's device %s is not available here; using the CPU "
+                            "(give device=... in --model_args to choose)", args["device"])
+                args["device"] = "cpu"
+        if "batch_size" not in args and "batch_size" in extra:
+            args["batch_size"] = extra["batch_size"]
+        bs = args.get("batch_size", 8)
+        try:
+            args["batch_size"] = int(bs)
+        except (TypeError, ValueError):
+            raise ValueError(f"lrattnres model_args: batch_size must be a positive integer, got {bs!r} "
+                             "(automatic batch sizes are not supported)") from None
+        if args.get("max_length") is not None:
+            args["max_length"] = int(args["max_length"])
+        checkpoint = args.pop("checkpoint")
+        return cls.from_checkpoint(checkpoint, **args)
+
+    @classmethod
+    def create_from_arg_string(cls, arg_string: str, additional_config: dict | None = None) -> "LRAttnResLM":
+        """``checkpoint=...,device=...,batch_size=...`` (lm-eval's ``--model_args`` string)."""
+        from lm_eval.utils import simple_parse_args_string
+
+        return cls.create_from_arg_obj(simple_parse_args_string(arg_string), additional_config)
+
     # -- tokenisation -----------------------------------------------------------------------
 
     def tok_encode(self, text: str) -> list[int]:
@@ -214,13 +328,10 @@ class LRAttnResLM(_LMBase):
         scored: list[tuple[float, bool] | None] = [None] * len(prepared)
         t0 = time.perf_counter()
         it = range(0, len(order), self.batch_size)
-        if self.progress:
-            try:
-                from tqdm import tqdm
+        if self.progress:  # a live bar on a terminal, plain lines in a log file
+            from lrattnres.progress import bar as progress_bar
 
-                it = tqdm(it, desc="loglikelihood", unit="batch")
-            except ImportError:  # pragma: no cover
-                pass
+            it = progress_bar(it, desc="loglikelihood", unit="batch")
         for start in it:
             idx = order[start : start + self.batch_size]
             logits = self._forward_logits([prepared[i][0] for i in idx])
@@ -297,6 +408,16 @@ class LRAttnResLM(_LMBase):
         s = self.stats["forward_s"]
         return self.stats["requests"] / s if s > 0 else None
 
+    def attention(self) -> dict | None:
+        """The attention the scoring forward runs (``lrattnres.attention.describe``; the requests carry
+        no document ids, so plain causal SDPA), or None for a module without a model config."""
+        requested = getattr(getattr(self.model, "cfg", None), "attention", None)
+        if requested is None:
+            return None
+        from lrattnres.attention import describe
+
+        return describe(requested, self.device, documents=False)
+
     def get_model_info(self) -> dict:
         return {
             "adapter": "lrattnres.evaluate.adapter.LRAttnResLM",
@@ -304,4 +425,5 @@ class LRAttnResLM(_LMBase):
             "max_length": self.max_length,
             "precision": self.precision,
             "device": str(self.device),
+            "attention": self.attention(),
         }

@@ -180,37 +180,24 @@ def main(argv: list[str] | None = None) -> int:
     from lrattnres.provenance import now, provenance
 
     started = now()
-    from lrattnres.data import Tokenizer, load_manifest
     from lrattnres.evaluate.adapter import LRAttnResLM
     from lrattnres.evaluate.runner import run_eval
     from lrattnres.io import atomic_write_json
-    from lrattnres.train.checkpoint import load_model
 
     threads = args.threads or spec["threads"]
     if threads:
         import torch
 
         torch.set_num_threads(threads)
-    device = _device(spec["device"])
-    model, info = load_model(args.checkpoint, device)
-    manifest = load_manifest(args.data)
-    tok = Tokenizer.from_manifest(manifest)
-    mcfg = info.get("model_config", {})
-    if mcfg.get("vocab_size") is not None and int(mcfg["vocab_size"]) != int(tok.vocab_size):
-        print(
-            f"{args.checkpoint}: model vocab_size {mcfg['vocab_size']} does not match the tokenizer of "
-            f"{args.data} (vocab_size {tok.vocab_size}); evaluate with the manifest the model was trained on",
-            file=sys.stderr,
-        )
+    try:
+        device = _device(spec["device"])
+        lm = LRAttnResLM.from_checkpoint(args.checkpoint, args.data, device=device, batch_size=spec["batch_size"],
+                                         max_length=spec["max_length"], precision=spec["precision"], progress=True)
+    except ValueError as e:  # a bad device, a checkpoint or manifest that does not fit
+        print(str(e), file=sys.stderr)
         return 2
-    model_len = mcfg.get("max_seq_len")
-    max_length = spec["max_length"] or model_len or 2048
-    if model_len and max_length > int(model_len):
-        log.warning("max_length %d exceeds the model's max_seq_len %d; using %d", max_length, model_len, model_len)
-        max_length = int(model_len)
-
-    lm = LRAttnResLM(model, tok, batch_size=spec["batch_size"], max_length=max_length, device=device,
-                     precision=spec["precision"], progress=True)
+    info = lm.checkpoint_info
+    mcfg = info.get("model_config", {})
     out = Path(args.out)
     cache_dir = spec["cache_dir"] or str(out.parent / "task_cache")
     ev = run_eval(lm, spec["tasks"], cache_dir=cache_dir, limit=spec["limit"], seed=spec["seed"], source=spec["source"])
@@ -225,7 +212,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     res = build_result(
         ev, run_id=run_id, size=size, method=method, claim_size=claim_size, spec=spec,
-        provenance=provenance({"spec": spec, "checkpoint": str(args.checkpoint), "data": str(args.data)}, started),
+        provenance=provenance({"spec": spec, "checkpoint": str(args.checkpoint), "data": str(args.data)}, started,
+                              attention=lm.attention()),
         published=args.published,
         extra={
             "checkpoint": str(args.checkpoint),

@@ -222,11 +222,14 @@ def materialise(
     limit: int | None = None,
     seed: int = 0,
     source: str = "offline",
+    yaml_dir: str | os.PathLike | None = None,
 ) -> dict[str, Any]:
     """Write one JSONL and one lm-eval task YAML per task under ``cache_dir``.
 
     Returns ``{"yaml_dir": str, "tasks": {task: {"rows_total", "rows", "data_file", "yaml",
-    "split", "source"}}}``. ``yaml_dir`` is what ``TaskManager(include_path=...)`` takes.
+    "split", "source"}}}``. ``yaml_dir`` is what ``TaskManager(include_path=...)`` and lm-eval's
+    ``--include_path`` take: by default a folder per selection under ``cache_dir`` (so that jobs
+    sharing a cache never load each other's YAMLs); ``yaml_dir`` names one instead.
     Files are written atomically and reused when already present with the same content key.
     """
     if source not in ("offline", "hub"):
@@ -237,7 +240,9 @@ def materialise(
     # one YAML folder per selection, so that concurrent jobs sharing the cache never see each other's
     # task files (the TaskManager loads every YAML of the folder)
     key = json.dumps({"tasks": sorted(tasks), "limit": limit, "seed": seed, "source": source, "v": FORMAT_VERSION})
-    yaml_dir = cache / "yamls" / hashlib.sha256(key.encode()).hexdigest()[:16]
+    if yaml_dir is None:
+        yaml_dir = cache / "yamls" / hashlib.sha256(key.encode()).hexdigest()[:16]
+    yaml_dir = Path(yaml_dir).resolve()
     yaml_dir.mkdir(parents=True, exist_ok=True)
     builtin_root = lm_eval_tasks_root()
     out: dict[str, Any] = {"yaml_dir": str(yaml_dir), "tasks": {}}
@@ -285,3 +290,35 @@ def materialise(
         info["yaml"] = str(yaml_path)
         out["tasks"][name] = info
     return out
+
+
+# ---------------------------------------------------------------------------------------------
+# command line
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m lrattnres evaluate-tasks --out DIR``: the offline task YAMLs for lm-eval's own
+    command line (``--include_path DIR``); prints DIR."""
+    import argparse
+    import sys
+
+    ap = argparse.ArgumentParser(prog="python -m lrattnres evaluate-tasks",
+                                 description="write the offline downstream tasks (JSONL data and lm-eval task YAMLs) "
+                                             "into a folder for lm-eval's --include_path")
+    ap.add_argument("--out", required=True, help="folder for the task YAMLs (their data go under it, in data/)")
+    ap.add_argument("--tasks", default=",".join(TASK_NAMES), help=f"comma-separated, from {', '.join(TASK_NAMES)}")
+    ap.add_argument("--limit", type=int, default=None, help="rows per task (a seeded subsample); default: all")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the subsample")
+    args = ap.parse_args(argv)
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    tasks = [t for t in args.tasks.split(",") if t]
+    try:
+        mat = materialise(tasks, args.out, limit=args.limit, seed=args.seed, yaml_dir=args.out)
+    except (ValueError, RuntimeError, FileNotFoundError) as e:
+        print(f"evaluate-tasks: {e}", file=sys.stderr)
+        return 2
+    for name, info in mat["tasks"].items():
+        print(f"{name}: {info['rows']} of {info['rows_total']} rows ({info['split']}) -> {info['yaml']}", file=sys.stderr)
+    print(mat["yaml_dir"])
+    return 0

@@ -34,7 +34,9 @@ def _parser() -> argparse.ArgumentParser:
                         "if the training code changed")
     p.add_argument("--stop-after", type=int, default=None, help="checkpoint and exit 75 after this many updates")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (CPU)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--no-progress", action="store_true",
+                   help="no live progress bar (plain status lines every log_every_s seconds of the spec instead, "
+                        "as whenever stderr is not a terminal)")
     return p
 
 

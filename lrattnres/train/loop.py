@@ -41,7 +41,8 @@ from lrattnres.io import atomic_write_json
 from lrattnres.provenance import now, provenance
 from lrattnres.train import checkpoint as ckpt
 from lrattnres.train import spec as spec_mod
-from lrattnres.train.metrics import MetricsWriter, end_of_run_summary, grad_norm_summary, memory_stats, progress_bar
+from lrattnres.train.metrics import (MetricsWriter, StatusLines, end_of_run_summary, grad_norm_summary, memory_stats,
+                                     progress_bar)
 from lrattnres.train.optim import base_lrs, build_optimizers
 from lrattnres.train.schedule import apply_lr, lr_multiplier
 from lrattnres.train.val import IGNORE_INDEX, evaluate, loss_sums
@@ -70,18 +71,21 @@ class LossModule(nn.Module):
         self.model = model
         self.precision = precision
 
-    def forward(self, inputs, targets, doc_ids):
+    def forward(self, inputs, targets, doc_ids, segments=None):
         with torch.autocast(device_type=inputs.device.type, dtype=torch.bfloat16, enabled=self.precision == "bf16"):
-            logits = self.model(inputs, doc_ids)
+            logits = self.model(inputs, doc_ids, segments=segments)
         return loss_sums(logits, targets)
 
 
-def accumulate_gradients(fwd, lm, batches, params, device, z_loss: float, clip: float | None, world: int = 1):
+def accumulate_gradients(fwd, lm, batches, params, device, z_loss: float, clip: float | None, world: int = 1,
+                         segments: bool = False):
     """Forward/backward of one global batch, then clipping: returns (ce, z-loss term, pre-clip norm).
 
     ``fwd`` is ``lm`` or its compiled form; ``lm`` is the (DDP-wrapped) :class:`LossModule`.  Every
     micro-batch's loss is ``(sum CE + z_loss * sum lse^2) * world / N_global``, so the gradient is
     that of the token-averaged loss of the whole global batch.  One host sync at the end.
+    ``segments``: hand each batch's host-built document offsets to the model (attention ``flash``
+    reads them; the other backends do not, and a compiled model is not given what it does not read).
     """
     ddp = world > 1
     n_valid = torch.zeros((), dtype=torch.float64)
@@ -97,9 +101,10 @@ def accumulate_gradients(fwd, lm, batches, params, device, z_loss: float, clip: 
         inputs = b.inputs.to(device, non_blocking=True)
         targets = b.targets.to(device, non_blocking=True)
         doc_ids = b.doc_ids.to(device, non_blocking=True)
+        segs = b.segments.to(device, non_blocking=True) if segments else None
         sync = contextlib.nullcontext() if (not ddp or i == len(batches) - 1) else lm.no_sync()
         with sync:
-            ce_sum, z_sum = fwd(inputs, targets, doc_ids)
+            ce_sum, z_sum = fwd(inputs, targets, doc_ids, segs)
             loss = (ce_sum + z_loss * z_sum) * scale
             loss.backward()
         sums += torch.stack([ce_sum.detach(), z_sum.detach()])
@@ -138,6 +143,7 @@ def _device(choice: str, local_rank: int) -> torch.device:
 
 _REPO = Path(__file__).resolve().parent.parent.parent
 CODE_FILES = ("lrattnres/train/*.py", "lrattnres/model.py", "lrattnres/routing.py", "lrattnres/attention.py",
+              "lrattnres/segments.py",
               "lrattnres/presets.py", "lrattnres/data/loader.py", "kernels/*.py")
 
 
@@ -230,8 +236,10 @@ def train(spec: dict, data: str | os.PathLike, out: str | os.PathLike, **kw) -> 
     training code changed; spec, architecture, data and world size must still match).  A checkpoint
     whose files fail their sha256 check stops the run with :class:`CheckpointError` in every mode
     but ``never``.  ``stop_after``: stop after that many total updates, writing a checkpoint as on
-    preemption (for tests and time-sliced jobs; raises :class:`Preempted`).  ``progress``: show the tqdm bar.  SIGTERM/SIGINT are caught from
-    the start (a signal during start-up still stops at the first step boundary with a checkpoint).
+    preemption (for tests and time-sliced jobs; raises :class:`Preempted`).  ``progress``: a live
+    tqdm bar when stderr is a terminal; otherwise (or without ``progress``) plain status lines every
+    ``log_every_s`` seconds of the spec.  SIGTERM/SIGINT are caught from the start (a signal during
+    start-up still stops at the first step boundary with a checkpoint).
     """
     stop = _StopFlag().install()
     try:
@@ -283,6 +291,9 @@ def _train(
             model = build_model(mcfg)
     else:
         model = build_model(mcfg)
+    from lrattnres.attention import describe as describe_attention
+
+    attention = describe_attention(mcfg.attention, device)  # what the forward runs (auto resolved), recorded
     optimizers = build_optimizers(model, s["optim"], device.type)
     lrs = base_lrs(s["optim"])
     params = [p for p in model.parameters() if p.requires_grad]
@@ -363,7 +374,8 @@ def _train(
                                               "manifest_sha256": manifest_sha, "world_size": world,
                                               "total_steps": steps_total, "tokens_per_step": tokens_per_step})
         say(f"[train] {out.name}: {model.num_parameters():,} parameters, {steps_total} steps of "
-            f"{tokens_per_step:,} tokens, device {device}, world {world}"
+            f"{tokens_per_step:,} tokens, device {device}, world {world}, attention {attention['backend']} "
+            f"({attention['version']})"
             + (f", resumed at step {step}" if resumed else ""))
 
     val_bs = s["val"]["batch_size"] or s["micro_batch"]
@@ -392,7 +404,13 @@ def _train(
                       "manifest_sha256": manifest_sha, "code_sha256": fingerprint},
             )
 
-    bar = progress_bar(steps_total, step, enabled=master and progress, desc=out.name or "train")
+    from lrattnres.progress import interactive
+
+    live = master and progress and interactive(sys.stderr)
+    bar = progress_bar(steps_total, step, enabled=live, desc=out.name or "train")
+    # where no live bar is drawn (a log file, a batch job, --no-progress): plain status lines
+    status = (StatusLines(out.name or "train", steps_total, step, s["log_every_s"], say)
+              if master and not live and s["log_every_s"] > 0 else None)
     zc = float(s["z_loss"])
     clip = s["grad_clip"]
     ddp = world > 1
@@ -413,7 +431,8 @@ def _train(
             lr_now = apply_lr(optimizers, lrs, mult)
 
             batches = [next(loader) for _ in range(s["grad_accum"])]
-            ce, zl, gn = accumulate_gradients(fwd, lm, batches, params, device, zc, clip, world)
+            ce, zl, gn = accumulate_gradients(fwd, lm, batches, params, device, zc, clip, world,
+                                              segments=attention["backend"] == "flash")
             for term, v in (("cross-entropy", ce), ("z-loss", zl), ("gradient norm", gn)):
                 if not math.isfinite(v):
                     raise NonFiniteLoss(
@@ -431,6 +450,8 @@ def _train(
                    "step_s": dt, "memory": memory_stats(device)}
             metrics.write(rec)
             bar.update(1)
+            if status is not None:
+                status.update(step, ce + zl, tokens_per_step)
             if master and (step % 10 == 0 or step == steps_total):
                 bar.set_postfix(loss=f"{ce + zl:.3f}", tok_s=f"{tokens_per_step / dt:,.0f}", refresh=False)
 
@@ -445,6 +466,8 @@ def _train(
                 save_checkpoint()
     finally:
         bar.close()
+        if status is not None:
+            status.close()
         metrics.flush()
 
     # ---- end: final checkpoint, weights, final validation, result (last) -----------------------
@@ -480,7 +503,7 @@ def _train(
         "model_config": mcfg_dict,
         "world_size": world,
         "memory": memory_stats(device),
-        "provenance": provenance(s, started=started),
+        "provenance": provenance(s, started=started, attention=attention),
     }
     if master:
         atomic_write_json(out / "result.json", result)

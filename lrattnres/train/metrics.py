@@ -1,8 +1,13 @@
-"""Metrics: one JSON line per optimiser step and per validation, and a tqdm progress bar.
+"""Metrics: one JSON line per optimiser step and per validation; progress for a person.
 
 ``metrics.jsonl`` is appended to as the run goes (flushed every ``flush_every`` records and at
 every checkpoint).  On resume the file is cut back to the records of steps the checkpoint covers,
 so a resumed run's file equals an uninterrupted run's (apart from timings).
+
+Progress: a live tqdm bar on a terminal (``progress_bar``); where none is drawn (a log file under
+Snakemake or Slurm, or ``--no-progress``), :class:`StatusLines` prints a plain line after the first
+update and then every ``log_every_s`` seconds: step, mean loss since the last line, tokens/s since
+the last line, elapsed time and ETA.
 """
 
 from __future__ import annotations
@@ -13,6 +18,8 @@ import os
 import resource
 import statistics
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -91,8 +98,10 @@ def memory_stats(device: torch.device) -> dict[str, float]:
 
 
 def progress_bar(total: int, initial: int, enabled: bool, desc: str = "train"):
-    """A tqdm bar on stderr (a no-op object when disabled or tqdm is missing)."""
-    if enabled:
+    """A live tqdm bar on stderr where ``enabled`` and stderr is a terminal; else a silent object."""
+    from lrattnres.progress import interactive
+
+    if enabled and interactive(sys.stderr):
         try:
             from tqdm import tqdm
 
@@ -111,10 +120,59 @@ class _NoBar:
         pass
 
     def write(self, s):
-        print(s, file=sys.stderr)
+        print(s, file=sys.stderr, flush=True)
 
     def close(self):
         pass
+
+
+class StatusLines:
+    """Plain training status lines: after the first update of this process, then every ``every_s``
+    seconds, and at the end (if an update came after the last line).
+
+    ``[train] <run>: step 120/1500 (8.0%), loss 4.1234, 38,211 tokens/s, elapsed 0:05:12, eta 0:59:40``
+
+    The loss is the mean training loss (CE + z-loss) of the updates since the last line; tokens/s
+    their tokens over the wall time since the last line (validation and checkpoints included); the
+    ETA the remaining updates at this process's mean time per update so far.
+    """
+
+    def __init__(self, desc: str, total_steps: int, start_step: int, every_s: float,
+                 say: Callable[[str], None], clock: Callable[[], float] = time.monotonic):
+        self.desc, self.total, self.start_step = desc, total_steps, start_step
+        self.every_s, self.say, self.clock = every_s, say, clock
+        self.start = self.last = clock()
+        self.loss_sum, self.count, self.tokens = 0.0, 0, 0
+        self.step = start_step
+        self.lines = 0
+
+    def update(self, step: int, loss: float, tokens: int) -> None:
+        """After an update: its step number (1-based), training loss and tokens."""
+        self.step = step
+        self.loss_sum += loss
+        self.count += 1
+        self.tokens += tokens
+        if self.lines == 0 or self.clock() - self.last >= self.every_s:
+            self.emit()
+
+    def emit(self) -> None:
+        from lrattnres.progress import duration
+
+        now = self.clock()
+        elapsed, since = now - self.start, now - self.last
+        done = self.step - self.start_step
+        eta = elapsed / done * (self.total - self.step) if done > 0 else None
+        loss = self.loss_sum / self.count if self.count else float("nan")
+        rate = f"{self.tokens / since:,.0f}" if since > 0 else "?"
+        self.say(f"[train] {self.desc}: step {self.step}/{self.total} ({100.0 * self.step / max(self.total, 1):.1f}%), "
+                 f"loss {loss:.4f}, {rate} tokens/s, elapsed {duration(elapsed)}, eta {duration(eta)}")
+        self.last = now
+        self.loss_sum, self.count, self.tokens = 0.0, 0, 0
+        self.lines += 1
+
+    def close(self) -> None:
+        if self.count:
+            self.emit()
 
 
 def grad_norm_summary(norms: list[float], clip: float | None) -> dict[str, float | None]:

@@ -36,10 +36,13 @@ DEFAULTS: dict[str, Any] = {
     "precision": "fp32",
     "compile": False,
     "device": "auto",
+    # seconds between two plain status lines (step, loss, tokens/s, elapsed, ETA) where no live bar is
+    # drawn: a log file, a batch job; 0: none.  An execution setting, not science.
+    "log_every_s": 60.0,
 }
 
 # Keys that may change between a run and its resumption (they do not change the trajectory).
-RESUMABLE_CHANGES = ("device", "compile", "val", "checkpoint")
+RESUMABLE_CHANGES = ("device", "compile", "val", "checkpoint", "log_every_s")
 
 _MODEL_KEYS = {
     "preset", "vocab_size", "n_layers", "d_model", "n_heads", "d_ff", "max_seq_len", "method", "blocks",
@@ -145,6 +148,8 @@ def resolve(spec: dict) -> dict:
     _check(s["precision"] in ("fp32", "bf16"), "precision", "'fp32' or 'bf16'", s["precision"])
     _check(isinstance(s["compile"], bool), "compile", "a bool", s["compile"])
     _check(s["device"] in ("auto", "cpu", "cuda"), "device", "'auto', 'cpu' or 'cuda'", s["device"])
+    _check(_is_num(s["log_every_s"]) and s["log_every_s"] >= 0, "log_every_s",
+           "a number of seconds >= 0 (0: no status lines)", s["log_every_s"])
     return s
 
 

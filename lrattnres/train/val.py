@@ -108,8 +108,10 @@ def evaluate(
             inputs = b.inputs.to(device, non_blocking=True)
             targets = b.targets.to(device, non_blocking=True)
             doc_ids = b.doc_ids.to(device, non_blocking=True) if getattr(b, "doc_ids", None) is not None else None
+            segments = getattr(b, "segments", None)
+            segments = segments.to(device, non_blocking=True) if segments is not None else None
             with autocast_ctx(device, precision):
-                logits = model(inputs, doc_ids)
+                logits = model(inputs, doc_ids, segments=segments)
             per_tok = F.cross_entropy(
                 logits.float().flatten(0, -2), targets.flatten(), reduction="none", ignore_index=IGNORE_INDEX
             )
