@@ -252,10 +252,11 @@ def test_smoke_dag_end_to_end_and_reruns_follow_code(tmp_path):
     assert set(_planned(work)) == {"report", "all"}
 
     # a real change of the accounting module reruns the accounting, the stages that import it (the
-    # grid summary uses its FLOP counts, the diagnostics the grid's run list) and the report
+    # grid summary uses its FLOP counts; the per-run diagnostics and their aggregation import the
+    # grid's run list from the same module) and the report
     acc = work / "lrattnres" / "accounting.py"
     acc.write_text(acc.read_text() + "\n# a change\n")
-    assert set(_planned(work)) == {"accounting", "grid_summary", "diagnostics", "report", "all"}
+    assert set(_planned(work)) == {"accounting", "grid_summary", "diagnose_run", "diagnostics", "report", "all"}
     snakemake(work, "reports/paper.html", "--cores", "2", "--config", "scale=smoke")
 
     # a change of the model reruns the training runs and what reads them, not data or accounting
