@@ -344,7 +344,7 @@ def _outside(work: Path) -> dict[str, float]:
         rel = f.relative_to(work)
         if rel.parts[0] in (RESULTS, ".snakemake", ".git") or "__pycache__" in rel.parts:
             continue
-        if rel.as_posix() in ("reports/paper.html", "reports/paper.json") or not f.is_file():
+        if rel.as_posix() in ("reports/paper.html", "reports/paper.json", "reports/claims.tsv") or not f.is_file():
             continue
         out[rel.as_posix()] = f.stat().st_mtime
     return out
