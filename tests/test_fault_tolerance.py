@@ -468,8 +468,9 @@ def test_corrupt_checkpoint_and_malformed_outputs_under_snakemake(dag, faults):
     """Faults under Snakemake, then the recovery a user makes:
     - a run whose weights are missing and whose checkpoint is corrupt: its training job stops with
       one line naming the file, and the retry stops at once (nothing is trained twice);
-    - another run's weights truncated: the diagnostics refuse them by name;
-    - a third run's result.json malformed: the grid summary refuses it by name.
+    - another run's weights truncated: its diagnostics refuse them by name;
+    - a third run's result.json malformed: the grid summary names the file and key in that run's
+      row and leaves the claims that need it without a value (the report still renders).
     Removing the bad files makes Snakemake redo what they came from: the truncated weights come back
     bit for bit from the run's final checkpoint, without training."""
     from lrattnres.train import checkpoint as ckpt
@@ -495,12 +496,15 @@ def test_corrupt_checkpoint_and_malformed_outputs_under_snakemake(dag, faults):
     (fc / "result.json").write_text(json.dumps({"stage": "train", "final_val_ce": "nan?"}))
     targets = [str((res / n).relative_to(work)) for n in ("diagnostics.json", "grid.json")]
     (fa / "checkpoint.json").unlink()  # the user's fix for the corrupt checkpoint: start that run over
-    proc = snakemake(work, *targets, *SMOKE, "--keep-going", "--forcerun", "diagnostics", "grid_summary",
+    row_b = str((res / "diagnostics" / f"{b}.json").relative_to(work))
+    proc = snakemake(work, *targets, *SMOKE, "--keep-going", "--forcerun", row_b, "grid_summary",
                      check=False)
     assert proc.returncode != 0
-    for stage, bad, key in (("diagnostics", mb, "sha256"), ("grid_summary", fc / "result.json", "final_val_ce")):
-        _one_line_error((logs / "attempts" / f"{stage}.1.log").read_text(), str(bad.relative_to(work)), key)
-        assert "not retrying: attempt 1 exited 2" in (logs / f"{stage}.log").read_text()  # the retry
+    _one_line_error((logs / "diagnostics" / "attempts" / f"{b}.1.log").read_text(), str(mb.relative_to(work)),
+                    "sha256")
+    assert "not retrying: attempt 1 exited 2" in (logs / "diagnostics" / f"{b}.log").read_text()  # the retry
+    (row_c,) = [r for r in json.loads((res / "grid.json").read_text())["runs"] if r["run_id"] == c]
+    assert str((fc / "result.json").relative_to(work)) in row_c["problem"] and "final_val_ce" in row_c["problem"]
     # recovery: the user removes what is bad; Snakemake redoes only what it came from
     mb.unlink()
     (fc / "result.json").unlink()
