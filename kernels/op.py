@@ -5,7 +5,7 @@ Semantics are those of :func:`lrattnres.routing.route` (the reference): sources 
 RMS over those r ("slice") or over all d then sliced ("full"), softmax over sources of q . key,
 output sum_i w_i o_i computed in fp32 and returned in the sources' dtype.
 
-Dispatch: CUDA tensors run the Triton kernels in ``kernels._triton``.  CPU tensors run the
+Dispatch: CUDA tensors run the Triton kernels (``kernels.fused_fwd``, ``kernels.fused_bwd``).  CPU tensors run the
 reference math in torch, unless the Triton path is forced (``TRITON_INTERPRET=1`` together with
 ``set_cpu_triton(True)`` or the environment variable ``KERNELS_CPU_TRITON=1``), which runs the
 same Triton kernels through Triton's interpreter (used by the tests).
@@ -14,7 +14,7 @@ Saved for backward: the sources (kept by autograd anyway), the query, the output
 sub-layer's input, so kept anyway in a model), per-token fp32 statistics [1 + 2S, tokens] (the
 logsumexp, each source's score and key 1/RMS: the backward then needs one row sum per source instead
 of three), and for bf16/fp16 an int8 residual per element (the mantissa bits that rounding h
-dropped; the backward's g.h needs them, see kernels/_triton.py), except where the backward is
+dropped; the backward's g.h needs them, see kernels/tiles.py), except where the backward is
 deferred (_defers: g.h from the sources, no residual).  The backward never builds an [S, tokens, d]
 temporary.
 
@@ -744,7 +744,7 @@ def _fwd_outputs(sources: Sequence[torch.Tensor], query: torch.Tensor, norm: str
 
 
 def _fwd_triton(sources: Sequence[torch.Tensor], query: torch.Tensor, norm: str, eps: float):
-    from . import _triton as K
+    from . import fused_fwd as K
 
     d, r, n_tok, has_res, out, stats, res = _fwd_outputs(sources, query, norm)
     dtype, dev = out.dtype, out.device
@@ -857,7 +857,7 @@ def _sum_splits(n_rows: int, r: int, device: torch.device) -> int:
 def _sum_rows_triton(part: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """part [P, r] fp32 summed over its rows with _sum_rows_kernel: P split into slabs (_sum_splits),
     then the slabs summed into ``dtype`` (one launch when a single slab would do)."""
-    from . import _triton as K
+    from . import sums as K
 
     n_rows, r = part.shape
     ncb = triton_cdiv(r, SUM_BLOCK_R)
@@ -892,7 +892,7 @@ def _sum_rows_once(part: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """part [P, r] fp32 summed over its rows in one launch (_sum_rows_once_kernel), with the slabs and
     the order of _sum_rows_triton, so the same bits; the two-launch sum where a single slab would do or
     no counters can be had (_sum_counts)."""
-    from . import _triton as K
+    from . import sums as K
 
     n_rows, r = part.shape
     ncb = triton_cdiv(r, SUM_BLOCK_R)
@@ -934,7 +934,7 @@ def _sum_partials(part: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _bwd_triton(sources, query, h, stats, res, g, norm: str, eps: float):
-    from . import _triton as K
+    from . import fused_bwd as K
 
     ops, grads, dq = _bwd_inputs(sources, query, h, res, g, norm)
     if ops is None:
@@ -1243,7 +1243,7 @@ def _launch(kernel, grid, *args, **kwargs) -> None:
 
 
 def _fwd_args(sources: Sequence[torch.Tensor], query: torch.Tensor, norm: str, eps: float):
-    from . import _triton as K
+    from . import fused_fwd as K
 
     d, r, n_tok, has_res, out, stats, res = _fwd_outputs(sources, query, norm)
     dtype, dev = out.dtype, out.device
@@ -1266,7 +1266,7 @@ def _fwd_args(sources: Sequence[torch.Tensor], query: torch.Tensor, norm: str, e
 
 
 def _bwd_args(sources, query, h, stats, res, g, norm: str, eps: float):
-    from . import _triton as K
+    from . import fused_bwd as K
 
     ops, grads, dq = _bwd_inputs(sources, query, h, res, g, norm)
     if ops is None:

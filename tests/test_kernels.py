@@ -39,9 +39,9 @@ if HAS_TRITON and not HAS_CUDA:
     # without it would fail in every interpreted launch
     from triton.runtime.interpreter import InterpretedFunction
 
-    import kernels._triton  # noqa: E402
+    import kernels.fused_fwd  # noqa: E402
 
-    assert isinstance(kernels._triton._attnres_fwd_kernel, InterpretedFunction), \
+    assert isinstance(kernels.fused_fwd._attnres_fwd_kernel, InterpretedFunction), \
         "kernels were compiled-mode: set TRITON_INTERPRET=1 before triton is imported"
 
 needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
@@ -472,7 +472,7 @@ def test_cpu_fallback_matches_reference(norm):
 @pytest.mark.parametrize("lazy,block_t", [(1, 1), (2, 4), (0, 1)])
 @pytest.mark.parametrize("order", ["rising", "falling", "shuffled"])
 def test_lazy_softmax_with_steep_scores(lazy, block_t, order, monkeypatch):
-    """The forward's lazy online softmax (kernels._triton._lazy_rescale; LAZY 1: one-token programs, 2:
+    """The forward's lazy online softmax (kernels.fused_fwd._lazy_rescale; LAZY 1: one-token programs, 2:
     every program, the branch then taken for the whole token block) against the reference where the
     scores span about +-60 and move by more than LAZY_TAU from source to source: rising (a rescale at
     every source), falling (only at the first) and shuffled, in fp32 with both families of kernels;
@@ -534,7 +534,7 @@ def _residual_probe_values() -> torch.Tensor:
 if HAS_TRITON:
     import triton.language as tl
 
-    from kernels._triton import _res_code, _res_h
+    from kernels.tiles import _res_code, _res_h
 
     @triton.jit
     def _residual_probe(h_ptr, hb_ptr, code_ptr, back_ptr, n, RES_STEP: tl.constexpr, BLOCK: tl.constexpr):
@@ -550,7 +550,7 @@ if HAS_TRITON:
 
 @needs_triton
 def test_residual_code_bit_exact():
-    """The bf16 rounding residual (kernels._triton._res_code / _res_h, RES_STEP 0: integer arithmetic
+    """The bf16 rounding residual (kernels.tiles._res_code / _res_h, RES_STEP 0: integer arithmetic
     on the fp32 bit patterns): the kernels' code and the torch fallback's are the same bytes, h comes
     back to 2^-16 of |h| (the 8 bits kept of the 16 dropped), exactly where the dropped bits fit in
     8, and the fp16 code (RES_STEP 2^-18) still matches its torch twin.  Run through the interpreter in
@@ -1236,7 +1236,7 @@ _WRITES_SCRIPT = r"""
 import json, sys, torch, triton
 from triton.backends.compiler import GPUTarget
 from torch._higher_order_ops import triton_kernel_wrap as tkw
-from kernels import _triton as K
+from kernels import fused_bwd, fused_fwd
 analyse = getattr(tkw, "identify_accessed_tensors", None)
 if analyse is None:
     print(json.dumps(None)); sys.exit(0)
@@ -1263,7 +1263,7 @@ for i in range(16):
     bwd[f"dx{i}"] = torch.empty(N, d, dtype=torch.bfloat16) if i < S else None
 triton.runtime.driver.set_active(_Target())
 out = {}
-for name, kernel, kw in (("fwd", K._attnres_fwd_args_kernel, fwd), ("bwd", K._attnres_bwd_args_kernel, bwd)):
+for name, kernel, kw in (("fwd", fused_fwd._attnres_fwd_args_kernel, fwd), ("bwd", fused_bwd._attnres_bwd_args_kernel, bwd)):
     out[name] = sorted(dep.name for dep in analyse(kernel, kw, {}).read_writes.writes)
 print(json.dumps(out))
 """
