@@ -42,10 +42,9 @@ def _bwd_body(
     SLICE: tl.constexpr, HAS_RES: tl.constexpr, RES_STEP: tl.constexpr, BLOCK_D: tl.constexpr, NCH: tl.constexpr,
     KEY0: tl.constexpr, SB: tl.constexpr, PREFETCH: tl.constexpr, EVICT: tl.constexpr, STAGES: tl.constexpr,
     TABLE: tl.constexpr, src0_ptr, src_offs, src_strides, ALIGN: tl.constexpr, grad0_ptr, grad_offs,
-    GALIGN: tl.constexpr, NSLOT: tl.constexpr,
-    x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,  # sources (None for TABLE)
-    xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7, xs8, xs9, xs10, xs11, xs12, xs13, xs14, xs15,  # their row strides
-    dx0, dx1, dx2, dx3, dx4, dx5, dx6, dx7, dx8, dx9, dx10, dx11, dx12, dx13, dx14, dx15,  # gradients
+    GALIGN: tl.constexpr, NSLOT: tl.constexpr, x_ptrs,  # sources (None for TABLE)
+    x_strides,  # their row strides
+    dx_ptrs,  # gradients
 ):
     """The backward's persistent program (the kernels' arguments are described at
     _attnres_bwd_kernel); PREFETCH 0 or 1."""
@@ -72,17 +71,13 @@ def _bwd_body(
         gh = tl.sum(_sum_chunks(gh, gh1, gh2, gh3, gh4, NCH), axis=0)
         lse = tl.load(st_ptr + row)
         if PREFETCH:
-            p, st = _src(sbs, S, TABLE, src0_ptr, src_offs, src_strides, ALIGN, NSLOT,
-                         x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
-                         xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7, xs8, xs9, xs10, xs11, xs12, xs13, xs14, xs15)
+            p, st = _src(sbs, S, TABLE, src0_ptr, src_offs, src_strides, ALIGN, NSLOT, x_ptrs, x_strides)
             tn0, tn1, tn2, tn3, tn4 = _src_rows(p, st, row64, sbs, S, offs0, ok0, offs1, ok1, offs2, ok2, offs3, ok3,
                                                 offs4, ok4, NCH, EVICT)
         for b in tl.range(0, S, SB, num_stages=STAGES):
             js = b + sbs
             jl = js + PREFETCH * SB  # the sources this step loads: the next SB when prefetching
-            p, st = _src(jl, S, TABLE, src0_ptr, src_offs, src_strides, ALIGN, NSLOT,
-                         x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
-                         xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7, xs8, xs9, xs10, xs11, xs12, xs13, xs14, xs15)
+            p, st = _src(jl, S, TABLE, src0_ptr, src_offs, src_strides, ALIGN, NSLOT, x_ptrs, x_strides)
             u0, u1, u2, u3, u4 = _src_rows(p, st, row64, jl, S, offs0, ok0, offs1, ok1, offs2, ok2, offs3, ok3,
                                            offs4, ok4, NCH, EVICT)
             t0, t1, t2, t3, t4 = u0, u1, u2, u3, u4
@@ -108,8 +103,7 @@ def _bwd_body(
             if NCH >= 5:
                 go = go + g4[None, :] * t4
             w, c, coef = _bwd_weights(tl.sum(go, axis=1), gh, lse, js, S, N, row, js < S, st_ptr, inv_n)
-            gp = _grad_ptrs(js, S, TABLE, grad0_ptr, grad_offs, GALIGN, NSLOT,
-                            dx0, dx1, dx2, dx3, dx4, dx5, dx6, dx7, dx8, dx9, dx10, dx11, dx12, dx13, dx14, dx15)
+            gp = _grad_ptrs(js, S, TABLE, grad0_ptr, grad_offs, GALIGN, NSLOT, dx_ptrs)
             dq0 = _rows_grad(gp, row64, d, offs0, ok0, js, S, t0, g0, q0, tail0, w, c, coef, dq0, SLICE, KEY0 > 0)
             if NCH >= 2:
                 dq1 = _rows_grad(gp, row64, d, offs1, ok1, js, S, t1, g1, q1, tail1, w, c, coef, dq1, SLICE, KEY0 > 1)
@@ -126,14 +120,10 @@ def _bwd_body(
 @triton.jit
 def _key_tiles(j, S, rows, rows64, row_ok, offs1, ok1, offs2, ok2, offs3, ok3, offs4, ok4,
                NCH: tl.constexpr, KEY0: tl.constexpr, EVICT: tl.constexpr,
-               TABLE: tl.constexpr, src0_ptr, src_offs, src_strides, ALIGN: tl.constexpr, NSLOT: tl.constexpr,
-               x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
-               xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7, xs8, xs9, xs10, xs11, xs12, xs13, xs14, xs15):
+               TABLE: tl.constexpr, src0_ptr, src_offs, src_strides, ALIGN: tl.constexpr, NSLOT: tl.constexpr, x_ptrs, x_strides):
     """Source j's raw tiles of chunks KEY0 to NCH - 1 (the key's; KEY0 >= 1) as chunks 1 to 4, the last
     chunk's tile standing in for the others: the deferred backward's second pass."""
-    p, st = _src(j, S, TABLE, src0_ptr, src_offs, src_strides, ALIGN, NSLOT,
-                 x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
-                 xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7, xs8, xs9, xs10, xs11, xs12, xs13, xs14, xs15)
+    p, st = _src(j, S, TABLE, src0_ptr, src_offs, src_strides, ALIGN, NSLOT, x_ptrs, x_strides)
     last = _tile(p, st, j, S, rows, rows64, row_ok, _pick(NCH - 1, offs1, offs1, offs2, offs3, offs4),
                  _pick(NCH - 1, ok1, ok1, ok2, ok3, ok4), EVICT)
     u1, u2, u3, u4 = last, last, last, last
@@ -152,10 +142,7 @@ def _bwd_tile_deferred(
     offs4, ok4, g0, g1, g2, g3, g4, q1, q2, q3, q4, tail1, tail2, tail3, tail4, dq1, dq2, dq3, dq4,
     SLICE: tl.constexpr, NCH: tl.constexpr, KEY0: tl.constexpr, PREFETCH: tl.constexpr, EVICT: tl.constexpr,
     STAGES: tl.constexpr, TABLE: tl.constexpr, src0_ptr, src_offs, src_strides, ALIGN: tl.constexpr, grad0_ptr,
-    grad_offs, GALIGN: tl.constexpr, NSLOT: tl.constexpr,
-    x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
-    xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7, xs8, xs9, xs10, xs11, xs12, xs13, xs14, xs15,
-    dx0, dx1, dx2, dx3, dx4, dx5, dx6, dx7, dx8, dx9, dx10, dx11, dx12, dx13, dx14, dx15,
+    grad_offs, GALIGN: tl.constexpr, NSLOT: tl.constexpr, x_ptrs, x_strides, dx_ptrs,
 ):
     """The token-tile backward in two passes over the sources, with g.h from the sources instead of
     from h and its rounding residual ("slice" with the key past the first chunk, KEY0 >= 1).  The
@@ -172,16 +159,11 @@ def _bwd_tile_deferred(
     gh = lse * 0.0
     if PREFETCH:
         tn0, tn1, tn2, tn3, tn4 = _src_tiles(0, S, rows, rows64, row_ok, offs0, ok0, offs1, ok1, offs2, ok2, offs3, ok3,
-                                             offs4, ok4, NCH, EVICT, TABLE, src0_ptr, src_offs, src_strides, ALIGN, NSLOT,
-                                             x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
-                                             xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7, xs8, xs9, xs10, xs11, xs12, xs13,
-                                             xs14, xs15)
+                                             offs4, ok4, NCH, EVICT, TABLE, src0_ptr, src_offs, src_strides, ALIGN, NSLOT, x_ptrs, x_strides)
     for i in tl.range(0, S, num_stages=STAGES):  # pass 1: g.o_i, g.h, the key-free chunks' gradients
         t0, t1, t2, t3, t4 = _src_tiles(i + PREFETCH, S, rows, rows64, row_ok, offs0, ok0, offs1, ok1, offs2, ok2,
                                         offs3, ok3, offs4, ok4, NCH, EVICT, TABLE, src0_ptr, src_offs, src_strides,
-                                        ALIGN, NSLOT, x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13,
-                                        x14, x15, xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7, xs8, xs9, xs10, xs11,
-                                        xs12, xs13, xs14, xs15)
+                                        ALIGN, NSLOT, x_ptrs, x_strides)
         if PREFETCH:  # use the tiles loaded a step ago; keep this step's (the next source's) for the next
             t0, t1, t2, t3, t4, tn0, tn1, tn2, tn3, tn4 = _ring(t0, t1, t2, t3, t4, tn0, tn1, tn2, tn3, tn4, NCH)
         t0, t1, t2, t3, t4, go = _tiles_go(t0, t1, t2, t3, t4, g0, g1, g2, g3, g4, NCH)
@@ -190,8 +172,7 @@ def _bwd_tile_deferred(
         w = tl.exp(z - lse)
         gh += w * go
         tl.store(go_ptr + tl.cast(i, tl.int64) * N + rows, go, mask=row_ok)
-        gp = _grad_ptrs(i, S, TABLE, grad0_ptr, grad_offs, GALIGN, NSLOT,
-                        dx0, dx1, dx2, dx3, dx4, dx5, dx6, dx7, dx8, dx9, dx10, dx11, dx12, dx13, dx14, dx15)
+        gp = _grad_ptrs(i, S, TABLE, grad0_ptr, grad_offs, GALIGN, NSLOT, dx_ptrs)
         _store_tile(gp, rows64, row_ok, d, offs0, ok0, w[:, None] * g0)
         if KEY0 >= 2:
             _store_tile(gp, rows64, row_ok, d, offs1, ok1, w[:, None] * g1)
@@ -202,21 +183,15 @@ def _bwd_tile_deferred(
     tl.debug_barrier()  # this program's g.o stores, visible to all its threads
     if PREFETCH:
         kn1, kn2, kn3, kn4 = _key_tiles(0, S, rows, rows64, row_ok, offs1, ok1, offs2, ok2, offs3, ok3, offs4, ok4, NCH,
-                                        KEY0, EVICT, TABLE, src0_ptr, src_offs, src_strides, ALIGN, NSLOT,
-                                        x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
-                                        xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7, xs8, xs9, xs10, xs11, xs12, xs13, xs14,
-                                        xs15)
+                                        KEY0, EVICT, TABLE, src0_ptr, src_offs, src_strides, ALIGN, NSLOT, x_ptrs, x_strides)
     for i in tl.range(0, S, num_stages=STAGES):  # pass 2: the key's chunks
         k1, k2, k3, k4 = _key_tiles(i + PREFETCH, S, rows, rows64, row_ok, offs1, ok1, offs2, ok2, offs3, ok3, offs4, ok4,
-                                    NCH, KEY0, EVICT, TABLE, src0_ptr, src_offs, src_strides, ALIGN, NSLOT,
-                                    x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
-                                    xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7, xs8, xs9, xs10, xs11, xs12, xs13, xs14, xs15)
+                                    NCH, KEY0, EVICT, TABLE, src0_ptr, src_offs, src_strides, ALIGN, NSLOT, x_ptrs, x_strides)
         if PREFETCH:  # the key tiles loaded a step ago; keep this step's (the next source's) for the next
             k1, k2, k3, k4, kn1, kn2, kn3, kn4 = kn1, kn2, kn3, kn4, k1, k2, k3, k4
         go = tl.load(go_ptr + tl.cast(i, tl.int64) * N + rows, mask=row_ok, other=0.0)
         w, c, coef = _bwd_weights(go, gh, lse, i, S, N, rows, row_ok, st_ptr, inv_n)
-        gp = _grad_ptrs(i, S, TABLE, grad0_ptr, grad_offs, GALIGN, NSLOT,
-                        dx0, dx1, dx2, dx3, dx4, dx5, dx6, dx7, dx8, dx9, dx10, dx11, dx12, dx13, dx14, dx15)
+        gp = _grad_ptrs(i, S, TABLE, grad0_ptr, grad_offs, GALIGN, NSLOT, dx_ptrs)
         if KEY0 <= 1:
             dq1 = _tile_grad(gp, rows64, row_ok, d, offs1, ok1, k1.to(tl.float32), g1, q1, tail1, w, c, coef, dq1,
                              SLICE, False)
@@ -241,10 +216,7 @@ def _bwd_tile_block(
     KEY0: tl.constexpr, BLOCK_T: tl.constexpr, PREFETCH: tl.constexpr, EVICT: tl.constexpr, STAGES: tl.constexpr,
     PAIR: tl.constexpr, DEFER: tl.constexpr,
     TABLE: tl.constexpr, src0_ptr, src_offs, src_strides, ALIGN: tl.constexpr, grad0_ptr, grad_offs,
-    GALIGN: tl.constexpr, NSLOT: tl.constexpr,
-    x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
-    xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7, xs8, xs9, xs10, xs11, xs12, xs13, xs14, xs15,
-    dx0, dx1, dx2, dx3, dx4, dx5, dx6, dx7, dx8, dx9, dx10, dx11, dx12, dx13, dx14, dx15,
+    GALIGN: tl.constexpr, NSLOT: tl.constexpr, x_ptrs, x_strides, dx_ptrs,
 ):
     """Token block ``blk`` of the token-tile backward (_bwd_tile_body): its g (and g.h), the source
     loop, the query-gradient accumulators dq0..dq4 updated and returned."""
@@ -275,39 +247,28 @@ def _bwd_tile_block(
             rows, row_ok, rows64, N, S, d, lse, st_ptr, go_ptr, inv_n, offs0, ok0, offs1, ok1, offs2, ok2, offs3, ok3,
             offs4, ok4, g0, g1, g2, g3, g4, q1, q2, q3, q4, tail1, tail2, tail3, tail4, dq1, dq2, dq3, dq4,
             SLICE, NCH, KEY0, PREFETCH, EVICT, STAGES, TABLE, src0_ptr, src_offs, src_strides, ALIGN, grad0_ptr,
-            grad_offs, GALIGN, NSLOT,
-            x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
-            xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7, xs8, xs9, xs10, xs11, xs12, xs13, xs14, xs15,
-            dx0, dx1, dx2, dx3, dx4, dx5, dx6, dx7, dx8, dx9, dx10, dx11, dx12, dx13, dx14, dx15)
+            grad_offs, GALIGN, NSLOT, x_ptrs, x_strides, dx_ptrs)
     elif PAIR:
         dq0, dq1, dq2, dq3, dq4 = _bwd_tile_pairs(
             rows, row_ok, rows64, N, S, d, gh, lse, st_ptr, inv_n, offs0, ok0, offs1, ok1, offs2, ok2, offs3, ok3,
             offs4, ok4, g0, g1, g2, g3, g4, q0, q1, q2, q3, q4, tail0, tail1, tail2, tail3, tail4,
             dq0, dq1, dq2, dq3, dq4, SLICE, NCH, KEY0, PREFETCH, EVICT, STAGES, TABLE, src0_ptr, src_offs, src_strides,
-            ALIGN, grad0_ptr, grad_offs, GALIGN, NSLOT,
-            x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
-            xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7, xs8, xs9, xs10, xs11, xs12, xs13, xs14, xs15,
-            dx0, dx1, dx2, dx3, dx4, dx5, dx6, dx7, dx8, dx9, dx10, dx11, dx12, dx13, dx14, dx15, DEFER)
+            ALIGN, grad0_ptr, grad_offs, GALIGN, NSLOT, x_ptrs, x_strides, dx_ptrs, DEFER)
     else:
         if PREFETCH:
             tn0, tn1, tn2, tn3, tn4 = _src_tiles(0, S, rows, rows64, row_ok, offs0, ok0, offs1, ok1, offs2, ok2, offs3,
                                                  ok3, offs4, ok4, NCH, EVICT, TABLE, src0_ptr, src_offs, src_strides,
-                                                 ALIGN, NSLOT, x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12,
-                                                 x13, x14, x15, xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7, xs8, xs9, xs10,
-                                                 xs11, xs12, xs13, xs14, xs15)
+                                                 ALIGN, NSLOT, x_ptrs, x_strides)
         for i in tl.range(0, S, num_stages=STAGES):
             u0, u1, u2, u3, u4 = _src_tiles(i + PREFETCH, S, rows, rows64, row_ok, offs0, ok0, offs1, ok1, offs2, ok2,
                                             offs3, ok3, offs4, ok4, NCH, EVICT, TABLE, src0_ptr, src_offs, src_strides,
-                                            ALIGN, NSLOT, x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13,
-                                            x14, x15, xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7, xs8, xs9, xs10, xs11,
-                                            xs12, xs13, xs14, xs15)
+                                            ALIGN, NSLOT, x_ptrs, x_strides)
             t0, t1, t2, t3, t4 = u0, u1, u2, u3, u4
             if PREFETCH:  # use the tiles loaded a step ago; keep this step's (the next source's) for the next
                 t0, t1, t2, t3, t4, tn0, tn1, tn2, tn3, tn4 = _ring(u0, u1, u2, u3, u4, tn0, tn1, tn2, tn3, tn4, NCH)
             t0, t1, t2, t3, t4, go = _tiles_go(t0, t1, t2, t3, t4, g0, g1, g2, g3, g4, NCH)
             w, c, coef = _bwd_weights(tl.sum(go, axis=1), gh, lse, i, S, N, rows, row_ok, st_ptr, inv_n)
-            gp = _grad_ptrs(i, S, TABLE, grad0_ptr, grad_offs, GALIGN, NSLOT,
-                            dx0, dx1, dx2, dx3, dx4, dx5, dx6, dx7, dx8, dx9, dx10, dx11, dx12, dx13, dx14, dx15)
+            gp = _grad_ptrs(i, S, TABLE, grad0_ptr, grad_offs, GALIGN, NSLOT, dx_ptrs)
             dq0, dq1, dq2, dq3, dq4 = _tile_grads(gp, rows64, row_ok, d, offs0, ok0, offs1, ok1, offs2, ok2, offs3, ok3,
                                                   offs4, ok4, t0, t1, t2, t3, t4, g0, g1, g2, g3, g4, q0, q1, q2, q3, q4,
                                                   tail0, tail1, tail2, tail3, tail4, w, c, coef, dq0, dq1, dq2, dq3, dq4,
@@ -322,10 +283,7 @@ def _bwd_tile_body(
     KEY0: tl.constexpr, BLOCK_T: tl.constexpr, PREFETCH: tl.constexpr, EVICT: tl.constexpr, STAGES: tl.constexpr,
     PAIR: tl.constexpr, DEFER: tl.constexpr, PERSIST: tl.constexpr,
     TABLE: tl.constexpr, src0_ptr, src_offs, src_strides, ALIGN: tl.constexpr, grad0_ptr, grad_offs,
-    GALIGN: tl.constexpr, NSLOT: tl.constexpr,
-    x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
-    xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7, xs8, xs9, xs10, xs11, xs12, xs13, xs14, xs15,
-    dx0, dx1, dx2, dx3, dx4, dx5, dx6, dx7, dx8, dx9, dx10, dx11, dx12, dx13, dx14, dx15,
+    GALIGN: tl.constexpr, NSLOT: tl.constexpr, x_ptrs, x_strides, dx_ptrs,
 ):
     """The backward of BLOCK_T tokens, one program per block (no persistent loop): the forward's
     layout, walking the sources one at a time with the next one's tiles loaded early (PREFETCH) or
@@ -340,7 +298,7 @@ def _bwd_tile_body(
     once (g, the sources and their gradients: 2S + 1 units of N d 2 bytes).  PERSIST: the
     programs loop over the token blocks (the host launches a few per multiprocessor), so the partial
     rows are per program, not per block: at S = 2 with one token per block those [tokens, r] fp32
-    partials were about a tenth of the backward's bytes."""
+    partials are about a tenth of the backward's bytes."""
     tl.static_assert(PREFETCH <= 1, "the token-tile backward prefetches at most one step")
     pid = tl.program_id(0)
     (offs0, ok0, offs1, ok1, offs2, ok2, offs3, ok3, offs4, ok4, tail0, tail1, tail2, tail3, tail4,
@@ -355,10 +313,7 @@ def _bwd_tile_body(
                 offs0, ok0, offs1, ok1, offs2, ok2, offs3, ok3, offs4, ok4, q0, q1, q2, q3, q4,
                 tail0, tail1, tail2, tail3, tail4, dq0, dq1, dq2, dq3, dq4,
                 SLICE, HAS_RES, RES_STEP, NCH, KEY0, BLOCK_T, PREFETCH, EVICT, STAGES, PAIR, DEFER,
-                TABLE, src0_ptr, src_offs, src_strides, ALIGN, grad0_ptr, grad_offs, GALIGN, NSLOT,
-                x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
-                xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7, xs8, xs9, xs10, xs11, xs12, xs13, xs14, xs15,
-                dx0, dx1, dx2, dx3, dx4, dx5, dx6, dx7, dx8, dx9, dx10, dx11, dx12, dx13, dx14, dx15)
+                TABLE, src0_ptr, src_offs, src_strides, ALIGN, grad0_ptr, grad_offs, GALIGN, NSLOT, x_ptrs, x_strides, dx_ptrs)
             if DEFER and not PAIR:  # (each block has its own scratch columns, so this orders no memory; it keeps a
                 tl.debug_barrier()  # program's threads in step between blocks, as measured on the H200)
     else:
@@ -367,10 +322,7 @@ def _bwd_tile_body(
             offs0, ok0, offs1, ok1, offs2, ok2, offs3, ok3, offs4, ok4, q0, q1, q2, q3, q4,
             tail0, tail1, tail2, tail3, tail4, dq0, dq1, dq2, dq3, dq4,
             SLICE, HAS_RES, RES_STEP, NCH, KEY0, BLOCK_T, PREFETCH, EVICT, STAGES, PAIR, DEFER,
-            TABLE, src0_ptr, src_offs, src_strides, ALIGN, grad0_ptr, grad_offs, GALIGN, NSLOT,
-            x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
-            xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7, xs8, xs9, xs10, xs11, xs12, xs13, xs14, xs15,
-            dx0, dx1, dx2, dx3, dx4, dx5, dx6, dx7, dx8, dx9, dx10, dx11, dx12, dx13, dx14, dx15)
+            TABLE, src0_ptr, src_offs, src_strides, ALIGN, grad0_ptr, grad_offs, GALIGN, NSLOT, x_ptrs, x_strides, dx_ptrs)
     _dq_stores(dq0, dq1, dq2, dq3, dq4, dq_part_ptr, pid, r, d, offs0, offs1, offs2, offs3, offs4,
                tail0, tail1, tail2, tail3, tail4, NCH, KEY0)
 
@@ -419,9 +371,7 @@ def _attnres_bwd_kernel(
                        src0_ptr,
                        src_offs,
                        src_strides, ALIGN, grad0_ptr, grad_offs, GALIGN, 0,
-                       None, None, None, None, None, None, None, None, None, None, None, None, None, None, None, None,
-                       None, None, None, None, None, None, None, None, None, None, None, None, None, None, None, None,
-                       None, None, None, None, None, None, None, None, None, None, None, None, None, None, None, None)
+                       None, None, None)  # no per-argument sources
     else:
         tl.static_assert(not PAIR, "PAIR (two sources per step) needs the token-tile grid: BLOCK_T > 0")
         tl.static_assert(not DEFER, "DEFER (two passes) needs the token-tile grid: BLOCK_T > 0")
@@ -429,19 +379,14 @@ def _attnres_bwd_kernel(
         _bwd_body(q_ptr, h_ptr, res_ptr, g_ptr, st_ptr, dq_part_ptr, N, S, d, r, stride_g, inv_n, SLICE, HAS_RES,
                   RES_STEP, BLOCK_D, NCH, KEY0, SB, PREFETCH, EVICT, STAGES, True, src0_ptr, src_offs, src_strides, ALIGN,
                   grad0_ptr, grad_offs, GALIGN, 0,
-                  None, None, None, None, None, None, None, None, None, None, None, None, None, None, None, None,  # x_i
-                  None, None, None, None, None, None, None, None, None, None, None, None, None, None, None, None,  # xs_i
-                  None, None, None, None, None, None, None, None, None, None, None, None, None, None, None, None)  # dx_i
+                  None, None, None)  # no per-argument sources
 
 
 @triton.jit
 def _attnres_bwd_args_kernel(
-    # sources (None past NSLOT)
-    x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
-    # their row strides
-    xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7, xs8, xs9, xs10, xs11, xs12, xs13, xs14, xs15,
-    # source gradients, contiguous [N, d] (None past NSLOT)
-    dx0, dx1, dx2, dx3, dx4, dx5, dx6, dx7, dx8, dx9, dx10, dx11, dx12, dx13, dx14, dx15,
+    x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,  # sources (None past NSLOT)
+    xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7, xs8, xs9, xs10, xs11, xs12, xs13, xs14, xs15,  # their row strides
+    dx0, dx1, dx2, dx3, dx4, dx5, dx6, dx7, dx8, dx9, dx10, dx11, dx12, dx13, dx14, dx15,  # source gradients, contiguous [N, d] (None past NSLOT)
     q_ptr,  # [r]
     h_ptr,  # [N, d] saved output, row stride d
     res_ptr,  # int8 [N, d] saved residual (None unless HAS_RES)
@@ -475,9 +420,9 @@ def _attnres_bwd_args_kernel(
         _bwd_tile_body(q_ptr, h_ptr, res_ptr, g_ptr, st_ptr, dq_part_ptr, go_ptr, N, S, d, r, stride_g,
                        _inv_key_width(r, d, SLICE), SLICE, HAS_RES, RES_STEP, BLOCK_D, NCH, KEY0, BLOCK_T, PREFETCH, EVICT,
                        STAGES, PAIR, DEFER, PERSIST, False, None, None, None, 1, None, None, 1, NSLOT,
-                       x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
-                       xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7, xs8, xs9, xs10, xs11, xs12, xs13, xs14, xs15,
-                       dx0, dx1, dx2, dx3, dx4, dx5, dx6, dx7, dx8, dx9, dx10, dx11, dx12, dx13, dx14, dx15)
+                       (x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15),
+                       (xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7, xs8, xs9, xs10, xs11, xs12, xs13, xs14, xs15),
+                       (dx0, dx1, dx2, dx3, dx4, dx5, dx6, dx7, dx8, dx9, dx10, dx11, dx12, dx13, dx14, dx15))
     else:
         tl.static_assert(not PAIR, "PAIR (two sources per step) needs the token-tile grid: BLOCK_T > 0")
         tl.static_assert(not DEFER, "DEFER (two passes) needs the token-tile grid: BLOCK_T > 0")
@@ -485,6 +430,6 @@ def _attnres_bwd_args_kernel(
         _bwd_body(q_ptr, h_ptr, res_ptr, g_ptr, st_ptr, dq_part_ptr, N, S, d, r, stride_g,
                   _inv_key_width(r, d, SLICE), SLICE, HAS_RES, RES_STEP, BLOCK_D, NCH, KEY0, SB, PREFETCH, EVICT, STAGES,
                   False, None, None, None, 1, None, None, 1, NSLOT,
-                  x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
-                  xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7, xs8, xs9, xs10, xs11, xs12, xs13, xs14, xs15,
-                  dx0, dx1, dx2, dx3, dx4, dx5, dx6, dx7, dx8, dx9, dx10, dx11, dx12, dx13, dx14, dx15)
+                  (x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15),
+                  (xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7, xs8, xs9, xs10, xs11, xs12, xs13, xs14, xs15),
+                  (dx0, dx1, dx2, dx3, dx4, dx5, dx6, dx7, dx8, dx9, dx10, dx11, dx12, dx13, dx14, dx15))

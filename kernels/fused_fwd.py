@@ -102,9 +102,8 @@ def _fwd_body(
     SLICE: tl.constexpr, HAS_RES: tl.constexpr, RES_STEP: tl.constexpr, BLOCK_D: tl.constexpr, NCH: tl.constexpr,
     KEY0: tl.constexpr, BLOCK_T: tl.constexpr, PREFETCH: tl.constexpr, EVICT: tl.constexpr, STAGES: tl.constexpr,
     FUSED: tl.constexpr, LAZY: tl.constexpr, PAIR: tl.constexpr,
-    TABLE: tl.constexpr, src0_ptr, src_offs, src_strides, ALIGN: tl.constexpr, NSLOT: tl.constexpr,
-    x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,  # sources (None for TABLE)
-    xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7, xs8, xs9, xs10, xs11, xs12, xs13, xs14, xs15,  # their row strides
+    TABLE: tl.constexpr, src0_ptr, src_offs, src_strides, ALIGN: tl.constexpr, NSLOT: tl.constexpr, x_ptrs,  # sources (None for TABLE)
+    x_strides,  # their row strides
 ):
     """The forward of BLOCK_T tokens (the kernels' arguments are described at _attnres_fwd_kernel)."""
     tl.static_assert(PREFETCH <= 1, "the forward prefetches at most one step")
@@ -139,8 +138,7 @@ def _fwd_body(
     if PAIR:  # two sources (the host checks S = 2): both loaded at once, the exact two-way softmax
         a0, a1, a2, a3, a4, b0, b1, b2, b3, b4 = _src_pair(
             0, S, rows, rows64, row_ok, offs0, ok0, offs1, ok1, offs2, ok2, offs3, ok3, offs4, ok4, NCH, EVICT, TABLE,
-            src0_ptr, src_offs, src_strides, ALIGN, NSLOT, x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12,
-            x13, x14, x15, xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7, xs8, xs9, xs10, xs11, xs12, xs13, xs14, xs15)
+            src0_ptr, src_offs, src_strides, ALIGN, NSLOT, x_ptrs, x_strides)
         a0, a1, a2, a3, a4, kka, kqa = _fwd_key(a0, a1, a2, a3, a4, q0, q1, q2, q3, q4, tail0, tail1, tail2, tail3,
                                                 tail4, NCH, KEY0, SLICE)
         b0, b1, b2, b3, b4, kkb, kqb = _fwd_key(b0, b1, b2, b3, b4, q0, q1, q2, q3, q4, tail0, tail1, tail2, tail3,
@@ -165,15 +163,11 @@ def _fwd_body(
         if PREFETCH:
             tn0, tn1, tn2, tn3, tn4 = _src_tiles(0, S, rows, rows64, row_ok, offs0, ok0, offs1, ok1, offs2, ok2, offs3,
                                                  ok3, offs4, ok4, NCH, EVICT, TABLE, src0_ptr, src_offs, src_strides,
-                                                 ALIGN, NSLOT, x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12,
-                                                 x13, x14, x15, xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7, xs8, xs9, xs10,
-                                                 xs11, xs12, xs13, xs14, xs15)
+                                                 ALIGN, NSLOT, x_ptrs, x_strides)
         for i in tl.range(0, S, num_stages=STAGES):
             u0, u1, u2, u3, u4 = _src_tiles(i + PREFETCH, S, rows, rows64, row_ok, offs0, ok0, offs1, ok1, offs2, ok2,
                                             offs3, ok3, offs4, ok4, NCH, EVICT, TABLE, src0_ptr, src_offs, src_strides,
-                                            ALIGN, NSLOT, x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13,
-                                            x14, x15, xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7, xs8, xs9, xs10, xs11,
-                                            xs12, xs13, xs14, xs15)
+                                            ALIGN, NSLOT, x_ptrs, x_strides)
             t0, t1, t2, t3, t4 = u0, u1, u2, u3, u4
             if PREFETCH:  # use the tiles loaded a step ago; keep this step's (the next source's) for the next
                 t0, t1, t2, t3, t4, tn0, tn1, tn2, tn3, tn4 = _ring(u0, u1, u2, u3, u4, tn0, tn1, tn2, tn3, tn4, NCH)
@@ -245,8 +239,7 @@ def _attnres_fwd_kernel(
 ):
     _fwd_body(q_ptr, out_ptr, res_ptr, st_ptr, N, S, d, r, inv_n, eps, SLICE, HAS_RES, RES_STEP, BLOCK_D, NCH,
               KEY0, BLOCK_T, PREFETCH, EVICT, STAGES, FUSED, LAZY, PAIR, True, src0_ptr, src_offs, src_strides, ALIGN, 0,
-              None, None, None, None, None, None, None, None, None, None, None, None, None, None, None, None,  # no x_i
-              None, None, None, None, None, None, None, None, None, None, None, None, None, None, None, None)  # no xs_i
+              None, None)  # no per-argument sources
 
 
 # ----------------------------------------------------------------------------------------------
@@ -265,10 +258,8 @@ def _attnres_fwd_kernel(
 
 @triton.jit
 def _attnres_fwd_args_kernel(
-    # sources (None past NSLOT)
-    x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
-    # their row strides (elements)
-    xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7, xs8, xs9, xs10, xs11, xs12, xs13, xs14, xs15,
+    x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,  # sources (None past NSLOT)
+    xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7, xs8, xs9, xs10, xs11, xs12, xs13, xs14, xs15,  # their row strides (elements)
     q_ptr,  # [r]
     out_ptr,  # [N, d] contiguous, source dtype
     res_ptr,  # int8 [N, d] contiguous (None unless HAS_RES)
@@ -295,5 +286,5 @@ def _attnres_fwd_args_kernel(
 ):
     _fwd_body(q_ptr, out_ptr, res_ptr, st_ptr, N, S, d, r, _inv_key_width(r, d, SLICE), EPS, SLICE, HAS_RES,
               RES_STEP, BLOCK_D, NCH, KEY0, BLOCK_T, PREFETCH, EVICT, STAGES, FUSED, LAZY, PAIR, False, None, None, None, 1, NSLOT,
-              x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
-              xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7, xs8, xs9, xs10, xs11, xs12, xs13, xs14, xs15)
+              (x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15),
+              (xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7, xs8, xs9, xs10, xs11, xs12, xs13, xs14, xs15))

@@ -46,21 +46,13 @@ def _mix2(pa, a, pb, b):
 @triton.jit
 def _src_pair(j, S, rows, rows64, row_ok, offs0, ok0, offs1, ok1, offs2, ok2, offs3, ok3, offs4, ok4,
               NCH: tl.constexpr, EVICT: tl.constexpr,
-              TABLE: tl.constexpr, src0_ptr, src_offs, src_strides, ALIGN: tl.constexpr, NSLOT: tl.constexpr,
-              x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
-              xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7, xs8, xs9, xs10, xs11, xs12, xs13, xs14, xs15):
+              TABLE: tl.constexpr, src0_ptr, src_offs, src_strides, ALIGN: tl.constexpr, NSLOT: tl.constexpr, x_ptrs, x_strides):
     """Sources j and j + 1's raw tiles (_src_tiles; source j's loads first): a step that holds two
     sources."""
     a0, a1, a2, a3, a4 = _src_tiles(j, S, rows, rows64, row_ok, offs0, ok0, offs1, ok1, offs2, ok2, offs3, ok3,
-                                    offs4, ok4, NCH, EVICT, TABLE, src0_ptr, src_offs, src_strides, ALIGN, NSLOT,
-                                    x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
-                                    xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7, xs8, xs9, xs10, xs11, xs12, xs13, xs14,
-                                    xs15)
+                                    offs4, ok4, NCH, EVICT, TABLE, src0_ptr, src_offs, src_strides, ALIGN, NSLOT, x_ptrs, x_strides)
     b0, b1, b2, b3, b4 = _src_tiles(j + 1, S, rows, rows64, row_ok, offs0, ok0, offs1, ok1, offs2, ok2, offs3, ok3,
-                                    offs4, ok4, NCH, EVICT, TABLE, src0_ptr, src_offs, src_strides, ALIGN, NSLOT,
-                                    x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
-                                    xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7, xs8, xs9, xs10, xs11, xs12, xs13, xs14,
-                                    xs15)
+                                    offs4, ok4, NCH, EVICT, TABLE, src0_ptr, src_offs, src_strides, ALIGN, NSLOT, x_ptrs, x_strides)
     return a0, a1, a2, a3, a4, b0, b1, b2, b3, b4
 
 
@@ -70,8 +62,7 @@ def _pair_step(
     offs0, ok0, offs1, ok1, offs2, ok2, offs3, ok3, offs4, ok4,
     g0, g1, g2, g3, g4, q0, q1, q2, q3, q4, tail0, tail1, tail2, tail3, tail4, dq0, dq1, dq2, dq3, dq4,
     SLICE: tl.constexpr, NCH: tl.constexpr, KEY0: tl.constexpr, TABLE: tl.constexpr, grad0_ptr, grad_offs,
-    GALIGN: tl.constexpr, NSLOT: tl.constexpr,
-    dx0, dx1, dx2, dx3, dx4, dx5, dx6, dx7, dx8, dx9, dx10, dx11, dx12, dx13, dx14, dx15,
+    GALIGN: tl.constexpr, NSLOT: tl.constexpr, dx_ptrs,
     GH_PAIR: tl.constexpr,
 ):
     """One step of _bwd_tile_pairs on the raw tiles of sources i (a0..a4) and i + 1 (b0..b4): both row
@@ -87,10 +78,8 @@ def _pair_step(
         gh = tl.exp(za - lse) * sa + tl.exp(zb - lse) * sb
     wa, ca, ka = _bwd_weights(sa, gh, lse, i, S, N, rows, row_ok, st_ptr, inv_n)
     wb, cb, kb = _bwd_weights(sb, gh, lse, i + 1, S, N, rows, live_b, st_ptr, inv_n)
-    gpa = _grad_ptrs(i, S, TABLE, grad0_ptr, grad_offs, GALIGN, NSLOT,
-                     dx0, dx1, dx2, dx3, dx4, dx5, dx6, dx7, dx8, dx9, dx10, dx11, dx12, dx13, dx14, dx15)
-    gpb = _grad_ptrs(i + 1, S, TABLE, grad0_ptr, grad_offs, GALIGN, NSLOT,
-                     dx0, dx1, dx2, dx3, dx4, dx5, dx6, dx7, dx8, dx9, dx10, dx11, dx12, dx13, dx14, dx15)
+    gpa = _grad_ptrs(i, S, TABLE, grad0_ptr, grad_offs, GALIGN, NSLOT, dx_ptrs)
+    gpb = _grad_ptrs(i + 1, S, TABLE, grad0_ptr, grad_offs, GALIGN, NSLOT, dx_ptrs)
     dq0, dq1, dq2, dq3, dq4 = _tile_grads(gpa, rows64, row_ok, d, offs0, ok0, offs1, ok1, offs2, ok2, offs3, ok3,
                                           offs4, ok4, a0, a1, a2, a3, a4, g0, g1, g2, g3, g4, q0, q1, q2, q3, q4,
                                           tail0, tail1, tail2, tail3, tail4, wa, ca, ka, dq0, dq1, dq2, dq3, dq4,
@@ -108,10 +97,7 @@ def _bwd_tile_pairs(
     g0, g1, g2, g3, g4, q0, q1, q2, q3, q4, tail0, tail1, tail2, tail3, tail4, dq0, dq1, dq2, dq3, dq4,
     SLICE: tl.constexpr, NCH: tl.constexpr, KEY0: tl.constexpr, PREFETCH: tl.constexpr, EVICT: tl.constexpr,
     STAGES: tl.constexpr, TABLE: tl.constexpr, src0_ptr, src_offs, src_strides, ALIGN: tl.constexpr, grad0_ptr,
-    grad_offs, GALIGN: tl.constexpr, NSLOT: tl.constexpr,
-    x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
-    xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7, xs8, xs9, xs10, xs11, xs12, xs13, xs14, xs15,
-    dx0, dx1, dx2, dx3, dx4, dx5, dx6, dx7, dx8, dx9, dx10, dx11, dx12, dx13, dx14, dx15,
+    grad_offs, GALIGN: tl.constexpr, NSLOT: tl.constexpr, x_ptrs, x_strides, dx_ptrs,
     GH_PAIR: tl.constexpr = False,
 ):
     """The token-tile backward's source loop two sources at a time (PAIR): sources i and i + 1 loaded
@@ -125,20 +111,16 @@ def _bwd_tile_pairs(
     if PREFETCH or GH_PAIR:  # sources 0 and 1: the first pair ahead of the loop, or the resident pair
         na0, na1, na2, na3, na4, nb0, nb1, nb2, nb3, nb4 = _src_pair(
             0, S, rows, rows64, row_ok, offs0, ok0, offs1, ok1, offs2, ok2, offs3, ok3, offs4, ok4, NCH, EVICT, TABLE,
-            src0_ptr, src_offs, src_strides, ALIGN, NSLOT, x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12,
-            x13, x14, x15, xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7, xs8, xs9, xs10, xs11, xs12, xs13, xs14, xs15)
+            src0_ptr, src_offs, src_strides, ALIGN, NSLOT, x_ptrs, x_strides)
     if GH_PAIR:
         return _pair_step(0, na0, na1, na2, na3, na4, nb0, nb1, nb2, nb3, nb4, rows, row_ok, rows64, N, S, d, gh, lse,
                           st_ptr, inv_n, offs0, ok0, offs1, ok1, offs2, ok2, offs3, ok3, offs4, ok4, g0, g1, g2, g3, g4,
                           q0, q1, q2, q3, q4, tail0, tail1, tail2, tail3, tail4, dq0, dq1, dq2, dq3, dq4,
-                          SLICE, NCH, KEY0, TABLE, grad0_ptr, grad_offs, GALIGN, NSLOT,
-                          dx0, dx1, dx2, dx3, dx4, dx5, dx6, dx7, dx8, dx9, dx10, dx11, dx12, dx13, dx14, dx15, True)
+                          SLICE, NCH, KEY0, TABLE, grad0_ptr, grad_offs, GALIGN, NSLOT, dx_ptrs, True)
     for i in tl.range(0, S, 2, num_stages=STAGES):
         a0, a1, a2, a3, a4, b0, b1, b2, b3, b4 = _src_pair(
             i + 2 * PREFETCH, S, rows, rows64, row_ok, offs0, ok0, offs1, ok1, offs2, ok2, offs3, ok3, offs4, ok4, NCH,
-            EVICT, TABLE, src0_ptr, src_offs, src_strides, ALIGN, NSLOT, x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10,
-            x11, x12, x13, x14, x15, xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7, xs8, xs9, xs10, xs11, xs12, xs13, xs14,
-            xs15)
+            EVICT, TABLE, src0_ptr, src_offs, src_strides, ALIGN, NSLOT, x_ptrs, x_strides)
         if PREFETCH:  # use the pair loaded a step ago; keep this step's for the next
             a0, a1, a2, a3, a4, na0, na1, na2, na3, na4 = na0, na1, na2, na3, na4, a0, a1, a2, a3, a4
             b0, b1, b2, b3, b4, nb0, nb1, nb2, nb3, nb4 = nb0, nb1, nb2, nb3, nb4, b0, b1, b2, b3, b4
@@ -146,5 +128,5 @@ def _bwd_tile_pairs(
             i, a0, a1, a2, a3, a4, b0, b1, b2, b3, b4, rows, row_ok, rows64, N, S, d, gh, lse, st_ptr, inv_n,
             offs0, ok0, offs1, ok1, offs2, ok2, offs3, ok3, offs4, ok4, g0, g1, g2, g3, g4, q0, q1, q2, q3, q4,
             tail0, tail1, tail2, tail3, tail4, dq0, dq1, dq2, dq3, dq4, SLICE, NCH, KEY0, TABLE, grad0_ptr, grad_offs,
-            GALIGN, NSLOT, dx0, dx1, dx2, dx3, dx4, dx5, dx6, dx7, dx8, dx9, dx10, dx11, dx12, dx13, dx14, dx15, False)
+            GALIGN, NSLOT, dx_ptrs, False)
     return dq0, dq1, dq2, dq3, dq4

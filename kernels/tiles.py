@@ -258,76 +258,44 @@ def _inv_key_width(r, d, SLICE: tl.constexpr):
 
 
 @triton.jit
-def _select(i, NSLOT: tl.constexpr, a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11, a12, a13, a14, a15):
-    """Argument a_i for i < NSLOT (selects; a_0 where i is out of range); i may be a tensor."""
-    v = a0
-    if NSLOT > 1:
-        v = tl.where(i == 1, a1, v)
-    if NSLOT > 2:
-        v = tl.where(i == 2, a2, v)
-    if NSLOT > 3:
-        v = tl.where(i == 3, a3, v)
-    if NSLOT > 4:
-        v = tl.where(i == 4, a4, v)
-    if NSLOT > 5:
-        v = tl.where(i == 5, a5, v)
-    if NSLOT > 6:
-        v = tl.where(i == 6, a6, v)
-    if NSLOT > 7:
-        v = tl.where(i == 7, a7, v)
-    if NSLOT > 8:
-        v = tl.where(i == 8, a8, v)
-    if NSLOT > 9:
-        v = tl.where(i == 9, a9, v)
-    if NSLOT > 10:
-        v = tl.where(i == 10, a10, v)
-    if NSLOT > 11:
-        v = tl.where(i == 11, a11, v)
-    if NSLOT > 12:
-        v = tl.where(i == 12, a12, v)
-    if NSLOT > 13:
-        v = tl.where(i == 13, a13, v)
-    if NSLOT > 14:
-        v = tl.where(i == 14, a14, v)
-    if NSLOT > 15:
-        v = tl.where(i == 15, a15, v)
+def _select(i, NSLOT: tl.constexpr, args):
+    """args[i] for i < NSLOT (a chain of selects; args[0] where i is out of range); i may be a tensor,
+    ``args`` a tuple of MAX_ARG_SOURCES kernel arguments."""
+    v = args[0]
+    for k in tl.static_range(1, MAX_ARG_SOURCES):
+        if NSLOT > k:
+            v = tl.where(i == k, args[k], v)
     return v
 
 
 @triton.jit
-def _arg_src(js, S, NSLOT: tl.constexpr, x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
-               xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7, xs8, xs9, xs10, xs11, xs12, xs13, xs14, xs15):
+def _arg_src(js, S, NSLOT: tl.constexpr, x_ptrs, x_strides):
     """Pointers and row strides of sources js, one index or [SB] (the last source's where js >= S)."""
     jj = tl.minimum(js, S - 1)
-    ptr = _select(jj, NSLOT, x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15)
-    stride = _select(jj, NSLOT, xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7, xs8, xs9, xs10, xs11, xs12, xs13, xs14, xs15)
+    ptr = _select(jj, NSLOT, x_ptrs)
+    stride = _select(jj, NSLOT, x_strides)
     return ptr + jj * 0, stride + jj * 0  # [SB] even when one slot leaves the selects scalar
 
 
 @triton.jit
-def _src(js, S, TABLE: tl.constexpr, src0_ptr, src_offs, src_strides, ALIGN: tl.constexpr, NSLOT: tl.constexpr,
-         x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
-         xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7, xs8, xs9, xs10, xs11, xs12, xs13, xs14, xs15):
+def _src(js, S, TABLE: tl.constexpr, src0_ptr, src_offs, src_strides, ALIGN: tl.constexpr, NSLOT: tl.constexpr, x_ptrs, x_strides):
     """Pointers and row strides of sources js, one index or [SB] (the last source's where js >= S):
     from the offset table (TABLE) or from the per-source arguments."""
     if TABLE:
         p, st = _table_src(src0_ptr, src_offs, src_strides, js, S, ALIGN)
     else:
-        p, st = _arg_src(js, S, NSLOT, x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
-                         xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7, xs8, xs9, xs10, xs11, xs12, xs13, xs14, xs15)
+        p, st = _arg_src(js, S, NSLOT, x_ptrs, x_strides)
     return p, st
 
 
 @triton.jit
-def _grad_ptrs(js, S, TABLE: tl.constexpr, grad0_ptr, grad_offs, GALIGN: tl.constexpr, NSLOT: tl.constexpr,
-               dx0, dx1, dx2, dx3, dx4, dx5, dx6, dx7, dx8, dx9, dx10, dx11, dx12, dx13, dx14, dx15):
+def _grad_ptrs(js, S, TABLE: tl.constexpr, grad0_ptr, grad_offs, GALIGN: tl.constexpr, NSLOT: tl.constexpr, dx_ptrs):
     """Pointers [SB] of the gradients of sources js (the last source's where js >= S)."""
     jj = tl.minimum(js, S - 1)
     if TABLE:
         gp = grad0_ptr + tl.multiple_of(tl.load(grad_offs + jj), GALIGN)
     else:
-        gp = _select(jj, NSLOT, dx0, dx1, dx2, dx3, dx4, dx5, dx6, dx7, dx8, dx9, dx10, dx11, dx12, dx13, dx14,
-                     dx15)
+        gp = _select(jj, NSLOT, dx_ptrs)
         gp = gp + js * 0  # [SB] even with one slot
     return gp
 
@@ -335,14 +303,10 @@ def _grad_ptrs(js, S, TABLE: tl.constexpr, grad0_ptr, grad_offs, GALIGN: tl.cons
 @triton.jit
 def _src_tiles(j, S, rows, rows64, row_ok, offs0, ok0, offs1, ok1, offs2, ok2, offs3, ok3, offs4, ok4,
                NCH: tl.constexpr, EVICT: tl.constexpr,
-               TABLE: tl.constexpr, src0_ptr, src_offs, src_strides, ALIGN: tl.constexpr, NSLOT: tl.constexpr,
-               x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
-               xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7, xs8, xs9, xs10, xs11, xs12, xs13, xs14, xs15):
+               TABLE: tl.constexpr, src0_ptr, src_offs, src_strides, ALIGN: tl.constexpr, NSLOT: tl.constexpr, x_ptrs, x_strides):
     """Source j's raw tiles [BLOCK_T, BLOCK_D] of tokens ``rows``, one per column chunk (chunk 0's
     repeated past NCH; zeros when j >= S): the token-block bodies' one load per loop step."""
-    p, st = _src(j, S, TABLE, src0_ptr, src_offs, src_strides, ALIGN, NSLOT,
-                 x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
-                 xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7, xs8, xs9, xs10, xs11, xs12, xs13, xs14, xs15)
+    p, st = _src(j, S, TABLE, src0_ptr, src_offs, src_strides, ALIGN, NSLOT, x_ptrs, x_strides)
     u0 = _tile(p, st, j, S, rows, rows64, row_ok, offs0, ok0, EVICT)
     u1, u2, u3, u4 = u0, u0, u0, u0
     if NCH >= 2:
