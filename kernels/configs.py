@@ -79,7 +79,7 @@ BWD_CHUNKS = (
     (1, 16, 1, {}, "persistent, 1 warp: 8 shapes (d = 1536, r = d)"),
     (1, 4, 1, _opts(TILE, KEYED, PAIR=True), "token tile, two sources per step, 4 warps: 5 shapes (d = 2560, S >= 25)"),
     (1, 8, 1, _opts(TILE, KEYED, PAIR=True), "token tile, two sources per step, 2 warps: 11 shapes (d = 1536, r < d)"),
-    (1, 8, 1, _opts(TILE, KEYED, PERSIST=8), "token tile looped by 8 programs per SM: 3 shapes (d = 2560, r = d, S <= 9)"),
+    (1, 8, 1, _opts(TILE, KEYED, PERSIST=8), "token tile looped by 8 per SM: 3 shapes (d = 2560, r = d, S <= 9)"),
 )
 
 # The backward with the rounding residual, one chunk.
@@ -93,7 +93,7 @@ BWD_ONE = (
 
 # The resident pair (DEFER with PAIR, at most two sources, any key position; no prefetch).
 BWD_RESIDENT_PAIR = (
-    (1, 8, 0, _opts(TILE, KEYED, PAIR=True, DEFER=True, PERSIST=16), "2 warps by 16 per SM: 4 shapes (d = 1024, r = d)"),
+    (1, 8, 0, _opts(TILE, KEYED, PAIR=True, DEFER=True, PERSIST=16), "2 warps by 16 per SM: 4 shapes (d = 1024)"),
     (1, 4, 0, _opts(TILE, KEYED, ARGS, PAIR=True, DEFER=True, PERSIST=8), "4 warps by 8 per SM: 8 shapes"),
     (1, 16, 0, _opts(TILE, KEYED, PAIR=True, DEFER=True, PERSIST=32), "1 warp by 32 per SM: 1 shape "
                                                                       "(d = 2560, r = d/8, 8192 tokens)"),

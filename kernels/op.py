@@ -220,8 +220,8 @@ AUTOTUNE = os.environ.get("KERNELS_AUTOTUNE", "1") == "1"
 BWD_PROGRAMS_PER_SM = 8  # the persistent backward's grid
 # The backward's grid constexprs a configuration may leave out: one source per step, persistent grid
 # (PAIR: the token-tile grid's two sources per step, off).  Every constexpr is passed, none left to a
-# default: torch's analysis of which arguments a kernel writes (Inductor, compiled path) counted every
-# pointer as written when the kernel had a defaulted constexpr that the launch left out.
+# default: torch's analysis of which arguments a kernel writes (Inductor, compiled path) counts every
+# pointer as written when the kernel has a defaulted constexpr that the launch leaves out.
 _BWD_DEFAULTS = {"SB": 1, "BLOCK_T": 0, "PAIR": False, "DEFER": False, "PERSIST": 0}
 _FWD_DEFAULTS = {"PAIR": False}  # the source loop (the pair forward only where a configuration asks)
 
@@ -910,7 +910,7 @@ attnres_fwd.register_autograd(_backward_through(attnres_bwd), setup_context=_set
 MAX_ARG_SOURCES = 16
 COMPILED_PATH = "triton_op"
 # The per-argument kernels' launch configurations (Inductor launches them with no autotuner): the
-# ARGS lines of kernels.configs.  The forward's and the residual backward's were the per-argument
+# ARGS lines of kernels.configs.  The forward's and the residual backward's are the per-argument
 # kernels' fastest at the 1B step's shapes (4096 tokens, d 1536, r 384, S = 9: kernel_sweep_h200_
 # 2026-11-30_key.md and, for the four-token forward, _chunks2.md); the deferred forms' and the pair
 # forward's are the table kernels' most frequent tuned choices (the per-argument kernels' own are not

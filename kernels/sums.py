@@ -41,7 +41,7 @@ def _sum_rows_kernel(x_ptr, y_ptr, P, r, rows_per, BLOCK_P: tl.constexpr, BLOCK_
     sums one slab of rows for BLOCK_R columns, in a fixed order, and stores in y's element type.  The
     query gradient's partial rows [programs, r] fp32 go through it twice (kernels.op._sum_partials):
     slabs into an fp32 [splits, r], then the splits into the query dtype.  Why: torch's sum over the
-    rows of a [1056, 384] matrix ran on 51 blocks (10.8 us under ncu), a tenth of the
+    rows of a [1056, 384] matrix runs on 51 blocks (10.8 us under ncu), a tenth of the
     backward at S = 2; two launches over a few hundred programs keep the sum deterministic."""
     s = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
