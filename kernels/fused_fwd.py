@@ -102,8 +102,8 @@ def _fwd_body(
     SLICE: tl.constexpr, HAS_RES: tl.constexpr, RES_STEP: tl.constexpr, BLOCK_D: tl.constexpr, NCH: tl.constexpr,
     KEY0: tl.constexpr, BLOCK_T: tl.constexpr, PREFETCH: tl.constexpr, EVICT: tl.constexpr, STAGES: tl.constexpr,
     FUSED: tl.constexpr, LAZY: tl.constexpr, PAIR: tl.constexpr,
-    TABLE: tl.constexpr, src0_ptr, src_offs, src_strides, ALIGN: tl.constexpr, NSLOT: tl.constexpr, x_ptrs,  # sources (None for TABLE)
-    x_strides,  # their row strides
+    TABLE: tl.constexpr, src0_ptr, src_offs, src_strides, ALIGN: tl.constexpr, NSLOT: tl.constexpr,
+    x_ptrs, x_strides,  # the per-argument sources and their row strides, tuples (None for TABLE)
 ):
     """The forward of BLOCK_T tokens (the kernels' arguments are described at _attnres_fwd_kernel)."""
     tl.static_assert(PREFETCH <= 1, "the forward prefetches at most one step")
@@ -135,14 +135,16 @@ def _fwd_body(
         offs4, ok4, tail4 = _cols(d, r, 4 * BLOCK_D, BLOCK_D)
         q4 = _query(q_ptr, offs4, d, r, tail4)
         acc4 = tl.zeros([BLOCK_T, BLOCK_D], tl.float32)
+    offs = (offs0, offs1, offs2, offs3, offs4)  # the chunks' constants as tuples, for the helpers
+    ok = (ok0, ok1, ok2, ok3, ok4)
+    tail = (tail0, tail1, tail2, tail3, tail4)
+    q = (q0, q1, q2, q3, q4)
     if PAIR:  # two sources (the host checks S = 2): both loaded at once, the exact two-way softmax
         a0, a1, a2, a3, a4, b0, b1, b2, b3, b4 = _src_pair(
-            0, S, rows, rows64, row_ok, offs0, ok0, offs1, ok1, offs2, ok2, offs3, ok3, offs4, ok4, NCH, EVICT, TABLE,
+            0, S, rows, rows64, row_ok, offs, ok, NCH, EVICT, TABLE,
             src0_ptr, src_offs, src_strides, ALIGN, NSLOT, x_ptrs, x_strides)
-        a0, a1, a2, a3, a4, kka, kqa = _fwd_key(a0, a1, a2, a3, a4, q0, q1, q2, q3, q4, tail0, tail1, tail2, tail3,
-                                                tail4, NCH, KEY0, SLICE)
-        b0, b1, b2, b3, b4, kkb, kqb = _fwd_key(b0, b1, b2, b3, b4, q0, q1, q2, q3, q4, tail0, tail1, tail2, tail3,
-                                                tail4, NCH, KEY0, SLICE)
+        a0, a1, a2, a3, a4, kka, kqa = _fwd_key(a0, a1, a2, a3, a4, q, tail, NCH, KEY0, SLICE)
+        b0, b1, b2, b3, b4, kkb, kqb = _fwd_key(b0, b1, b2, b3, b4, q, tail, NCH, KEY0, SLICE)
         za, ra, zb, rb = _scores_pair(kka, kqa, kkb, kqb, inv_n, eps, FUSED)
         m = tl.maximum(za, zb)
         pa = tl.exp(za - m)
@@ -161,18 +163,15 @@ def _fwd_body(
         _store_scores(st_ptr, 1, S, N, zb, rb, rows, row_ok)
     else:  # the sources one at a time, online softmax
         if PREFETCH:
-            tn0, tn1, tn2, tn3, tn4 = _src_tiles(0, S, rows, rows64, row_ok, offs0, ok0, offs1, ok1, offs2, ok2, offs3,
-                                                 ok3, offs4, ok4, NCH, EVICT, TABLE, src0_ptr, src_offs, src_strides,
-                                                 ALIGN, NSLOT, x_ptrs, x_strides)
+            tn0, tn1, tn2, tn3, tn4 = _src_tiles(0, S, rows, rows64, row_ok, offs, ok, NCH, EVICT, TABLE, src0_ptr,
+                                                 src_offs, src_strides, ALIGN, NSLOT, x_ptrs, x_strides)
         for i in tl.range(0, S, num_stages=STAGES):
-            u0, u1, u2, u3, u4 = _src_tiles(i + PREFETCH, S, rows, rows64, row_ok, offs0, ok0, offs1, ok1, offs2, ok2,
-                                            offs3, ok3, offs4, ok4, NCH, EVICT, TABLE, src0_ptr, src_offs, src_strides,
-                                            ALIGN, NSLOT, x_ptrs, x_strides)
+            u0, u1, u2, u3, u4 = _src_tiles(i + PREFETCH, S, rows, rows64, row_ok, offs, ok, NCH, EVICT, TABLE,
+                                            src0_ptr, src_offs, src_strides, ALIGN, NSLOT, x_ptrs, x_strides)
             t0, t1, t2, t3, t4 = u0, u1, u2, u3, u4
             if PREFETCH:  # use the tiles loaded a step ago; keep this step's (the next source's) for the next
                 t0, t1, t2, t3, t4, tn0, tn1, tn2, tn3, tn4 = _ring(u0, u1, u2, u3, u4, tn0, tn1, tn2, tn3, tn4, NCH)
-            t0, t1, t2, t3, t4, kk, kq = _fwd_key(t0, t1, t2, t3, t4, q0, q1, q2, q3, q4, tail0, tail1, tail2, tail3,
-                                                  tail4, NCH, KEY0, SLICE)
+            t0, t1, t2, t3, t4, kk, kq = _fwd_key(t0, t1, t2, t3, t4, q, tail, NCH, KEY0, SLICE)
             if lazy:  # rescale only where the maximum grew past LAZY_TAU
                 z, rinv = _scores(kk, kq, inv_n, eps, FUSED)
                 m, l, acc0, acc1, acc2, acc3, acc4 = _lazy_rescale(z, m, l, NCH, acc0, acc1, acc2, acc3, acc4)
@@ -216,14 +215,9 @@ def _attnres_fwd_kernel(
     out_ptr,  # [N, d] contiguous, source dtype
     res_ptr,  # int8 [N, d] contiguous (unused unless HAS_RES)
     st_ptr,  # fp32 [1 + 2S, N]: logsumexp, the S scores, the S key 1/RMS
-    N,
-    S,
-    d,
-    r,
+    N, S, d, r,
     inv_n,  # 1/r for "slice", 1/d for "full"
-    eps,
-    SLICE: tl.constexpr,
-    HAS_RES: tl.constexpr,
+    eps, SLICE: tl.constexpr, HAS_RES: tl.constexpr,
     RES_STEP: tl.constexpr,  # residual code (_res_code): 0 for bf16's bit code, 2^-18 for fp16
     ALIGN: tl.constexpr,  # offsets and strides are multiples of this many elements
     BLOCK_D: tl.constexpr,  # columns per chunk
@@ -238,7 +232,8 @@ def _attnres_fwd_kernel(
     PAIR: tl.constexpr,  # S = 2 only: both sources loaded at once, no source loop (PREFETCH, STAGES, LAZY unused)
 ):
     _fwd_body(q_ptr, out_ptr, res_ptr, st_ptr, N, S, d, r, inv_n, eps, SLICE, HAS_RES, RES_STEP, BLOCK_D, NCH,
-              KEY0, BLOCK_T, PREFETCH, EVICT, STAGES, FUSED, LAZY, PAIR, True, src0_ptr, src_offs, src_strides, ALIGN, 0,
+              KEY0, BLOCK_T, PREFETCH, EVICT, STAGES, FUSED, LAZY, PAIR, True, src0_ptr, src_offs, src_strides, ALIGN,
+              0,
               None, None)  # no per-argument sources
 
 
@@ -258,33 +253,26 @@ def _attnres_fwd_kernel(
 
 @triton.jit
 def _attnres_fwd_args_kernel(
-    x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,  # sources (None past NSLOT)
-    xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7, xs8, xs9, xs10, xs11, xs12, xs13, xs14, xs15,  # their row strides (elements)
+    # sources (None past NSLOT)
+    x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
+    # their row strides (elements)
+    xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7, xs8, xs9, xs10, xs11, xs12, xs13, xs14, xs15,
     q_ptr,  # [r]
     out_ptr,  # [N, d] contiguous, source dtype
     res_ptr,  # int8 [N, d] contiguous (None unless HAS_RES)
     st_ptr,  # fp32 [1 + 2S, N]
-    N,
-    S,
-    d,
-    r,
+    N, S, d, r,
     NSLOT: tl.constexpr,  # source arguments given (= S)
-    EPS: tl.constexpr,
-    SLICE: tl.constexpr,
-    HAS_RES: tl.constexpr,
-    RES_STEP: tl.constexpr,
+    EPS: tl.constexpr, SLICE: tl.constexpr, HAS_RES: tl.constexpr, RES_STEP: tl.constexpr,
     BLOCK_D: tl.constexpr,  # columns per chunk
     NCH: tl.constexpr,  # column chunks per row: 1 to 5
     KEY0: tl.constexpr,  # first column chunk holding key columns (0: compute as if every chunk may)
-    BLOCK_T: tl.constexpr,
-    PREFETCH: tl.constexpr,
-    EVICT: tl.constexpr,
+    BLOCK_T: tl.constexpr, PREFETCH: tl.constexpr, EVICT: tl.constexpr,
     STAGES: tl.constexpr,  # Triton software-pipeline stages of the source loop (1: none)
-    FUSED: tl.constexpr,
-    LAZY: tl.constexpr,
+    FUSED: tl.constexpr, LAZY: tl.constexpr,
     PAIR: tl.constexpr,  # S = 2 only (see _attnres_fwd_kernel)
 ):
     _fwd_body(q_ptr, out_ptr, res_ptr, st_ptr, N, S, d, r, _inv_key_width(r, d, SLICE), EPS, SLICE, HAS_RES,
-              RES_STEP, BLOCK_D, NCH, KEY0, BLOCK_T, PREFETCH, EVICT, STAGES, FUSED, LAZY, PAIR, False, None, None, None, 1, NSLOT,
-              (x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15),
+              RES_STEP, BLOCK_D, NCH, KEY0, BLOCK_T, PREFETCH, EVICT, STAGES, FUSED, LAZY, PAIR, False, None, None,
+              None, 1, NSLOT, (x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15),
               (xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7, xs8, xs9, xs10, xs11, xs12, xs13, xs14, xs15))

@@ -44,32 +44,31 @@ def _mix2(pa, a, pb, b):
 
 
 @triton.jit
-def _src_pair(j, S, rows, rows64, row_ok, offs0, ok0, offs1, ok1, offs2, ok2, offs3, ok3, offs4, ok4,
+def _src_pair(j, S, rows, rows64, row_ok, offs, ok,
               NCH: tl.constexpr, EVICT: tl.constexpr,
-              TABLE: tl.constexpr, src0_ptr, src_offs, src_strides, ALIGN: tl.constexpr, NSLOT: tl.constexpr, x_ptrs, x_strides):
+              TABLE: tl.constexpr, src0_ptr, src_offs, src_strides, ALIGN: tl.constexpr, NSLOT: tl.constexpr, x_ptrs,
+              x_strides):
     """Sources j and j + 1's raw tiles (_src_tiles; source j's loads first): a step that holds two
     sources."""
-    a0, a1, a2, a3, a4 = _src_tiles(j, S, rows, rows64, row_ok, offs0, ok0, offs1, ok1, offs2, ok2, offs3, ok3,
-                                    offs4, ok4, NCH, EVICT, TABLE, src0_ptr, src_offs, src_strides, ALIGN, NSLOT, x_ptrs, x_strides)
-    b0, b1, b2, b3, b4 = _src_tiles(j + 1, S, rows, rows64, row_ok, offs0, ok0, offs1, ok1, offs2, ok2, offs3, ok3,
-                                    offs4, ok4, NCH, EVICT, TABLE, src0_ptr, src_offs, src_strides, ALIGN, NSLOT, x_ptrs, x_strides)
+    a0, a1, a2, a3, a4 = _src_tiles(j, S, rows, rows64, row_ok, offs, ok, NCH, EVICT, TABLE, src0_ptr, src_offs,
+                                    src_strides, ALIGN, NSLOT, x_ptrs, x_strides)
+    b0, b1, b2, b3, b4 = _src_tiles(j + 1, S, rows, rows64, row_ok, offs, ok, NCH, EVICT, TABLE, src0_ptr, src_offs,
+                                    src_strides, ALIGN, NSLOT, x_ptrs, x_strides)
     return a0, a1, a2, a3, a4, b0, b1, b2, b3, b4
 
 
 @triton.jit
 def _pair_step(
-    i, a0, a1, a2, a3, a4, b0, b1, b2, b3, b4, rows, row_ok, rows64, N, S, d, gh, lse, st_ptr, inv_n,
-    offs0, ok0, offs1, ok1, offs2, ok2, offs3, ok3, offs4, ok4,
-    g0, g1, g2, g3, g4, q0, q1, q2, q3, q4, tail0, tail1, tail2, tail3, tail4, dq0, dq1, dq2, dq3, dq4,
+    i, a0, a1, a2, a3, a4, b0, b1, b2, b3, b4, rows, row_ok, rows64, N, S, d, gh, lse, st_ptr, inv_n, offs, ok,
+    g, q, tail, dq0, dq1, dq2, dq3, dq4,
     SLICE: tl.constexpr, NCH: tl.constexpr, KEY0: tl.constexpr, TABLE: tl.constexpr, grad0_ptr, grad_offs,
-    GALIGN: tl.constexpr, NSLOT: tl.constexpr, dx_ptrs,
-    GH_PAIR: tl.constexpr,
+    GALIGN: tl.constexpr, NSLOT: tl.constexpr, dx_ptrs, GH_PAIR: tl.constexpr,
 ):
     """One step of _bwd_tile_pairs on the raw tiles of sources i (a0..a4) and i + 1 (b0..b4): both row
     sums g.o in one two-operand reduction, both sources' gradients stored, the query-gradient
     accumulators returned.  GH_PAIR: g.h from this pair instead of ``gh``."""
-    a0, a1, a2, a3, a4, goa = _tiles_go(a0, a1, a2, a3, a4, g0, g1, g2, g3, g4, NCH)
-    b0, b1, b2, b3, b4, gob = _tiles_go(b0, b1, b2, b3, b4, g0, g1, g2, g3, g4, NCH)
+    a0, a1, a2, a3, a4, goa = _tiles_go(a0, a1, a2, a3, a4, g, NCH)
+    b0, b1, b2, b3, b4, gob = _tiles_go(b0, b1, b2, b3, b4, g, NCH)
     sa, sb = tl.reduce((goa, gob), 1, _add2)
     live_b = row_ok & ((rows * 0 + i + 1) < S)  # the pair's second source exists
     if GH_PAIR:  # every source is in this pair: g.h = sum_i w_i g.o_i (sb = 0 for a masked-out source)
@@ -80,25 +79,19 @@ def _pair_step(
     wb, cb, kb = _bwd_weights(sb, gh, lse, i + 1, S, N, rows, live_b, st_ptr, inv_n)
     gpa = _grad_ptrs(i, S, TABLE, grad0_ptr, grad_offs, GALIGN, NSLOT, dx_ptrs)
     gpb = _grad_ptrs(i + 1, S, TABLE, grad0_ptr, grad_offs, GALIGN, NSLOT, dx_ptrs)
-    dq0, dq1, dq2, dq3, dq4 = _tile_grads(gpa, rows64, row_ok, d, offs0, ok0, offs1, ok1, offs2, ok2, offs3, ok3,
-                                          offs4, ok4, a0, a1, a2, a3, a4, g0, g1, g2, g3, g4, q0, q1, q2, q3, q4,
-                                          tail0, tail1, tail2, tail3, tail4, wa, ca, ka, dq0, dq1, dq2, dq3, dq4,
-                                          SLICE, KEY0, NCH)
-    dq0, dq1, dq2, dq3, dq4 = _tile_grads(gpb, rows64, live_b, d, offs0, ok0, offs1, ok1, offs2, ok2, offs3, ok3,
-                                          offs4, ok4, b0, b1, b2, b3, b4, g0, g1, g2, g3, g4, q0, q1, q2, q3, q4,
-                                          tail0, tail1, tail2, tail3, tail4, wb, cb, kb, dq0, dq1, dq2, dq3, dq4,
-                                          SLICE, KEY0, NCH)
+    dq0, dq1, dq2, dq3, dq4 = _tile_grads(gpa, rows64, row_ok, d, offs, ok, a0, a1, a2, a3, a4, g, q,
+                                          tail, wa, ca, ka, dq0, dq1, dq2, dq3, dq4, SLICE, KEY0, NCH)
+    dq0, dq1, dq2, dq3, dq4 = _tile_grads(gpb, rows64, live_b, d, offs, ok, b0, b1, b2, b3, b4, g, q,
+                                          tail, wb, cb, kb, dq0, dq1, dq2, dq3, dq4, SLICE, KEY0, NCH)
     return dq0, dq1, dq2, dq3, dq4
 
 
 @triton.jit
 def _bwd_tile_pairs(
-    rows, row_ok, rows64, N, S, d, gh, lse, st_ptr, inv_n, offs0, ok0, offs1, ok1, offs2, ok2, offs3, ok3, offs4, ok4,
-    g0, g1, g2, g3, g4, q0, q1, q2, q3, q4, tail0, tail1, tail2, tail3, tail4, dq0, dq1, dq2, dq3, dq4,
+    rows, row_ok, rows64, N, S, d, gh, lse, st_ptr, inv_n, offs, ok, g, q, tail, dq0, dq1, dq2, dq3, dq4,
     SLICE: tl.constexpr, NCH: tl.constexpr, KEY0: tl.constexpr, PREFETCH: tl.constexpr, EVICT: tl.constexpr,
     STAGES: tl.constexpr, TABLE: tl.constexpr, src0_ptr, src_offs, src_strides, ALIGN: tl.constexpr, grad0_ptr,
-    grad_offs, GALIGN: tl.constexpr, NSLOT: tl.constexpr, x_ptrs, x_strides, dx_ptrs,
-    GH_PAIR: tl.constexpr = False,
+    grad_offs, GALIGN: tl.constexpr, NSLOT: tl.constexpr, x_ptrs, x_strides, dx_ptrs, GH_PAIR: tl.constexpr = False,
 ):
     """The token-tile backward's source loop two sources at a time (PAIR): sources i and i + 1 loaded
     together (the next pair early with PREFETCH), their row sums g.o in one two-operand reduction;
@@ -110,23 +103,21 @@ def _bwd_tile_pairs(
     tl.static_assert(not (GH_PAIR and PREFETCH), "the resident pair has no next source to prefetch")
     if PREFETCH or GH_PAIR:  # sources 0 and 1: the first pair ahead of the loop, or the resident pair
         na0, na1, na2, na3, na4, nb0, nb1, nb2, nb3, nb4 = _src_pair(
-            0, S, rows, rows64, row_ok, offs0, ok0, offs1, ok1, offs2, ok2, offs3, ok3, offs4, ok4, NCH, EVICT, TABLE,
+            0, S, rows, rows64, row_ok, offs, ok, NCH, EVICT, TABLE,
             src0_ptr, src_offs, src_strides, ALIGN, NSLOT, x_ptrs, x_strides)
     if GH_PAIR:
         return _pair_step(0, na0, na1, na2, na3, na4, nb0, nb1, nb2, nb3, nb4, rows, row_ok, rows64, N, S, d, gh, lse,
-                          st_ptr, inv_n, offs0, ok0, offs1, ok1, offs2, ok2, offs3, ok3, offs4, ok4, g0, g1, g2, g3, g4,
-                          q0, q1, q2, q3, q4, tail0, tail1, tail2, tail3, tail4, dq0, dq1, dq2, dq3, dq4,
+                          st_ptr, inv_n, offs, ok, g, q, tail, dq0, dq1, dq2, dq3, dq4,
                           SLICE, NCH, KEY0, TABLE, grad0_ptr, grad_offs, GALIGN, NSLOT, dx_ptrs, True)
     for i in tl.range(0, S, 2, num_stages=STAGES):
         a0, a1, a2, a3, a4, b0, b1, b2, b3, b4 = _src_pair(
-            i + 2 * PREFETCH, S, rows, rows64, row_ok, offs0, ok0, offs1, ok1, offs2, ok2, offs3, ok3, offs4, ok4, NCH,
+            i + 2 * PREFETCH, S, rows, rows64, row_ok, offs, ok, NCH,
             EVICT, TABLE, src0_ptr, src_offs, src_strides, ALIGN, NSLOT, x_ptrs, x_strides)
         if PREFETCH:  # use the pair loaded a step ago; keep this step's for the next
             a0, a1, a2, a3, a4, na0, na1, na2, na3, na4 = na0, na1, na2, na3, na4, a0, a1, a2, a3, a4
             b0, b1, b2, b3, b4, nb0, nb1, nb2, nb3, nb4 = nb0, nb1, nb2, nb3, nb4, b0, b1, b2, b3, b4
         dq0, dq1, dq2, dq3, dq4 = _pair_step(
             i, a0, a1, a2, a3, a4, b0, b1, b2, b3, b4, rows, row_ok, rows64, N, S, d, gh, lse, st_ptr, inv_n,
-            offs0, ok0, offs1, ok1, offs2, ok2, offs3, ok3, offs4, ok4, g0, g1, g2, g3, g4, q0, q1, q2, q3, q4,
-            tail0, tail1, tail2, tail3, tail4, dq0, dq1, dq2, dq3, dq4, SLICE, NCH, KEY0, TABLE, grad0_ptr, grad_offs,
+            offs, ok, g, q, tail, dq0, dq1, dq2, dq3, dq4, SLICE, NCH, KEY0, TABLE, grad0_ptr, grad_offs,
             GALIGN, NSLOT, dx_ptrs, False)
     return dq0, dq1, dq2, dq3, dq4

@@ -4,9 +4,11 @@ Column layout: every source is a [N, d] matrix with unit column stride and its o
 at the full row width as NCH column chunks of BLOCK_D columns (a power of two, masked past d), NCH
 from 1 to 5, whichever pads least (d = 1536 as 3 x 512, 2560 as 5 x 512: no masked lanes; see
 kernels.configs.col_layout).  All chunks share one register layout, so their elementwise terms add
-up before a single row sum.  A row's chunks are separate names (offs0..offs4, t0..t4, ...): Triton
-has no arrays of tiles.  Names past NCH are chunk 0's and never used; the compile-time guards
-(NCH >= c + 1) leave no code for them.  Chunk c is "keyless" when KEY0 > c: the key (the last r
+up before a single row sum.  Triton has no arrays of tiles: a row's five chunks are five values, the
+constant ones (column offsets, masks, the query's columns, g) passed between helpers as tuples (offs,
+ok, tail, q, g), the ones a loop carries (tiles t0..t4, accumulators acc0..acc4, dq0..dq4) as separate
+names.  Values past NCH are chunk 0's and never used; the compile-time guards (NCH >= c + 1) leave
+no code for them.  Chunk c is "keyless" when KEY0 > c: the key (the last r
 columns) starts in chunk KEY0, so the chunks before it need no key terms (kernels.configs.key_pos).
 
 Source addressing: sources are never stacked.  Two kernel families share one body per pass and
@@ -278,7 +280,8 @@ def _arg_src(js, S, NSLOT: tl.constexpr, x_ptrs, x_strides):
 
 
 @triton.jit
-def _src(js, S, TABLE: tl.constexpr, src0_ptr, src_offs, src_strides, ALIGN: tl.constexpr, NSLOT: tl.constexpr, x_ptrs, x_strides):
+def _src(js, S, TABLE: tl.constexpr, src0_ptr, src_offs, src_strides, ALIGN: tl.constexpr, NSLOT: tl.constexpr,
+         x_ptrs, x_strides):
     """Pointers and row strides of sources js, one index or [SB] (the last source's where js >= S):
     from the offset table (TABLE) or from the per-source arguments."""
     if TABLE:
@@ -301,22 +304,23 @@ def _grad_ptrs(js, S, TABLE: tl.constexpr, grad0_ptr, grad_offs, GALIGN: tl.cons
 
 
 @triton.jit
-def _src_tiles(j, S, rows, rows64, row_ok, offs0, ok0, offs1, ok1, offs2, ok2, offs3, ok3, offs4, ok4,
+def _src_tiles(j, S, rows, rows64, row_ok, offs, ok,
                NCH: tl.constexpr, EVICT: tl.constexpr,
-               TABLE: tl.constexpr, src0_ptr, src_offs, src_strides, ALIGN: tl.constexpr, NSLOT: tl.constexpr, x_ptrs, x_strides):
+               TABLE: tl.constexpr, src0_ptr, src_offs, src_strides, ALIGN: tl.constexpr, NSLOT: tl.constexpr, x_ptrs,
+               x_strides):
     """Source j's raw tiles [BLOCK_T, BLOCK_D] of tokens ``rows``, one per column chunk (chunk 0's
     repeated past NCH; zeros when j >= S): the token-block bodies' one load per loop step."""
     p, st = _src(j, S, TABLE, src0_ptr, src_offs, src_strides, ALIGN, NSLOT, x_ptrs, x_strides)
-    u0 = _tile(p, st, j, S, rows, rows64, row_ok, offs0, ok0, EVICT)
+    u0 = _tile(p, st, j, S, rows, rows64, row_ok, offs[0], ok[0], EVICT)
     u1, u2, u3, u4 = u0, u0, u0, u0
     if NCH >= 2:
-        u1 = _tile(p, st, j, S, rows, rows64, row_ok, offs1, ok1, EVICT)
+        u1 = _tile(p, st, j, S, rows, rows64, row_ok, offs[1], ok[1], EVICT)
     if NCH >= 3:
-        u2 = _tile(p, st, j, S, rows, rows64, row_ok, offs2, ok2, EVICT)
+        u2 = _tile(p, st, j, S, rows, rows64, row_ok, offs[2], ok[2], EVICT)
     if NCH >= 4:
-        u3 = _tile(p, st, j, S, rows, rows64, row_ok, offs3, ok3, EVICT)
+        u3 = _tile(p, st, j, S, rows, rows64, row_ok, offs[3], ok[3], EVICT)
     if NCH >= 5:
-        u4 = _tile(p, st, j, S, rows, rows64, row_ok, offs4, ok4, EVICT)
+        u4 = _tile(p, st, j, S, rows, rows64, row_ok, offs[4], ok[4], EVICT)
     return u0, u1, u2, u3, u4
 
 
@@ -335,20 +339,20 @@ def _ring(u0, u1, u2, u3, u4, tn0, tn1, tn2, tn3, tn4, NCH: tl.constexpr):
 
 
 @triton.jit
-def _src_rows(p, st, row64, js, S, offs0, ok0, offs1, ok1, offs2, ok2, offs3, ok3, offs4, ok4,
+def _src_rows(p, st, row64, js, S, offs, ok,
               NCH: tl.constexpr, EVICT: tl.constexpr):
     """Row ``row64`` of sources js [SB] (pointers p, row strides st), one [SB, BLOCK_D] tile per column
     chunk (chunk 0's repeated past NCH): the persistent backward's one load per loop step."""
-    u0 = _rows_tile(p, st, row64, js, S, offs0, ok0, EVICT)
+    u0 = _rows_tile(p, st, row64, js, S, offs[0], ok[0], EVICT)
     u1, u2, u3, u4 = u0, u0, u0, u0
     if NCH >= 2:
-        u1 = _rows_tile(p, st, row64, js, S, offs1, ok1, EVICT)
+        u1 = _rows_tile(p, st, row64, js, S, offs[1], ok[1], EVICT)
     if NCH >= 3:
-        u2 = _rows_tile(p, st, row64, js, S, offs2, ok2, EVICT)
+        u2 = _rows_tile(p, st, row64, js, S, offs[2], ok[2], EVICT)
     if NCH >= 4:
-        u3 = _rows_tile(p, st, row64, js, S, offs3, ok3, EVICT)
+        u3 = _rows_tile(p, st, row64, js, S, offs[3], ok[3], EVICT)
     if NCH >= 5:
-        u4 = _rows_tile(p, st, row64, js, S, offs4, ok4, EVICT)
+        u4 = _rows_tile(p, st, row64, js, S, offs[4], ok[4], EVICT)
     return u0, u1, u2, u3, u4
 
 
@@ -402,36 +406,35 @@ def _sum_chunks(a0, a1, a2, a3, a4, NCH: tl.constexpr):
 
 
 @triton.jit
-def _key_sum(kk, kq, t1, t2, t3, t4, q1, q2, q3, q4, tail1, tail2, tail3, tail4, NCH: tl.constexpr,
+def _key_sum(kk, kq, t1, t2, t3, t4, q, tail, NCH: tl.constexpr,
              SLICE: tl.constexpr):
     """Chunk 0's key terms (kk, kq) plus those of chunks 1 to NCH - 1 (every chunk may hold key
-    columns: KEY0 = 0), all chunks' terms first, then the sums (the measured kernels' order, which sets the rounding)."""
-    kk1, kq1 = _key_terms(t1, q1, tail1, SLICE)
+    columns: KEY0 = 0), all chunks' terms first, then the sums (the measured kernels' order, which sets
+    the rounding)."""
+    kk1, kq1 = _key_terms(t1, q[1], tail[1], SLICE)
     kk2, kq2, kk3, kq3, kk4, kq4 = kk1, kq1, kk1, kq1, kk1, kq1  # past NCH: unused
     if NCH >= 3:
-        kk2, kq2 = _key_terms(t2, q2, tail2, SLICE)
+        kk2, kq2 = _key_terms(t2, q[2], tail[2], SLICE)
     if NCH >= 4:
-        kk3, kq3 = _key_terms(t3, q3, tail3, SLICE)
+        kk3, kq3 = _key_terms(t3, q[3], tail[3], SLICE)
     if NCH >= 5:
-        kk4, kq4 = _key_terms(t4, q4, tail4, SLICE)
+        kk4, kq4 = _key_terms(t4, q[4], tail[4], SLICE)
     return _sum_chunks(kk, kk1, kk2, kk3, kk4, NCH), _sum_chunks(kq, kq1, kq2, kq3, kq4, NCH)
 
 
 @triton.jit
-def _key_skip(t0, t1, t2, t3, t4, q1, q2, q3, q4, tail1, tail2, tail3, tail4, NCH: tl.constexpr,
+def _key_skip(t0, t1, t2, t3, t4, q, tail, NCH: tl.constexpr,
               KEY0: tl.constexpr, SLICE: tl.constexpr):
     """The key terms of a row whose key starts in chunk KEY0 > 0: the chunks before it hold no key
     column, so no q.k terms, and |k|^2 terms only under "full".  The key chunks are added from the
-    last one down (the measured kernels' order, which sets the rounding).  NCH >= 2 here, so chunk 0's query
-    and tail are never picked (q1 and tail1 stand in for them)."""
-    kk, kq = _key_terms(_pick(NCH - 1, t0, t1, t2, t3, t4), _pick(NCH - 1, q1, q1, q2, q3, q4),
-                        _pick(NCH - 1, tail1, tail1, tail2, tail3, tail4), SLICE)
+    last one down (the measured kernels' order, which sets the rounding).  NCH >= 2 here."""
+    kk, kq = _key_terms(_pick(NCH - 1, t0, t1, t2, t3, t4), q[NCH - 1], tail[NCH - 1], SLICE)
     if NCH >= 5 and KEY0 <= 3:
-        kk, kq = _key_add(kk, kq, t3, q3, tail3, SLICE)
+        kk, kq = _key_add(kk, kq, t3, q[3], tail[3], SLICE)
     if NCH >= 4 and KEY0 <= 2:
-        kk, kq = _key_add(kk, kq, t2, q2, tail2, SLICE)
+        kk, kq = _key_add(kk, kq, t2, q[2], tail[2], SLICE)
     if NCH >= 3 and KEY0 <= 1:
-        kk, kq = _key_add(kk, kq, t1, q1, tail1, SLICE)
+        kk, kq = _key_add(kk, kq, t1, q[1], tail[1], SLICE)
     if not SLICE:
         kk = kk + t0 * t0
         if KEY0 >= 2:
@@ -465,54 +468,53 @@ def _rows_grad(gp, row64, d, offs, col_ok, js, S, x, g, q, tail, w, c, coef, dq,
 
 
 @triton.jit
-def _tiles_go(t0, t1, t2, t3, t4, g0, g1, g2, g3, g4, NCH: tl.constexpr):
+def _tiles_go(t0, t1, t2, t3, t4, g, NCH: tl.constexpr):
     """One source's raw tiles of a token block in fp32, and the terms of g.o over the row's chunks
     (added up for one row sum)."""
     t0 = t0.to(tl.float32)
-    go = g0 * t0
+    go = g[0] * t0
     t1, t2, t3, t4 = _to_f32(t1, t2, t3, t4, NCH)
     if NCH >= 2:
-        go = go + g1 * t1
+        go = go + g[1] * t1
     if NCH >= 3:
-        go = go + g2 * t2
+        go = go + g[2] * t2
     if NCH >= 4:
-        go = go + g3 * t3
+        go = go + g[3] * t3
     if NCH >= 5:
-        go = go + g4 * t4
+        go = go + g[4] * t4
     return t0, t1, t2, t3, t4, go
 
 
 @triton.jit
-def _tile_grads(gp, rows64, live, d, offs0, ok0, offs1, ok1, offs2, ok2, offs3, ok3, offs4, ok4,
-                t0, t1, t2, t3, t4, g0, g1, g2, g3, g4, q0, q1, q2, q3, q4, tail0, tail1, tail2, tail3, tail4,
+def _tile_grads(gp, rows64, live, d, offs, ok,
+                t0, t1, t2, t3, t4, g, q, tail,
                 w, c, coef, dq0, dq1, dq2, dq3, dq4, SLICE: tl.constexpr, KEY0: tl.constexpr, NCH: tl.constexpr):
     """_tile_grad over a row's NCH chunks (tokens where ``live``): one source's gradient stored, the
     query-gradient accumulators dq0..dq4 returned."""
-    dq0 = _tile_grad(gp, rows64, live, d, offs0, ok0, t0, g0, q0, tail0, w, c, coef, dq0, SLICE, KEY0 > 0)
+    dq0 = _tile_grad(gp, rows64, live, d, offs[0], ok[0], t0, g[0], q[0], tail[0], w, c, coef, dq0, SLICE, KEY0 > 0)
     if NCH >= 2:
-        dq1 = _tile_grad(gp, rows64, live, d, offs1, ok1, t1, g1, q1, tail1, w, c, coef, dq1, SLICE, KEY0 > 1)
+        dq1 = _tile_grad(gp, rows64, live, d, offs[1], ok[1], t1, g[1], q[1], tail[1], w, c, coef, dq1, SLICE, KEY0 > 1)
     if NCH >= 3:
-        dq2 = _tile_grad(gp, rows64, live, d, offs2, ok2, t2, g2, q2, tail2, w, c, coef, dq2, SLICE, KEY0 > 2)
+        dq2 = _tile_grad(gp, rows64, live, d, offs[2], ok[2], t2, g[2], q[2], tail[2], w, c, coef, dq2, SLICE, KEY0 > 2)
     if NCH >= 4:
-        dq3 = _tile_grad(gp, rows64, live, d, offs3, ok3, t3, g3, q3, tail3, w, c, coef, dq3, SLICE, KEY0 > 3)
+        dq3 = _tile_grad(gp, rows64, live, d, offs[3], ok[3], t3, g[3], q[3], tail[3], w, c, coef, dq3, SLICE, KEY0 > 3)
     if NCH >= 5:
-        dq4 = _tile_grad(gp, rows64, live, d, offs4, ok4, t4, g4, q4, tail4, w, c, coef, dq4, SLICE, KEY0 > 4)
+        dq4 = _tile_grad(gp, rows64, live, d, offs[4], ok[4], t4, g[4], q[4], tail[4], w, c, coef, dq4, SLICE, KEY0 > 4)
     return dq0, dq1, dq2, dq3, dq4
 
 
 # ---------------------------------------------------------------------------------------------- per-chunk constants
 #
-# A row's NCH column chunks (1 to 5) are separate names (offs0..offs4, t0..t4, acc0..acc4, ...): Triton
-# has no arrays of tiles.  Names past NCH are chunk 0's and never used; the compile-time guards
-# (NCH >= c + 1) leave no code for them.  Chunk c is "keyless" when KEY0 > c (see kernels.configs.key_pos).
+# A row's NCH column chunks (1 to 5): constants as tuples, loop-carried values as separate names (see
+# the module docstring).  Chunk c is "keyless" when KEY0 > c (see kernels.configs.key_pos).
 
 
 @triton.jit
 def _bwd_chunks(d, r, BLOCK_D: tl.constexpr, NCH: tl.constexpr):
-    """The backward's per-chunk constants: column offsets, in-row masks, key masks and zeroed
-    query-gradient accumulators of chunks 0..4 (chunk 0's past NCH, unused).  No pointer goes in:
-    Inductor's analysis of which arguments a kernel writes takes what a helper returns as derived from
-    every pointer it was given, and these offsets address the stores."""
+    """The backward's per-chunk constants: the tuples (offs, ok, tail) of column offsets, in-row masks
+    and key masks of chunks 0..4, and zeroed query-gradient accumulators dq0..dq4 (chunk 0's past NCH,
+    unused).  No pointer goes in: Inductor's analysis of which arguments a kernel writes takes what a
+    helper returns as derived from every pointer it was given, and these offsets address the stores."""
     offs0, ok0, tail0 = _cols(d, r, 0, BLOCK_D)
     dq0 = tl.zeros([BLOCK_D], tl.float32)
     offs1, ok1, offs2, ok2, offs3, ok3, offs4, ok4 = offs0, ok0, offs0, ok0, offs0, ok0, offs0, ok0
@@ -530,56 +532,57 @@ def _bwd_chunks(d, r, BLOCK_D: tl.constexpr, NCH: tl.constexpr):
     if NCH >= 5:
         offs4, ok4, tail4 = _cols(d, r, 4 * BLOCK_D, BLOCK_D)
         dq4 = tl.zeros([BLOCK_D], tl.float32)
-    return (offs0, ok0, offs1, ok1, offs2, ok2, offs3, ok3, offs4, ok4, tail0, tail1, tail2, tail3, tail4,
-            dq0, dq1, dq2, dq3, dq4)
+    offs = (offs0, offs1, offs2, offs3, offs4)
+    ok = (ok0, ok1, ok2, ok3, ok4)
+    tail = (tail0, tail1, tail2, tail3, tail4)
+    return offs, ok, tail, dq0, dq1, dq2, dq3, dq4
 
 
 @triton.jit
-def _chunk_queries(q_ptr, d, r, offs0, offs1, offs2, offs3, offs4, tail0, tail1, tail2, tail3, tail4,
-                   NCH: tl.constexpr):
-    """The query's columns of chunks 0..4 (chunk 0's past NCH)."""
-    q0 = _query(q_ptr, offs0, d, r, tail0)
+def _chunk_queries(q_ptr, d, r, offs, tail, NCH: tl.constexpr):
+    """The query's columns of chunks 0..4 as a tuple (chunk 0's past NCH)."""
+    q0 = _query(q_ptr, offs[0], d, r, tail[0])
     q1, q2, q3, q4 = q0, q0, q0, q0
     if NCH >= 2:
-        q1 = _query(q_ptr, offs1, d, r, tail1)
+        q1 = _query(q_ptr, offs[1], d, r, tail[1])
     if NCH >= 3:
-        q2 = _query(q_ptr, offs2, d, r, tail2)
+        q2 = _query(q_ptr, offs[2], d, r, tail[2])
     if NCH >= 4:
-        q3 = _query(q_ptr, offs3, d, r, tail3)
+        q3 = _query(q_ptr, offs[3], d, r, tail[3])
     if NCH >= 5:
-        q4 = _query(q_ptr, offs4, d, r, tail4)
-    return q0, q1, q2, q3, q4
+        q4 = _query(q_ptr, offs[4], d, r, tail[4])
+    return (q0, q1, q2, q3, q4)
 
 
 @triton.jit
-def _dq_stores(dq0, dq1, dq2, dq3, dq4, dq_part_ptr, pid, r, d, offs0, offs1, offs2, offs3, offs4,
-               tail0, tail1, tail2, tail3, tail4, NCH: tl.constexpr, KEY0: tl.constexpr):
+def _dq_stores(dq0, dq1, dq2, dq3, dq4, dq_part_ptr, pid, r, d, offs,
+               tail, NCH: tl.constexpr, KEY0: tl.constexpr):
     """This program's query-gradient partial row: the key columns of chunks KEY0.. (the chunks before
     KEY0 hold none)."""
     if KEY0 == 0:
-        _dq_store(dq0, dq_part_ptr, pid, r, d, offs0, tail0)
+        _dq_store(dq0, dq_part_ptr, pid, r, d, offs[0], tail[0])
     if NCH >= 2 and KEY0 <= 1:
-        _dq_store(dq1, dq_part_ptr, pid, r, d, offs1, tail1)
+        _dq_store(dq1, dq_part_ptr, pid, r, d, offs[1], tail[1])
     if NCH >= 3 and KEY0 <= 2:
-        _dq_store(dq2, dq_part_ptr, pid, r, d, offs2, tail2)
+        _dq_store(dq2, dq_part_ptr, pid, r, d, offs[2], tail[2])
     if NCH >= 4 and KEY0 <= 3:
-        _dq_store(dq3, dq_part_ptr, pid, r, d, offs3, tail3)
+        _dq_store(dq3, dq_part_ptr, pid, r, d, offs[3], tail[3])
     if NCH >= 5:
-        _dq_store(dq4, dq_part_ptr, pid, r, d, offs4, tail4)
+        _dq_store(dq4, dq_part_ptr, pid, r, d, offs[4], tail[4])
 
 
 @triton.jit
-def _fwd_key(t0, t1, t2, t3, t4, q0, q1, q2, q3, q4, tail0, tail1, tail2, tail3, tail4, NCH: tl.constexpr,
+def _fwd_key(t0, t1, t2, t3, t4, q, tail, NCH: tl.constexpr,
              KEY0: tl.constexpr, SLICE: tl.constexpr):
     """One source's raw tiles in fp32 and its key terms (kk, kq) over the row's chunks: the forward's
     step for one source, before the row sums."""
     t0 = t0.to(tl.float32)
     if KEY0 == 0:
-        kk, kq = _key_terms(t0, q0, tail0, SLICE)
+        kk, kq = _key_terms(t0, q[0], tail[0], SLICE)
     t1, t2, t3, t4 = _to_f32(t1, t2, t3, t4, NCH)
     if NCH >= 2:
         if KEY0 == 0:
-            kk, kq = _key_sum(kk, kq, t1, t2, t3, t4, q1, q2, q3, q4, tail1, tail2, tail3, tail4, NCH, SLICE)
+            kk, kq = _key_sum(kk, kq, t1, t2, t3, t4, q, tail, NCH, SLICE)
         else:
-            kk, kq = _key_skip(t0, t1, t2, t3, t4, q1, q2, q3, q4, tail1, tail2, tail3, tail4, NCH, KEY0, SLICE)
+            kk, kq = _key_skip(t0, t1, t2, t3, t4, q, tail, NCH, KEY0, SLICE)
     return t0, t1, t2, t3, t4, kk, kq
