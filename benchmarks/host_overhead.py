@@ -5,7 +5,7 @@
 Why: called eagerly (no torch.compile, or a model whose step the host cannot run ahead of), the
 time of one read is max(host time, GPU time).  The H200 run of 2026-11-29 measured eager
 forward+backward at 1.2-1.7 ms against 0.3 ms of GPU time (CUDA-graph replay) at d=1536, S=9:
-host-bound (docs/kernel_notes.md).
+host-bound (docs/kernel.md).
 
 It times, per forward+backward (and per forward), a loop of calls at a token count so small that the
 GPU work is negligible:

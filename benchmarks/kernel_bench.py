@@ -171,7 +171,7 @@ def _variant(spec: str) -> tuple[str, dict]:
         attr, eq, value = item.partition("=")
         if not eq or not hasattr(kop, attr) or not attr.isupper():
             raise argparse.ArgumentTypeError(f"--variant {label}: {attr!r} is not an upper-case kernels.op setting "
-                                             "(RES_BITS, DEFER, DEFER_MAX_S, AUTOTUNE, KEY_CHUNKS, ...)")
+                                             "(RES_BITS, DEFER, DEFER_MAX_S, AUTOTUNE, LAZY_RESCALE, ...)")
         try:
             settings[attr] = json.loads(value)
         except json.JSONDecodeError:

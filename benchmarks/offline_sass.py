@@ -20,13 +20,14 @@ from __future__ import annotations
 
 import argparse
 import glob
-import importlib.util
+import importlib
 import json
 import os
 import re
 import subprocess
 import sys
 import tempfile
+import types
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -205,26 +206,35 @@ def inner_loop_size(sass: str) -> int | None:
     return min(spans) if spans else None
 
 
-def _load(path: str, name: str):
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def _kernel_modules(root: str, name: str):
+    """The four kernels of the ``kernels/`` folder under ``root``, imported as package ``name`` without
+    running its __init__ (which registers the torch.library ops): from fused_fwd.py and fused_bwd.py,
+    or from _triton.py in revisions that kept every kernel in one file."""
+    folder = os.path.join(root, "kernels")
+    package = types.ModuleType(name)
+    package.__path__ = [folder]
+    sys.modules[name] = package
+    if os.path.exists(os.path.join(folder, "fused_fwd.py")):
+        fwd = importlib.import_module(f"{name}.fused_fwd")
+        bwd = importlib.import_module(f"{name}.fused_bwd")
+        return types.SimpleNamespace(**{k: getattr(m, k) for m, ks in (
+            (fwd, ("_attnres_fwd_kernel", "_attnres_fwd_args_kernel")),
+            (bwd, ("_attnres_bwd_kernel", "_attnres_bwd_args_kernel"))) for k in ks})
+    return importlib.import_module(f"{name}._triton")
 
 
 def _revision_module(rev: str, tmp: str):
-    src = subprocess.run(["git", "show", f"{rev}:kernels/_triton.py"], cwd=ROOT, capture_output=True, text=True, check=True)
-    path = os.path.join(tmp, "triton_kernels_at_rev.py")
-    with open(path, "w") as f:
-        f.write(src.stdout)
-    return _load(path, "triton_kernels_at_rev")
+    """The kernels of git revision ``rev`` (its kernels/ folder extracted with git archive)."""
+    archive = subprocess.run(["git", "archive", rev, "kernels"], cwd=ROOT, capture_output=True, check=True).stdout
+    subprocess.run(["tar", "-x", "-C", tmp], input=archive, check=True)
+    return _kernel_modules(tmp, "kernels_at_rev")
 
 
 def report(configs, against: str | None = None) -> list[dict]:
     """One row per (configuration, kernel): counts, and whether the code equals ``against``'s."""
     if os.environ.get("TRITON_INTERPRET") == "1":
         raise SystemExit("offline_sass: unset TRITON_INTERPRET (the interpreter compiles nothing)")
-    current = _load(os.path.join(ROOT, "kernels", "_triton.py"), "triton_kernels_here")
+    current = _kernel_modules(ROOT, "kernels_here")
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         other = _revision_module(against, tmp) if against else None
@@ -244,7 +254,7 @@ def report(configs, against: str | None = None) -> list[dict]:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated names from CONFIGS")
-    p.add_argument("--against", help="a git revision whose kernels/_triton.py to compare machine code with")
+    p.add_argument("--against", help="a git revision whose kernels to compare machine code with")
     a = p.parse_args(argv)
     names = [c for c in a.configs.split(",") if c]
     unknown = [c for c in names if c not in CONFIGS]

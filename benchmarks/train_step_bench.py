@@ -15,7 +15,7 @@ Configs (``--configs``, in this order by default):
   attnres-fused    AttnRes, N = --blocks, r = d, kernels.attnres
   lr-ref           LR-AttnRes with the reference router (lrattnres.routing.route)
   attnres-ref      AttnRes with the reference router
-  lr-fused-op, attnres-fused-op   the fused kernels behind the opaque custom op (KERNELS_COMPILED_PATH=op)
+  lr-fused-op, attnres-fused-op   the fused kernels behind the opaque custom op (kernels.op.COMPILED_PATH "op")
 
 Goal (issue 6): on one H200 with the 1B preset, lr-fused >= 90% of baseline tokens/s and >= 62,000
 tokens/s.

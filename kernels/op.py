@@ -1,35 +1,40 @@
-"""``attnres``: fused depth routing as a torch.library custom op with autograd.
+"""``attnres``: fused depth routing as a torch.library custom op with autograd (the glue around the
+Triton kernels: dispatch, launchers, the CPU fallback).
 
-Semantics are those of :func:`lrattnres.routing.route` (the reference): sources ``o_i`` [..., d]
-(a list, never stacked), query [r] with 1 <= r <= d, key = the last r coordinates of each source,
-RMS over those r ("slice") or over all d then sliced ("full"), softmax over sources of q . key,
-output sum_i w_i o_i computed in fp32 and returned in the sources' dtype.
+Semantics are those of :func:`lrattnres.routing.route` (the model's reference; ``kernels.naive``
+writes the kernels' own math out in torch): sources ``o_i`` [..., d] (a list, never stacked), query
+[r] with 1 <= r <= d, key = the last r coordinates of each source, RMS over those r ("slice") or over
+all d then sliced ("full"), softmax over sources of q . key, output sum_i w_i o_i computed in fp32 and
+returned in the sources' dtype.
 
-Dispatch: CUDA tensors run the Triton kernels in ``kernels._triton``.  CPU tensors run the
-reference math in torch, unless the Triton path is forced (``TRITON_INTERPRET=1`` together with
-``set_cpu_triton(True)`` or the environment variable ``KERNELS_CPU_TRITON=1``), which runs the
-same Triton kernels through Triton's interpreter (used by the tests).
+Where the code is:
+
+- ``fused_fwd.py``, ``fused_bwd.py``: the forward and backward kernels (``tiles.py``: their shared
+  pieces; ``pair.py``: the two-source paths; ``sums.py``: the query-gradient partial sums);
+- ``configs.py``: the candidate launch configurations, as data, and the column layout;
+- ``tuner.py``: the eager autotuner;
+- this module: the settings below, which configuration a call runs (``_config``), the launchers,
+  the torch.library ops, autograd and the CPU fallback.
+
+Dispatch: eager calls on CUDA take a plain autograd.Function over the table kernels
+(``_AttnResTriton``; EAGER_FUNCTION); under torch.compile, CUDA calls with at most MAX_ARG_SOURCES
+sources take the ``triton_op`` pair over the per-argument kernels, which Inductor traces
+(COMPILED_PATH), and other calls the opaque custom op over the table kernels.  CPU tensors run the
+torch fallback (the reference math, with the kernels' saved statistics), unless the Triton path is
+forced (``TRITON_INTERPRET=1`` together with ``set_cpu_triton(True)`` or ``KERNELS_CPU_TRITON=1``),
+which runs the same Triton kernels through Triton's interpreter (used by the tests).
 
 Saved for backward: the sources (kept by autograd anyway), the query, the output h (the next
 sub-layer's input, so kept anyway in a model), per-token fp32 statistics [1 + 2S, tokens] (the
 logsumexp, each source's score and key 1/RMS: the backward then needs one row sum per source instead
-of three), and for bf16/fp16 an int8 residual per element (the mantissa bits that rounding h
-dropped; the backward's g.h needs them, see kernels/_triton.py), except where the backward is
-deferred (_defers: g.h from the sources, no residual).  The backward never builds an [S, tokens, d]
-temporary.
+of three), and for bf16/fp16 an int8 residual per element (the mantissa bits that rounding h dropped;
+the backward's g.h needs them, see kernels/tiles.py), except where the backward is deferred
+(_defers: g.h from the sources, no residual).  The backward never builds an [S, tokens, d] temporary.
 
-Environment: KERNELS_AUTOTUNE=0 turns autotuning off (first candidate configuration);
-KERNELS_CPU_TRITON=1 sends CPU tensors to the Triton interpreter; KERNELS_POISON=1 fills outputs
-with NaN before the kernels write them (tests); KERNELS_EAGER_FUNCTION=0 sends eager calls through the
-custom op too (by default they take a plain autograd.Function over the same kernels: less host time);
-KERNELS_COMPILED_PATH=op sends compiled CUDA calls to the opaque custom op instead of the triton_op
-that Inductor traces (see "Compiled path" below); KERNELS_SPLIT_COLUMNS=0 reads every row as one
-power-of-two tile instead of up to five equal column chunks where those pad less (see _col_layout);
-KERNELS_KEY_CHUNKS=0 turns off the key-chunk specialisation that some candidate configurations ask
-for (see _key_pos); KERNELS_DEFER=0 turns off the deferred backward, KERNELS_DEFER_MAX_S sets the
-most sources its two-pass form serves and KERNELS_PAIR_DEFER=0 turns off its resident pair (S <= 2;
-see _defer_kinds); KERNELS_PAIR_FWD=0 leaves the pair forward's candidates out of tuning at S = 2 (see
-_fwd_forms).
+Environment: KERNELS_AUTOTUNE=0 turns autotuning off (the first candidate configuration runs);
+KERNELS_COMPILE_THREADS sets how many threads build a shape class's candidates (1: one after
+another; kernels.tuner); KERNELS_CPU_TRITON=1 sends CPU tensors to the Triton interpreter.  The other
+settings are module attributes (benchmarks/kernel_bench.py --variant sets them by name).
 """
 
 from __future__ import annotations
@@ -41,19 +46,20 @@ from collections.abc import Sequence
 
 import torch
 
+from . import configs, tuner
+
 NORMS = ("slice", "full")
 
 _CPU_TRITON = os.environ.get("KERNELS_CPU_TRITON", "0") == "1"
 # Tests set this to fill every freshly allocated output with NaN before the kernels run, so that an
 # unwritten element shows up.
-POISON = os.environ.get("KERNELS_POISON", "0") == "1"
+POISON = False
 # Launch configuration overrides: {"fwd": {BLOCK_T, num_warps, PREFETCH}, "bwd": {SB, num_warps,
 # PREFETCH}}, either optionally with num_stages, EVICT (the evict-first hint on source reads), STAGES
-# (Triton's software pipelining of the source loop, 1 = none; 3 wins only with KEYCH, see the candidates),
-# SPLIT (the column layout, see _col_layout) and KEYCH (see _key_pos); the host reads SPLIT and
-# KEYCH, the kernel never sees them.  A "bwd" with BLOCK_T > 0 instead of SB runs the token-tile
-# backward (BLOCK_T tokens per program, one query-gradient partial row each).  PREFETCH is 0 or 1 (a
-# two-deep ring, PREFETCH 2, was slower wherever timed and is gone: kernel_sweep_h200_2026-11-30_key).
+# (Triton's software pipelining of the source loop, 1 = none), SPLIT (the column layout, see
+# configs.col_layout) and KEYCH (see configs.key_pos); the host reads SPLIT and KEYCH, the kernel never
+# sees them.  A "bwd" with BLOCK_T > 0 instead of SB runs the token-tile backward (BLOCK_T tokens per
+# program, one query-gradient partial row each).  PREFETCH is 0 or 1.
 CONFIG_OVERRIDE: dict = {}
 # Call statistics for benchmarks: set to a collections.Counter and every Triton launch adds one
 # count under (kind, S, tokens, d, r, align) with align the vector width the tables allowed (a
@@ -162,30 +168,82 @@ def _num_sms(device: torch.device) -> int:
     return _SM_COUNT[idx]
 
 
-def _next_pow2(x: int) -> int:
-    return 1 << (max(1, x) - 1).bit_length()
+# ---------------------------------------------------------------------------------------------- settings
 
-
-# Residual of the rounded output: bits of mantissa per dtype (see kernels._triton).
+# Residual of the rounded output: bits of mantissa per dtype (see kernels.tiles._res_code).
 _MANT = {torch.bfloat16: 7, torch.float16: 10}
 TRITON_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
-
-# The residual's code (kernels._triton._res_code): for bf16 the fp32 bits below bf16's, taken by integer
+# The residual's code (kernels.tiles._res_code): for bf16 the fp32 bits below bf16's, taken by integer
 # arithmetic on the bit patterns (RES_STEP 0); for fp16 (not a prefix of fp32) an exponent-scaled step.
 # The same 2^-16-relative h either way; the bit code has no division and no exponent test (offline
 # sm_90, d = 1536, four tokens per program: the forward 2304 -> 1184 instructions; on the H200 at
 # S = 9, 8192 tokens, the forward 79 -> 70 us at d = 1536, 139 -> 116 at d = 2560: kernel_bench
-# variant "scaled" in kernel_bench_h200_2026-11-30_v14_8192_a).  KERNELS_RES_BITS=0 uses the scaled
-# code for bf16 too.
-RES_BITS = os.environ.get("KERNELS_RES_BITS", "1") == "1"
+# variant "scaled" in kernel_bench_h200_2026-11-30_v14_8192_a).  False: the scaled code for bf16 too.
+RES_BITS = True
 
-
-# The forward's lazy online softmax (kernels._triton._lazy_rescale): the running mix is rescaled only
+# The forward's lazy online softmax (kernels.fused_fwd._lazy_rescale): the running mix is rescaled only
 # when a score passes the reference maximum by more than LAZY_TAU, not at every source.  0 off, 1 for
-# one-token programs (the branch needs no cross-warp reduction there), 2 for every forward program
-# (KERNELS_LAZY).
-LAZY_RESCALE = int(os.environ.get("KERNELS_LAZY", "1"))
+# one-token programs (the branch needs no cross-warp reduction there), 2 for every forward program.
+LAZY_RESCALE = 1
+
+# The deferred backward (kernels.fused_bwd._bwd_tile_deferred) takes g.h from the sources in a first
+# pass instead of from h and its int8 rounding residual, so the forward writes no residual: DRAM bytes
+# S + 1 forward and 2S + 1 backward (the roofline formula's) instead of S + 1.5 and 2S + 2.5.  It
+# needs key-free leading chunks ("slice", the key past the first chunk of the backward's layout),
+# and it must be decided before the forward runs, from the shape alone (a fake forward must give the
+# residual's shape).  Its second pass re-reads S key chunks per token, which outgrows the L2 as S
+# grows: on the H200 at 8192 tokens it wins forward+backward at S = 2 and 5 (94 -> 82 and 158 -> 145 us
+# at d = 1536; variant nodefer in kernel_bench_h200_2026-11-30_v14_8192_b) and loses 11-31 us at S = 9
+# (variant defer16 in _v14_8192_a), so it serves up to DEFER_MAX_S sources.  False turns it off.
+DEFER = True
+DEFER_MAX_S = 8
+
+# The resident pair (DEFER with PAIR, kernels.pair._bwd_tile_pairs' GH_PAIR): at S <= 2 one step of the
+# two-source token tile holds every source, so g.h = sum_i w_i g.o_i comes from the tiles in hand and
+# nothing is read twice: DRAM bytes 2S + 1 units (g, the sources, their gradients), for any norm and
+# key position, and the residual-free forward moves 3 units instead of 3.5 at S = 2.  False turns it off.
+PAIR_DEFER = True
+PAIR_MAX_S = configs.PAIR_MAX_S  # the sources one PAIR step holds (the kernel's pair, not a setting)
+
+# The pair forward (kernels.fused_fwd._fwd_body's PAIR): at S = 2 both sources' tiles are loaded at once
+# and mixed with the exact two-way softmax, no source loop, no online rescale.  On the H200 at 8192
+# tokens (kernel_bench_h200_2026-11-30_v17_c1_8192, variant nopairfwd = this off) the forward goes
+# 38 -> 32 us at d = 2560 (fast-attnres 31-32); its candidates are timed beside the loop's
+# (configs.FWD_PAIR, listed first).  False leaves them out.
+PAIR_FWD = True
+
+# Tuning (CUDA only, kernels.tuner): the fastest candidate for each shape class (d, norm, residual and
+# its code, dtypes, the forward's LAZY, S, tokens rounded up to a power of two), timed over the whole
+# launch as CUDA-graph replays.  False: the first candidate (also during a CUDA graph capture).
+AUTOTUNE = os.environ.get("KERNELS_AUTOTUNE", "1") == "1"
+BWD_PROGRAMS_PER_SM = 8  # the persistent backward's grid
+# The backward's grid constexprs a configuration may leave out: one source per step, persistent grid
+# (PAIR: the token-tile grid's two sources per step, off).  Every constexpr is passed, none left to a
+# default: torch's analysis of which arguments a kernel writes (Inductor, compiled path) counts every
+# pointer as written when the kernel has a defaulted constexpr that the launch leaves out.
+_BWD_DEFAULTS = {"SB": 1, "BLOCK_T": 0, "PAIR": False, "DEFER": False, "PERSIST": 0}
+_FWD_DEFAULTS = {"PAIR": False}  # the source loop (the pair forward only where a configuration asks)
+
+# Multi-operand row reductions: None = on CUDA only (the interpreter runs them slowly).
+FUSED_REDUCTIONS = None
+
+
+# ---------------------------------------------------------------------------------------------- layout and forms
+
+# The candidate tables and the layout rules live in kernels.configs; these names stay here for the
+# benchmarks and tests that read them through kernels.op.
+MIN_CHUNK, MAX_CHUNKS, PREFERRED_CHUNK = configs.MIN_CHUNK, configs.MAX_CHUNKS, configs.PREFERRED_CHUNK
+_next_pow2 = configs.next_pow2
+_chunks_of = configs.chunks_of
+_col_layout = configs.col_layout
+_key_pos = configs.key_pos
+_fwd_configs = configs.fwd_configs
+_fwd_pair_configs = configs.fwd_pair_configs
+_bwd_configs = configs.bwd_configs
+_pair_configs = configs.pair_configs
+_defer_configs = configs.defer_configs
+_candidates = configs.candidates
 
 
 def _res_step(dtype: torch.dtype) -> float:
@@ -195,262 +253,20 @@ def _res_step(dtype: torch.dtype) -> float:
     return 2.0 ** -(_MANT[dtype] + 8) if dtype in _MANT else 1.0
 
 
-# Column layout: a row of d columns is read as NCH chunks of BLOCK_D columns (a power of two), all of
-# one register layout, so that the chunks' elementwise terms add up before a single row sum.  One
-# chunk of next_pow2(d) columns pads d = 1536 to 2048 lanes: a quarter of the loop's issue slots go to
-# masked lanes.  Three chunks of 512 cover it exactly: 28% fewer loop instructions per byte in an
-# offline sm_90 build; on the H200 the forward ran 5% faster and the backward 11% (docs/kernel_notes.md).
-# The layout is the one with the fewest lanes (NCH * BLOCK_D) among 1 to MAX_CHUNKS chunks of at
-# least MIN_CHUNK columns; among equals, the chunk width nearest PREFERRED_CHUNK (512, the width timed
-# fastest at d = 1536), then the fewer chunks: d = 2560 as 5 x 512, 1024 as 2 x 512, 513 as 5 x 128;
-# but where the key starts in the first chunk of every such layout (r = d), the fewest chunks (1024 as
-# one chunk: nothing to specialise, and one chunk ran faster).
-# More chunks also let the key-chunk specialisation (below) leave more of a row out of the key's work.
-# KERNELS_SPLIT_COLUMNS=0 keeps one chunk everywhere; a launch configuration's SPLIT (True, False, or a
-# chunk count) forces one layout.
-SPLIT_COLUMNS = os.environ.get("KERNELS_SPLIT_COLUMNS", "1") == "1"
-MIN_CHUNK = 128  # narrower rows gain little from splitting
-MAX_CHUNKS = 5  # the kernel bodies name five chunks (kernels/_triton.py)
-PREFERRED_CHUNK = 512
-
-
-def _chunks_of(d: int, nch: int) -> tuple[int, int]:
-    """(BLOCK_D, nch): nch equal power-of-two chunks covering d columns."""
-    return _next_pow2(-(-d // nch)), nch
-
-
-def _col_layout(d: int, split: bool | int | None = None, r: int | None = None) -> tuple[int, int]:
-    """(BLOCK_D, NCH): chunk width and chunk count (1 to MAX_CHUNKS) the kernels read a row of d columns
-    as; ``split`` False forces one chunk, an int that many chunks, None or True the rule above.  With
-    the key width r: where no layout of the fewest lanes lets the key-chunk specialisation apply (the
-    key starts in the first chunk of each, e.g. r = d), the fewest chunks (on the H200 at d = 1024,
-    8192 tokens, S = 9, without the specialisation one chunk ran 4-5% faster than two: forward 57.3
-    against 60.0 us, backward 114 against 119; kernel_sweep_h200_2026-11-30_chunks2, r = 256)."""
-    if split is None:
-        split = SPLIT_COLUMNS
-    if split is False or split == 0:
-        return _chunks_of(d, 1)
-    if split is not True:
-        if not 1 <= int(split) <= MAX_CHUNKS:
-            raise ValueError(f"SPLIT: expected a chunk count from 1 to {MAX_CHUNKS} or a bool, got {split!r}")
-        return _chunks_of(d, int(split))
-    layouts = [_chunks_of(d, n) for n in range(1, MAX_CHUNKS + 1)]
-    layouts = [(b, n) for b, n in layouts if n == 1 or b >= MIN_CHUNK]
-    fewest = min(b * n for b, n in layouts)
-    layouts = [(b, n) for b, n in layouts if b * n == fewest]
-    if r is not None and all(_key_pos(d, r, b, n) == 0 for b, n in layouts):
-        return min(layouts, key=lambda x: x[1])
-    pref = PREFERRED_CHUNK.bit_length()
-    return min(layouts, key=lambda x: (abs(x[0].bit_length() - pref), x[1]))
-
-
-# Key-chunk specialisation: with several column chunks and a key (the last r columns) starting past
-# the first, the chunks before it need no q.k terms, no |k|^2 terms ("slice") and no query-gradient
-# work, and their source gradients are w g.  The kernels learn where the key starts as the
-# compile-time KEY0 (one build per value; 0 = no specialisation).  A configuration asks for it with
-# KEYCH.  On the H200 (kernel_sweep_h200_2026-11-30_key) it cut the forward at 8192 tokens, d = 1536,
-# r = 384, S = 9 from 96.6 to 78.2 us and the backward from 177 to 154 (with the token-tile grid),
-# and at S = 25 207 -> 179 and 414 -> 354; with three chunks of 1024 at d = 2560 (the key in the last
-# two) the forward lost, 192 -> 207; with five of 512 (kernel_sweep_h200_2026-11-30_chunks, key in the
-# last two) it won, 142 -> 137, and the backward 328 -> 242.  The candidates carry it per
-# configuration and tuning chooses.
-# KERNELS_KEY_CHUNKS=0 turns it off everywhere.
-KEY_CHUNKS = os.environ.get("KERNELS_KEY_CHUNKS", "1") == "1"
-
-
-def _key_pos(d: int, r: int, block_d: int, nch: int) -> int:
-    """The first column chunk holding a key column (0 with one chunk: nothing to skip)."""
-    return 0 if nch == 1 else min(nch - 1, (d - r) // block_d)
+def _layout(kind: str, d: int, r: int | None = None) -> tuple[int, int]:
+    """The column layout of ``kind``'s kernel for width d and key width r (CONFIG_OVERRIDE's SPLIT may
+    force one)."""
+    return configs.col_layout(d, CONFIG_OVERRIDE.get(kind, {}).get("SPLIT"), r)
 
 
 def _key0(cfg: dict, key_pos: int) -> int:
     """KEY0 for a configuration: the key's first chunk where it asks for KEYCH, else 0."""
-    return key_pos if (KEY_CHUNKS and cfg.get("KEYCH")) else 0
+    return key_pos if cfg.get("KEYCH") else 0
 
 
 def _stats_shape(n_sources: int, lead: tuple) -> tuple:
     """The forward's per-token statistics: logsumexp, then S scores, then S key 1/RMS."""
     return (1 + 2 * n_sources,) + tuple(lead)
-
-
-def _configs(block_d: int, key: str, shapes) -> list[dict]:
-    """Launch configurations from (tokens or sources per tile ``key``, elements per thread and
-    column chunk, PREFETCH[, further options]): num_warps follows from the chunk's tile
-    [n, BLOCK_D]; n grows for narrow rows so that a tile has >= 512 elements.  The further options
-    (a dict) may name EVICT, STAGES, KEYCH, or BLOCK_T for the backward's token-tile grid (then n
-    is its tokens per program)."""
-    out = []
-    for n, per_thread, pf, *more in shapes:
-        extra = dict(more[0]) if more else {}
-        n = max(n, 512 // block_d)
-        k = "BLOCK_T" if extra.pop("BLOCK_T", False) else key
-        cfg = {k: n, "num_warps": max(1, min(16, n * block_d // (32 * per_thread))), "PREFETCH": pf, **extra}
-        if cfg not in out:
-            out.append(cfg)
-    return out
-
-
-_KEYED = {"KEYCH": True}
-_TILE = {"BLOCK_T": True}
-
-
-def _fwd_configs(block_d: int, nch: int = 1) -> list[dict]:
-    """Candidate launch configurations of the forward kernel (BLOCK_T tokens per program, num_warps,
-    PREFETCH, options): autotuned on CUDA; the first is the default without autotuning and the
-    per-argument kernels' (ARGS_FWD_CONFIG).  One chunk: tiles of 16-32 elements per thread; on the
-    H200, BLOCK_T 2 with 32 elements per thread and prefetch was the fastest at d = 1536 padded to 2048
-    columns: 100 us against 114 us for the best one-token tile (kernel_sweep *_sb/_variants).  Several
-    chunks of 512 (kernel_sweep_h200_2026-11-30_key and _chunks, 8192 tokens unless named), all with
-    the key-chunk specialisation where it applies: four tokens with 4 warps and prefetch (78.2 us at
-    d = 1536, S = 9; 37.5 for the per-argument kernels at 4096 tokens, against 46.1 with one token;
-    573 at d = 2560, S = 49), one token with 4 warps and prefetch (36.3 at d = 1536, S = 2; 137 at
-    d = 2560, S = 9, r = 640, and 142 at r = d), four tokens with Triton's three-stage pipelining (179
-    at d = 1536, S = 25; 52.7 at d = 1024, S = 9); without the specialisation one token with 1 and 4
-    warps (96.6 at d = 1536, S = 9).  Elements per thread and chunk: 4, 2 and 1 warps per token at
-    512 columns, 8, 4 and 2 at 1024.  Added in the eleventh session for the issue-bound forward at
-    r = d: one token with 2 warps (offline sm_90 at d = 1536, r = d: 520 warp instructions per token and
-    source against 728 with 4 warps, 105 registers), the tuner's choice at r = d for d = 1536 and 2560
-    (forward 79 and 125 us at 8192 tokens, S = 9: kernel_bench_h200_2026-11-30_v14_rd_b, _8192_c).  Added
-    in the thirteenth session for S = 2, where the one-token 2-warp forward ran at 75-81% of its roofline
-    against fast-attnres's 88-94% (d = 2560: 37 against 31 us): two tokens with 4 warps and one token
-    with 1 warp, both keyed, with prefetch and the evict-first hint (untimed when added).  Added in the
-    sixteenth session for the forward at r = d and 4096 tokens, S = 9 (kernel_sweep_h200_2026-12-01_fwd9,
-    every candidate of kernel_sweep): one token with 2 warps per 512-column chunk, Triton's three-stage
-    pipelining and the evict-first hint, 60.3 us at d = 2560 (the tuner's choice had taken 65.5); one
-    chunk, one token with 32 elements per thread (1 warp at 1024 columns), prefetch and the hint, 22.8 us
-    at d = 1024 (the tuner's had taken 27.3; 1024 columns read by one warp need no cross-warp sums)."""
-    if nch > 1:
-        return _configs(block_d, "BLOCK_T", (
-            (4, 16, 1, dict(_KEYED, EVICT=True)), (1, 4, 1, dict(_KEYED, EVICT=True)),
-            (4, 16, 0, dict(_KEYED, STAGES=3)), (1, 16, 1, {"EVICT": True}), (1, 4, 1),
-            (1, 8, 1, dict(_KEYED, EVICT=True)), (2, 8, 1, dict(_KEYED, EVICT=True)),
-            (1, 16, 1, dict(_KEYED, EVICT=True)), (1, 8, 0, dict(_KEYED, EVICT=True, STAGES=3))))
-    return _configs(block_d, "BLOCK_T", ((2, 32, 1), (1, 16, 1), (1, 16, 0), (1, 8, 1), (2, 16, 1),
-                                         (1, 32, 1, {"EVICT": True})))
-
-
-def _fwd_pair_configs(block_d: int, nch: int = 1) -> list[dict]:
-    """Candidate launch configurations of the pair forward (PAIR, S = 2 only; see PAIR_FWD): both
-    sources' tiles loaded at once and no source loop, as fast-attnres's forward does at S = 2.  On the
-    H200 (fourteenth session, 8192 tokens, kernel_sweep_h200_2026-11-30_pairfwd: 16-20 pair
-    configurations per shape against the loop's shipped ones in three layouts) the pair took the first
-    places at every shape timed: d = 2560, r = 640 and 320 one token with 2 warps, 31.5 us (the loop's
-    best 36.5, fast-attnres 31.1); d = 1536, r = 384 one token with 1 warp, 19.2 (loop 21.1); d = 1024,
-    r = 256 two tokens with 1 warp, 12.8 (loop 13.7).  Candidates, in that order: those three, then one
-    token with 2 and 4 warps and two tokens with 4 warps per 512-column chunk, with the evict-first hint
-    (1.6-4.6 us behind the best at d = 2560, 0-2 us at d = 1024 and 1536).  No prefetch: there is no
-    next source."""
-    pair = dict(_KEYED, PAIR=True)
-    evict = dict(pair, EVICT=True)
-    return _configs(block_d, "BLOCK_T", ((1, 8, 0, pair), (1, 16, 0, evict), (2, 32, 0, evict), (1, 8, 0, evict),
-                                         (1, 4, 0, evict), (2, 8, 0, evict)))
-
-
-def _bwd_configs(block_d: int, nch: int = 1) -> list[dict]:
-    """Candidate launch configurations of the backward kernel (SB sources per step on the persistent
-    grid, or BLOCK_T tokens per program on the token-tile grid; num_warps, PREFETCH, options).  One
-    chunk: on the H200 at d = 1536 one source per step with 8 warps and prefetch was the fastest
-    (table kernels: 97.6 us at 4096 tokens, S = 9), two sources with 4 warps and no prefetch next
-    (107; 102 for the per-argument kernels), and the latter the fastest at d = 1024.  Several chunks
-    of 512 (kernel_sweep_h200_2026-11-30_key and _chunks, 8192 tokens unless named; times include
-    the sum of the query-gradient partials), with the key-chunk specialisation where it applies: the
-    token-tile grid with one token per program, 4 warps and prefetch (154 us at d = 1536, S = 9,
-    against 177 for the persistent grid without it; 354 at S = 25; 1081 at d = 2560, S = 49), with 2
-    warps and Triton's three-stage pipelining (the per-argument kernels at 4096 tokens: 83 against
-    96.4), with 2 warps and prefetch (109 at d = 1024, S = 9); the persistent grid with 4 warps (58.3
-    at d = 1536, S = 2, its fewer partial rows; 242 at d = 2560, S = 9, r = 640), and with 2 warps and
-    prefetch where the key spans the row (300 at d = 2560, r = d, against 329 for the best token
-    tile).  Two or more sources per step ran 1.3-9x slower on the persistent grid; on the token tile
-    (PAIR: both sources' loads in flight together, as fast-attnres's backward does) two candidates,
-    the tuner's choice at d = 1536, S = 9 and 25 (kernel_bench_h200_2026-11-30_v14).  The last two
-    (twelfth session, untimed when added): the 2-warp token tile, plain and PAIR, looped over by 8 and
-    6 programs per multiprocessor (PERSIST; as many as its registers let reside at once, offline
-    sm_90 at d = 1536: 118 and 145), which write about a thousand query-gradient partial rows instead
-    of one per token (12.6 MB at 8192 tokens, r = 384).  Elements per thread and chunk 4 to 16, as for
-    the forward."""
-    if nch > 1:
-        tile_keyed = dict(_TILE, **_KEYED)
-        return _configs(block_d, "SB", (
-            (1, 4, 1, tile_keyed), (1, 8, 0, dict(tile_keyed, STAGES=3)), (1, 8, 1, tile_keyed),
-            (1, 4, 0, _KEYED), (1, 4, 0), (1, 8, 1), (1, 16, 1),
-            (1, 4, 1, dict(tile_keyed, PAIR=True)), (1, 8, 1, dict(tile_keyed, PAIR=True)),
-            (1, 8, 1, dict(tile_keyed, PERSIST=8)), (1, 8, 1, dict(tile_keyed, PAIR=True, PERSIST=6))))
-    return _configs(block_d, "SB", ((1, 8, 1), (2, 32, 0), (2, 16, 0), (1, 16, 1), (2, 16, 1)))
-
-
-def _pair_configs(block_d: int, nch: int) -> list[dict]:
-    """Candidate launch configurations of the resident pair (DEFER with PAIR, S <= 2; see PAIR_DEFER):
-    one token per program with 2, 4 and 1 warps per 512-column chunk, looped over by 16, 8 and 32
-    programs per multiprocessor (PERSIST: a query-gradient partial row per program, not per token) or
-    one program per token; two tokens with 4 warps, looped.  No prefetch: the one step has no next
-    source.  On the H200 (thirteenth session, kernel_bench_h200_2026-11-30_v16_c*, S = 2) the tuner took
-    the looped ones at 17 of 19 shape classes: mostly 4 warps by 8; 1 warp by 32 at 8192 tokens for
-    d = 2560, r = 640 and d = 1024, r = 256; one program per token with 2 warps where the key is the
-    last chunk of five (d = 2560, r = 320).  The last three candidates loop with their block loop
-    pipelined by Triton (STAGES 2: the next block's g and sources copied ahead into shared memory;
-    offline sm_90 at d = 1536, 44 cp.async per loop, 118 registers with 2 warps, 101 with 4, so 8 and 5
-    programs per multiprocessor fit): taken once (4 warps by 4, d = 1536, r = d, 8192 tokens)."""
-    pair = dict(_TILE, **_KEYED, PAIR=True, DEFER=True)
-    staged = dict(pair, STAGES=2)
-    return _configs(block_d, "SB", ((1, 8, 0, dict(pair, PERSIST=16)), (1, 4, 0, dict(pair, PERSIST=8)),
-                                    (1, 16, 0, dict(pair, PERSIST=32)), (2, 8, 0, dict(pair, PERSIST=8)),
-                                    (1, 8, 0, pair), (1, 4, 0, pair), (1, 8, 0, dict(staged, PERSIST=8)),
-                                    (1, 4, 0, dict(staged, PERSIST=4)), (1, 4, 0, dict(staged, PERSIST=8))))
-
-
-def _defer_configs(block_d: int, nch: int) -> list[dict]:
-    """Candidate launch configurations of the deferred backward (DEFER: the token-tile grid in two
-    passes, g.h from the sources; see _defers): one token per program with 4, 2 and 1 warps per
-    512-column chunk, with and without prefetch (timed on the H200: 2 warps with prefetch was the
-    tuner's most frequent choice); and two tokens per program with 4 warps, which writes half the
-    query-gradient partial rows (at S = 2 with one token per program those are about a tenth of the
-    backward's bytes; this candidate not yet timed, its code path GPU-tested with 2 warps); and (eleventh
-    session) one token per block with 2 and 4 warps on a persistent grid of 16 and 8 programs per
-    multiprocessor (PERSIST), which writes a partial row per program instead of per token: the tuner's
-    choice at S = 2 for d = 1536 and 2560 (tuned_configs in kernel_bench_h200_2026-11-30_v14_8192_b)."""
-    tile_keyed = dict(_TILE, **_KEYED, DEFER=True)
-    return _configs(block_d, "SB", ((1, 4, 1, tile_keyed), (1, 8, 1, tile_keyed), (1, 4, 0, tile_keyed),
-                                    (1, 16, 1, tile_keyed), (2, 8, 1, tile_keyed),
-                                    (1, 8, 1, dict(tile_keyed, PERSIST=16)), (1, 4, 1, dict(tile_keyed, PERSIST=8))))
-
-
-# The deferred backward (kernels._triton._bwd_tile_deferred) takes g.h from the sources in a first pass
-# instead of from h and its int8 rounding residual, so the forward writes no residual: DRAM bytes
-# S + 1 forward and 2S + 1 backward (the roofline formula's) instead of S + 1.5 and 2S + 2.5.  It
-# needs key-free leading chunks ("slice", the key past the first chunk of the backward's layout),
-# and it must be decided before the forward runs, from the shape alone (a fake forward must give the
-# residual's shape).  On the H200 (tenth session, 8192 tokens, kernel_sweep_h200_2026-11-30_defer and
-# the side-by-side rows of the same call) the forward lost a quarter of its time at the shapes timed
-# (d = 1536, S = 9: 78 -> 68 us; d = 2560: 137 -> 107; S = 2: 34 -> 24), but the deferred backward
-# ran 8% slower than the residual one at S = 9 (163 against 150 us; 262 against 246 at d = 2560),
-# much slower at S = 25 (forward+backward 577 against 527: the second pass's reads of S key chunks per
-# token outgrow the L2), so it is used up to DEFER_MAX_S sources, where forward+backward gained
-# (S = 2: 94 -> 82 us; S = 5: 158 -> 145).  With the residual's bit code (eleventh session) the
-# residual forward is close to the residual-free one, and deferral at S = 9 lost 11-31 us of
-# forward+backward at five shapes (kernel_bench_h200_2026-11-30_v14_8192_a, variant defer16) while it
-# still won at S = 2 and 5 (variant nodefer in _v14_8192_b).  KERNELS_DEFER=0 turns it off.
-DEFER = os.environ.get("KERNELS_DEFER", "1") == "1"
-DEFER_MAX_S = int(os.environ.get("KERNELS_DEFER_MAX_S", "8"))
-
-
-# The resident pair (thirteenth session; DEFER with PAIR, kernels._triton._bwd_tile_pairs' GH_PAIR): at
-# S <= 2 one step of the two-source token tile holds every source, so g.h = sum_i w_i g.o_i comes from
-# the tiles in hand and nothing is read twice: DRAM bytes 2S + 1 units (g, the sources, their
-# gradients), for any norm and key position (the two-pass form re-reads the key's chunks and passes
-# g.o through a scratch; the residual form reads h and the residual, 1.5 units more).  At S = 2 the
-# residual-free forward moves 3 units instead of 3.5.  KERNELS_PAIR_DEFER=0 turns it off.
-PAIR_DEFER = os.environ.get("KERNELS_PAIR_DEFER", "1") == "1"
-PAIR_MAX_S = 2  # the sources one PAIR step holds (not a setting: the kernel's pair)
-
-
-# The pair forward (fourteenth session; kernels._triton._fwd_body's PAIR): at S = 2 both sources' tiles
-# are loaded at once and mixed with the exact two-way softmax, no source loop, no online rescale.  On the
-# H200 at 8192 tokens (kernel_bench_h200_2026-11-30_v17_c1_8192, variant nopairfwd = this off) the
-# forward went 38 -> 32 us at d = 2560 (fast-attnres 31-32), and forward+backward 106 -> 99 (r = 640)
-# and 103 -> 96 (r = 320); offline sm_90 at d = 2560 with 1 warp: 128 registers and no loop against
-# 255 for the loop.  Its candidates are timed beside the loop's (_fwd_pair_configs, listed first).
-# KERNELS_PAIR_FWD=0 leaves them out.
-PAIR_FWD = os.environ.get("KERNELS_PAIR_FWD", "1") == "1"
 
 
 def _fwd_forms(n_sources: int) -> tuple[str, ...]:
@@ -475,7 +291,7 @@ def _defer_kinds(dtype: torch.dtype, d: int, r: int, norm: str, n_sources: int) 
     does not matter)."""
     if not (DEFER and dtype in _MANT):
         return ()
-    passes_ok = KEY_CHUNKS and norm == "slice"
+    passes_ok = norm == "slice"
     if "bwd" in CONFIG_OVERRIDE:
         pinned = CONFIG_OVERRIDE["bwd"]
         if not pinned.get("DEFER"):
@@ -484,7 +300,7 @@ def _defer_kinds(dtype: torch.dtype, d: int, r: int, norm: str, n_sources: int) 
     kinds = ("pair",) if (PAIR_DEFER and n_sources <= PAIR_MAX_S) else ()
     if passes_ok and n_sources <= DEFER_MAX_S:
         block_d, nch = _layout("bwd", d, r)
-        if _key_pos(d, r, block_d, nch) > 0:
+        if configs.key_pos(d, r, block_d, nch) > 0:
             kinds += ("passes",)
     return kinds
 
@@ -499,59 +315,45 @@ def _res_kept(dtype: torch.dtype, d: int, r: int, norm: str, n_sources: int) -> 
     return dtype in _MANT and not _defers(dtype, d, r, norm, n_sources)
 
 
-# Tuning (CUDA only): the fastest candidate for each shape class, timed over the whole launch (for the
-# backward: the kernel and the sum of its query-gradient partials; see _gpu_time).  It replaces
-# triton.autotune, which keyed on d alone and timed the kernel alone, so that the choice made at the
-# first S and token count served every other, and a token-tile backward whose [tokens, r] partials
-# cost more to sum than the kernel saved could win: at 8192 tokens, d = 2560, r = d, S = 9 it chose
-# the token tile (331 us in the side-by-side table) over the persistent grid (300 us with its sum in
-# kernel_sweep_h200_2026-11-30_chunks), and at d = 1536, S = 2 whatever S = 9 had chosen.
-# Each candidate is timed as CUDA-graph replays (GPU time alone): timed by the host (do_bench, the
-# eleventh session's tuner), a launch whose host-side work outlasts its GPU time is measured by the
-# former, and the choice among candidates was noise where the GPU work is short (twelfth session, S = 2,
-# d = 1536: the tuner took a two-token backward of 65 us over the looped one it had taken the session
-# before, and forward+backward went 76 -> 101 us; the profiler put torch's partial sum, chosen the
-# same way, at 10-21 us against 4-9 for the Triton sum).  Where a launch cannot be captured, do_bench.
-AUTOTUNE = os.environ.get("KERNELS_AUTOTUNE", "1") == "1"
-TUNE_WARMUP_MS = 10  # triton.testing.do_bench per candidate (L2 flushed before each run), the fallback
-TUNE_REP_MS = 40  # milliseconds of replays (or of runs) per candidate
-BWD_PROGRAMS_PER_SM = 8
-# The backward's grid constexprs a configuration may leave out: one source per step, persistent grid
-# (PAIR: the token-tile grid's two sources per step, off).  Every constexpr is passed, none left to a
-# default: torch's analysis of which arguments a kernel writes (Inductor, compiled path) counted every
-# pointer as written when the kernel had a defaulted constexpr that the launch left out.
-_BWD_DEFAULTS = {"SB": 1, "BLOCK_T": 0, "PAIR": False, "DEFER": False, "PERSIST": 0}
-_FWD_DEFAULTS = {"PAIR": False}  # the source loop (the pair forward only where a configuration asks)
+def _fused(dev: torch.device) -> bool:
+    return dev.type == "cuda" if FUSED_REDUCTIONS is None else bool(FUSED_REDUCTIONS)
 
 
-# The tuned choice per (kind, BLOCK_D, chunks, key chunk) + shape class (d, norm, residual, dtypes, the
-# residual's code, the forward's LAZY, S, tokens rounded up to a power of two): launch keyword
-# arguments with num_warps.
+def triton_cdiv(a: int, b: int) -> int:
+    return (a + b - 1) // b
+
+
+def _key_masked(norm: str, d: int, r: int) -> bool:
+    """The kernels' SLICE: "slice" with r < d.  At r = d the key is the whole row, the same math as
+    "full", whose build has no key-column masks (offline sm_90, d = 1536 as 3 x 512, one token, 4 warps:
+    the forward's source loop 232 -> 182 instructions, the backward's 236 -> 197, its registers
+    119 -> 92)."""
+    return norm == "slice" and r < d
+
+
+def _launch_kwargs(cfg: dict, kind: str, key_pos: int) -> dict:
+    """A configuration's kernel keyword arguments: EVICT off, STAGES 1 and, for the backward, the
+    persistent grid with one source per step unless it names them; KEY0 from its KEYCH (a choice
+    already made names KEY0); SPLIT and KEYCH dropped (the host read them)."""
+    out = {"EVICT": False, "STAGES": 1}
+    out.update(_BWD_DEFAULTS if kind == "bwd" else _FWD_DEFAULTS)
+    out.update({k: v for k, v in cfg.items() if k not in ("SPLIT", "KEYCH")})
+    out.setdefault("KEY0", _key0(cfg, key_pos))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- which configuration runs
+
+# The tuned choice per (kind, BLOCK_D, chunks, key chunk, forms) + shape class (d, norm, residual,
+# dtypes, the residual's code, the forward's LAZY, S, tokens rounded up to a power of two): launch
+# keyword arguments with num_warps.
 _CHOSEN: dict = {}
-
-
-def _layout(kind: str, d: int, r: int | None = None) -> tuple[int, int]:
-    """The column layout of ``kind``'s kernel for width d and key width r (CONFIG_OVERRIDE's SPLIT may
-    force one)."""
-    return _col_layout(d, CONFIG_OVERRIDE.get(kind, {}).get("SPLIT"), r)
-
-
-def _candidates(kind: str, block_d: int, nch: int, forms: tuple = ()) -> list[dict]:
-    """``kind``'s candidate configurations.  ``forms``: for the forward, "pair" puts the pair
-    forward's first (_fwd_forms: S = 2; the first is the default without tuning); for a backward whose
-    forward kept no residual, only those of the deferred forms named (_defer_kinds)."""
-    if kind == "fwd":
-        return (_fwd_pair_configs(block_d, nch) if "pair" in forms else []) + _fwd_configs(block_d, nch)
-    if not forms:
-        return _bwd_configs(block_d, nch)
-    return ((_pair_configs(block_d, nch) if "pair" in forms else [])
-            + (_defer_configs(block_d, nch) if "passes" in forms else []))
 
 
 def _tune_class(n_sources: int, n_tok: int) -> tuple:
     """The part of a tuning key that follows the call's size: S, and the tokens rounded up to a power
     of two (a model sends a few token counts; varying lengths should not each be tuned)."""
-    return (n_sources, _next_pow2(n_tok))
+    return (n_sources, configs.next_pow2(n_tok))
 
 
 def _distinct(cfgs: list[dict], kind: str, key_pos: int) -> list[dict]:
@@ -567,80 +369,27 @@ def _distinct(cfgs: list[dict], kind: str, key_pos: int) -> list[dict]:
 
 def _run(kernel, grid, warm: bool, *args, **kwargs):
     """Launch ``kernel`` on ``grid``, or with ``warm`` only compile it for these arguments (Triton's
-    warmup: the same specialisation and cache entry as the launch)."""
+    warmup: the same specialisation and cache entry as the launch) and return the compiled kernel."""
     if warm:
         return kernel.warmup(*args, grid=grid, **kwargs)
     return kernel[grid](*args, **kwargs)
 
 
-# Threads that compile a shape's tuning candidates at once before they are timed (1: one at a time, as
-# each is first launched).  Triton's compiler releases the GIL (offline sm_90 here: two backward
-# builds took 1.5 s in two threads against 3.3 s one after the other), and a backward has up to eleven
-# candidates: the first call of each new shape class waited for them in turn.  KERNELS_COMPILE_THREADS.
-COMPILE_THREADS = int(os.environ.get("KERNELS_COMPILE_THREADS", str(min(8, os.cpu_count() or 1))))
-
-
-def _precompile(cands: list[dict], launch) -> int:
-    """Compile every candidate of ``launch(cfg, warm=True)`` in COMPILE_THREADS threads under Triton's
-    AsyncCompileMode, so that the timing loop finds them built.  Returns how many were submitted
-    (0 where the mode is missing or it failed: each candidate is then built, or found unbuildable,
-    at its first launch as before)."""
-    if COMPILE_THREADS <= 1 or len(cands) < 2:
-        return 0
-    try:
-        from concurrent.futures import ThreadPoolExecutor
-
-        from triton.runtime._async_compile import AsyncCompileMode
-    except ImportError:
-        return 0
-    try:
-        with ThreadPoolExecutor(min(COMPILE_THREADS, len(cands))) as pool, AsyncCompileMode(pool):
-            for cfg in cands:
-                launch(cfg, warm=True)
-    except Exception:  # noqa: BLE001 - a candidate that does not build fails again, on its own, when timed
-        return 0
-    return len(cands)
-
-
-def _gpu_time(fn) -> float:
-    """Median GPU milliseconds of ``fn()``: CUDA-graph replays (triton.testing.do_bench_cudagraph; no
-    host-side dispatch in the number), or do_bench's timed runs where ``fn`` cannot be captured."""
-    from triton.testing import do_bench, do_bench_cudagraph
-
-    try:
-        return do_bench_cudagraph(fn, rep=TUNE_REP_MS, return_mode="median")
-    except Exception:  # noqa: BLE001 - a launch that cannot be captured is timed by the host
-        torch.cuda.synchronize()
-        return do_bench(fn, warmup=TUNE_WARMUP_MS, rep=TUNE_REP_MS, return_mode="median")
-
-
-def _fastest(cands: list, launch):
-    """The candidate with the least GPU time of ``launch(cfg)`` (_gpu_time), all of them compiled
-    first (_precompile; launch configurations, or the partial sum's methods).  A candidate that does not build or launch (registers, shared memory) is
-    passed over; if none runs, the last error is raised."""
-    _precompile(cands, launch)
-    best, best_t, err = None, float("inf"), None
-    for cfg in cands:
-        try:
-            launch(cfg)  # compile and warm up outside the timing
-            t = _gpu_time(lambda: launch(cfg))
-        except Exception as e:  # noqa: BLE001 - a configuration the device cannot run
-            err = e
-            continue
-        if t < best_t:
-            best, best_t = cfg, t
-    if best is None:
-        raise RuntimeError(f"attnres: no launch configuration ran ({len(cands)} tried)") from err
-    return best
+def _class_name(kind: str, block_d: int, nch: int, key_pos: int, forms: tuple, n_src: int, n_tok: int) -> str:
+    """A shape class's name in tuned_configs and in the tuner's messages."""
+    return (f"{kind}/{block_d}x{nch}" + (f"/key{key_pos}" if key_pos else "")
+            + (("/deferred-" if kind == "bwd" else "/") + "+".join(forms) if forms else "")
+            + f"/S{n_src}/N{n_tok}")
 
 
 def _config(kind: str, block_d: int, nch: int, key_pos: int, device: torch.device, key: tuple, launch,
             forms: tuple = ()) -> dict:
     """Launch keyword arguments for this call: CONFIG_OVERRIDE's; the first candidate on the CPU, with
-    KERNELS_AUTOTUNE=0, or while a CUDA graph is being captured (nothing can be timed then, and
-    nothing is remembered); else the fastest candidate for ``key``, timed once with ``launch(cfg)``
-    (which must run the whole launch, so that a grid's extra work is counted).  ``forms``: see
-    _candidates (the forward's pair; the deferred forms of a backward whose forward kept no residual)."""
+    AUTOTUNE off, or while a CUDA graph is being captured (nothing can be timed then, and nothing is
+    remembered); else the fastest candidate for ``key`` (kernels.tuner.fastest), timed once with
+    ``launch(cfg)`` (which must run the whole launch, so that a grid's extra work is counted).
+    ``forms``: see configs.candidates (the forward's pair; the deferred forms of a backward whose
+    forward kept no residual)."""
     if kind in CONFIG_OVERRIDE:
         return _launch_kwargs(CONFIG_OVERRIDE[kind], kind, key_pos)
     tk = (kind, block_d, nch, key_pos, forms) + key
@@ -648,16 +397,17 @@ def _config(kind: str, block_d: int, nch: int, key_pos: int, device: torch.devic
     if chosen is not None:
         return chosen
     if device.type != "cuda" or not AUTOTUNE or torch.cuda.is_current_stream_capturing():
-        return _first(kind, block_d, nch, key_pos, KEY_CHUNKS, forms)
-    chosen = _CHOSEN[tk] = _fastest(_distinct(_candidates(kind, block_d, nch, forms), kind, key_pos), launch)
+        return _first(kind, block_d, nch, key_pos, forms)
+    cands = _distinct(configs.candidates(kind, block_d, nch, forms), kind, key_pos)
+    tag = _class_name(kind, block_d, nch, key_pos, forms, *key[-2:])
+    chosen = _CHOSEN[tk] = tuner.fastest(cands, launch, device, tag)
     return chosen
 
 
 @functools.lru_cache(maxsize=None)
-def _first(kind: str, block_d: int, nch: int, key_pos: int, key_chunks: bool, forms: tuple = ()) -> dict:
-    """The first candidate's launch keyword arguments (the default without tuning; not to be mutated);
-    ``key_chunks`` (KEY_CHUNKS, which _launch_kwargs reads) is part of the cache key."""
-    return _launch_kwargs(_candidates(kind, block_d, nch, forms)[0], kind, key_pos)
+def _first(kind: str, block_d: int, nch: int, key_pos: int, forms: tuple = ()) -> dict:
+    """The first candidate's launch keyword arguments (the default without tuning; not to be mutated)."""
+    return _launch_kwargs(configs.candidates(kind, block_d, nch, forms)[0], kind, key_pos)
 
 
 def tuned_configs() -> dict:
@@ -667,11 +417,7 @@ def tuned_configs() -> dict:
     and the partial sum's method per shape: {"sum/4224x320/bfloat16": {"method": "once"}, ...}."""
     out = {}
     for (kind, block_d, nch, key_pos, forms, *key), cfg in _CHOSEN.items():
-        n_src, n_tok = key[-2:]
-        name = (f"{kind}/{block_d}x{nch}" + (f"/key{key_pos}" if key_pos else "")
-                + (("/deferred-" if kind == "bwd" else "/") + "+".join(forms) if forms else "")
-                + f"/S{n_src}/N{n_tok}")
-        out[name] = dict(cfg)
+        out[_class_name(kind, block_d, nch, key_pos, forms, *key[-2:])] = dict(cfg)
     for (n_rows, r, dtype, _), method in _SUM_CHOSEN.items():
         out[f"sum/{n_rows}x{r}/{str(dtype).removeprefix('torch.')}"] = {"method": method}
     return out
@@ -691,9 +437,8 @@ def _anchor_table(tensors: list[torch.Tensor], strides: list[int] | None):
 # Triton launchers (also run on CPU tensors under TRITON_INTERPRET=1)
 #
 # They run twice per routing read (768 times per update of the 1B step), and a compiled step whose
-# GPU work is short waits for them (docs/kernel_notes.md, third session): so no per-source views or
-# copies where the tensors can be read in place, outputs allocated in their final shape, and a
-# tuned choice looked up by one dictionary key.
+# GPU work is short waits for them: so no per-source views or copies where the tensors can be read
+# in place, outputs allocated in their final shape, and a tuned choice looked up by one dictionary key.
 
 
 def _row_stride(t: torch.Tensor, d: int) -> int | None:
@@ -744,7 +489,7 @@ def _fwd_outputs(sources: Sequence[torch.Tensor], query: torch.Tensor, norm: str
 
 
 def _fwd_triton(sources: Sequence[torch.Tensor], query: torch.Tensor, norm: str, eps: float):
-    from . import _triton as K
+    from . import fused_fwd as K
 
     d, r, n_tok, has_res, out, stats, res = _fwd_outputs(sources, query, norm)
     dtype, dev = out.dtype, out.device
@@ -763,8 +508,8 @@ def _fwd_triton(sources: Sequence[torch.Tensor], query: torch.Tensor, norm: str,
         consts = dict(SLICE=_key_masked(norm, d, r), HAS_RES=has_res, RES_STEP=_res_step(dtype), ALIGN=align,
                       BLOCK_D=block_d, NCH=nch, FUSED=_fused(dev), LAZY=LAZY_RESCALE)
 
-        def launch(cfg, warm=False):
-            _run(K._attnres_fwd_kernel, (triton_cdiv(n_tok, cfg["BLOCK_T"]),), warm, *args, **consts, **cfg)
+        def launch(cfg, warm=False):  # with ``warm``: compile only, and return the compiled kernel
+            return _run(K._attnres_fwd_kernel, (triton_cdiv(n_tok, cfg["BLOCK_T"]),), warm, *args, **consts, **cfg)
 
         cfg = _config("fwd", block_d, nch, key_pos, dev, key, launch, _fwd_forms(len(rows)))
         _check_fwd_pair(cfg, len(rows))
@@ -798,7 +543,7 @@ def _bwd_inputs(sources, query, h, res, g, norm: str):
         if not deferred:
             raise ValueError(f"attnres backward: the forward kept no rounding residual, but no deferred backward "
                              f"serves this shape now (S = {len(sources)}, d = {d}, r = {r}, norm {norm!r}): were "
-                             "KERNELS_DEFER, PAIR_DEFER or CONFIG_OVERRIDE changed between the forward and the backward?")
+                             "DEFER, PAIR_DEFER or CONFIG_OVERRIDE changed between the forward and the backward?")
     return (d, r, n_tok, has_res, deferred, grads, h2, g, gs), None, None
 
 
@@ -824,17 +569,15 @@ def _bwd_scratch(cfg: dict, n_tok: int, n_sources: int, r: int, dev: torch.devic
 
 
 # The sum of the query-gradient partials [programs, r] fp32 (one row per backward program):
-# "triton" (kernels._triton._sum_rows_kernel, two launches over slabs of rows, deterministic),
+# "triton" (kernels.sums._sum_rows_kernel, two launches over slabs of rows, deterministic),
 # "once" (_sum_rows_once_kernel: the same slabs and order in one launch, the last program to finish a
 # column block summing the slabs; needs a zeroed counter, _sum_counts), "torch" (part.sum(0), then a
 # cast), or "auto": all three timed once per (rows, r, dtype) on CUDA and the fastest kept (the
 # two-launch Triton sum where nothing can be timed: on the CPU, or during graph capture with no choice
-# made yet).  Why: torch's reduction over [1056, 384] ran on 51 blocks, 10.8 us under ncu (seventh
-# session), a fifth of the backward at S = 2; the seventh session's Triton sum (passes of about
-# sqrt(P) rows in 16-row steps, then a cast: three launches) did no better in graph replays.
-# Twelfth session (torch.profiler in kernel_bench, 8192 tokens): torch's took 7-21 us at [1056-8192
-# rows, 192-1024 columns], the two-launch sum 3.6-10 us at such sizes.  KERNELS_DQ_SUM sets it.
-DQ_SUM = os.environ.get("KERNELS_DQ_SUM", "auto")
+# made yet).  Why: torch's reduction over [1056, 384] runs on 51 blocks, 10.8 us under ncu, a fifth of
+# the backward at S = 2; with torch.profiler in kernel_bench at 8192 tokens torch's takes 7-21 us at
+# [1056-8192 rows, 192-1024 columns], the two-launch sum 3.6-10 us at such sizes.
+DQ_SUM = "auto"
 SUM_BLOCK_P, SUM_BLOCK_R, SUM_WARPS = 64, 64, 4  # a slab step [rows, columns] and its warps
 SUM_PROGRAMS_PER_SM = 4  # the first launch's programs per multiprocessor (rows split into that many slabs)
 # "once": each call takes the next row of a ring of zeroed counters [SUM_COUNT_RING, column blocks]
@@ -857,7 +600,7 @@ def _sum_splits(n_rows: int, r: int, device: torch.device) -> int:
 def _sum_rows_triton(part: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """part [P, r] fp32 summed over its rows with _sum_rows_kernel: P split into slabs (_sum_splits),
     then the slabs summed into ``dtype`` (one launch when a single slab would do)."""
-    from . import _triton as K
+    from . import sums as K
 
     n_rows, r = part.shape
     ncb = triton_cdiv(r, SUM_BLOCK_R)
@@ -892,7 +635,7 @@ def _sum_rows_once(part: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """part [P, r] fp32 summed over its rows in one launch (_sum_rows_once_kernel), with the slabs and
     the order of _sum_rows_triton, so the same bits; the two-launch sum where a single slab would do or
     no counters can be had (_sum_counts)."""
-    from . import _triton as K
+    from . import sums as K
 
     n_rows, r = part.shape
     ncb = triton_cdiv(r, SUM_BLOCK_R)
@@ -919,7 +662,7 @@ def _sum_partials(part: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The query gradient from its partial rows, by DQ_SUM's method."""
     mode = DQ_SUM
     if mode not in ("auto", *_SUMS):
-        raise ValueError("kernels.op.DQ_SUM (KERNELS_DQ_SUM): expected 'auto', 'triton', 'once' or 'torch', "
+        raise ValueError("kernels.op.DQ_SUM: expected 'auto', 'triton', 'once' or 'torch', "
                          f"got {mode!r}")
     if mode == "auto":
         key = (part.shape[0], part.shape[1], dtype, part.device)
@@ -928,13 +671,14 @@ def _sum_partials(part: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
             if part.device.type != "cuda" or torch.cuda.is_current_stream_capturing():
                 mode = "triton"
             else:  # timed as the launch configurations are (nothing to compile ahead)
-                mode = _SUM_CHOSEN[key] = _fastest(
-                    list(_SUMS), lambda name, warm=False: None if warm else _SUMS[name](part, dtype))
+                mode = _SUM_CHOSEN[key] = tuner.fastest(
+                    list(_SUMS), lambda name, warm=False: None if warm else _SUMS[name](part, dtype), part.device,
+                    f"sum/{part.shape[0]}x{part.shape[1]}")
     return _SUMS[mode](part, dtype)
 
 
 def _bwd_triton(sources, query, h, stats, res, g, norm: str, eps: float):
-    from . import _triton as K
+    from . import fused_bwd as K
 
     ops, grads, dq = _bwd_inputs(sources, query, h, res, g, norm)
     if ops is None:
@@ -959,8 +703,8 @@ def _bwd_triton(sources, query, h, stats, res, g, norm: str, eps: float):
 
     def launch(cfg, warm=False):  # the kernel and the sum of its query-gradient partials (one row per program)
         part, go = _bwd_scratch(cfg, n_tok, len(rows), r, dev)
-        _run(K._attnres_bwd_kernel, (part.shape[0],), warm, *args, part, go, *more, **consts, **cfg)
-        return None if warm else _sum_partials(part, query.dtype)
+        kernel = _run(K._attnres_bwd_kernel, (part.shape[0],), warm, *args, part, go, *more, **consts, **cfg)
+        return kernel if warm else _sum_partials(part, query.dtype)  # warm: compile only
 
     cfg = _config("bwd", block_d, nch, key_pos, dev, key, launch, deferred)
     _check_deferred(cfg, deferred, key_pos, len(rows))
@@ -984,37 +728,6 @@ def _check_deferred(cfg: dict, deferred: tuple, key_pos: int, n_sources: int) ->
     if not cfg["PAIR"] and cfg["KEY0"] < 1:
         raise ValueError(f"attnres backward: the two-pass DEFER needs the key past the first column chunk "
                          f"(KEYCH, key chunk {key_pos}); got {cfg}")
-
-
-# Multi-operand row reductions: None = on CUDA only (the interpreter runs them slowly).
-FUSED_REDUCTIONS = None
-
-
-def _fused(dev: torch.device) -> bool:
-    return dev.type == "cuda" if FUSED_REDUCTIONS is None else bool(FUSED_REDUCTIONS)
-
-
-def triton_cdiv(a: int, b: int) -> int:
-    return (a + b - 1) // b
-
-
-def _key_masked(norm: str, d: int, r: int) -> bool:
-    """The kernels' SLICE: "slice" with r < d.  At r = d the key is the whole row, the same math as
-    "full", whose build has no key-column masks (offline sm_90, d = 1536 as 3 x 512, one token, 4 warps:
-    the forward's source loop 232 -> 182 instructions, the backward's 236 -> 197, its registers
-    119 -> 92)."""
-    return norm == "slice" and r < d
-
-
-def _launch_kwargs(cfg: dict, kind: str, key_pos: int) -> dict:
-    """A configuration's kernel keyword arguments: EVICT off, STAGES 1 and, for the backward, the
-    persistent grid with one source per step unless it names them; KEY0 from its KEYCH (a choice
-    already made names KEY0); SPLIT and KEYCH dropped (the host read them)."""
-    out = {"EVICT": False, "STAGES": 1}
-    out.update(_BWD_DEFAULTS if kind == "bwd" else _FWD_DEFAULTS)
-    out.update({k: v for k, v in cfg.items() if k not in ("SPLIT", "KEYCH")})
-    out.setdefault("KEY0", _key0(cfg, key_pos))
-    return out
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1191,45 +904,25 @@ attnres_fwd.register_autograd(_backward_through(attnres_bwd), setup_context=_set
 # update, so the GPU waits for the host.  A triton_op instead lets Inductor trace the body (the
 # allocations and the Triton launches) into its own generated code.  The body must be traceable:
 # no data pointers, hence one pointer argument per source (at most MAX_ARG_SOURCES) and no
-# tables.  Larger S keeps the custom op.  KERNELS_COMPILED_PATH=op sends compiled calls to the
-# custom op too (for comparison).
+# tables.  Larger S keeps the custom op.  COMPILED_PATH "op" sends compiled calls to the custom op
+# too (for comparison: benchmarks/train_step_bench.py's *-op configurations).
 
 MAX_ARG_SOURCES = 16
-COMPILED_PATH = os.environ.get("KERNELS_COMPILED_PATH", "triton_op")
-# The launch configurations of the per-argument kernels (Inductor launches them with no
-# autotuner): index into _fwd_configs / _bwd_configs.  The forward's first candidate and the
-# backward's second were the per-argument kernels' fastest at the 1B step's shapes (4096 tokens,
-# d 1536, r 384, S = 9) in both column layouts (one chunk: kernel_sweep_h200_2026-11-29_sb.md,
-# _variants.md; three chunks, with the key-chunk specialisation: kernel_sweep_h200_2026-11-30_key.md
-# and, for the four-token forward, _chunks2.md).
-ARGS_FWD_CONFIG = 0
-ARGS_BWD_CONFIG = 1
-# The deferred backward's (_defer_configs), where the forward kept no residual: one token, 2 warps,
-# prefetch, the table kernels' tuned choice at 6 of the 10 deferred shape classes of the tenth session's
-# side-by-side runs (8192 and 4096 tokens, S = 2 and 5); the per-argument kernels' own not yet timed.
-ARGS_DEFER_CONFIG = 1
-# The resident pair's (_pair_configs, S <= 2): one token, 4 warps, 8 programs per multiprocessor, the
-# table kernels' tuned choice at 11 of the 19 S = 2 shape classes of the thirteenth session's runs
-# (the per-argument kernels' own not yet timed).
-ARGS_PAIR_CONFIG = 1
-# The pair forward's (_fwd_pair_configs) at S = 2: its first, one token with 2 warps, the table kernels'
-# fastest at d = 2560 (fourteenth session's sweep; the per-argument kernels' own not yet timed).
-ARGS_FWD_PAIR_CONFIG = 0
+COMPILED_PATH = "triton_op"
+# The per-argument kernels' launch configurations (Inductor launches them with no autotuner): the
+# ARGS lines of kernels.configs.  The forward's and the residual backward's are the per-argument
+# kernels' fastest at the 1B step's shapes (4096 tokens, d 1536, r 384, S = 9: kernel_sweep_h200_
+# 2026-11-30_key.md and, for the four-token forward, _chunks2.md); the deferred forms' and the pair
+# forward's are the table kernels' most frequent tuned choices (the per-argument kernels' own are not
+# timed).
 
 
 def _args_config(kind: str, block_d: int, nch: int, forms: tuple = ()) -> dict:
-    """The per-argument kernels' configuration: CONFIG_OVERRIDE's, else a fixed candidate.  ``forms`` as
-    for _candidates: the forward's (_fwd_forms: "pair" at S = 2), the backward's deferred ones."""
+    """The per-argument kernels' configuration: CONFIG_OVERRIDE's, else configs.args_config.  ``forms``
+    as for configs.candidates: the forward's (_fwd_forms: "pair" at S = 2), the backward's deferred ones."""
     if kind in CONFIG_OVERRIDE:
         return dict(CONFIG_OVERRIDE[kind])
-    if kind == "fwd" and "pair" in forms:
-        return dict(_fwd_pair_configs(block_d, nch)[ARGS_FWD_PAIR_CONFIG])
-    if "pair" in forms:
-        return dict(_pair_configs(block_d, nch)[ARGS_PAIR_CONFIG])
-    if forms:
-        return dict(_defer_configs(block_d, nch)[ARGS_DEFER_CONFIG])
-    cfgs = _candidates(kind, block_d, nch)
-    return dict(cfgs[min(ARGS_FWD_CONFIG if kind == "fwd" else ARGS_BWD_CONFIG, len(cfgs) - 1)])
+    return configs.args_config(kind, block_d, nch, forms)
 
 
 def _slots(ts: Sequence, fill=None) -> list:
@@ -1243,7 +936,7 @@ def _launch(kernel, grid, *args, **kwargs) -> None:
 
 
 def _fwd_args(sources: Sequence[torch.Tensor], query: torch.Tensor, norm: str, eps: float):
-    from . import _triton as K
+    from . import fused_fwd as K
 
     d, r, n_tok, has_res, out, stats, res = _fwd_outputs(sources, query, norm)
     dtype, dev = out.dtype, out.device
@@ -1266,7 +959,7 @@ def _fwd_args(sources: Sequence[torch.Tensor], query: torch.Tensor, norm: str, e
 
 
 def _bwd_args(sources, query, h, stats, res, g, norm: str, eps: float):
-    from . import _triton as K
+    from . import fused_bwd as K
 
     ops, grads, dq = _bwd_inputs(sources, query, h, res, g, norm)
     if ops is None:
@@ -1326,7 +1019,7 @@ def _compiled_args_path(sources: Sequence[torch.Tensor]) -> bool:
 # flattening of the source list, redispatch, autograd wrapper, twice per forward+backward) cost more
 # host time than the launchers themselves (benchmarks/host_overhead.py).  torch.compile traces the
 # custom op, so compiled graphs keep an opaque, fake-tensor-checked node.  False: always the op.
-EAGER_FUNCTION = os.environ.get("KERNELS_EAGER_FUNCTION", "1") == "1"
+EAGER_FUNCTION = True
 
 
 def attnres(sources: Sequence[torch.Tensor], query: torch.Tensor, *, norm: str = "slice", eps: float = 1e-6) -> torch.Tensor:
