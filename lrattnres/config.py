@@ -316,6 +316,12 @@ def _check_semantics(settings: dict, where: str) -> None:
             resolve_rank(rank, shape["d_model"], where=f"{where}.accounting.ranks[{i}] ({role})")
         for i, blocks in enumerate(acc.get("blocks", [])):
             check_blocks(blocks, shape["n_layers"], where=f"{where}.accounting.blocks[{i}] ({role})")
+    from lrattnres import batch
+
+    try:
+        batch.check(settings, where)
+    except batch.BatchError as e:
+        raise ConfigError(str(e)) from None
 
 
 # Settings that say how and where a scale runs, not what it computes: changing them reruns nothing.

@@ -39,7 +39,11 @@ DEFAULTS: dict[str, Any] = {
 }
 
 # Keys that may change between a run and its resumption (they do not change the trajectory).
-RESUMABLE_CHANGES = ("device", "compile", "val", "checkpoint")
+# ``shard_optimizer`` (ZeroRedundancyOptimizer over the data-parallel ranks) makes the same update;
+# the checkpoint keeps the optimiser state by parameter name, so either kind of run resumes the other.
+RESUMABLE_CHANGES = ("device", "compile", "val", "checkpoint", "shard_optimizer")
+# Keys without a default: absent is the same as false, so that specs written before them still match.
+OPTIONAL_FLAGS = ("shard_optimizer",)
 
 _MODEL_KEYS = {
     "preset", "vocab_size", "n_layers", "d_model", "n_heads", "d_ff", "max_seq_len", "method", "blocks",
@@ -71,7 +75,7 @@ def resolve(spec: dict) -> dict:
     """Defaults merged in, every key validated; returns a new dict."""
     if not isinstance(spec, dict):
         raise SpecError(f"spec: expected a JSON object, got {type(spec).__name__}")
-    allowed_top = set(DEFAULTS) | {"model", "steps", "tokens", "micro_batch", "seq_len"}
+    allowed_top = set(DEFAULTS) | {"model", "steps", "tokens", "micro_batch", "seq_len", *OPTIONAL_FLAGS}
     _check_known(spec, allowed_top, "")
     s = deep_merge(DEFAULTS, spec)
 
@@ -145,6 +149,8 @@ def resolve(spec: dict) -> dict:
     _check(s["precision"] in ("fp32", "bf16"), "precision", "'fp32' or 'bf16'", s["precision"])
     _check(isinstance(s["compile"], bool), "compile", "a bool", s["compile"])
     _check(s["device"] in ("auto", "cpu", "cuda"), "device", "'auto', 'cpu' or 'cuda'", s["device"])
+    for k in OPTIONAL_FLAGS:
+        _check(isinstance(s.get(k, False), bool), k, "a bool", s.get(k))
     return s
 
 
