@@ -43,6 +43,7 @@ SECTIONS = (
     "diagnostics",
     "kernel_check",
     "pieces",
+    "cluster",
 )
 
 
@@ -318,14 +319,17 @@ def _check_semantics(settings: dict, where: str) -> None:
             check_blocks(blocks, shape["n_layers"], where=f"{where}.accounting.blocks[{i}] ({role})")
     from lrattnres import batch
 
+    from lrattnres import memory
+
     try:
         batch.check(settings, where)
-    except batch.BatchError as e:
+        memory.check(settings, where)
+    except (batch.BatchError, memory.FitError) as e:
         raise ConfigError(str(e)) from None
 
 
 # Settings that say how and where a scale runs, not what it computes: changing them reruns nothing.
-EXECUTION_KEYS = (("resources",), ("results",), ("data", "num_threads"))
+EXECUTION_KEYS = (("resources",), ("results",), ("data", "num_threads"), ("cluster",))
 TIMING_RULES = ("throughput", "kernel_check")  # timed: always alone on their GPU
 
 
