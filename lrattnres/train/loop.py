@@ -42,7 +42,7 @@ from lrattnres.provenance import now, provenance
 from lrattnres.train import checkpoint as ckpt
 from lrattnres.train import spec as spec_mod
 from lrattnres.train.metrics import MetricsWriter, end_of_run_summary, grad_norm_summary, memory_stats, progress_bar
-from lrattnres.train.optim import base_lrs, build_optimizers
+from lrattnres.train.optim import base_lrs, build_optimizers, local_optimizer, owners
 from lrattnres.train.schedule import apply_lr, lr_multiplier
 from lrattnres.train.val import IGNORE_INDEX, evaluate, loss_sums
 
@@ -283,7 +283,15 @@ def _train(
             model = build_model(mcfg)
     else:
         model = build_model(mcfg)
-    optimizers = build_optimizers(model, s["optim"], device.type)
+    shard = bool(s.get("shard_optimizer")) and world > 1
+    optimizers = build_optimizers(model, s["optim"], device.type, shard=shard)
+    local_opts = {k: local_optimizer(o) for k, o in optimizers.items()}  # the state this rank keeps
+    param_names = {id(p): n for n, p in model.named_parameters()}
+    owner = owners(optimizers, param_names, world)  # who writes which weights and state
+    if shard:
+        mine = {param_names[id(p)] for o in local_opts.values() for g in o.param_groups for p in g["params"]}
+        if mine != {n for n, r in owner.items() if r == rank}:
+            raise RuntimeError("ZeroRedundancyOptimizer's partition differs from lrattnres.train.optim.owners")
     lrs = base_lrs(s["optim"])
     params = [p for p in model.parameters() if p.requires_grad]
     loader = TokenLoader(manifest, "train", s["micro_batch"], s["seq_len"], s["seed"], rank=rank, world_size=world)
@@ -302,9 +310,11 @@ def _train(
         elif not ck_path.exists():
             stale = f"{', '.join(n for n in ckpt.LEGACY_FILES if (out / n).exists())} is an earlier checkpoint format"
         else:
-            rec = ckpt.read_record(out)  # a file that fails its check stops the run (CheckpointError)
+            rec = ckpt.verify_files(out, rank, world)  # a file that fails its check stops the run (CheckpointError)
             stale_step = rec["step"]
             problems, code_differs = resume_problems(rec, s, mcfg_dict, manifest_sha, world, fingerprint)
+            if rec["format"] != ckpt.FORMAT:
+                problems.append(f"written in the earlier format {rec['format']}")
             if code_differs and resume != "force":
                 problems.append(f"written by other training code (code sha256 {str(rec.get('code_sha256'))[:12]} "
                                 f"!= {fingerprint[:12]}; a run must not mix two code versions)")
@@ -314,7 +324,7 @@ def _train(
             if problems:
                 stale = "; ".join(problems)
             else:
-                st = ckpt.load_checkpoint(out, rec)
+                st = rec
     if resume in ("must", "force") and st is None:
         raise FileNotFoundError(f"{ck_path}: --resume {resume}, but there is no checkpoint to continue")
     if stale is not None:
@@ -334,16 +344,15 @@ def _train(
             "as well as modelling (point the scale's data stage at a larger corpus)")
     resumed = False
     if st is not None:
-        model.load_state_dict(st["model"])
-        for name, opt in optimizers.items():
-            opt.load_state_dict(st["optimizers"][name])
+        ckpt.restore_training(out, st, model, local_opts)  # weights, and this rank's optimiser state
+        mine = ckpt.read_state(out, st, rank)
         step, tokens, train_s = st["step"], st["tokens"], st["train_s"]
         wall_prev, cpu_prev = st["wall_s"], st["cpu_s"]
-        grad_norms = list(st["grad_norms"])
-        loader.load_state_dict(st["loader"][rank])
-        ckpt.set_rng_state(st["rng"][rank])
+        grad_norms = list(mine["grad_norms"] if rank == 0 else ckpt.read_state(out, st, 0)["grad_norms"])
+        loader.load_state_dict(mine["loader"])
+        ckpt.set_rng_state(mine["rng"])
         resumed = True
-        del st
+        del st, mine
 
     # ---- wrap ---------------------------------------------------------------------------------
     lm = LossModule(model, s["precision"])
@@ -372,25 +381,21 @@ def _train(
         return iter_eval_batches(manifest, "val", val_bs, s["seq_len"])
 
     def save_checkpoint():
-        loader_states = [loader.state_dict()]
-        rngs = [ckpt.rng_state()]
-        if world > 1:
-            loader_states = [None] * world
-            rngs = [None] * world
-            dist.all_gather_object(loader_states, loader.state_dict())
-            dist.all_gather_object(rngs, ckpt.rng_state())
+        """Every rank writes its share side by side (lrattnres/train/checkpoint.py); returns seconds."""
+        t0 = time.perf_counter()
         if master:
             metrics.flush()
-            ckpt.save_checkpoint(
-                out, model_state=model.state_dict(),
-                state={"optimizers": {k: o.state_dict() for k, o in optimizers.items()}, "rng": rngs,
-                       "loader": loader_states, "grad_norms": grad_norms},
-                meta={"step": step, "tokens": tokens, "train_s": train_s,
-                      "wall_s": wall_prev + time.perf_counter() - t_process,
-                      "cpu_s": cpu_prev + time.process_time() - cpu_process,
-                      "world_size": world, "spec": s, "model_config": mcfg_dict,
-                      "manifest_sha256": manifest_sha, "code_sha256": fingerprint},
-            )
+        ckpt.save_checkpoint(
+            out, tensors=ckpt.training_tensors(model, local_opts, owner, rank),
+            state={"rng": ckpt.rng_state(), "loader": loader.state_dict(), "grad_norms": grad_norms if master else []},
+            meta={"step": step, "tokens": tokens, "train_s": train_s,
+                  "wall_s": wall_prev + time.perf_counter() - t_process,
+                  "cpu_s": cpu_prev + time.process_time() - cpu_process,
+                  "world_size": world, "spec": s, "model_config": mcfg_dict,
+                  "manifest_sha256": manifest_sha, "code_sha256": fingerprint},
+            rank=rank, world=world,
+        )
+        return time.perf_counter() - t0
 
     bar = progress_bar(steps_total, step, enabled=master and progress, desc=out.name or "train")
     zc = float(s["z_loss"])
