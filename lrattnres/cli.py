@@ -21,6 +21,7 @@ import sys
 STAGES: dict[str, tuple[str, str]] = {
     "config": ("lrattnres.config", "print the resolved, validated configuration of a scale"),
     "memory": ("lrattnres.memory", "the estimated GPU memory of each size's training ranks"),
+    "jobs": ("lrattnres.jobplan", "what each training job asks of a cluster: placement, wall time, signal"),
     "accounting": ("lrattnres.accounting", "Appendix F: FLOPs, parameters and memory"),
     "corpus-pack": ("lrattnres.data.docs", "extract installed documentation into an offline text pack"),
     "prepare-data": ("lrattnres.data.cli", "tokenise a corpus into token shards and a manifest"),

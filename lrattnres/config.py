@@ -319,13 +319,16 @@ def _check_semantics(settings: dict, where: str) -> None:
             check_blocks(blocks, shape["n_layers"], where=f"{where}.accounting.blocks[{i}] ({role})")
     from lrattnres import batch
 
-    from lrattnres import memory
+    from lrattnres import jobplan, memory
 
     try:
         batch.check(settings, where)
         memory.check(settings, where)
+        jobplan.placement(settings)
     except (batch.BatchError, memory.FitError) as e:
         raise ConfigError(str(e)) from None
+    except jobplan.JobPlanError as e:
+        raise ConfigError(f"{where}.{e}") from None
 
 
 # Settings that say how and where a scale runs, not what it computes: changing them reruns nothing.

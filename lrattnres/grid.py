@@ -129,7 +129,6 @@ def train_spec(settings: dict, run: Run) -> dict:
         if key in recipe:
             model[key] = recipe.pop(key)
     spec = deep_merge(recipe, settings["train"])
-    spec.pop("tokens_per_update", None)
     b = batch.split(settings, run.preset)  # the size's micro-batch, accumulation (auto resolved) ...
     spec["micro_batch"], spec["grad_accum"] = b["micro_batch"], b["grad_accum"]
     spec.pop("shard_optimizer", None)

@@ -37,7 +37,7 @@ def test_each_paper_size_has_its_own_split_of_the_papers_update():
         assert (spec["micro_batch"], spec["grad_accum"]) == (b["micro_batch"], b["grad_accum"])
         assert spec["micro_batch"] * spec["seq_len"] * spec["grad_accum"] * 8 == PAPER_TOKENS_PER_UPDATE
         assert spec.get("shard_optimizer", False) is b["shard_optimizer"]
-        assert "tokens_per_update" not in spec
+        assert spec["tokens_per_update"] == PAPER_TOKENS_PER_UPDATE  # the trainer holds the job to it
 
 
 @pytest.mark.parametrize("gpus, nodes", [(1, 1), (2, 1), (4, 1), (8, 2), (16, 1)])

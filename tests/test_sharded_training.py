@@ -201,3 +201,14 @@ def test_a_v2_checkpoint_is_read_and_moved_aside(manifest, tmp_path):
     with pytest.raises(CheckpointError, match="format"):
         (stale / "checkpoint.json").write_text(json.dumps(dict(v2, format="other/1")))
         ckpt.read_record(stale)
+
+
+def test_a_job_on_another_gpu_count_than_its_spec_is_refused(manifest, tmp_path):
+    """A spec made for 2 ranks (tokens_per_update) run on 1: refused before any update, naming the fix."""
+    from lrattnres.train.spec import SpecError
+
+    with pytest.raises(SpecError, match=r"'tokens_per_update' is 256 but .* x 1 ranks = 128: .* resources.train.gpu"):
+        train(spec(tokens_per_update=256), manifest, tmp_path, progress=False)
+    assert not (tmp_path / "checkpoint.json").exists()
+    res = train(spec(tokens_per_update=128, steps=1), manifest, tmp_path / "ok", progress=False)
+    assert res["steps"] == 1

@@ -273,6 +273,11 @@ def _train(
     mcfg_dict = ckpt.model_config_dict(mcfg)
     steps_total = spec_mod.total_steps(s, world)
     tokens_per_step = s["micro_batch"] * s["seq_len"] * s["grad_accum"] * world
+    if s.get("tokens_per_update") and tokens_per_step != s["tokens_per_update"]:
+        raise spec_mod.SpecError(
+            f"spec key 'tokens_per_update' is {s['tokens_per_update']:,} but micro_batch {s['micro_batch']} x seq_len "
+            f"{s['seq_len']} x grad_accum {s['grad_accum']} x {world} ranks = {tokens_per_step:,}: the job runs on "
+            "another GPU count than its spec was made for (set resources.train.gpu and nodes in config.yaml)")
     train_split_tokens = int(manifest["splits"]["train"]["tokens"])
 
     _seed_all(s["seed"])
