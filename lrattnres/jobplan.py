@@ -162,6 +162,25 @@ def jobs_needed(settings: dict, spec: dict, preset: str) -> int | None:
     return max(1, math.ceil(est * (1 + c.get("job_margin", 0.0)) / per_job))
 
 
+def throughput_runtime_min(settings: dict, preset: str) -> int | None:
+    """Minutes the throughput job of ``preset`` asks for, from the timing protocol (lrattnres/throughput.py):
+    every repeat of every method compiles, warms up and times at most ``max_updates`` updates at the
+    size's speed; with the margin, at most the cluster's longest job. None without a speed."""
+    from lrattnres import throughput
+
+    c = _cluster(settings)
+    tps = (c.get("tokens_per_s_per_gpu") or {}).get(preset)
+    if not tps:
+        return None
+    t = throughput.resolve_spec({**settings.get("throughput", {}), "presets": [preset]})
+    tokens = t["grad_accum_by_preset"].get(preset, t["grad_accum"]) * t["micro_batch"] * t["seq_len"]
+    runs = len(t["methods_by_preset"].get(preset, t["methods"])) * t["repeats_by_preset"].get(preset, t["repeats"])
+    per_run = (c.get("compile_s", 0) if t["compile"] else 0) + (t["warmup"] + t["max_updates"]) * tokens / tps
+    want = math.ceil((c.get("job_startup_s", 0) + runs * per_run) * (1 + c.get("job_margin", 0.0)) / 60)
+    cap = c.get("runtime_max_min")
+    return min(want, cap) if cap else want
+
+
 def launcher(settings: dict, preset: str, gpus_per_node: int | None = None) -> str:
     """The command that starts ``python -m lrattnres`` on every rank of a training job."""
     p = placement(settings, gpus_per_node)

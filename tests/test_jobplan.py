@@ -145,3 +145,15 @@ def test_cli_prints_the_plan(capsys):
     assert jobplan.main(["--scale", "paper"]) == 0
     out = capsys.readouterr().out
     assert "| 4B | 76,294 | 20.0B | 1 x 8 |" in out and "torchrun --standalone --nproc-per-node 8" in out
+
+
+def test_throughput_wall_time_follows_the_protocol():
+    s = paper()
+    one, four = jobplan.throughput_runtime_min(s, "1B"), jobplan.throughput_runtime_min(s, "4B")
+    # 15 timed runs of compilation + 33 updates of 262,144 tokens at the size's speed, with the margin
+    c = s["cluster"]
+    want = (c["job_startup_s"] + 15 * (c["compile_s"] + 33 * 262144 / c["tokens_per_s_per_gpu"]["4B"])) * 1.25 / 60
+    assert four == pytest.approx(want, abs=1) and 120 < one < four < 6 * 60
+    extra = paper(throughput={"methods": ["fla-rd", "fused-rd", "fused-rd4", "baseline", "reference-rd4"]})
+    assert jobplan.throughput_runtime_min(extra, "1B") > 1.5 * one  # extra rows cost their time
+    assert jobplan.throughput_runtime_min(resolve(dict(RAW, scale="gpu")), "1B") is None  # no speeds: config's minutes

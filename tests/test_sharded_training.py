@@ -212,3 +212,23 @@ def test_a_job_on_another_gpu_count_than_its_spec_is_refused(manifest, tmp_path)
     assert not (tmp_path / "checkpoint.json").exists()
     res = train(spec(tokens_per_update=128, steps=1), manifest, tmp_path / "ok", progress=False)
     assert res["steps"] == 1
+
+
+def test_training_under_a_deadline_stops_with_a_checkpoint(manifest, tmp_path, monkeypatch):
+    """LRATTNRES_DEADLINE: once the next update and a checkpoint would pass it, the trainer writes its
+    checkpoint and stops (exit 75 on the command line); the same command then resumes."""
+    from lrattnres.train import loop
+
+    calls = {"n": 0}
+
+    def left():
+        calls["n"] += 1
+        return 1e9 if calls["n"] <= 3 else 0.5
+
+    monkeypatch.setattr(loop.deadline_mod, "left", left)
+    with pytest.raises(Preempted, match=r"stopped at step 3 \(LRATTNRES_DEADLINE\)"):
+        train(spec(), manifest, tmp_path, progress=False)
+    assert ckpt.read_record(tmp_path)["step"] == 3
+    monkeypatch.setattr(loop.deadline_mod, "left", lambda: None)
+    res = train(spec(), manifest, tmp_path, progress=False)
+    assert res["resumed"] and res["steps"] == 6

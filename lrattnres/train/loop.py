@@ -14,9 +14,10 @@ on each of ``world_size`` ranks.  Per step:
    written, so the last good one stays);
 6. Muon and AdamW step.
 
-Exit paths (``cli.py`` maps them to exit codes): normal end; SIGTERM/SIGINT (Slurm preemption):
-checkpoint at the next step boundary, then :class:`Preempted` (exit code 75, EX_TEMPFAIL: rerun
-the same command to resume); non-finite loss: :class:`NonFiniteLoss` (exit code 3).
+Exit paths (``cli.py`` maps them to exit codes): normal end; SIGTERM/SIGINT (Slurm preemption), or
+a deadline (``LRATTNRES_DEADLINE``, lrattnres/deadline.py) that the next update and a checkpoint
+would pass: checkpoint at the next step boundary, then :class:`Preempted` (exit code 75,
+EX_TEMPFAIL: rerun the same command to resume); non-finite loss: :class:`NonFiniteLoss` (exit code 3).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lrattnres import deadline as deadline_mod
 from lrattnres.errors import UserError
 from lrattnres.io import atomic_write_json
 from lrattnres.provenance import now, provenance
@@ -406,15 +408,21 @@ def _train(
     zc = float(s["z_loss"])
     clip = s["grad_clip"]
     ddp = world > 1
+    last_step_s, last_save_s = 0.0, 0.0
     try:
         while step < steps_total:
-            # preemption (all ranks agree) or a requested stop: checkpoint, then leave
-            flag = torch.tensor([1.0 if stop.signum is not None else 0.0], device=device if ddp else "cpu")
+            # preemption, a deadline (LRATTNRES_DEADLINE: the next update and a checkpoint would end after
+            # it) or a requested stop, on any rank (all ranks agree): checkpoint, then leave
+            rest = deadline_mod.left()
+            due = rest is not None and rest < last_step_s + last_save_s + 1.0
+            flag = torch.tensor([2.0 if stop.signum is not None else 1.0 if due else 0.0],
+                                device=device if ddp else "cpu")
             if ddp:
                 dist.all_reduce(flag, op=dist.ReduceOp.MAX)
             if flag.item() > 0 or (stop_after is not None and step >= stop_after):
                 save_checkpoint()
-                why = f"signal {stop.signum}" if stop.signum is not None else f"stop_after={stop_after}"
+                why = ("signal" + (f" {stop.signum}" if stop.signum is not None else " on another rank")
+                       if flag.item() >= 2 else deadline_mod.ENV if flag.item() > 0 else f"stop_after={stop_after}")
                 raise Preempted(f"stopped at step {step} ({why}); checkpoint {ck_path} written; rerun to resume")
 
             t0 = time.perf_counter()
@@ -432,6 +440,7 @@ def _train(
                     )
             apply_update(optimizers, device)
             dt = time.perf_counter() - t0
+            last_step_s = dt
             train_s += dt
             step += 1
             tokens += tokens_per_step
@@ -452,7 +461,7 @@ def _train(
                     bar.write(f"[train] step {step}: val ce {r['ce']:.4f} ({r['tokens']} tokens)")
             ce_every = s["checkpoint"]["every"]
             if ce_every and step % ce_every == 0 and step < steps_total:
-                save_checkpoint()
+                last_save_s = save_checkpoint()
     finally:
         bar.close()
         metrics.flush()
