@@ -31,6 +31,7 @@ STAGES: dict[str, tuple[str, str]] = {
     "evaluate": ("lrattnres.evaluate.cli", "zero-shot downstream evaluation with lm-eval"),
     "evaluate-pairs": ("lrattnres.evaluate.pairs", "the size-pair accuracy claims from the evaluations"),
     "kernel-check": ("lrattnres.kernel_check", "the fused routing kernel against the reference"),
+    "kernel-reads": ("lrattnres.kernel_reads", "Appendix I on a trained model: every routing read"),
     "throughput": ("lrattnres.throughput", "training-step throughput with the paper's protocol"),
     "diagnostics": ("lrattnres.diagnostics", "routing diagnostics: N_eff, heatmaps, grad norms"),
     "piece": ("lrattnres.pieces", "run a scale in pieces that continue each other across machines"),

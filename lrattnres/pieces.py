@@ -2,9 +2,10 @@
 
 A GPU machine lent for a few minutes at a time cannot hold a whole scale: its disk is gone after each
 command, and only small files come back. A *piece* is a group of training runs together with every
-stage that needs their weights (routing diagnostics, conversion, downstream evaluation), so the
-weights never have to leave the machine. The scale's ``pieces`` list names the groups by run-id
-patterns; a run belongs to the first piece that matches it.
+stage that needs their weights (routing diagnostics, conversion, downstream evaluation, Appendix I's
+check of every routing read of the size pair), so the weights never have to leave the machine. The
+scale's ``pieces`` list names the groups by run-id patterns; a run belongs to the first piece that
+matches it.
 
 A piece may also hold no runs, only stages (``stages: [throughput]``, optionally ``presets``: the
 sizes it times). The throughput stage keeps its finished timed runs in a partial state beside its
@@ -54,12 +55,13 @@ from lrattnres.provenance import now, provenance
 # which the next piece continues.
 KEEP = ("settings.json", "accounting.json", "kernel_check.json", "throughput.json", "throughput/*.json",
         "data/manifest.json", "data/build.json", "runs/*/result.json", "runs/*/metrics.jsonl", "runs/*/spec.json",
-        "diagnostics/*.json", "convert/*.json", "evaluate/*.json", "logs/**/*")
+        "diagnostics/*.json", "convert/*.json", "evaluate/*.json", "kernel_check/*.json", "logs/**/*")
 STAGES = ("settings", "accounting", "kernel_check", "throughput")
 # The rules a stage of a piece may run (the throughput stage: one job per size, then the merge).
 STAGE_RULES = {"throughput": ("throughput_size", "throughput")}
 # The rules that render the report from the pieces' small outputs (no weights needed).
-REPORT_RULES = ("grid_summary", "convert_all", "diagnostics", "evaluate_pairs", "throughput", "report")
+REPORT_RULES = ("grid_summary", "convert_all", "diagnostics", "evaluate_pairs", "throughput", "kernel_check_trained",
+                "report")
 # Seconds a piece keeps for packing its outputs after LRATTNRES_DEADLINE (lrattnres/deadline.py)
 PACK_MARGIN_S = 45
 # Snakemake's rerun triggers while continuing: none of code, modification times, parameters or input
@@ -119,12 +121,13 @@ def plan_pieces(settings: dict) -> list[Piece]:
 
 
 def piece_targets(settings: dict, piece: Piece) -> list[str]:
-    """The files a piece makes: per run its result, diagnostics, conversion and evaluation."""
+    """The files a piece makes: per run its result, diagnostics, conversion and evaluation, and for
+    the size pair's runs Appendix I's check of every routing read."""
     from lrattnres.grid import conversions, evaluations
 
     R = settings["results"]
     conv = {c["run_id"] for c in conversions(settings)}
-    evals = {e["run_id"] for e in evaluations(settings)}
+    evals = {e["run_id"] for e in evaluations(settings)}  # the size pair's runs
     out = []
     for s in piece.stages:
         if s == "throughput" and piece.presets:  # some sizes: their own results, merged at the report
@@ -136,7 +139,7 @@ def piece_targets(settings: dict, piece: Piece) -> list[str]:
         if run in conv:
             out.append(f"{R}/convert/{run}.json")
         if run in evals:
-            out.append(f"{R}/evaluate/{run}.json")
+            out += [f"{R}/evaluate/{run}.json", f"{R}/kernel_check/{run}.json"]
     return out
 
 
@@ -332,7 +335,7 @@ def run_piece(settings: dict, name: str, out: str, *, restore_from: list[str], c
         targets = piece_targets(settings, piece)
         plan = planned_jobs(targets, config_args, [])
         record["planned_jobs"] = plan
-        allowed = {"train", "diagnose_run", "convert", "evaluate", *piece.stages,
+        allowed = {"train", "diagnose_run", "convert", "evaluate", "kernel_check_run", *piece.stages,
                    *(r for st in piece.stages for r in STAGE_RULES.get(st, ()))}
         redo = sorted(set(plan) - allowed)
         if redo and not allow_rerun:

@@ -50,6 +50,9 @@ def test_targets_include_the_stages_that_need_weights():
     assert f"{R}/kernel_check.json" in t
     assert f"{R}/evaluate/gpu-small-attnres-n8-r384-s0.json" in t and f"{R}/convert/gpu-small-attnres-n8-r384-s0.json" in t
     assert all(f"{R}/diagnostics/{r}.json" in t for r in first.runs)
+    # Appendix I's reads of the size pair's runs, beside their models; no other run's
+    assert f"{R}/kernel_check/gpu-small-attnres-n8-r384-s0.json" in t
+    assert [x for x in t if "/kernel_check/" in x] == [f"{R}/kernel_check/gpu-small-attnres-n8-r384-s0.json"]
 
 
 def _fake_results(root: Path) -> None:

@@ -50,7 +50,10 @@ def test_dry_run_every_scale(shared_copy, scale):
     assert counts.get("train") == len(plan(settings))
     assert counts.get("convert") == len(conversions(settings))
     assert counts.get("evaluate") == len(evaluations(settings))
-    for rule in ("accounting", "prepare_data", "report", "grid_summary", "convert_all", "diagnostics"):
+    assert counts.get("kernel_check_run") == len(evaluations(settings))  # Appendix I: every read of the size pair
+    assert counts.get("throughput_size") == len(settings["throughput"]["presets"])  # one timing job per size
+    for rule in ("accounting", "prepare_data", "report", "grid_summary", "convert_all", "diagnostics", "throughput",
+                 "kernel_check", "kernel_check_trained"):
         assert counts.get(rule) == 1, (rule, counts)
 
 
@@ -147,8 +150,8 @@ def test_default_profile_loads_by_itself(shared_copy):
     assert slurm["executor"] == "slurm" and not {"executor", "jobs", "keep-going"} & set(prof)
 
 
-GPU_RULES = ("train", "evaluate", "convert", "diagnostics", "throughput", "kernel_check")
-EXCLUSIVE = ("throughput", "kernel_check")
+GPU_RULES = ("train", "evaluate", "convert", "diagnostics", "kernel_check_run", "throughput_size", "kernel_check")
+EXCLUSIVE = ("throughput_size", "kernel_check")
 
 
 def test_gpu_scale_never_runs_a_timing_job_beside_another_gpu_job(shared_copy):
@@ -179,9 +182,10 @@ def test_gpu_scale_never_runs_a_timing_job_beside_another_gpu_job(shared_copy):
             assert demand[a] + min(j["gpu_slots"] for j in jobs[b]) > slots, (a, b, demand)
     for a in ("evaluate", "convert", "diagnostics"):
         assert demand[a] * 2 > slots and demand[a] + demand["train"] > slots
+    assert demand["kernel_check_run"] == demand["train"]  # Appendix I's reads of a run share the GPU like a training
     assert demand["train"] * per_gpu <= slots  # the scale lets this many trainings share one GPU
     # on a machine with two GPUs, two timing jobs may run at once (one per GPU)
-    assert demand["throughput"] + demand["kernel_check"] <= 2 * slots
+    assert demand["throughput_size"] + demand["kernel_check"] <= 2 * slots
 
 
 def test_lint_clean(shared_copy):
