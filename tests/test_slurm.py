@@ -171,3 +171,17 @@ def test_training_job_lands_on_one_node_with_its_gpus(slurm_cluster, tmp_path, l
         assert cmd.startswith("srun --overlap --nodes=1") and "--rdzv-backend=c10d" in cmd, cmd
     else:
         assert cmd.startswith("torchrun --standalone --nproc-per-node 2 --shutdown-timeout 300"), cmd
+
+
+def test_data_stage_runs_where_snakemake_runs_when_local(slurm_cluster, tmp_path):
+    """resources.prepare_data.local: the data stage (which may need the network) runs on the machine
+    that runs Snakemake, as a local rule, and is not submitted to Slurm."""
+    work = copy_repo(tmp_path / "repo")
+    proc = snakemake(
+        work, "results/smoke/data/manifest.json", "--profile", PROFILE, "--config", "scale=smoke",
+        'resources={"prepare_data": {"local": true}}', *cluster_flags(jobs=2), check=False, timeout=600,
+    )
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, f"{out[-6000:]}\n{slurm_logs(work)}"
+    assert re.search(r"^localrule prepare_data:", out, re.M) and "has been submitted with SLURM jobid" not in out, out[-3000:]
+    assert (work / "results" / "smoke" / "data" / "manifest.json").is_file()
