@@ -9,7 +9,9 @@ RUNS = {run.run_id: run for run in plan_grid(S)}
 # several through the job's own srun and torchrun's rendezvous; then the Slurm executor runs the
 # command in the batch script (an "mpi" job) with one task per node.
 TRAIN_JOB = jobplan.slurm_resources(S, S["presets"]["main"])
-TRAIN_SPANS = {k: TRAIN_JOB[k] for k in ("mpi", "tasks", "cpus_per_task") if k in TRAIN_JOB}
+TRAIN_SPANS = {
+    k: TRAIN_JOB[k] for k in ("mpi", "tasks", "cpus_per_task") if k in TRAIN_JOB
+}
 
 
 def train_runtime(wc):
@@ -39,6 +41,7 @@ rule train:
         "../../envs/lrattnres.yaml"
     threads: 1
     resources:
+        **TRAIN_SPANS,
         attempt=attempt,
         mem_mb=res("train", "mem_mb", 4000),
         runtime=train_runtime,
@@ -47,8 +50,9 @@ rule train:
         cpus_per_gpu=res("train", "cpus_per_gpu", 1),
         nodes=TRAIN_JOB["nodes"],
         # the signal lead covers an update and a checkpoint write; logs append across requeues
-        slurm_extra=lambda wc: jobplan.slurm_resources(S, RUNS[wc.run].preset)["slurm_extra"],
-        **TRAIN_SPANS,
+        slurm_extra=lambda wc: jobplan.slurm_resources(S, RUNS[wc.run].preset)[
+            "slurm_extra"
+        ],
     params:
         spec=lambda wc: spec(train_spec(S, RUNS[wc.run])),
         out=lambda wc, output: os.path.dirname(output.result),
