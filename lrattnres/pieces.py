@@ -168,7 +168,9 @@ def pack(out: str | os.PathLike, results: str, workdir: str = ".") -> dict[str, 
     metas = [f".snakemake/metadata/{_metadata_name(r)}" for r in rel]
     metas = [m for m in metas if (cwd / m).is_file()]
     with atomic_path(out) as tmp:
-        with tarfile.open(tmp, "w:xz") as tar:
+        # dereference: a job's log and its attempt's copy are one file under two names (a hard link,
+        # lrattnres/attempts.py); each goes in as a plain file, which restore() accepts
+        with tarfile.open(tmp, "w:xz", dereference=True) as tar:
             for r in rel + metas:
                 tar.add(str(cwd / r), arcname=r, recursive=False)
     return {"files": len(rel), "metadata": len(metas), "bytes": os.path.getsize(out)}

@@ -85,6 +85,23 @@ def test_pack_keeps_small_outputs_and_metadata_only(tmp_path):
     assert len(got) == len(names) - 1
 
 
+def test_hard_linked_logs_are_packed_as_plain_files(tmp_path):
+    """A job's log and its attempt's copy (one file, two names) come back as two plain files."""
+    import os
+
+    src = tmp_path / "src"
+    logs = src / "results" / "smoke" / "logs"
+    (logs / "attempts").mkdir(parents=True)
+    (logs / "accounting.log").write_text("log")
+    os.link(logs / "accounting.log", logs / "attempts" / "accounting.1.log")
+    pieces.pack(tmp_path / "p.tar.xz", "results/smoke", workdir=str(src))
+    with tarfile.open(tmp_path / "p.tar.xz") as tar:
+        assert all(m.isfile() for m in tar.getmembers())
+    got = pieces.restore([str(tmp_path / "p.tar.xz")], workdir=str(tmp_path / "dst"))
+    assert sorted(got) == ["results/smoke/logs/accounting.log", "results/smoke/logs/attempts/accounting.1.log"]
+    assert (tmp_path / "dst" / "results/smoke/logs/attempts/accounting.1.log").read_text() == "log"
+
+
 def test_restore_refuses_members_outside_the_tree(tmp_path):
     evil = tmp_path / "evil.tar.xz"
     (tmp_path / "x").write_text("x")
