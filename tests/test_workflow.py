@@ -4,6 +4,7 @@ and reruns that follow real code changes."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import subprocess
@@ -150,14 +151,15 @@ def test_default_profile_loads_by_itself(shared_copy):
     assert slurm["executor"] == "slurm" and not {"executor", "jobs", "keep-going"} & set(prof)
 
 
-GPU_RULES = ("train", "evaluate", "convert", "diagnostics", "kernel_check_run", "throughput_size", "kernel_check")
+GPU_RULES = ("train", "evaluate", "convert", "diagnose_run", "kernel_check_run", "throughput_size", "kernel_check")
 EXCLUSIVE = ("throughput_size", "kernel_check")
+CONFIG_KEY = {"diagnose_run": "diagnostics", "throughput_size": "throughput"}  # the rules' resources entries
 
 
 def test_gpu_scale_never_runs_a_timing_job_beside_another_gpu_job(shared_copy):
     """A dry run of the gpu scale under the default profile on a machine of one GPU: every GPU job
     declares its GPU; the resources each job declares never let Snakemake run a timing job beside
-    another GPU job, nor two other GPU jobs on one GPU, while up to jobs_per_gpu trainings share it."""
+    another GPU job, nor more jobs of a rule on one GPU than the scale's jobs_per_gpu lets share it."""
     proc = snakemake(shared_copy, "-n", "--config", "scale=gpu", "--resources", "gpu=1")
     jobs: dict[str, list[dict]] = {}
     rule = None
@@ -172,7 +174,8 @@ def test_gpu_scale_never_runs_a_timing_job_beside_another_gpu_job(shared_copy):
     settings = load_and_resolve(REPO / "config.yaml", {"scale": "gpu"})
     per_gpu = settings["resources"]["train"]["jobs_per_gpu"]
     assert per_gpu > 1
-    slots = 1 * per_gpu  # what the workflow offers for --resources gpu=1
+    # what the workflow offers for --resources gpu=1: slots enough for every rule's sharing (common.smk)
+    slots = math.lcm(*(b.get("jobs_per_gpu", 1) for b in settings["resources"].values()))
     for r in GPU_RULES:
         assert jobs.get(r), r
         assert all(j["gpu"] >= 1 and j["gpu_slots"] >= 1 for j in jobs[r]), (r, jobs[r])
@@ -180,8 +183,10 @@ def test_gpu_scale_never_runs_a_timing_job_beside_another_gpu_job(shared_copy):
     for a in EXCLUSIVE:
         for b in GPU_RULES:
             assert demand[a] + min(j["gpu_slots"] for j in jobs[b]) > slots, (a, b, demand)
-    for a in ("evaluate", "convert", "diagnostics"):
-        assert demand[a] * 2 > slots and demand[a] + demand["train"] > slots
+    # every other GPU job takes its share: k jobs of a rule the scale lets share a GPU fill it, never more
+    for a in GPU_RULES:
+        k = settings["resources"].get(CONFIG_KEY.get(a, a), {}).get("jobs_per_gpu", 1)
+        assert demand[a] == slots // k and demand[a] * (k + 1) > slots, (a, k, demand)
     assert demand["kernel_check_run"] == demand["train"]  # Appendix I's reads of a run share the GPU like a training
     assert demand["train"] * per_gpu <= slots  # the scale lets this many trainings share one GPU
     # on a machine with two GPUs, two timing jobs may run at once (one per GPU)
@@ -254,10 +259,11 @@ def test_smoke_dag_end_to_end_and_reruns_follow_code(tmp_path):
     assert set(_planned(work)) == {"report", "all"}
 
     # a real change of the accounting module reruns the accounting, the stages that import it (the
-    # grid summary uses its FLOP counts, the diagnostics the grid's run list) and the report
+    # grid summary uses its FLOP counts, the diagnostics of each run and their summary the grid's run
+    # list) and the report
     acc = work / "lrattnres" / "accounting.py"
     acc.write_text(acc.read_text() + "\n# a change\n")
-    assert set(_planned(work)) == {"accounting", "grid_summary", "diagnostics", "report", "all"}
+    assert set(_planned(work)) == {"accounting", "grid_summary", "diagnose_run", "diagnostics", "report", "all"}
     snakemake(work, "reports/paper.html", "--cores", "2", "--config", "scale=smoke")
 
     # a change of the model reruns the training runs and what reads them, not data or accounting

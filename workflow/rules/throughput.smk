@@ -6,14 +6,6 @@
 THROUGHPUT_PRESETS = list(S["throughput"].get("presets", []))
 
 
-def throughput_runtime(wc):
-    """The wall time of one size's timing job: config's minutes, or (auto) from the protocol."""
-    given = res("throughput", "runtime", 30)
-    if given != "auto":
-        return given
-    return jobplan.throughput_runtime_min(S, wc.preset) or 60
-
-
 rule throughput_size:
     input:
         data=rules.prepare_data.output.manifest,

@@ -2,7 +2,6 @@
 # the rank/grouping sweep, the baseline, seeds, the full-width-RMS control, projected keys and the
 # size pair. Run folders are named <preset>-<method>-n<N>-r<rank>-s<seed>.
 from lrattnres.grid import plan as plan_grid, train_spec
-from lrattnres import jobplan
 
 RUNS = {run.run_id: run for run in plan_grid(S)}
 # Where a training job runs (lrattnres/jobplan.py): one node (--nodes=1, --gpus-per-node), or
@@ -12,15 +11,6 @@ TRAIN_JOB = jobplan.slurm_resources(S, S["presets"]["main"])
 TRAIN_SPANS = {
     k: TRAIN_JOB[k] for k in ("mpi", "tasks", "cpus_per_task") if k in TRAIN_JOB
 }
-
-
-def train_runtime(wc):
-    """The wall time of a run's job: config's minutes, or (auto) estimated from its size and tokens."""
-    given = res("train", "runtime", 60)
-    if given != "auto":
-        return given
-    run = RUNS[wc.run]
-    return jobplan.runtime_min(S, train_spec(S, run), run.preset) or 60
 
 
 rule train:
