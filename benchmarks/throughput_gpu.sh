@@ -3,11 +3,12 @@
 #
 #   OUT=/some/dir bash benchmarks/throughput_gpu.sh        # from the repository root; OUT defaults to benchmarks/results
 #
-# Writes $OUT/throughput_h200.json (the stage's result JSON, rewritten after every repeat, so a run cut off
-# by the call's time limit still leaves the finished repeats), $OUT/throughput_h200.log, $OUT/pip.log and
-# $OUT/nvidia-smi.txt.  Copy the JSON to benchmarks/results/ and point a config.yaml key
-# recorded.throughput_gpu<suffix> at it (the report shows every recorded.throughput_gpu* file; the
-# 2026-11-29 recordings are throughput_h200_1b.json and throughput_h200_4b.json, from MODE=1B and MODE=4B).
+# Writes $OUT/throughput_h200.json (the stage's result JSON; a run cut off by the call's time limit leaves
+# its finished timed runs in $OUT/throughput_h200.partial.json, which the same command continues),
+# $OUT/throughput_h200.log, $OUT/pip.log and $OUT/nvidia-smi.txt.  Copy the JSON to benchmarks/results/
+# and point a config.yaml key recorded.throughput_gpu<suffix> at it (the report shows every
+# recorded.throughput_gpu* file; the 2026-11-29 recordings are throughput_h200_1b.json and
+# throughput_h200_4b.json, from MODE=1B and MODE=4B).
 #
 # Settings, chosen to fit one call of at most 9 minutes (see the deadlines):
 #   1B: micro-batch 2 x 2048, 4 accumulation steps (16,384 tokens per update; the paper uses 64 steps,

@@ -45,6 +45,7 @@ SECTIONS = (
     "diagnostics",
     "kernel_check",
     "pieces",
+    "cluster",
 )
 
 
@@ -341,10 +342,22 @@ def _check_semantics(settings: dict, where: str) -> None:
             resolve_rank(rank, shape["d_model"], where=f"{where}.accounting.ranks[{i}] ({role})")
         for i, blocks in enumerate(acc.get("blocks", [])):
             check_blocks(blocks, shape["n_layers"], where=f"{where}.accounting.blocks[{i}] ({role})")
+    from lrattnres import batch
+
+    from lrattnres import jobplan, memory
+
+    try:
+        batch.check(settings, where)
+        memory.check(settings, where)
+        jobplan.placement(settings)
+    except (batch.BatchError, memory.FitError) as e:
+        raise ConfigError(str(e)) from None
+    except jobplan.JobPlanError as e:
+        raise ConfigError(f"{where}.{e}") from None
 
 
 # Settings that say how and where a scale runs, not what it computes: changing them reruns nothing.
-EXECUTION_KEYS = (("resources",), ("results",), ("data", "num_threads"))
+EXECUTION_KEYS = (("resources",), ("results",), ("data", "num_threads"), ("data", "hf", "local_dir"), ("cluster",))
 TIMING_RULES = ("throughput", "kernel_check")  # timed: always alone on their GPU
 
 

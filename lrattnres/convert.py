@@ -46,11 +46,18 @@ Checks (Table 2, Appendix B.2)
   original's float64 logits move when every weight gets one float64 rounding of noise: a model with
   large, sharp routing scores amplifies rounding (random models with queries of norm ~16 at d = 1024
   reach 1e-6), so the error is read against that floor.  ``exported_max_logit_err`` is the same
-  difference for the weights rounded to the storage dtype (what ``--save`` writes).
-* Paired validation cross-entropy of the original and the *exported* converted model (weights in the
-  checkpoint's storage dtype, as saved): the same windows of the validation split, bf16 autocast on a
-  GPU and fp32 on the CPU (``spec.precision``), fp32 per-token CE, fp64 sums; ``delta_ce`` =
-  converted minus original.
+  difference for the converted weights as exported (BF16 by default), ``exported_original_max_logit_err``
+  the original's after the same export: what the export's rounding alone moves.
+* Export and reload (Appendix B.2: "export and strictly reload the BF16 checkpoints"): the original
+  and the converted weights are written as checked safetensors in ``spec.export_dtype`` (``bf16``,
+  the default; ``storage``: the checkpoint's own dtype), read back through ``load_model`` (sha256,
+  every parameter of the recorded architecture) and compared with what was written. On a GPU the
+  reloaded models' fused routing is compared with the reference on the FP64 check's sequence
+  (``native_vs_reference_max_logit_err``, bf16).
+* Paired validation cross-entropy of the *reloaded* original and converted models (Table 2: "BF16
+  model computation, FP32 per-token cross-entropy, and FP64 summation"): the same windows of the
+  validation split, bf16 autocast on a GPU and fp32 on the CPU (``spec.precision``), fp32 per-token
+  CE, fp64 sums; ``delta_ce`` = converted minus original.
 * ``joint_rank`` and ``active_queries`` (= 2L).
 * Slice drift: the converted weights run with slice normalisation (method ``lr``: RMS over the last r
   coordinates only).  The theorem does not cover it; the drift is reported, not claimed.
@@ -66,7 +73,7 @@ Spec keys: ``rank`` (int, "d", "d/<n>" or "k" = the joint rank), ``val_tokens`` 
 null = the whole split), ``batch_size``, ``claim_row`` ("<size>.n<N>", e.g. "0.5b.nfull", "1b.n8", or
 null), optional ``precision`` ("auto" | "bf16" | "fp32"), ``device`` ("auto" | "cpu" | "cuda[:i]"),
 ``rtol`` (float or null), ``seq_len`` (CE window length; default: the training spec's, else
-max_seq_len).
+max_seq_len), ``export_dtype`` ("bf16" | "storage"; default "bf16").
 """
 
 from __future__ import annotations
@@ -78,6 +85,7 @@ import logging
 import math
 import re
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -87,7 +95,7 @@ from lrattnres.errors import UserError
 log = logging.getLogger("lrattnres.convert")
 
 DEFAULT_PUBLISHED = Path(__file__).resolve().parent.parent / "reports" / "published.yaml"
-SPEC_KEYS = {"rank", "val_tokens", "batch_size", "claim_row", "precision", "device", "rtol", "seq_len"}
+SPEC_KEYS = {"rank", "val_tokens", "batch_size", "claim_row", "precision", "device", "rtol", "seq_len", "export_dtype"}
 SPEC_REQUIRED = ("rank", "batch_size")
 SIZES = ("0.5b", "1b", "4b")
 
@@ -564,7 +572,9 @@ def validate_spec(spec: Any) -> dict:
         if k not in spec:
             raise ValueError(f"spec.{k}: missing (required)")
     out = {"val_tokens": None, "claim_row": None, "precision": "auto", "device": "auto", "rtol": None,
-           "seq_len": None, **spec}
+           "seq_len": None, "export_dtype": "bf16", **spec}
+    if out["export_dtype"] not in ("bf16", "storage"):
+        raise ValueError(f"spec.export_dtype: expected 'bf16' or 'storage', got {out['export_dtype']!r}")
     if not isinstance(out["rank"], (int, str)) or isinstance(out["rank"], bool):
         raise ValueError(f"spec.rank: expected an int or 'd/<n>', got {out['rank']!r}")
     for k, lo in (("batch_size", 1), ("val_tokens", 1), ("seq_len", 1)):
@@ -590,7 +600,7 @@ def _device(name: str):
 
 
 def _export(conv_model, dtype, device):
-    """The converted model with weights rounded to the storage dtype (what ``--save`` writes)."""
+    """The converted model with weights rounded to the export dtype (what ``--save`` writes)."""
     import torch
 
     from lrattnres.model import build_model
@@ -661,48 +671,62 @@ def run(checkpoint: str | Path, data: str | Path, spec: dict, save: str | Path |
     routing_err = max(float((a - b).abs().max()) for a, b in zip(w_orig, w_conv))
     del w_orig, w_conv
     spectrum, qres = conv.span, conv.query_residual
-    conv_export = _export(conv.model, storage, device)
+    edtype = torch.bfloat16 if spec["export_dtype"] == "bf16" else storage
+    conv_export = _export(conv.model, edtype, device)
+    orig_export = _export(model, edtype, device)
     del conv64, conv  # free the float64 converted model before the exported copy's check
     exported_err = max_logit_diff_to(ref, _fp64_view(conv_export), inputs, doc_ids)
+    exported_orig_err = max_logit_diff_to(ref, _fp64_view(orig_export), inputs, doc_ids)
     noise_floor = fp64_noise_floor(orig64, ref, inputs, doc_ids)  # perturbs orig64: last use
     log.info("FP64 max logit error %.3e (logit scale %.3g; float64 noise floor %.3e), routing weights %.3e; "
-             "exported (%s) %.3e; slice drift %.3e", err, scale, noise_floor, routing_err,
-             str(storage).replace("torch.", ""), exported_err, slice_err)
+             "exported (%s) %.3e, the original exported %.3e; slice drift %.3e", err, scale, noise_floor, routing_err,
+             str(edtype).replace("torch.", ""), exported_err, exported_orig_err, slice_err)
     del orig64, ref
     if device.type == "cuda":
         torch.cuda.empty_cache()
+
+    # ---- export and strict reload (Appendix B.2) ----------------------------------------------
+    meta = {"model_config": dataclasses.asdict(conv_export.cfg), "spec": info.get("spec"),
+            "manifest_sha256": info.get("manifest_sha256"), "step": info.get("step"), "tokens": info.get("tokens"),
+            "converted_from": {"checkpoint": str(checkpoint), "run_id": run_id, "joint_rank": spectrum.joint_rank,
+                               "rank": int(conv_export.cfg.rank), "method": "lr-fullrms", "rtol": spectrum.rtol},
+            "export_dtype": str(edtype).replace("torch.", "")}
+    with tempfile.TemporaryDirectory(prefix="lrattnres-convert-") as tmp:
+        paths = {"original": Path(tmp) / "original.safetensors",
+                 "converted": Path(save) if save is not None else Path(tmp) / "converted.safetensors"}
+        reloaded = {}
+        for name, m, info_ in (("original", orig_export, {**info, "export_dtype": meta["export_dtype"]}),
+                               ("converted", conv_export, meta)):
+            weights = {k: v.detach().cpu() for k, v in m.state_dict().items()}
+            ckpt.save_model(weights, {k: v for k, v in info_.items() if k != "path"}, paths[name])
+            back, _ = ckpt.load_model(paths[name], "cpu")  # strict reload: sha256, every parameter
+            for k, v in back.state_dict().items():
+                if not torch.equal(v.to(weights[k].dtype), weights[k]):
+                    raise RuntimeError(f"{paths[name]}: parameter {k} changed in the export and reload")
+            reloaded[name] = back.to(device).eval()
+        del orig_export, conv_export
+    saved = str(save) if save is not None else None
+    if saved:
+        log.info("saved the converted checkpoint to %s", save)
+    native_err = None
+    if device.type == "cuda":  # the reloaded models' native routing against the reference on the check's sequence
+        with torch.no_grad(), _autocast(device, "bf16"):
+            native_err = max(float((with_config(m, router="fused")(inputs, doc_ids).float()
+                                    - with_config(m, router="reference")(inputs, doc_ids).float()).abs().max())
+                             for m in reloaded.values())
 
     # ---- paired validation CE -----------------------------------------------------------------
     seq_len = spec["seq_len"] or (info.get("spec") or {}).get("seq_len") or L
     seq_len = min(int(seq_len), L)
     batches = iter_eval_batches(manifest, "val", spec["batch_size"], seq_len)
     max_windows = None if spec["val_tokens"] is None else max(1, spec["val_tokens"] // seq_len)
-    models = {"original": model.to(device).eval(), "converted": conv_export, "slice": with_config(conv_export, method="lr")}
+    models = {"original": reloaded["original"], "converted": reloaded["converted"],
+              "slice": with_config(reloaded["converted"], method="lr")}
     ce = paired_ce(models, batches, device, precision, max_windows, progress=progress)
     orig_ce, conv_ce, slice_ce = ce["ce"]["original"], ce["ce"]["converted"], ce["ce"]["slice"]
     wce = ce["window_ce"]
     log.info("paired CE over %d tokens (%s): original %.6f converted %.6f delta %+.3e; slice %.6f",
              ce["tokens"], precision, orig_ce, conv_ce, conv_ce - orig_ce, slice_ce)
-
-    saved = None
-    if save is not None:
-        weights = {k: v.detach().cpu() for k, v in conv_export.state_dict().items()}
-        meta = {
-            "model_config": dataclasses.asdict(conv_export.cfg),
-            "spec": info.get("spec"),
-            "manifest_sha256": info.get("manifest_sha256"),
-            "step": info.get("step"),
-            "tokens": info.get("tokens"),
-            "converted_from": {"checkpoint": str(checkpoint), "run_id": run_id, "joint_rank": spectrum.joint_rank,
-                               "rank": int(conv_export.cfg.rank), "method": "lr-fullrms", "rtol": spectrum.rtol},
-        }
-        ckpt.save_model(weights, meta, save)
-        back, _ = ckpt.load_model(save, "cpu")  # strict reload
-        for k, v in back.state_dict().items():
-            if not torch.equal(v, weights[k]):
-                raise RuntimeError(f"{save}: parameter {k} changed in the save/load round trip")
-        saved = str(save)
-        log.info("saved the converted checkpoint to %s", save)
 
     result = {
         "stage": "convert",
@@ -713,7 +737,7 @@ def run(checkpoint: str | Path, data: str | Path, spec: dict, save: str | Path |
         "blocks": cfg.blocks,
         "n_layers": cfg.n_layers,
         "d": cfg.d_model,
-        "rank": int(conv_export.cfg.rank),
+        "rank": int(reloaded["converted"].cfg.rank),
         "joint_rank": spectrum.joint_rank,
         "active_queries": spectrum.active_queries,
         "rtol": spectrum.rtol,
@@ -725,8 +749,10 @@ def run(checkpoint: str | Path, data: str | Path, spec: dict, save: str | Path |
         "fp64_noise_floor": noise_floor,
         "fp64_rel_logit_err": err / scale if scale > 0 else None,
         "routing_max_err": routing_err,
-        "exported_dtype": str(storage).replace("torch.", ""),
+        "exported_dtype": str(edtype).replace("torch.", ""),
         "exported_max_logit_err": exported_err,
+        "exported_original_max_logit_err": exported_orig_err,
+        "native_vs_reference_max_logit_err": native_err,
         "original_ce": orig_ce,
         "converted_ce": conv_ce,
         "delta_ce": conv_ce - orig_ce,

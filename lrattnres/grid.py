@@ -31,7 +31,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from lrattnres import stats
+from lrattnres import batch, stats
 from lrattnres.accounting import added_flops
 from lrattnres.config import deep_merge, resolve_rank
 from lrattnres.errors import InputError
@@ -121,13 +121,21 @@ def plan(settings: dict) -> list[Run]:
 
 
 def train_spec(settings: dict, run: Run) -> dict:
-    """The training spec of one run: the recipe, the scale's training settings, the run's model."""
+    """The training spec of one run: the recipe, the scale's training settings with the batch split
+    of the run's size (lrattnres/batch.py), the run's model."""
     recipe = dict(settings["recipe"])
     model = run.model()
     for key in ("router", "attention", "norm_eps", "stream_dtype"):
         if key in recipe:
             model[key] = recipe.pop(key)
     spec = deep_merge(recipe, settings["train"])
+    b = batch.split(settings, run.preset)  # the size's micro-batch, accumulation (auto resolved) ...
+    spec["micro_batch"], spec["grad_accum"] = b["micro_batch"], b["grad_accum"]
+    spec.pop("shard_optimizer", None)
+    if b["shard_optimizer"]:
+        spec["shard_optimizer"] = True
+    if b["val_batch_size"] is not None:
+        spec["val"] = {**spec.get("val", {}), "batch_size": b["val_batch_size"]}
     spec["model"] = model
     spec["seed"] = run.seed
     if run.steps is not None:

@@ -73,20 +73,21 @@ def four_number_example(op) -> float:
     return max(errs)
 
 
-def compare(fused, sources, query, norm: str) -> dict[str, float]:
-    """Forward and backward of ``fused`` against the reference on the same inputs and upstream grad."""
+def compare(fused, sources, query, norm: str, grad=None, eps: float = 1e-6) -> dict[str, float]:
+    """Forward and backward of ``fused`` against the reference on the same inputs and upstream grad
+    (``grad``: a given upstream gradient, e.g. a trained model's loss-derived one; default random)."""
     import torch
 
     from lrattnres.routing import route
 
     srcs = [s.detach().clone().requires_grad_(True) for s in sources]
     q = query.detach().clone().requires_grad_(True)
-    out = fused(srcs, q, norm=norm, eps=1e-6)
-    g = torch.randn_like(out)
+    out = fused(srcs, q, norm=norm, eps=eps)
+    g = torch.randn_like(out) if grad is None else grad.detach().to(out.dtype)
     out.backward(g)
     ref_srcs = [s.detach().double().requires_grad_(True) for s in sources]
     ref_q = query.detach().double().requires_grad_(True)
-    ref = route(ref_srcs, ref_q, norm=norm, eps=1e-6)
+    ref = route(ref_srcs, ref_q, norm=norm, eps=eps)
     ref.backward(g.double())
 
     def rel(a, b):

@@ -2,9 +2,16 @@
 
 A GPU machine lent for a few minutes at a time cannot hold a whole scale: its disk is gone after each
 command, and only small files come back. A *piece* is a group of training runs together with every
-stage that needs their weights (routing diagnostics, conversion, downstream evaluation), so the
-weights never have to leave the machine. The scale's ``pieces`` list names the groups by run-id
-patterns; a run belongs to the first piece that matches it.
+stage that needs their weights (routing diagnostics, conversion, downstream evaluation, Appendix I's
+check of every routing read of the size pair), so the weights never have to leave the machine. The
+scale's ``pieces`` list names the groups by run-id patterns; a run belongs to the first piece that
+matches it.
+
+A piece may also hold no runs, only stages (``stages: [throughput]``, optionally ``presets``: the
+sizes it times). The throughput stage keeps its finished timed runs in a partial state beside its
+output (kept by :data:`KEEP`); a piece run with ``--deadline`` passes ``LRATTNRES_DEADLINE`` to its
+jobs, so the stage stops before the piece's time is up, and running the same piece again, restoring
+its last archive, continues it until the result is complete.
 
 ``python -m lrattnres piece list`` shows the pieces and their jobs.
 ``python -m lrattnres piece run NAME --out DIR [--restore A.tar.xz ...]`` restores earlier pieces,
@@ -38,17 +45,25 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from lrattnres.deadline import ENV as DEADLINE_ENV
 from lrattnres.io import atomic_path, atomic_write_json, read_json
 from lrattnres.provenance import now, provenance
 
 # Files of a scale's results that a piece brings back (relative to <results>/<scale>/); weights,
 # checkpoints and token shards stay on the machine.
-KEEP = ("settings.json", "accounting.json", "kernel_check.json", "throughput.json", "data/manifest.json",
-        "data/build.json", "runs/*/result.json", "runs/*/metrics.jsonl", "runs/*/spec.json",
-        "diagnostics/*.json", "convert/*.json", "evaluate/*.json", "logs/**/*")
+# throughput/ holds each size's timing and, while unfinished, its partial state (<preset>.partial.json),
+# which the next piece continues.
+KEEP = ("settings.json", "accounting.json", "kernel_check.json", "throughput.json", "throughput/*.json",
+        "data/manifest.json", "data/build.json", "runs/*/result.json", "runs/*/metrics.jsonl", "runs/*/spec.json",
+        "diagnostics/*.json", "convert/*.json", "evaluate/*.json", "kernel_check/*.json", "logs/**/*")
 STAGES = ("settings", "accounting", "kernel_check", "throughput")
+# The rules a stage of a piece may run (the throughput stage: one job per size, then the merge).
+STAGE_RULES = {"throughput": ("throughput_size", "throughput")}
 # The rules that render the report from the pieces' small outputs (no weights needed).
-REPORT_RULES = ("grid_summary", "convert_all", "diagnostics", "evaluate_pairs", "report")
+REPORT_RULES = ("grid_summary", "convert_all", "diagnostics", "evaluate_pairs", "throughput", "kernel_check_trained",
+                "report")
+# Seconds a piece keeps for packing its outputs after LRATTNRES_DEADLINE (lrattnres/deadline.py)
+PACK_MARGIN_S = 45
 # Snakemake's rerun triggers while continuing: none of code, modification times, parameters or input
 # lists (a new module in a stage's imports would redo every restored run). What decides whether a
 # restored result still belongs to the scale is checked here instead: the same data manifest and the
@@ -74,6 +89,7 @@ class Piece:
     name: str
     runs: tuple[str, ...]
     stages: tuple[str, ...]
+    presets: tuple[str, ...] = ()  # the throughput sizes a piece times (empty: all of the scale's)
 
 
 def plan_pieces(settings: dict) -> list[Piece]:
@@ -86,10 +102,17 @@ def plan_pieces(settings: dict) -> list[Piece]:
     spec = settings.get("pieces") or [{"name": "all", "runs": ["*"], "stages": list(STAGES)}]
     taken: set[str] = set()
     out = []
+    timed = list(settings.get("throughput", {}).get("presets", []))
     for p in spec:
-        runs = [r for r in run_ids if r not in taken and any(fnmatch.fnmatchcase(r, pat) for pat in p["runs"])]
+        runs = [r for r in run_ids if r not in taken and any(fnmatch.fnmatchcase(r, pat) for pat in p.get("runs", []))]
         taken.update(runs)
-        out.append(Piece(p["name"], tuple(runs), tuple(p.get("stages", ()))))
+        presets = tuple(p.get("presets", ()))
+        if set(presets) - set(timed):
+            raise PieceError(f"pieces: piece {p['name']!r} times presets {sorted(set(presets) - set(timed))}, which the "
+                             f"scale's throughput does not (throughput.presets: {timed})")
+        if not p.get("runs") and not p.get("stages"):
+            raise PieceError(f"pieces: piece {p['name']!r} has neither runs nor stages")
+        out.append(Piece(p["name"], tuple(runs), tuple(p.get("stages", ())), presets))
     left = [r for r in run_ids if r not in taken]
     if left:
         raise PieceError(f"pieces: runs {left} match no piece's patterns (add a pattern, e.g. '*', to the last)")
@@ -100,19 +123,25 @@ def plan_pieces(settings: dict) -> list[Piece]:
 
 
 def piece_targets(settings: dict, piece: Piece) -> list[str]:
-    """The files a piece makes: per run its result, diagnostics, conversion and evaluation."""
+    """The files a piece makes: per run its result, diagnostics, conversion and evaluation, and for
+    the size pair's runs Appendix I's check of every routing read."""
     from lrattnres.grid import conversions, evaluations
 
     R = settings["results"]
     conv = {c["run_id"] for c in conversions(settings)}
-    evals = {e["run_id"] for e in evaluations(settings)}
-    out = [f"{R}/{s}.json" for s in piece.stages]
+    evals = {e["run_id"] for e in evaluations(settings)}  # the size pair's runs
+    out = []
+    for s in piece.stages:
+        if s == "throughput" and piece.presets:  # some sizes: their own results, merged at the report
+            out += [f"{R}/throughput/{p}.json" for p in piece.presets]
+        else:
+            out.append(f"{R}/{s}.json")
     for run in piece.runs:
         out += [f"{R}/runs/{run}/result.json", f"{R}/diagnostics/{run}.json"]
         if run in conv:
             out.append(f"{R}/convert/{run}.json")
         if run in evals:
-            out.append(f"{R}/evaluate/{run}.json")
+            out += [f"{R}/evaluate/{run}.json", f"{R}/kernel_check/{run}.json"]
     return out
 
 
@@ -141,7 +170,9 @@ def pack(out: str | os.PathLike, results: str, workdir: str = ".") -> dict[str, 
     metas = [f".snakemake/metadata/{_metadata_name(r)}" for r in rel]
     metas = [m for m in metas if (cwd / m).is_file()]
     with atomic_path(out) as tmp:
-        with tarfile.open(tmp, "w:xz") as tar:
+        # dereference: a job's log and its attempt's copy are one file under two names (a hard link,
+        # lrattnres/attempts.py); each goes in as a plain file, which restore() accepts
+        with tarfile.open(tmp, "w:xz", dereference=True) as tar:
             for r in rel + metas:
                 info = tar.gettarinfo(str(cwd / r), arcname=r)
                 if info.islnk():  # a hard link (an attempt's kept log): stored as the file it links
@@ -313,7 +344,9 @@ def run_piece(settings: dict, name: str, out: str, *, restore_from: list[str], c
         targets = piece_targets(settings, piece)
         plan = planned_jobs(targets, config_args, [])
         record["planned_jobs"] = plan
-        redo = sorted(set(plan) - {"train", "diagnose_run", "convert", "evaluate", *piece.stages})
+        allowed = {"train", "diagnose_run", "convert", "evaluate", "kernel_check_run", *piece.stages,
+                   *(r for st in piece.stages for r in STAGE_RULES.get(st, ()))}
+        redo = sorted(set(plan) - allowed)
         if redo and not allow_rerun:
             raise PieceError(f"the piece would also run {redo}: restored outputs would be redone "
                              "(see the dry run; --allow-rerun accepts it)")
@@ -323,7 +356,9 @@ def run_piece(settings: dict, name: str, out: str, *, restore_from: list[str], c
         # 3. the piece
         t = time.monotonic()
         left = None if deadline_s is None else max(60.0, deadline_s - (time.monotonic() - t0))
-        env = SHARED_GPU_ENV if sharing > 1 else {}
+        env = dict(SHARED_GPU_ENV) if sharing > 1 else {}
+        if left is not None:  # stages that can stop early (throughput) keep their partial state for the next piece
+            env[DEADLINE_ENV] = str(int(time.time() + left - PACK_MARGIN_S))
         record["job_environment"] = env
         rc = _snakemake([*targets, *smk, "--rerun-triggers", *CONTINUE_TRIGGERS, "--config", *config_args],
                         log, timeout=left, env=env)
@@ -428,7 +463,8 @@ def main(argv: list[str] | None = None) -> int:
         extra = shlex.split(args.smk)
         if args.cmd == "list":
             for piece in plan_pieces(settings):
-                print(f"{piece.name}: {len(piece.runs)} runs, stages {list(piece.stages)}")
+                print(f"{piece.name}: {len(piece.runs)} runs, stages {list(piece.stages)}"
+                      + (f", times {list(piece.presets)}" if piece.presets else ""))
                 for t in piece_targets(settings, piece):
                     print(f"  {t}")
             return 0

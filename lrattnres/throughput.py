@@ -37,7 +37,9 @@ name               method     router                                            
 ``fla-rd``         attnres    FLA's ``fused_attnres`` (fla-core), CUDA only            d
 =================  =========  =======================================================  ======
 
-All routed methods use N = ``blocks`` (8), clipped to 2L for presets with fewer writes.  FLA is
+The default ``methods`` are Table 3's three (``fla-rd``, ``fused-rd``, ``fused-rd4``); ``baseline`` and
+``reference-rd4`` are extra rows a scale may add. All routed methods use N = ``blocks`` (8), clipped
+to 2L for presets with fewer writes.  FLA is
 wired as an alternative router through :func:`fla_router`, an adapter with weightless key RMS
 (``rms_weight = ones``); it is skipped with a note where ``fla`` does not import or the device is
 not CUDA.
@@ -53,6 +55,15 @@ paper's: :data:`GPU_STAND_INS`), Appendix I's stopping rule (``appI.repeats_met_
 the timed runs that did not converge); the value claims of Table 3 only when the GPU is one of the
 paper's (H100, B200), under those ids.  Smaller scales produce no claims (the numbers are shown in
 the report beside the paper's, marked as a different scale and hardware).
+
+Resuming and deadlines: the workflow times one size per job (``{results}/throughput/<preset>.json``,
+merged by ``--aggregate``). After every timed run the stage rewrites a partial state beside its
+output (``<preset>.partial.json``: the finished runs, with the spec, device, data and code they were
+made with); a rerun of the same spec on the same device continues from it, and a complete run
+removes it. Under ``LRATTNRES_DEADLINE`` (lrattnres/deadline.py) no run starts that would not end
+before the deadline (the longest finished run of the size is the estimate) and a run under way
+stops between updates; the stage then exits 75 with its partial state kept, so that a retry, or a
+later GPU command of lrattnres/pieces.py, continues it.
 
 The stopping rule, the interval and the gains are pure functions, tested in tests/test_throughput.py.
 """
@@ -94,7 +105,7 @@ GAINS: tuple[tuple[str, str, str], ...] = (
 
 DEFAULTS: dict[str, Any] = {
     "presets": ["tiny"],
-    "methods": list(METHOD_TABLE),
+    "methods": ["fla-rd", "fused-rd", "fused-rd4"],  # Table 3's three; "baseline", "reference-rd4" are extra rows
     "micro_batch": 4,
     "seq_len": 128,
     "grad_accum": 1,
@@ -115,6 +126,7 @@ DEFAULTS: dict[str, Any] = {
     "compile": False,
     "attention": "auto",
     "seed": 0,
+    "tokens": "data",  # data: the data stage's first training batches (given --data); synthetic: log-normal documents
     "vocab_size": None,  # synthetic tokens: None = the preset's vocabulary (512 for the small presets)
     "doc_len_median": 512,  # synthetic tokens: median document length (log-normal, sigma 1)
     "deadline_s": None,  # start no new repeat after this many seconds from the start (number, or {preset: s})
@@ -188,6 +200,7 @@ def resolve_spec(spec: dict | None) -> dict:
 
     _check(s["attention"] in BACKENDS, "attention", f"one of {BACKENDS}", s["attention"])
     _check(_is_int(s["seed"]) and s["seed"] >= 0, "seed", "a non-negative int", s["seed"])
+    _check(s["tokens"] in ("data", "synthetic"), "tokens", "'data' or 'synthetic'", s["tokens"])
     _check(s["vocab_size"] is None or (_is_int(s["vocab_size"]) and s["vocab_size"] >= 2), "vocab_size",
            "null or an int >= 2", s["vocab_size"])
     dl = s["deadline_s"]
@@ -457,12 +470,15 @@ def _train_spec() -> dict:
     return copy.deepcopy(train_spec.DEFAULTS)
 
 
-def time_method(model, batches: list, s: dict, device, precision: str, log=None) -> dict:
+def time_method(model, batches: list, s: dict, device, precision: str, log=None,
+                guard: Callable[[float], None] | None = None) -> dict:
     """Warm-up updates, then measured updates until :func:`should_stop`; returns the times.
 
     Each update is the trainer's: ``accumulate_gradients`` (transfer, forward, backward over the
     micro-batches, clipping) then ``apply_update`` (Muon + AdamW, zero_grad), with the device
-    synchronised before and after; nothing else is inside the timed region.
+    synchronised before and after; nothing else is inside the timed region. ``guard(seconds)`` is
+    called before every update after the first with the last update's duration (it raises to stop:
+    the deadline, lrattnres/deadline.py).
     """
     import torch
 
@@ -492,12 +508,20 @@ def time_method(model, batches: list, s: dict, device, precision: str, log=None)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     t0 = time.perf_counter()
+    last = None
     for _ in range(s["warmup"]):
+        if guard is not None and last is not None:
+            guard(last)
+        t = time.perf_counter()
         update()
+        _sync(device)
+        last = time.perf_counter() - t
     _sync(device)
     warm_s = time.perf_counter() - t0
     times: list[float] = []
     while True:
+        if guard is not None and (times or last is not None):
+            guard(times[-1] if times else last)
         _sync(device)
         t = time.perf_counter()
         ce = update()
@@ -548,10 +572,19 @@ def rotation(methods: list[str], repeat: int) -> list[str]:
     return methods[k:] + methods[:k]
 
 
-def run(spec: dict, data: str | None = None, log=None, on_repeat: Callable[[dict], None] | None = None) -> dict:
-    """Run the protocol; returns the result dict (``on_repeat`` gets the partial result after every repeat)."""
+def run(spec: dict, data: str | None = None, log=None, on_repeat: Callable[[dict], None] | None = None,
+        partial: dict | None = None, on_run: Callable[[dict], None] | None = None) -> dict:
+    """Run the protocol; returns the result dict (``on_repeat`` gets the partial result after every repeat).
+
+    ``partial``: the state of an earlier, unfinished run of the same spec (:func:`partial_state`):
+    its timed runs are taken as they are and only the missing ones are timed (the matched weights of
+    a repeat are a function of the seed and the repeat, so a repeat may be finished by another
+    process). ``on_run`` gets the partial state after every timed run. With ``LRATTNRES_DEADLINE``
+    set, no run starts that would not end before it, and a run under way stops between updates:
+    :class:`lrattnres.deadline.DeadlineReached` (the finished runs are in the last partial state)."""
     import torch
 
+    from lrattnres import deadline
     from lrattnres.presets import PAPER_VOCAB, get_preset
     from lrattnres.provenance import now, provenance
 
@@ -559,6 +592,7 @@ def run(spec: dict, data: str | None = None, log=None, on_repeat: Callable[[dict
     started = now()
     t_start = time.perf_counter()
     s = resolve_spec(spec)
+    deadline.deadline()  # a malformed LRATTNRES_DEADLINE stops here, before any work
     device = _resolve_device(s["device"])
     threads = 1 if (s["threads"] == "auto" and device.type == "cpu") else s["threads"]
     if _is_int(threads):
@@ -566,33 +600,44 @@ def run(spec: dict, data: str | None = None, log=None, on_repeat: Callable[[dict
     precision = s["precision"] if s["precision"] != "auto" else ("bf16" if device.type == "cuda" else "fp32")
     fla_ok, fla_note = fla_available(device.type)
     manifest = None
-    if data:
+    if data and s["tokens"] == "data":
         from lrattnres.data import load_manifest
 
         manifest = load_manifest(data, verify="size")
+    done = {(r["preset"], r["repeat"], r["name"]): r for r in (partial or {}).get("runs", [])}
+    dropped = {p: list(v) for p, v in (partial or {}).get("dropped", {}).items()}
 
     result: dict[str, Any] = {
         "stage": "throughput", "device": gpu_name(device), "device_type": device.type, "spec": s,
         "precision": precision, "compile": s["compile"], "threads": torch.get_num_threads(),
-        "tokens": ("data: " + str(data)) if data else f"synthetic (log-normal documents, median {s['doc_len_median']})",
+        "tokens": ("data: " + str(data)) if manifest is not None else
+        f"synthetic (log-normal documents, median {s['doc_len_median']})",
         "fla": {"available": fla_ok, "note": fla_note},
-        "rows": [], "gains": {}, "runs": [], "skipped": [], "complete": False,
+        "rows": [], "gains": {}, "runs": [], "skipped": list((partial or {}).get("skipped", [])), "complete": False,
         "notes": [
             "95% intervals use t_{0.975,n-1} s/sqrt(n); the paper's Appendix I prints s_g/5 (a typo: the "
             "standard error of a mean of five is s/sqrt(5)).",
         ],
     }
+    if done:
+        result["notes"].append(f"{len(done)} timed runs of an earlier, unfinished process taken as they were "
+                               f"(resumed {started})")
     if s["compile"]:
         result["notes"].append("torch.compile(dynamic=False) of the loss module; compilation happens in the warm-up updates.")
     else:
         result["notes"].append("eager mode (compile false): the paper times compiled models (fullgraph=True).")
 
+    def state() -> dict:
+        return {"runs": list(result["runs"]), "skipped": list(result["skipped"]), "dropped": dict(dropped)}
+
     for preset in s["presets"]:
         methods = list(s["methods_by_preset"].get(preset, s["methods"]))
         if "fla-rd" in methods and not fla_ok:
             methods.remove("fla-rd")
-            result["skipped"].append({"preset": preset, "method": "fla-rd", "why": fla_note})
+            if not any(x["preset"] == preset and x["method"] == "fla-rd" for x in result["skipped"]):
+                result["skipped"].append({"preset": preset, "method": "fla-rd", "why": fla_note})
             say(f"[throughput] {preset}: fla-rd skipped: {fla_note}")
+        methods = [m for m in methods if m not in dropped.get(preset, [])]
         if not methods:
             continue
         p = get_preset(preset)
@@ -603,10 +648,13 @@ def run(spec: dict, data: str | None = None, log=None, on_repeat: Callable[[dict
             eot = 100257 if vocab == PAPER_VOCAB else vocab - 1
         accum = s["grad_accum_by_preset"].get(preset, s["grad_accum"])
         repeats = s["repeats_by_preset"].get(preset, s["repeats"])
-        if manifest is not None:
-            batches = data_buffer(manifest, accum, s["micro_batch"], s["seq_len"], s["seed"])
-        else:
-            batches = synthetic_buffer(accum, s["micro_batch"], s["seq_len"], vocab, eot, s["doc_len_median"], s["seed"])
+        batches = None
+
+        def cached_tokens():
+            if manifest is not None:
+                return data_buffer(manifest, accum, s["micro_batch"], s["seq_len"], s["seed"])
+            return synthetic_buffer(accum, s["micro_batch"], s["seq_len"], vocab, eot, s["doc_len_median"], s["seed"])
+
         tokens_per_update = accum * s["micro_batch"] * s["seq_len"]
         d = p["d_model"]
         say(f"[throughput] {preset}: methods {methods}, {repeats} repeats, {tokens_per_update} tokens per update "
@@ -630,19 +678,38 @@ def run(spec: dict, data: str | None = None, log=None, on_repeat: Callable[[dict
                 result["cut"] = True
                 break
             t_rep = time.perf_counter()
-            shared = shared_backbone(preset, s, vocab, j, device)
+            shared = None
             got: dict[str, float] = {}
             for pos, name in enumerate(rotation(methods, j)):
+                earlier = done.get((preset, j, name))
+                if earlier is not None:  # timed by an earlier process
+                    got[name] = earlier["tokens_per_s"]
+                    result["runs"].append(earlier)
+                    continue
+                # a run that would not end before LRATTNRES_DEADLINE does not start (the longest one so far)
+                took = [r["warmup_s"] + sum(r["times_s"]) for r in result["runs"] if r["preset"] == preset]
+                if took:
+                    deadline.check(max(took), f"{preset} repeat {j} {name}")
                 model = None
                 try:
+                    if batches is None:
+                        batches = cached_tokens()
+                    if shared is None:
+                        shared = shared_backbone(preset, s, vocab, j, device)
                     model = matched_model(preset, name, s, vocab, shared, device)
                     model.train()
-                    rec = time_method(model, batches, s, device, precision, log=say)
+                    rec = time_method(model, batches, s, device, precision, log=say,
+                                      guard=lambda sec, n=name: deadline.check(1.05 * sec, f"{preset} repeat {j} {n}: the next update"))
+                except deadline.DeadlineReached:
+                    raise
                 except Exception as e:  # one failing method (an unsupported shape, OOM) must not end the run
                     why = f"{type(e).__name__}: {str(e)[:500]}"
                     say(f"[throughput] {preset} repeat {j} {name} FAILED, dropped from the comparison: {why}")
                     result["skipped"].append({"preset": preset, "method": name, "why": f"failed in repeat {j}: {why}"})
                     failed.add(name)
+                    dropped.setdefault(preset, []).append(name)
+                    if on_run is not None:
+                        on_run(state())
                     continue
                 finally:
                     del model
@@ -654,6 +721,8 @@ def run(spec: dict, data: str | None = None, log=None, on_repeat: Callable[[dict
                                        "tokens_per_s": v, "updates": n, **rec})
                 say(f"[throughput] {preset} repeat {j} #{pos} {name}: {v:,.0f} tokens/s over {n} updates "
                     f"({rec['stopped']}; warm-up {rec['warmup_s']:.1f} s)")
+                if on_run is not None:
+                    on_run(state())
             del shared
             _free(device)
             for name in failed:
@@ -803,6 +872,72 @@ def claims_for(result: dict, s: dict, ids: set[str] | None = None) -> dict[str, 
     return out
 
 
+# ------------------------------------------------------------------------------ partial state
+
+PARTIAL_FORMAT = "lrattnres.throughput.partial/1"
+
+
+def partial_path(out: str | Path) -> Path:
+    """The partial-state file beside a result: ``1B.json`` -> ``1B.partial.json``."""
+    out = Path(out)
+    return out.with_name(out.stem + ".partial.json")
+
+
+def partial_key(s: dict, device_name: str, data_sha256: str | None) -> dict:
+    """What a partial state must share with the run that continues it: the resolved spec, the device,
+    the data and the code that is timed (the training stack and this module)."""
+    import hashlib
+
+    from lrattnres.train.loop import code_fingerprint
+
+    code = hashlib.sha256((code_fingerprint() + Path(__file__).read_text(encoding="utf-8")).encode()).hexdigest()
+    return {"spec": {k: v for k, v in s.items() if k not in ("deadline_s", "published")}, "device": device_name,
+            "data_sha256": data_sha256, "code_sha256": code}
+
+
+def load_partial(path: Path, key: dict, log=None) -> dict | None:
+    """The partial state at ``path`` when it continues a run of ``key``, else None (a state of another
+    spec, device, data or code is left to be overwritten)."""
+    say = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
+    if not path.is_file():
+        return None
+    try:
+        import json
+
+        st = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        say(f"[throughput] {path}: not readable ({e}); starting afresh")
+        return None
+    if not isinstance(st, dict) or st.get("format") != PARTIAL_FORMAT or not isinstance(st.get("runs"), list):
+        say(f"[throughput] {path}: not a partial state of format {PARTIAL_FORMAT}; starting afresh")
+        return None
+    if st.get("key") != key:
+        differs = sorted(k for k in key if (st.get("key") or {}).get(k) != key[k])
+        say(f"[throughput] {path}: made with another {', '.join(differs)}; starting afresh")
+        return None
+    say(f"[throughput] {path}: continuing after {len(st['runs'])} timed runs")
+    return st
+
+
+def aggregate(parts: list[dict], paths: list[str]) -> dict:
+    """One throughput result from the results of single sizes (one job per size)."""
+    if not parts:
+        raise SpecError("throughput --aggregate: no results given")
+    spec = dict(parts[0]["spec"], presets=[p for part in parts for p in part["spec"]["presets"]])
+    out = {k: parts[0][k] for k in ("stage", "device", "device_type", "precision", "compile", "threads", "tokens", "fla")
+           if k in parts[0]}
+    out.update(spec=spec, rows=[r for p in parts for r in p["rows"]], runs=[r for p in parts for r in p["runs"]],
+               skipped=[r for p in parts for r in p["skipped"]], gains={k: v for p in parts for k, v in p["gains"].items()},
+               complete=all(p.get("complete") for p in parts), parts=list(paths),
+               notes=list(dict.fromkeys(n for p in parts for n in p.get("notes", []))),
+               elapsed_s=sum(p.get("elapsed_s") or 0 for p in parts))
+    devices = sorted({p.get("device") for p in parts})
+    if len(devices) > 1:
+        out["notes"].append(f"the sizes were timed on different devices: {', '.join(map(str, devices))}")
+    out["claims"] = claims_for(out, spec)
+    return out
+
+
 # ------------------------------------------------------------------------------ CLI
 
 
@@ -811,28 +946,55 @@ def main(argv: list[str] | None = None) -> int:
                                 description="training-step throughput with the protocol of Section 4.9 / Appendix I")
     p.add_argument("--spec", default="{}", help="JSON object of settings (see lrattnres.throughput.DEFAULTS)")
     p.add_argument("--data", default=None, help="data manifest: time on its first training batches (else synthetic tokens)")
-    p.add_argument("--out", required=True, help="result JSON (rewritten after every repeat)")
+    p.add_argument("--out", required=True, help="result JSON (written once, complete)")
+    p.add_argument("--partial", default=None, help="partial-state file, rewritten after every timed run and continued "
+                   "by the next run of the same spec (default: <out stem>.partial.json beside --out)")
+    p.add_argument("--aggregate", nargs="+", default=None, metavar="RESULT",
+                   help="merge these results (one per size) into --out; times nothing")
     args = p.parse_args(argv)
-    from lrattnres.io import atomic_write_json, read_spec_arg
+    from lrattnres import deadline
+    from lrattnres.io import atomic_write_json, read_json, read_spec_arg
+    from lrattnres.provenance import now, provenance
 
+    if args.aggregate:
+        started = now()
+        result = aggregate([read_json(x) for x in args.aggregate], args.aggregate)
+        result["provenance"] = provenance(result["spec"], started=started)
+        atomic_write_json(args.out, result)
+        return 0
     try:
         spec = read_spec_arg(args.spec)
     except ValueError as e:
         print(f"throughput: {e}", file=sys.stderr)
         return 2
     try:
-        resolve_spec(spec)
+        s = resolve_spec(spec)
     except SpecError as e:
         print(str(e), file=sys.stderr)
         return 2
+    say = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
+    ppath = Path(args.partial) if args.partial else partial_path(args.out)
+    data_sha = None
+    if args.data and s["tokens"] == "data":
+        from lrattnres.data import load_manifest
 
-    def partial(res: dict) -> None:
-        from lrattnres.provenance import provenance
+        data_sha = load_manifest(args.data, verify="size")["_sha256"]
+    key = partial_key(s, gpu_name(_resolve_device(s["device"])), data_sha)
+    if (left := deadline.left()) is not None and left <= 0:
+        print(f"throughput: the deadline ({deadline.ENV}) has passed; nothing started, rerun to continue", file=sys.stderr)
+        return deadline.EXIT_DEADLINE
+    earlier = load_partial(ppath, key, say)
 
-        atomic_write_json(args.out, {**res, "provenance": provenance(res["spec"])})
+    def keep(state: dict) -> None:
+        atomic_write_json(ppath, {"format": PARTIAL_FORMAT, "key": key, "updated": now(), **state})
 
-    result = run(spec, data=args.data, on_repeat=partial)
+    try:
+        result = run(spec, data=args.data, log=say, partial=earlier, on_run=keep)
+    except deadline.DeadlineReached as e:
+        print(f"throughput: {e} ({ppath})", file=sys.stderr)
+        return deadline.EXIT_DEADLINE
     atomic_write_json(args.out, result)
+    ppath.unlink(missing_ok=True)
     print(f"[throughput] wrote {args.out} ({'complete' if result['complete'] else 'partial'}, "
           f"{result['elapsed_s']:.0f} s)", file=sys.stderr)
     return 0

@@ -400,3 +400,36 @@ def test_cli_refuses_rank_below_k(tmp_path, capsys, tiny_manifest):
     rc = C.main(["--checkpoint", str(path), "--data", str(mdir), "--spec", spec, "--out", str(tmp_path / "o.json")])
     assert rc == 2 and not (tmp_path / "o.json").exists()
     assert "joint query rank k=4" in capsys.readouterr().err
+
+
+def test_paired_ce_uses_bf16_exports_reloaded_strictly(tmp_path, tiny_manifest):
+    """Appendix B.2: the FP64 check first, then the original and the converted weights exported as
+    BF16 safetensors, strictly reloaded, and evaluated in pairs; spec export_dtype: storage keeps fp32."""
+    from safetensors import safe_open
+
+    from lrattnres.data import load_manifest
+
+    man = load_manifest(tiny_manifest)
+    m = attnres("smoke", 2, vocab=man["vocab_size"])
+    path = tmp_path / "run" / "model.safetensors"
+    ckpt.save_model(m.state_dict(), {"model_config": dataclasses.asdict(m.cfg), "spec": {"seq_len": 64},
+                                     "manifest_sha256": None, "step": 1, "tokens": 64}, path)
+    got = {}
+    for export in ("bf16", "storage"):
+        save = tmp_path / export / "model.safetensors"
+        spec = {"rank": "d/8", "val_tokens": 128, "batch_size": 2, "claim_row": None, "export_dtype": export}
+        r = C.run(path, tiny_manifest, spec, save=save, progress=False)
+        with safe_open(str(save), framework="pt") as f:
+            dtypes = {f.get_tensor(k).dtype for k in f.keys()}
+        got[export] = (r, dtypes)
+    (bf, bf_dtypes), (st, st_dtypes) = got["bf16"], got["storage"]
+    assert bf["exported_dtype"] == "bfloat16" and bf_dtypes == {torch.bfloat16}
+    assert st["exported_dtype"] == "float32" and st_dtypes == {torch.float32}
+    assert bf["fp64_max_logit_err"] == st["fp64_max_logit_err"]  # the FP64 check comes before the export
+    # BF16 rounding moves the logits of both models alike; fp32 storage barely at all
+    assert bf["exported_original_max_logit_err"] > 100 * st["exported_original_max_logit_err"]
+    assert bf["exported_max_logit_err"] > 100 * st["exported_max_logit_err"]
+    assert bf["original_ce"] != st["original_ce"]  # the CE pair is of the exported, reloaded models
+    assert abs(bf["delta_ce"]) < 1e-3 and bf["native_vs_reference_max_logit_err"] is None  # no GPU here
+    with pytest.raises(ValueError, match=r"spec.export_dtype: expected 'bf16' or 'storage', got 'fp8'"):
+        C.validate_spec({"rank": 4, "batch_size": 1, "export_dtype": "fp8"})

@@ -456,3 +456,68 @@ def test_cli(tmp_path, capsys):
     bad = {"source": "local", "local": {"glob": str(tmp_path / "none*.jsonl")}}
     assert cli.main(["--spec", json.dumps(bad), "--out", str(tmp_path / "o3"), "--no-progress"]) == 2  # bad input: exit 2
     assert "matches no files" in capsys.readouterr().err
+
+
+# ---- the paper's data without the network: a pre-staged copy, or a one-line refusal
+
+
+def _staged_copy(root, docs):
+    """A pre-staged copy laid out like the Hub repository: README.md with the split definitions, the
+    split's parquet files under data/ultrafineweb_en/."""
+    (root / "data" / "ultrafineweb_en").mkdir(parents=True)
+    (root / "README.md").write_text("---\nconfigs:\n- config_name: default\n  data_files:\n  - split: en\n"
+                                    "    path: data/ultrafineweb_en/*\n---\n# a stand-in\n")
+    n = len(docs)
+    for k in range(3):
+        write_parquet(root / "data" / "ultrafineweb_en" / f"part-{k:04d}.parquet", docs[k * n // 3:(k + 1) * n // 3],
+                      "content")
+    return root
+
+
+HUB = {"dataset": "openbmb/Ultra-FineWeb", "split": "en", "column": "content"}
+
+
+def test_hub_dataset_without_network_or_copy_is_refused_in_one_line(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    spec = {"source": "hf", "hf": dict(HUB), "val_tokens": 800, "shard_tokens": 700}
+    assert cli.main(["--spec", json.dumps(spec), "--out", str(tmp_path / "d"), "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "Traceback" not in err
+    assert "cannot reach (HF_HUB_OFFLINE is set)" in err and "data.hf.local_dir" in err and "docs/slurm.md" in err
+    assert not (tmp_path / "d").exists()
+    # no offline switch, but no route to the Hub either
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+    monkeypatch.delenv("HF_DATASETS_OFFLINE", raising=False)
+    monkeypatch.delenv("HTTPS_PROXY", raising=False)
+    monkeypatch.delenv("https_proxy", raising=False)
+
+    def no_route(*a, **k):
+        raise OSError(101, "Network is unreachable")
+
+    monkeypatch.setattr("socket.create_connection", no_route)
+    assert sources.hub_unreachable() == "huggingface.co:443: Network is unreachable"
+    with pytest.raises(sources.StagingError, match=r"cannot reach \(huggingface.co:443: Network is unreachable\)"):
+        sources.HFSource(**HUB).open()
+
+
+def test_a_missing_copy_is_named(tmp_path):
+    with pytest.raises(sources.StagingError, match=rf"data.hf.local_dir: {tmp_path / 'gone'}: no such folder"):
+        sources.HFSource(**HUB, local_dir=str(tmp_path / "gone")).open()
+
+
+def test_a_pre_staged_copy_is_read_offline_as_the_hub_would_stream_it(tmp_path, monkeypatch):
+    docs = make_docs(90, seed=11)
+    staged = _staged_copy(tmp_path / "Ultra-FineWeb", docs)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    spec = {"source": "hf", "hf": dict(HUB, local_dir=str(staged)), "val_tokens": 800, "shard_tokens": 700}
+    m = prepare(spec, tmp_path / "d", progress=False)
+    assert split_docs(m, "val") + split_docs(m, "train") == [d for d in docs if d.strip()]
+    assert "local_dir" not in json.dumps(m["spec"])  # where the copy lies is not what the data are
+    # the same files streamed as named files give the same shards: the copy is read in the Hub's order
+    files = sorted(str(p) for p in (staged / "data" / "ultrafineweb_en").iterdir())
+    ref = prepare({"source": "hf", "hf": {"dataset": "parquet", "data_files": {"en": files}, "split": "en",
+                                          "column": "content"}, "val_tokens": 800, "shard_tokens": 700},
+                  tmp_path / "ref", progress=False)
+    for split in ("val", "train"):
+        assert [s["sha256"] for s in m["splits"][split]["shards"]] == [s["sha256"] for s in ref["splits"][split]["shards"]]

@@ -163,8 +163,8 @@ def test_corrupt_checkpoint_is_refused_and_never_used(corpus, tmp_path, capsys, 
     rec = json.loads((run / "checkpoint.json").read_text())
     junk = os.urandom(300)
     damages = {
-        "flipped weights": (rec["files"]["model"]["file"], lambda p: _flip(p)),
-        "truncated state": (rec["files"]["state"]["file"], lambda p: p.write_bytes(p.read_bytes()[:100])),
+        "flipped weights": (rec["files"]["tensors"][0]["file"], lambda p: _flip(p)),
+        "truncated state": (rec["files"]["state"][0]["file"], lambda p: p.write_bytes(p.read_bytes()[:100])),
         "junk checkpoint.json": ("checkpoint.json", lambda p: p.write_bytes(junk)),
     }
     for fault, (name, damage) in damages.items():
@@ -482,10 +482,10 @@ def test_corrupt_checkpoint_and_malformed_outputs_under_snakemake(dag, faults):
     fa, fb, fc = (res / "runs" / r for r in (a, b, c))
     (fa / "model.safetensors").unlink()
     rec = json.loads((fa / "checkpoint.json").read_text())
-    _flip(fa / rec["files"]["model"]["file"])
+    _flip(fa / rec["files"]["tensors"][0]["file"])
     proc = snakemake(work, str((fa / "model.safetensors").relative_to(work)), *SMOKE, check=False)
     assert proc.returncode != 0
-    _one_line_error((logs / "train" / "attempts" / f"{a}.1.log").read_text(), rec["files"]["model"]["file"], "sha256")
+    _one_line_error((logs / "train" / "attempts" / f"{a}.1.log").read_text(), rec["files"]["tensors"][0]["file"], "sha256")
     assert "not retrying: attempt 1 exited 2" in (logs / "train" / "attempts" / f"{a}.2.log").read_text()
     assert not (logs / "train" / "attempts" / f"{a}.3.log").exists() or "not retrying" in (
         logs / "train" / "attempts" / f"{a}.3.log").read_text()

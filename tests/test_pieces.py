@@ -51,6 +51,9 @@ def test_targets_include_the_stages_that_need_weights():
     assert f"{R}/kernel_check.json" in t
     assert f"{R}/evaluate/gpu-small-attnres-n8-r384-s0.json" in t and f"{R}/convert/gpu-small-attnres-n8-r384-s0.json" in t
     assert all(f"{R}/diagnostics/{r}.json" in t for r in first.runs)
+    # Appendix I's reads of the size pair's runs, beside their models; no other run's
+    assert f"{R}/kernel_check/gpu-small-attnres-n8-r384-s0.json" in t
+    assert [x for x in t if "/kernel_check/" in x] == [f"{R}/kernel_check/gpu-small-attnres-n8-r384-s0.json"]
 
 
 def _fake_results(root: Path) -> None:
@@ -86,6 +89,23 @@ def test_pack_keeps_small_outputs_and_metadata_only(tmp_path):
     assert len(got) == len(names) - 2
     pieces.restore([str(tmp_path / "p.tar.xz")], workdir=str(dst))
     assert (dst / "results/smoke/logs/attempts/a.1.log").read_text() == "log"
+
+
+def test_hard_linked_logs_are_packed_as_plain_files(tmp_path):
+    """A job's log and its attempt's copy (one file, two names) come back as two plain files."""
+    import os
+
+    src = tmp_path / "src"
+    logs = src / "results" / "smoke" / "logs"
+    (logs / "attempts").mkdir(parents=True)
+    (logs / "accounting.log").write_text("log")
+    os.link(logs / "accounting.log", logs / "attempts" / "accounting.1.log")
+    pieces.pack(tmp_path / "p.tar.xz", "results/smoke", workdir=str(src))
+    with tarfile.open(tmp_path / "p.tar.xz") as tar:
+        assert all(m.isfile() for m in tar.getmembers())
+    got = pieces.restore([str(tmp_path / "p.tar.xz")], workdir=str(tmp_path / "dst"))
+    assert sorted(got) == ["results/smoke/logs/accounting.log", "results/smoke/logs/attempts/accounting.1.log"]
+    assert (tmp_path / "dst" / "results/smoke/logs/attempts/accounting.1.log").read_text() == "log"
 
 
 def test_restore_refuses_members_outside_the_tree(tmp_path):
@@ -205,3 +225,54 @@ def test_the_recorded_gpu_pieces_still_belong_to_the_gpu_scale(tmp_path):
         with tarfile.open(arc) as tar:
             tar.extractall(tmp_path / arc.stem, filter="data")
         assert "train" in pieces.check_same_settings(S, str(tmp_path / arc.stem / S["results"]))
+
+
+def test_a_piece_of_stages_only_times_its_sizes():
+    S = settings("gpu")
+    ps = {p.name: p for p in pieces.plan_pieces(S)}
+    R = S["results"]
+    for name, preset in (("table3-1b", "1B"), ("table3-4b", "4B")):
+        p = ps[name]
+        assert p.runs == () and p.stages == ("throughput",) and p.presets == (preset,)
+        assert pieces.piece_targets(S, p) == [f"{R}/throughput/{preset}.json"]
+    assert list(ps)[-2:] == ["table3-1b", "table3-4b"]  # after the pieces of runs
+    assert S["throughput"]["grad_accum"] == 64 and S["throughput"]["compile"] is True
+    assert S["throughput"]["presets"] == ["1B", "4B"] and S["throughput"]["repeats"] == 5
+    whole = pieces.Piece("t", (), ("throughput",))
+    assert pieces.piece_targets(S, whole) == [f"{R}/throughput.json"]
+    with pytest.raises(pieces.PieceError, match=r"times presets \['0.5B'\]"):
+        pieces.plan_pieces({**S, "pieces": [{"name": "a", "runs": ["*"]}, {"name": "t", "stages": ["throughput"],
+                                                                         "presets": ["0.5B"]}]})
+    with pytest.raises(pieces.PieceError, match="neither runs nor stages"):
+        pieces.plan_pieces({**S, "pieces": [{"name": "a", "runs": ["*"]}, {"name": "e"}]})
+
+
+def test_partial_throughput_state_comes_back_with_a_piece(tmp_path):
+    R = tmp_path / "results" / "gpu"
+    (R / "throughput").mkdir(parents=True)
+    (R / "throughput" / "4B.partial.json").write_text("{}")
+    got = [Path(f).relative_to(R).as_posix() for f in pieces.small_outputs(str(R))]
+    assert "throughput/4B.partial.json" in got
+
+
+def test_a_piece_with_a_deadline_passes_it_to_its_jobs(tmp_path, monkeypatch):
+    """run_piece gives Snakemake LRATTNRES_DEADLINE (the piece's end less the packing time), and lets a
+    throughput piece run the per-size timing and merge rules."""
+    import time
+
+    calls = []
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(pieces, "_snakemake", lambda args, log, timeout=None, env=None: calls.append((args, env)) or 0)
+    monkeypatch.setattr(pieces, "planned_jobs", lambda targets, config_args, extra: {"throughput_size": 1})
+    S = settings("gpu")
+    t0 = time.time()
+    rec = pieces.run_piece(S, "table3-4b", str(tmp_path / "out"), restore_from=[], config_args=["scale=gpu"],
+                           cores="all", deadline_s=600, allow_rerun=False, extra=[])
+    env = calls[-1][1]
+    assert t0 + 600 - pieces.PACK_MARGIN_S - 5 <= int(env["LRATTNRES_DEADLINE"]) <= time.time() + 600 - pieces.PACK_MARGIN_S
+    assert calls[-1][0][0] == f"{S['results']}/throughput/4B.json"
+    assert rec["missing_targets"] == [f"{S['results']}/throughput/4B.json"]
+    monkeypatch.setattr(pieces, "planned_jobs", lambda targets, config_args, extra: {"throughput_size": 1, "report": 1})
+    with pytest.raises(pieces.PieceError, match=r"would also run \['report'\]"):
+        pieces.run_piece(S, "table3-4b", str(tmp_path / "out"), restore_from=[], config_args=["scale=gpu"],
+                         cores="all", deadline_s=None, allow_rerun=False, extra=[])

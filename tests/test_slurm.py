@@ -148,3 +148,48 @@ def test_smoke_dag_through_the_slurm_profile(slurm_cluster, tmp_path):
         assert "gpu" in shown, shown
     print(f"smoke DAG on Slurm: {elapsed:.0f} s, {len(submitted)} Slurm jobs")
 
+
+
+@pytest.mark.parametrize("launcher", ["torchrun", "srun"])
+def test_training_job_lands_on_one_node_with_its_gpus(slurm_cluster, tmp_path, launcher):
+    """A training job of 2 (fake) GPUs submitted through the profile: sbatch --nodes=1 --gpus-per-node=2
+    and the signal lead of lrattnres/jobplan.py; its 2 ranks start by torchrun --standalone, or by the
+    spanning launcher (srun --overlap inside the executor's job step, torchrun's c10d rendezvous)."""
+    from lrattnres.config import load_and_resolve
+    from lrattnres.grid import plan
+
+    work = copy_repo(tmp_path / "repo")
+    res = {"train": {"gpu": 2, "cpus_per_gpu": 1, "launcher": launcher}}
+    run = plan(load_and_resolve(work / "config.yaml", {"scale": "smoke"}))[0].run_id
+    proc = snakemake(
+        work, f"results/smoke/runs/{run}/result.json", "--profile", PROFILE, "--config", "scale=smoke",
+        f"resources={json.dumps(res)}", *cluster_flags(jobs=2), check=False, timeout=600,
+    )
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, f"{out[-6000:]}\n{slurm_logs(work)}"
+    (jid,) = [j for j, log in re.findall(r"has been submitted with SLURM jobid (\d+) \(log: (\S+)\)", out)
+              if "/rule_train/" in log]
+    shown = subprocess.run(["scontrol", "show", "job", jid], capture_output=True, text=True).stdout
+    assert "NumNodes=1 " in shown and re.search(r"TresPerNode=\S*gpu:2", shown), shown
+    log = (work / "results" / "smoke" / "logs" / "train" / f"{run}.log").read_text()
+    assert "world 2" in log, log[-2000:]
+    cmd = next(line for line in out.splitlines() if "--job-log results/smoke/logs/train/" in line)
+    cmd = cmd.split("Shell command: ", 1)[-1]
+    if launcher == "srun":
+        assert cmd.startswith("srun --overlap --nodes=1") and "--rdzv-backend=c10d" in cmd, cmd
+    else:
+        assert cmd.startswith("torchrun --standalone --nproc-per-node 2 --shutdown-timeout 300"), cmd
+
+
+def test_data_stage_runs_where_snakemake_runs_when_local(slurm_cluster, tmp_path):
+    """resources.prepare_data.local: the data stage (which may need the network) runs on the machine
+    that runs Snakemake, as a local rule, and is not submitted to Slurm."""
+    work = copy_repo(tmp_path / "repo")
+    proc = snakemake(
+        work, "results/smoke/data/manifest.json", "--profile", PROFILE, "--config", "scale=smoke",
+        'resources={"prepare_data": {"local": true}}', *cluster_flags(jobs=2), check=False, timeout=600,
+    )
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, f"{out[-6000:]}\n{slurm_logs(work)}"
+    assert re.search(r"^localrule prepare_data:", out, re.M) and "has been submitted with SLURM jobid" not in out, out[-3000:]
+    assert (work / "results" / "smoke" / "data" / "manifest.json").is_file()

@@ -404,3 +404,110 @@ def test_recorded_claims_are_derived_again_by_this_code():
                            tp.published_ids(str(PUBLISHED)))
     assert res["claims"]["sec4.9.rank_gain_positive.h100.1b"]["reproduced"] > 0
     assert len(res["claims"]["sec4.9.rank_gain_positive.h100.1b"]["samples"]) == 3
+
+
+# ------------------------------------------------------------------------------ resume and deadline
+
+
+def _fake_timing(calls: list, stop_after: int | None = None):
+    """A stand-in for time_method: fixed update times; once ``stop_after`` runs are timed, the
+    deadline (LRATTNRES_DEADLINE) is set in the past."""
+    import os
+    import time as _time
+
+    def timed(model, batches, s, device, precision, log=None, guard=None):
+        calls.append(model.cfg.rank)
+        if stop_after is not None and len(calls) == stop_after:
+            os.environ["LRATTNRES_DEADLINE"] = str(_time.time() - 1)
+        return {"times_s": [0.01 * len(calls)] * 3, "warmup_s": 0.0, "stopped": "converged", "final_ce": 1.0,
+                "peak_mem_gib": None, "weights_dtype": "float32"}
+
+    return timed
+
+
+def test_default_methods_are_table_3s():
+    assert tp.resolve_spec({})["methods"] == ["fla-rd", "fused-rd", "fused-rd4"]
+
+
+def test_a_stage_at_its_deadline_keeps_its_runs_and_the_next_continues(tmp_path, monkeypatch):
+    out = tmp_path / "throughput" / "smoke.json"
+    spec = json.dumps(dict(SMALL, methods=["fused-rd", "fused-rd4"], repeats=3))
+    first: list = []
+    monkeypatch.delenv("LRATTNRES_DEADLINE", raising=False)
+    monkeypatch.setattr(tp, "time_method", _fake_timing(first, stop_after=3))
+    assert tp.main(["--spec", spec, "--out", str(out)]) == 75  # EX_TEMPFAIL: a retry continues
+    part = tp.partial_path(out)
+    assert not out.exists() and part.name == "smoke.partial.json"
+    state = json.loads(part.read_text())
+    assert state["format"] == tp.PARTIAL_FORMAT and len(state["runs"]) == 3 and len(first) == 3
+    # the deadline has passed: a retry now starts nothing
+    assert tp.main(["--spec", spec, "--out", str(out)]) == 75 and len(first) == 3
+    # with time again, only the three missing runs are timed; the earlier ones are kept as they were
+    monkeypatch.delenv("LRATTNRES_DEADLINE")
+    second: list = []
+    monkeypatch.setattr(tp, "time_method", _fake_timing(second))
+    assert tp.main(["--spec", spec, "--out", str(out)]) == 0
+    assert len(second) == 3 and not part.exists()
+    r = json.loads(out.read_text())
+    assert r["complete"] and len(r["runs"]) == 6 and [x["repeat"] for x in r["runs"]] == [0, 0, 1, 1, 2, 2]
+    assert r["runs"][:3] == state["runs"] and len(r["gains"]["smoke"]["rank"]["per_repeat"]) == 3
+    assert any("earlier, unfinished process" in n for n in r["notes"])
+
+
+def test_a_partial_state_of_another_spec_is_not_continued(tmp_path, monkeypatch):
+    out = tmp_path / "smoke.json"
+    monkeypatch.delenv("LRATTNRES_DEADLINE", raising=False)
+    calls: list = []
+    monkeypatch.setattr(tp, "time_method", _fake_timing(calls, stop_after=2))
+    spec = dict(SMALL, methods=["fused-rd", "fused-rd4"], repeats=2)
+    assert tp.main(["--spec", json.dumps(spec), "--out", str(out)]) == 75
+    monkeypatch.delenv("LRATTNRES_DEADLINE")
+    again: list = []
+    monkeypatch.setattr(tp, "time_method", _fake_timing(again))
+    assert tp.main(["--spec", json.dumps(dict(spec, max_updates=5)), "--out", str(out)]) == 0
+    assert len(again) == 4  # every run timed afresh
+
+
+def test_a_run_under_way_stops_between_updates(monkeypatch):
+    """The deadline falls inside a timed run: it stops at the next update, is not counted as a failed
+    method, and the stage stops (the real time_method, smoke shapes on the CPU)."""
+    import time as _time
+
+    from lrattnres import deadline
+
+    monkeypatch.setenv("LRATTNRES_DEADLINE", str(_time.time() + 3600))
+    real = tp.time_method
+
+    def soon(*a, guard=None, **k):
+        monkeypatch.setenv("LRATTNRES_DEADLINE", str(_time.time() + 1e-3))
+        return real(*a, guard=guard, **k)
+
+    monkeypatch.setattr(tp, "time_method", soon)
+    with pytest.raises(deadline.DeadlineReached, match="the next update"):
+        tp.run(dict(SMALL, methods=["fused-rd"], repeats=1))
+
+
+def test_a_malformed_deadline_is_a_user_error(capsys, monkeypatch, tmp_path):
+    from lrattnres.cli import run_stage
+
+    monkeypatch.setenv("LRATTNRES_DEADLINE", "tomorrow")
+    assert run_stage("throughput", ["--spec", json.dumps(SMALL), "--out", str(tmp_path / "x.json")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "LRATTNRES_DEADLINE" in err and "'tomorrow'" in err and "epoch seconds" in err
+
+
+def test_aggregate_merges_one_result_per_size(tmp_path):
+    a, s = _fake_gpu_result("NVIDIA H100 80GB HBM3")
+    one = dict(a, spec=dict(s, presets=["1B"]), rows=[r for r in a["rows"] if r["preset"] == "1B"],
+               gains={"1B": a["gains"]["1B"]}, runs=[], skipped=[], notes=["x"])
+    four = dict(a, spec=dict(s, presets=["4B"]), rows=[r for r in a["rows"] if r["preset"] == "4B"],
+                gains={"4B": a["gains"]["4B"]}, runs=[], skipped=[], notes=["x"], complete=False)
+    paths = []
+    for name, part in (("1B", one), ("4B", four)):
+        paths.append(str(tmp_path / f"{name}.json"))
+        Path(paths[-1]).write_text(json.dumps(part))
+    assert tp.main(["--aggregate", *paths, "--out", str(tmp_path / "all.json")]) == 0
+    r = json.loads((tmp_path / "all.json").read_text())
+    assert r["spec"]["presets"] == ["1B", "4B"] and set(r["gains"]) == {"1B", "4B"} and len(r["rows"]) == 8
+    assert r["complete"] is False and r["notes"] == ["x"] and r["parts"] == paths
+    assert any(c.startswith("table3.tokens_per_s.h100.4b") for c in r["claims"])

@@ -99,10 +99,12 @@ def test_resume_bit_for_bit(manifest, full_run, tmp_path):
     a, b = weights(out / "model.safetensors"), weights(tmp_path / "model.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     oa, ob = load(out)["optimizers"], load(tmp_path)["optimizers"]
+    assert oa.keys() == ob.keys() == {"muon", "adam"}
     for name in oa:
-        for i, st in oa[name]["state"].items():
+        assert oa[name].keys() == ob[name].keys() and oa[name]
+        for p, st in oa[name].items():
             for k, v in st.items():
-                assert torch.equal(v, ob[name]["state"][i][k]), (name, i, k)
+                assert torch.equal(v, ob[name][p][k]), (name, p, k)
     ra, rb = records(out), records(tmp_path)
     assert [(x["step"], x["loss"], x["grad_norm"]) for x in ra] == [(x["step"], x["loss"], x["grad_norm"]) for x in rb]
     assert json.loads((tmp_path / "result.json").read_text())["final_val_ce"] == json.loads((out / "result.json").read_text())["final_val_ce"]
@@ -153,13 +155,13 @@ def _flip_bytes(path: Path, at: float = 0.5, n: int = 64) -> None:
     path.write_bytes(bytes(data))
 
 
-@pytest.mark.parametrize("part", ["model", "state"])
+@pytest.mark.parametrize("part", ["tensors", "state"])
 @pytest.mark.parametrize("damage", ["flip", "truncate"])
 def test_corrupt_checkpoint_is_refused_never_used(manifest, tmp_path, part, damage):
     with pytest.raises(Preempted):
         train(make_spec(), manifest, tmp_path, progress=False, stop_after=2)
     rec = json.loads((tmp_path / "checkpoint.json").read_text())
-    target = tmp_path / rec["files"][part]["file"]
+    target = tmp_path / rec["files"][part][0]["file"]
     if damage == "flip":
         _flip_bytes(target)
     else:
@@ -187,11 +189,13 @@ def test_checkpoint_holds_no_pickled_code(manifest, tmp_path):
     with pytest.raises(Preempted):
         train(make_spec(), manifest, tmp_path, progress=False, stop_after=2)
     rec = json.loads((tmp_path / "checkpoint.json").read_text())
-    state = torch.load(tmp_path / rec["files"]["state"]["file"], weights_only=True)
-    assert set(state) == {"optimizers", "rng", "loader", "grad_norms"}
+    state = torch.load(tmp_path / rec["files"]["state"][0]["file"], weights_only=True)
+    assert set(state) == {"rng", "loader", "grad_norms"}
     from safetensors.torch import load_file
 
-    assert set(load_file(tmp_path / rec["files"]["model"]["file"])) == set(load(tmp_path)["model"])
+    tensors = load_file(tmp_path / rec["files"]["tensors"][0]["file"])
+    assert {k[len("model."):] for k in tensors if k.startswith("model.")} == set(load(tmp_path)["model"])
+    assert any(k.endswith(".momentum_buffer") for k in tensors) and any(k.endswith(".exp_avg_sq") for k in tensors)
 
 
 def test_nonfinite_loss_stops_and_keeps_last_checkpoint(manifest, tmp_path, monkeypatch):

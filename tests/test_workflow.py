@@ -51,7 +51,10 @@ def test_dry_run_every_scale(shared_copy, scale):
     assert counts.get("train") == len(plan(settings))
     assert counts.get("convert") == len(conversions(settings))
     assert counts.get("evaluate") == len(evaluations(settings))
-    for rule in ("accounting", "prepare_data", "report", "grid_summary", "convert_all", "diagnostics"):
+    assert counts.get("kernel_check_run") == len(evaluations(settings))  # Appendix I: every read of the size pair
+    assert counts.get("throughput_size") == len(settings["throughput"]["presets"])  # one timing job per size
+    for rule in ("accounting", "prepare_data", "report", "grid_summary", "convert_all", "diagnostics", "throughput",
+                 "kernel_check", "kernel_check_trained"):
         assert counts.get(rule) == 1, (rule, counts)
 
 
@@ -148,15 +151,15 @@ def test_default_profile_loads_by_itself(shared_copy):
     assert slurm["executor"] == "slurm" and not {"executor", "jobs", "keep-going"} & set(prof)
 
 
-GPU_RULES = ("train", "evaluate", "convert", "diagnose_run", "throughput", "kernel_check")
-EXCLUSIVE = ("throughput", "kernel_check")
-RESOURCE_BLOCK = {"diagnose_run": "diagnostics"}  # the rule whose resources a GPU rule reads
+GPU_RULES = ("train", "evaluate", "convert", "diagnose_run", "kernel_check_run", "throughput_size", "kernel_check")
+EXCLUSIVE = ("throughput_size", "kernel_check")
+CONFIG_KEY = {"diagnose_run": "diagnostics", "throughput_size": "throughput"}  # the rules' resources entries
 
 
 def test_gpu_scale_never_runs_a_timing_job_beside_another_gpu_job(shared_copy):
     """A dry run of the gpu scale under the default profile on a machine of one GPU: every GPU job
     declares its GPU; the resources each job declares never let Snakemake run a timing job beside
-    another GPU job, and let exactly the scale's jobs_per_gpu jobs of a rule share one GPU."""
+    another GPU job, nor more jobs of a rule on one GPU than the scale's jobs_per_gpu lets share it."""
     proc = snakemake(shared_copy, "-n", "--config", "scale=gpu", "--resources", "gpu=1")
     jobs: dict[str, list[dict]] = {}
     rule = None
@@ -169,10 +172,10 @@ def test_gpu_scale_never_runs_a_timing_job_beside_another_gpu_job(shared_copy):
             res = dict(kv.split("=", 1) for kv in m.group(1).split(", "))
             jobs.setdefault(rule, []).append({k: int(v) for k, v in res.items() if v.isdigit()})
     settings = load_and_resolve(REPO / "config.yaml", {"scale": "gpu"})
-    res = settings["resources"]
-    per_gpu = {r: int(res.get(RESOURCE_BLOCK.get(r, r), {}).get("jobs_per_gpu", 1)) for r in GPU_RULES}
-    assert per_gpu["train"] > 1 and all(per_gpu[r] == 1 for r in EXCLUSIVE)
-    slots = math.lcm(*per_gpu.values())  # what the workflow offers for --resources gpu=1
+    per_gpu = settings["resources"]["train"]["jobs_per_gpu"]
+    assert per_gpu > 1
+    # what the workflow offers for --resources gpu=1: slots enough for every rule's sharing (common.smk)
+    slots = math.lcm(*(b.get("jobs_per_gpu", 1) for b in settings["resources"].values()))
     for r in GPU_RULES:
         assert jobs.get(r), r
         assert all(j["gpu"] >= 1 and j["gpu_slots"] >= 1 for j in jobs[r]), (r, jobs[r])
@@ -180,10 +183,14 @@ def test_gpu_scale_never_runs_a_timing_job_beside_another_gpu_job(shared_copy):
     for a in EXCLUSIVE:
         for b in GPU_RULES:
             assert demand[a] + min(j["gpu_slots"] for j in jobs[b]) > slots, (a, b, demand)
-    for r in GPU_RULES:  # exactly jobs_per_gpu of them fit one GPU, one more does not
-        assert demand[r] * per_gpu[r] <= slots < demand[r] * (per_gpu[r] + 1), (r, demand, per_gpu)
+    # every other GPU job takes its share: k jobs of a rule the scale lets share a GPU fill it, never more
+    for a in GPU_RULES:
+        k = settings["resources"].get(CONFIG_KEY.get(a, a), {}).get("jobs_per_gpu", 1)
+        assert demand[a] == slots // k and demand[a] * (k + 1) > slots, (a, k, demand)
+    assert demand["kernel_check_run"] == demand["train"]  # Appendix I's reads of a run share the GPU like a training
+    assert demand["train"] * per_gpu <= slots  # the scale lets this many trainings share one GPU
     # on a machine with two GPUs, two timing jobs may run at once (one per GPU)
-    assert demand["throughput"] + demand["kernel_check"] <= 2 * slots
+    assert demand["throughput_size"] + demand["kernel_check"] <= 2 * slots
 
 
 def test_lint_clean(shared_copy):

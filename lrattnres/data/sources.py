@@ -29,6 +29,8 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+from lrattnres.errors import UserError
+
 
 # ------------------------------------------------------------------------------------------------
 # embedded: docstrings of installed packages
@@ -240,14 +242,46 @@ def _default_load_dataset(*args, **kwargs):
     return datasets.load_dataset(*args, **kwargs)
 
 
+class StagingError(UserError, ValueError):
+    """A Hub dataset that can be read neither from the network nor from a pre-staged copy."""
+
+
+_OFF = ("1", "true", "yes", "on")
+
+
+def hub_unreachable(timeout: float = 10.0) -> str | None:
+    """Why this machine cannot reach the Hugging Face Hub (offline mode set, no route to its host or
+    to the HTTPS proxy), or None when a connection opens."""
+    import socket
+    from urllib.parse import urlparse
+
+    for var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"):
+        if os.environ.get(var, "").strip().lower() in _OFF:
+            return f"{var} is set"
+    endpoint = urlparse(os.environ.get("HF_ENDPOINT") or "https://huggingface.co")
+    proxy = os.environ.get("HTTPS_PROXY") or os.environ.get("https_proxy")
+    target = urlparse(proxy if "://" in (proxy or "") else f"http://{proxy}") if proxy else endpoint
+    host, port = target.hostname or "huggingface.co", target.port or (443 if target.scheme == "https" else 80)
+    try:
+        socket.create_connection((host, port), timeout=timeout).close()
+    except OSError as e:
+        return f"{'proxy ' if proxy else ''}{host}:{port}: {e.strerror or e}"
+    return None
+
+
+def _is_hub_id(name: str) -> bool:
+    return "/" in name and not os.path.exists(name)
+
+
 class HFSource:
     kind = "hf"
     #: the function that opens the stream; tests may replace it, the default is datasets.load_dataset
     load_dataset: Callable[..., Any] = staticmethod(_default_load_dataset)
 
     def __init__(self, dataset: str, split: str, column: str, revision: str | None = None,
-                 name: str | None = None, data_files: Any = None, **_: Any):
+                 name: str | None = None, data_files: Any = None, local_dir: str | None = None, **_: Any):
         self.dataset = dataset
+        self.local_dir = local_dir
         self.split = split
         self.column = column
         self.revision = revision
@@ -274,6 +308,9 @@ class HFSource:
         return d
 
     def open(self):
+        """The stream: from ``local_dir`` (a pre-staged copy of the dataset's repository: its README's
+        split definitions and the data files, read in the same order) when given, else from the Hub,
+        which must be reachable (:class:`StagingError` otherwise, before any download is tried)."""
         kwargs: dict[str, Any] = {"split": self.split, "streaming": True}
         if self.name is not None:
             kwargs["name"] = self.name
@@ -281,10 +318,24 @@ class HFSource:
             kwargs["revision"] = self.revision
         if self.data_files is not None:
             kwargs["data_files"] = self.data_files
+        where = self.dataset
+        if self.local_dir:
+            if not os.path.isdir(self.local_dir):
+                raise StagingError(f"data.hf.local_dir: {self.local_dir}: no such folder; expected a pre-staged copy "
+                                   f"of {self.dataset} (docs/slurm.md, 'The paper's data')")
+            where = self.local_dir
+            kwargs.pop("revision", None)  # the copy is of one revision already
+        elif self.load_dataset is _default_load_dataset and _is_hub_id(self.dataset):
+            why = hub_unreachable()
+            if why is not None:
+                raise StagingError(
+                    f"data.hf: {self.dataset} streams from the Hugging Face Hub, which this machine cannot reach "
+                    f"({why}), and data.hf.local_dir names no pre-staged copy; expected the network (run the data "
+                    "stage where it is: resources.prepare_data.local: true) or a copy (docs/slurm.md, 'The paper's data')")
         try:
-            return self.load_dataset(self.dataset, **kwargs)
+            return self.load_dataset(where, **kwargs)
         except Exception as e:
-            raise RuntimeError(f"hf source {self.dataset!r} (split {self.split!r}): cannot open the stream: {e}") from e
+            raise RuntimeError(f"hf source {where!r} (split {self.split!r}): cannot open the stream: {e}") from e
 
     def state(self) -> Any:
         """The stream's position after the last yielded row (``IterableDataset.state_dict``), or None.

@@ -8,7 +8,11 @@ Keys (all optional; the defaults are the paper's data setup except the source):
 - ``embedded``: ``packages`` (read in this order), ``max_documents``, ``max_tokens``, ``min_chars``,
   ``workers`` (ast-parsing processes), ``missing`` (skip | error for an uninstalled package).
 - ``hf``: ``dataset``, ``name`` (config), ``split``, ``column``, ``revision``, ``max_tokens``,
-  ``data_files`` (a local mirror or a stand-in: ``dataset: parquet, data_files: [...]``).
+  ``data_files`` (a local mirror or a stand-in: ``dataset: parquet, data_files: [...]``),
+  ``local_dir`` (a pre-staged copy of the dataset's repository, read instead of the Hub: where the
+  data stage runs without the network; docs/slurm.md). Without the network and without a copy the
+  stage refuses in one line before reading anything. ``local_dir`` says where, not what: it is an
+  execution setting (the shards' hashes decide whether the tokens are the same).
 - ``local``: ``glob``, ``format`` (auto | txt | jsonl | parquet; txt = one document per file),
   ``field`` (jsonl key / parquet column), ``max_tokens``.
 - ``pack``: ``path`` (the .jsonl.xz pack; the workflow builds it from the installed documentation
@@ -68,6 +72,7 @@ DEFAULTS: dict[str, Any] = {
         "revision": None,
         "max_tokens": None,
         "data_files": None,  # e.g. a local mirror: dataset "parquet", data_files "mirror/*.parquet"
+        "local_dir": None,  # a pre-staged copy of the dataset's repository, read instead of the Hub
     },
     "local": {"glob": None, "format": "auto", "field": "text", "max_tokens": None},
     "pack": {"path": None, "collections": None, "min_chars": 500, "sha256": None, "max_tokens": None},
@@ -83,7 +88,7 @@ DEFAULTS: dict[str, Any] = {
 _SOURCES = ("embedded", "hf", "local", "pack")
 # Settings that change how fast the data are built, never which tokens: the manifest leaves them out,
 # so changing them neither changes the data's hash nor reruns what depends on the data.
-EXECUTION_KEYS = (("num_threads",), ("embedded", "workers"))
+EXECUTION_KEYS = (("num_threads",), ("embedded", "workers"), ("hf", "local_dir"))
 _FORMATS = ("auto", "txt", "jsonl", "parquet")
 
 
@@ -165,6 +170,7 @@ def validate_spec(spec: dict | None) -> dict:
     _str(h["column"], "hf.column")
     _str(h["revision"], "hf.revision", optional=True)
     _int(h["max_tokens"], "hf.max_tokens", 1, optional=True)
+    _str(h["local_dir"], "hf.local_dir", optional=True)
     df = h["data_files"]
     if df is not None and not (
         isinstance(df, str)

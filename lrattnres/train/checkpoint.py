@@ -13,19 +13,27 @@ Final weights, ``model.safetensors`` (a rule output) beside ``model.safetensors.
     safetensors metadata: {"lrattnres": JSON {"format": MODEL_FORMAT, "kind": "model",
                            "model_config", "spec", "manifest_sha256", "step", "tokens", ...}}
 
-Resumable state of a run folder (written atomically, periodically, on SIGTERM and at the end)::
+Resumable state of a run folder (written atomically, periodically, on SIGTERM and at the end), by
+every rank of a data-parallel run at once, each its share::
 
     checkpoint.json                              {"format": FORMAT, "step", "tokens", "spec",
                                                   "model_config", "manifest_sha256", "code_sha256",
                                                   "world_size", "wall_s", "cpu_s", "train_s",
-                                                  "files": {"model": {"file", "sha256", "bytes"},
-                                                            "state": {"file", "sha256", "bytes"}}}
-    checkpoint-<step>.model.safetensors           the weights at that step
-    checkpoint-<step>.state.pt                    {"optimizers", "rng", "loader", "grad_norms"}
+                                                  "files": {"tensors": [{"rank", "file", "sha256", "bytes"}, ...],
+                                                            "state": [{"rank", "file", "sha256", "bytes"}, ...]}}
+    checkpoint-<step>-<token>.r<rank>.safetensors  the rank's share of the tensors: "model.<name>" (the
+                                                  weights it owns) and "optim.<optimiser>.<name>.<key>"
+                                                  (their optimiser state: Muon's momentum, AdamW's moments)
+    checkpoint-<step>-<token>.r<rank>.state.pt     {"rng", "loader", "grad_norms"} of that rank
 
-The step's files are written first, then ``checkpoint.json`` is renamed into place, then older
-steps' files are removed: at every instant ``checkpoint.json`` names complete files whose hashes it
-holds, so a kill at any point leaves the previous or the new checkpoint, never a mixture.
+A rank owns the parameters ZeroRedundancyOptimizer's partition gives it (lrattnres/train/optim.py,
+``owners``), sharded or not, so each writes about 1/world of the bytes and hashes them itself; the
+state is kept by parameter name, so a run resumes with its optimiser state sharded or not. The
+step's files are written first (under a token no earlier write used), then ``checkpoint.json`` is
+renamed into place by rank 0, then older steps' files are removed: at every instant
+``checkpoint.json`` names complete files whose hashes it holds, so a kill at any point leaves the
+previous or the new checkpoint, never a mixture. On resume the ranks hash the files side by side
+(:func:`verify_files`).
 
 :func:`move_aside` moves a run's checkpoint (with the metrics and spec that go with it) into
 ``stale/<time>-step<k>/`` when a run starts over; nothing is deleted.
@@ -51,7 +59,8 @@ import torch
 from lrattnres.errors import UserError
 from lrattnres.io import atomic_path, atomic_torch_save, atomic_write_json, atomic_write_text, sha256_file
 
-FORMAT = "lrattnres.train.checkpoint/2"
+FORMAT = "lrattnres.train.checkpoint/3"
+FORMAT_V2 = "lrattnres.train.checkpoint/2"  # one weights file and one state file: read, never resumed
 MODEL_FORMAT = "lrattnres.model/1"
 MODEL_FILE = "model.safetensors"
 CHECKPOINT_FILE = "checkpoint.json"
@@ -193,28 +202,60 @@ def read_model(path: str | Path, device: str | torch.device = "cpu") -> tuple[di
 
 # ---- resumable checkpoints ----------------------------------------------------------------------------
 
-
-def _step_name(step: int, part: str) -> str:
-    return f"checkpoint-{step:08d}.{part}"
+MODEL_PREFIX, OPTIM_PREFIX = "model.", "optim."
 
 
-def save_checkpoint(out: str | Path, *, model_state: dict[str, torch.Tensor], state: dict, meta: dict) -> Path:
-    """Write the resumable checkpoint of run folder ``out`` at ``meta["step"]`` (see the module doc)."""
+def _step_name(step: int, token: str, rank: int, part: str) -> str:
+    return f"checkpoint-{step:08d}-{token}.r{rank:05d}.{part}"
+
+
+def _gather(obj, world: int) -> list:
+    if world <= 1:
+        return [obj]
+    import torch.distributed as dist
+
+    out = [None] * world
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def save_checkpoint(out: str | Path, *, tensors: dict[str, torch.Tensor], state: dict, meta: dict,
+                    rank: int = 0, world: int = 1) -> Path:
+    """Write this rank's part of the resumable checkpoint of run folder ``out`` at ``meta["step"]``
+    (every rank of a data-parallel run calls it at once; see the module doc).
+
+    ``tensors``: this rank's share (``model.<name>``, ``optim.<optimiser>.<name>.<key>``), written as
+    safetensors; ``state``: its RNG and data-loader state (and rank 0's gradient-norm history). Each
+    rank hashes its own files; rank 0 then writes ``checkpoint.json`` naming every rank's files with
+    their sha256 and removes older steps' files. The ranks write side by side, so the time to save
+    is that of the largest share, not of the whole state."""
+    import secrets
+
     out = Path(out)
     step = int(meta["step"])
-    mfile, sfile = out / _step_name(step, "model.safetensors"), out / _step_name(step, "state.pt")
-    msha = _write_tensors(model_state, {"format": FORMAT, "kind": "checkpoint", "step": step}, mfile)
+    token = _gather(secrets.token_hex(4), world)[0]  # rank 0's: file names no earlier write used
+    tfile, sfile = out / _step_name(step, token, rank, "safetensors"), out / _step_name(step, token, rank, "state.pt")
+    tsha = _write_tensors(tensors, {"format": FORMAT, "kind": "checkpoint", "step": step, "rank": rank}, tfile)
     atomic_torch_save(state, sfile)
-    record = {"format": FORMAT, **meta, "files": {
-        "model": {"file": mfile.name, "sha256": msha, "bytes": mfile.stat().st_size},
-        "state": {"file": sfile.name, "sha256": sha256_file(sfile), "bytes": sfile.stat().st_size},
-    }}
-    atomic_write_json(out / CHECKPOINT_FILE, record)
-    keep = {mfile.name, sfile.name}
-    for old in out.glob("checkpoint-*"):
-        if old.name not in keep:
-            old.unlink(missing_ok=True)
-    return out / CHECKPOINT_FILE
+    mine = [{"part": "tensors", "rank": rank, "file": tfile.name, "sha256": tsha, "bytes": tfile.stat().st_size},
+            {"part": "state", "rank": rank, "file": sfile.name, "sha256": sha256_file(sfile), "bytes": sfile.stat().st_size}]
+    entries = [e for part in _gather(mine, world) for e in part]
+    path = out / CHECKPOINT_FILE
+    if rank == 0:
+        files = {part: sorted((e for e in entries if e["part"] == part), key=lambda e: e["rank"])
+                 for part in ("tensors", "state")}
+        record = {"format": FORMAT, **meta, "files": {k: [{x: e[x] for x in ("rank", "file", "sha256", "bytes")}
+                                                          for e in v] for k, v in files.items()}}
+        atomic_write_json(path, record)
+        keep = {e["file"] for e in entries}
+        for old in out.glob("checkpoint-*"):
+            if old.name not in keep:
+                old.unlink(missing_ok=True)
+    if world > 1:
+        import torch.distributed as dist
+
+        dist.barrier()  # nobody goes on before the record names the new files
+    return path
 
 
 def has_checkpoint(out: str | Path) -> bool:
@@ -222,8 +263,15 @@ def has_checkpoint(out: str | Path) -> bool:
     return (out / CHECKPOINT_FILE).exists() or any((out / n).exists() for n in LEGACY_FILES)
 
 
-def read_record(out: str | Path) -> dict | None:
-    """The checked ``checkpoint.json`` of run folder ``out`` (its files' hashes verified), or None."""
+def _entries(rec: dict) -> list[tuple[str, dict]]:
+    return [(part, e) for part in ("tensors", "state") for e in rec["files"][part]]
+
+
+def read_record(out: str | Path, *, verify: bool | tuple[int, int] = True) -> dict | None:
+    """The ``checkpoint.json`` of run folder ``out``, or None; its fields and file list are checked,
+    and its files' sha256: all of them (``verify=True``), none (False), or ``(rank, world)``: the
+    share of one rank of a data-parallel run (every ``world``-th file), so that the ranks hash side by
+    side (:func:`verify_files` then gathers their findings)."""
     out = Path(out)
     path = out / CHECKPOINT_FILE
     if not path.exists():
@@ -232,38 +280,144 @@ def read_record(out: str | Path) -> dict | None:
         rec = json.loads(path.read_text(encoding="utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise CheckpointError(f"{path}: not valid JSON ({e}); refusing a corrupt checkpoint") from None
-    if not isinstance(rec, dict) or rec.get("format") != FORMAT:
+    if not isinstance(rec, dict) or rec.get("format") not in (FORMAT, FORMAT_V2):
         got = rec.get("format") if isinstance(rec, dict) else type(rec).__name__
         raise CheckpointError(f"{path}: field 'format' is {got!r}, expected {FORMAT!r}")
     files = rec.get("files")
-    for part in ("model", "state"):
-        entry = files.get(part) if isinstance(files, dict) else None
-        if not isinstance(entry, dict) or not isinstance(entry.get("file"), str) or "/" in entry["file"]:
-            raise CheckpointError(f"{path}: field 'files.{part}' missing or malformed (expected {{file, sha256}})")
-        _check_sha(out / entry["file"], entry.get("sha256"), f"{path} (files.{part}.sha256)")
+    if rec["format"] == FORMAT_V2:  # one weights file and one state file, written by rank 0
+        rec["files"] = files = {"tensors": [dict(files.get("model") or {}, rank=0)] if isinstance(files, dict) else None,
+                                "state": [dict(files.get("state") or {}, rank=0)] if isinstance(files, dict) else None}
+    for part in ("tensors", "state"):
+        entries = files.get(part) if isinstance(files, dict) else None
+        if not isinstance(entries, list) or not entries or not all(
+                isinstance(e, dict) and isinstance(e.get("file"), str) and "/" not in e["file"] for e in entries):
+            raise CheckpointError(f"{path}: field 'files.{part}' missing or malformed (expected a list of {{rank, file, sha256}})")
     for key in ("step", "spec", "model_config", "manifest_sha256", "world_size"):
         if key not in rec:
             raise CheckpointError(f"{path}: field {key!r} missing")
+    if verify:
+        rank, world = verify if isinstance(verify, tuple) else (0, 1)
+        for i, (part, e) in enumerate(_entries(rec)):
+            if i % world == rank:
+                _check_sha(out / e["file"], e.get("sha256"), f"{path} (files.{part}[{e.get('rank')}].sha256)")
     return rec
 
 
-def load_checkpoint(out: str | Path, record: dict | None = None) -> dict | None:
-    """The whole resumable state of run folder ``out`` (checked), or None without a checkpoint:
-    the record's fields plus ``model`` (state_dict) and the state file's ``optimizers``, ``rng``,
-    ``loader`` and ``grad_norms``."""
+def verify_files(out: str | Path, rank: int = 0, world: int = 1) -> dict | None:
+    """:func:`read_record` with the files hashed by all ranks of a run side by side: every rank raises
+    the same :class:`CheckpointError` (the first rank's that found one) if any file fails."""
+    err, rec = None, None
+    try:
+        rec = read_record(out, verify=(rank, world))
+    except CheckpointError as e:
+        err = str(e)
+    errors = [e for e in _gather(err, world) if e]
+    if errors:
+        raise CheckpointError(errors[0])
+    return rec
+
+
+def _tensor_files(out: Path, rec: dict):
+    from safetensors import SafetensorError, safe_open
+
+    for e in rec["files"]["tensors"]:
+        path = out / e["file"]
+        try:
+            with safe_open(str(path), framework="pt", device="cpu") as f:
+                yield path, f
+        except (SafetensorError, OSError, ValueError) as err:
+            raise CheckpointError(f"{path}: not a readable safetensors file ({err})") from None
+
+
+def read_tensors(out: str | Path, rec: dict, prefix: str = MODEL_PREFIX, want=None) -> dict[str, torch.Tensor]:
+    """The tensors of every rank's file whose name starts with ``prefix`` (and, given ``want``, whose
+    name without it ``want`` accepts), keyed without the prefix; each read from disk only if taken."""
+    out, got = Path(out), {}
+    for _, f in _tensor_files(out, rec):
+        for k in f.keys():
+            name = k if rec["format"] != FORMAT_V2 else MODEL_PREFIX + k
+            if name.startswith(prefix) and (want is None or want(name[len(prefix):])):
+                got[name[len(prefix):]] = f.get_tensor(k)
+    return got
+
+
+def read_state(out: str | Path, rec: dict, rank: int) -> dict:
+    """The small state (RNG, data loader, gradient norms) rank ``rank`` wrote."""
     out = Path(out)
-    rec = record if record is not None else read_record(out)
-    if rec is None:
-        return None
-    model, _ = _read_tensors(out / rec["files"]["model"]["file"])
-    spath = out / rec["files"]["state"]["file"]
+    entry = next((e for e in rec["files"]["state"] if e.get("rank") == rank), None)
+    if entry is None:
+        raise CheckpointError(f"{out / CHECKPOINT_FILE}: no state file of rank {rank}")
+    spath = out / entry["file"]
     try:
         state = torch.load(spath, map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 - any unreadable content is the same refusal
         raise CheckpointError(f"{spath}: not a readable training state ({type(e).__name__}: {str(e).splitlines()[0]})") from None
-    if not isinstance(state, dict) or not {"optimizers", "rng", "loader", "grad_norms"} <= set(state):
-        raise CheckpointError(f"{spath}: expected keys optimizers, rng, loader, grad_norms")
-    return {**rec, "model": model, **state}
+    want = {"rng", "loader", "grad_norms"}
+    if not isinstance(state, dict) or not want <= set(state):
+        raise CheckpointError(f"{spath}: expected keys {', '.join(sorted(want))}")
+    return state
+
+
+def training_tensors(model: torch.nn.Module, optimizers: dict, owner: dict[str, int], rank: int) -> dict[str, torch.Tensor]:
+    """This rank's share of the resumable tensors: the weights it owns and their optimiser state
+    (``optimizers``: the local optimisers, which hold the state this rank keeps)."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    out = {MODEL_PREFIX + n: t.detach() for n, t in model.state_dict().items() if owner.get(n, 0) == rank}
+    for oname, opt in optimizers.items():
+        for p, st in opt.state.items():
+            n = names[id(p)]
+            if owner.get(n, 0) != rank:
+                continue
+            for key, v in st.items():
+                if not isinstance(v, torch.Tensor):
+                    raise TypeError(f"optimiser {oname!r} keeps a non-tensor state {key!r} for {n}: not checkpointable")
+                out[f"{OPTIM_PREFIX}{oname}.{n}.{key}"] = v.detach()
+    return out
+
+
+def restore_training(out: str | Path, rec: dict, model: torch.nn.Module, optimizers: dict) -> None:
+    """Load every weight into ``model`` and, into each local optimiser, the state of its parameters,
+    from whichever rank's file holds them (a run resumes with its optimiser state sharded or not,
+    whichever way it was written)."""
+    out = Path(out)
+    weights = read_tensors(out, rec, MODEL_PREFIX)
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    if missing or unexpected:
+        raise CheckpointError(f"{out / CHECKPOINT_FILE}: weights do not fit the model (missing {sorted(missing)[:5]}, "
+                              f"unexpected {sorted(unexpected)[:5]})")
+    del weights
+    names = {id(p): n for n, p in model.named_parameters()}
+    for oname, opt in optimizers.items():
+        params = [p for g in opt.param_groups for p in g["params"]]
+        mine = {names[id(p)] for p in params}
+        flat = read_tensors(out, rec, f"{OPTIM_PREFIX}{oname}.", want=lambda k: k.rsplit(".", 1)[0] in mine)
+        state: dict[int, dict[str, torch.Tensor]] = {}
+        index = {names[id(p)]: i for i, p in enumerate(params)}
+        for k, v in flat.items():
+            pname, key = k.rsplit(".", 1)
+            state.setdefault(index[pname], {})[key] = v
+        sd = opt.state_dict()
+        sd["state"] = state
+        opt.load_state_dict(sd)
+
+
+def load_checkpoint(out: str | Path, record: dict | None = None) -> dict | None:
+    """The whole resumable state of run folder ``out`` (checked), or None without a checkpoint: the
+    record's fields plus ``model`` (state_dict), ``optimizers`` ({optimiser: {parameter: {key:
+    tensor}}}) and per rank lists ``rng`` and ``loader``, and ``grad_norms``."""
+    out = Path(out)
+    rec = record if record is not None else read_record(out)
+    if rec is None:
+        return None
+    optim: dict[str, dict[str, dict[str, torch.Tensor]]] = {}
+    for k, v in read_tensors(out, rec, OPTIM_PREFIX).items():
+        oname, rest = k.split(".", 1)
+        pname, key = rest.rsplit(".", 1)
+        optim.setdefault(oname, {}).setdefault(pname, {})[key] = v
+    states = [read_state(out, rec, e["rank"]) for e in rec["files"]["state"]]
+    return {**rec, "model": read_tensors(out, rec, MODEL_PREFIX), "optimizers": optim,
+            "rng": [s["rng"] for s in states], "loader": [s["loader"] for s in states],
+            "grad_norms": states[0]["grad_norms"]}
 
 
 def move_aside(out: str | Path, reason: str, *, extra: tuple[str, ...] = ("metrics.jsonl", "spec.json")) -> Path | None:
@@ -312,7 +466,7 @@ def load_model(path: str | Path, device: str | torch.device = "cpu"):
                               f"{CHECKPOINT_FILE} (a training checkpoint)")
     if path.name == CHECKPOINT_FILE:
         rec = read_record(path.parent)
-        tensors, _ = _read_tensors(path.parent / rec["files"]["model"]["file"])
+        tensors = read_tensors(path.parent, rec, MODEL_PREFIX)
         info = {k: v for k, v in rec.items() if k != "files"}
     else:
         tensors, info = read_model(path)

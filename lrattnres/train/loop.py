@@ -14,9 +14,10 @@ on each of ``world_size`` ranks.  Per step:
    written, so the last good one stays);
 6. Muon and AdamW step.
 
-Exit paths (``cli.py`` maps them to exit codes): normal end; SIGTERM/SIGINT (Slurm preemption):
-checkpoint at the next step boundary, then :class:`Preempted` (exit code 75, EX_TEMPFAIL: rerun
-the same command to resume); non-finite loss: :class:`NonFiniteLoss` (exit code 3).
+Exit paths (``cli.py`` maps them to exit codes): normal end; SIGTERM/SIGINT (Slurm preemption), or
+a deadline (``LRATTNRES_DEADLINE``, lrattnres/deadline.py) that the next update and a checkpoint
+would pass: checkpoint at the next step boundary, then :class:`Preempted` (exit code 75,
+EX_TEMPFAIL: rerun the same command to resume); non-finite loss: :class:`NonFiniteLoss` (exit code 3).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lrattnres import deadline as deadline_mod
 from lrattnres.errors import UserError
 from lrattnres.io import atomic_write_json
 from lrattnres.provenance import now, provenance
@@ -43,7 +45,7 @@ from lrattnres.train import checkpoint as ckpt
 from lrattnres.train import spec as spec_mod
 from lrattnres.train.metrics import (MetricsWriter, StatusLines, end_of_run_summary, grad_norm_summary, memory_stats,
                                      progress_bar)
-from lrattnres.train.optim import base_lrs, build_optimizers
+from lrattnres.train.optim import base_lrs, build_optimizers, local_optimizer, owners
 from lrattnres.train.schedule import apply_lr, lr_multiplier
 from lrattnres.train.val import IGNORE_INDEX, evaluate, loss_sums
 
@@ -281,6 +283,11 @@ def _train(
     mcfg_dict = ckpt.model_config_dict(mcfg)
     steps_total = spec_mod.total_steps(s, world)
     tokens_per_step = s["micro_batch"] * s["seq_len"] * s["grad_accum"] * world
+    if s.get("tokens_per_update") and tokens_per_step != s["tokens_per_update"]:
+        raise spec_mod.SpecError(
+            f"spec key 'tokens_per_update' is {s['tokens_per_update']:,} but micro_batch {s['micro_batch']} x seq_len "
+            f"{s['seq_len']} x grad_accum {s['grad_accum']} x {world} ranks = {tokens_per_step:,}: the job runs on "
+            "another GPU count than its spec was made for (set resources.train.gpu and nodes in config.yaml)")
     train_split_tokens = int(manifest["splits"]["train"]["tokens"])
 
     _seed_all(s["seed"])
@@ -294,7 +301,15 @@ def _train(
     from lrattnres.attention import describe as describe_attention
 
     attention = describe_attention(mcfg.attention, device)  # what the forward runs (auto resolved), recorded
-    optimizers = build_optimizers(model, s["optim"], device.type)
+    shard = bool(s.get("shard_optimizer")) and world > 1
+    optimizers = build_optimizers(model, s["optim"], device.type, shard=shard)
+    local_opts = {k: local_optimizer(o) for k, o in optimizers.items()}  # the state this rank keeps
+    param_names = {id(p): n for n, p in model.named_parameters()}
+    owner = owners(optimizers, param_names, world)  # who writes which weights and state
+    if shard:
+        mine = {param_names[id(p)] for o in local_opts.values() for g in o.param_groups for p in g["params"]}
+        if mine != {n for n, r in owner.items() if r == rank}:
+            raise RuntimeError("ZeroRedundancyOptimizer's partition differs from lrattnres.train.optim.owners")
     lrs = base_lrs(s["optim"])
     params = [p for p in model.parameters() if p.requires_grad]
     loader = TokenLoader(manifest, "train", s["micro_batch"], s["seq_len"], s["seed"], rank=rank, world_size=world)
@@ -313,9 +328,11 @@ def _train(
         elif not ck_path.exists():
             stale = f"{', '.join(n for n in ckpt.LEGACY_FILES if (out / n).exists())} is an earlier checkpoint format"
         else:
-            rec = ckpt.read_record(out)  # a file that fails its check stops the run (CheckpointError)
+            rec = ckpt.verify_files(out, rank, world)  # a file that fails its check stops the run (CheckpointError)
             stale_step = rec["step"]
             problems, code_differs = resume_problems(rec, s, mcfg_dict, manifest_sha, world, fingerprint)
+            if rec["format"] != ckpt.FORMAT:
+                problems.append(f"written in the earlier format {rec['format']}")
             if code_differs and resume != "force":
                 problems.append(f"written by other training code (code sha256 {str(rec.get('code_sha256'))[:12]} "
                                 f"!= {fingerprint[:12]}; a run must not mix two code versions)")
@@ -325,7 +342,7 @@ def _train(
             if problems:
                 stale = "; ".join(problems)
             else:
-                st = ckpt.load_checkpoint(out, rec)
+                st = rec
     if resume in ("must", "force") and st is None:
         raise FileNotFoundError(f"{ck_path}: --resume {resume}, but there is no checkpoint to continue")
     if stale is not None:
@@ -345,16 +362,15 @@ def _train(
             "as well as modelling (point the scale's data stage at a larger corpus)")
     resumed = False
     if st is not None:
-        model.load_state_dict(st["model"])
-        for name, opt in optimizers.items():
-            opt.load_state_dict(st["optimizers"][name])
+        ckpt.restore_training(out, st, model, local_opts)  # weights, and this rank's optimiser state
+        mine = ckpt.read_state(out, st, rank)
         step, tokens, train_s = st["step"], st["tokens"], st["train_s"]
         wall_prev, cpu_prev = st["wall_s"], st["cpu_s"]
-        grad_norms = list(st["grad_norms"])
-        loader.load_state_dict(st["loader"][rank])
-        ckpt.set_rng_state(st["rng"][rank])
+        grad_norms = list(mine["grad_norms"] if rank == 0 else ckpt.read_state(out, st, 0)["grad_norms"])
+        loader.load_state_dict(mine["loader"])
+        ckpt.set_rng_state(mine["rng"])
         resumed = True
-        del st
+        del st, mine
 
     # ---- wrap ---------------------------------------------------------------------------------
     lm = LossModule(model, s["precision"])
@@ -384,25 +400,21 @@ def _train(
         return iter_eval_batches(manifest, "val", val_bs, s["seq_len"])
 
     def save_checkpoint():
-        loader_states = [loader.state_dict()]
-        rngs = [ckpt.rng_state()]
-        if world > 1:
-            loader_states = [None] * world
-            rngs = [None] * world
-            dist.all_gather_object(loader_states, loader.state_dict())
-            dist.all_gather_object(rngs, ckpt.rng_state())
+        """Every rank writes its share side by side (lrattnres/train/checkpoint.py); returns seconds."""
+        t0 = time.perf_counter()
         if master:
             metrics.flush()
-            ckpt.save_checkpoint(
-                out, model_state=model.state_dict(),
-                state={"optimizers": {k: o.state_dict() for k, o in optimizers.items()}, "rng": rngs,
-                       "loader": loader_states, "grad_norms": grad_norms},
-                meta={"step": step, "tokens": tokens, "train_s": train_s,
-                      "wall_s": wall_prev + time.perf_counter() - t_process,
-                      "cpu_s": cpu_prev + time.process_time() - cpu_process,
-                      "world_size": world, "spec": s, "model_config": mcfg_dict,
-                      "manifest_sha256": manifest_sha, "code_sha256": fingerprint},
-            )
+        ckpt.save_checkpoint(
+            out, tensors=ckpt.training_tensors(model, local_opts, owner, rank),
+            state={"rng": ckpt.rng_state(), "loader": loader.state_dict(), "grad_norms": grad_norms if master else []},
+            meta={"step": step, "tokens": tokens, "train_s": train_s,
+                  "wall_s": wall_prev + time.perf_counter() - t_process,
+                  "cpu_s": cpu_prev + time.process_time() - cpu_process,
+                  "world_size": world, "spec": s, "model_config": mcfg_dict,
+                  "manifest_sha256": manifest_sha, "code_sha256": fingerprint},
+            rank=rank, world=world,
+        )
+        return time.perf_counter() - t0
 
     from lrattnres.progress import interactive
 
@@ -414,15 +426,21 @@ def _train(
     zc = float(s["z_loss"])
     clip = s["grad_clip"]
     ddp = world > 1
+    last_step_s, last_save_s = 0.0, 0.0
     try:
         while step < steps_total:
-            # preemption (all ranks agree) or a requested stop: checkpoint, then leave
-            flag = torch.tensor([1.0 if stop.signum is not None else 0.0], device=device if ddp else "cpu")
+            # preemption, a deadline (LRATTNRES_DEADLINE: the next update and a checkpoint would end after
+            # it) or a requested stop, on any rank (all ranks agree): checkpoint, then leave
+            rest = deadline_mod.left()
+            due = rest is not None and rest < last_step_s + last_save_s + 1.0
+            flag = torch.tensor([2.0 if stop.signum is not None else 1.0 if due else 0.0],
+                                device=device if ddp else "cpu")
             if ddp:
                 dist.all_reduce(flag, op=dist.ReduceOp.MAX)
             if flag.item() > 0 or (stop_after is not None and step >= stop_after):
                 save_checkpoint()
-                why = f"signal {stop.signum}" if stop.signum is not None else f"stop_after={stop_after}"
+                why = ("signal" + (f" {stop.signum}" if stop.signum is not None else " on another rank")
+                       if flag.item() >= 2 else deadline_mod.ENV if flag.item() > 0 else f"stop_after={stop_after}")
                 raise Preempted(f"stopped at step {step} ({why}); checkpoint {ck_path} written; rerun to resume")
 
             t0 = time.perf_counter()
@@ -441,6 +459,7 @@ def _train(
                     )
             apply_update(optimizers, device)
             dt = time.perf_counter() - t0
+            last_step_s = dt
             train_s += dt
             step += 1
             tokens += tokens_per_step
@@ -463,7 +482,7 @@ def _train(
                     bar.write(f"[train] step {step}: val ce {r['ce']:.4f} ({r['tokens']} tokens)")
             ce_every = s["checkpoint"]["every"]
             if ce_every and step % ce_every == 0 and step < steps_total:
-                save_checkpoint()
+                last_save_s = save_checkpoint()
     finally:
         bar.close()
         if status is not None:

@@ -125,18 +125,34 @@ def split_params(model: nn.Module) -> tuple[list[tuple[str, nn.Parameter]], list
     return muon, adam
 
 
-def build_optimizers(model: nn.Module, optim_spec: dict, device_type: str = "cpu") -> dict[str, torch.optim.Optimizer]:
-    """``{"muon": Muon, "adam": AdamW}`` (a group that would be empty is left out)."""
+def build_optimizers(model: nn.Module, optim_spec: dict, device_type: str = "cpu",
+                     shard: bool = False) -> dict[str, torch.optim.Optimizer]:
+    """``{"muon": Muon, "adam": AdamW}`` (a group that would be empty is left out).
+
+    ``shard``: each wrapped in ``torch.distributed.optim.ZeroRedundancyOptimizer`` (the process group
+    must be initialised): every rank keeps the state of the whole parameters it owns (largest first,
+    each to the least-loaded rank), steps them and broadcasts them to the others. Muon
+    orthogonalises each weight matrix on its own and AdamW works element by element, so the update is
+    the unsharded one; the state of each optimiser is divided over the ranks."""
     if not hasattr(torch.optim, "Muon"):
         raise RuntimeError(f"torch.optim.Muon needs PyTorch >= 2.9; this is torch {torch.__version__}")
     muon_params, adam_params = split_params(model)
     out: dict[str, torch.optim.Optimizer] = {}
+
+    def make(cls, params, **kw):
+        if not shard:
+            return cls(params, **kw)
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        return ZeroRedundancyOptimizer(params, optimizer_class=cls, **kw)
+
     m = optim_spec["muon"]
     if muon_params:
         ns = m["ns_dtype"]
         if ns == "auto":
             ns = "bf16" if device_type == "cuda" else "fp32"
-        out["muon"] = Muon(
+        out["muon"] = make(
+            Muon,
             [p for _, p in muon_params],
             ns_dtype=ns,
             lr=m["lr"],
@@ -148,7 +164,8 @@ def build_optimizers(model: nn.Module, optim_spec: dict, device_type: str = "cpu
         )
     a = optim_spec["adam"]
     if adam_params:
-        out["adam"] = torch.optim.AdamW(
+        out["adam"] = make(
+            torch.optim.AdamW,
             [p for _, p in adam_params],
             lr=a["lr"],
             betas=tuple(a["betas"]),
@@ -156,6 +173,26 @@ def build_optimizers(model: nn.Module, optim_spec: dict, device_type: str = "cpu
             weight_decay=a["weight_decay"],
             fused=device_type == "cuda",
         )
+    return out
+
+
+def local_optimizer(opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """The optimiser that holds this rank's state: a ZeroRedundancyOptimizer's local one, else itself."""
+    return getattr(opt, "optim", opt)
+
+
+def owners(optimizers: dict[str, torch.optim.Optimizer], names: dict[int, str], world: int) -> dict[str, int]:
+    """Parameter name -> the rank that owns it: ZeroRedundancyOptimizer's partition of each optimiser's
+    parameters (largest first, each to the least-loaded rank, the lowest rank on ties), whether or not
+    the optimisers are sharded. Checkpoints use it to divide the writing between the ranks."""
+    out: dict[str, int] = {}
+    for opt in optimizers.values():
+        load = [0] * world
+        for group in opt.param_groups:
+            for p in sorted(group["params"], key=lambda t: t.numel(), reverse=True):
+                r = load.index(min(load))
+                load[r] += p.numel()
+                out[names[id(p)]] = r
     return out
 
 

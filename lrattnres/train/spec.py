@@ -42,7 +42,14 @@ DEFAULTS: dict[str, Any] = {
 }
 
 # Keys that may change between a run and its resumption (they do not change the trajectory).
-RESUMABLE_CHANGES = ("device", "compile", "val", "checkpoint", "log_every_s")
+# ``shard_optimizer`` (ZeroRedundancyOptimizer over the data-parallel ranks) makes the same update;
+# the checkpoint keeps the optimiser state by parameter name, so either kind of run resumes the other.
+RESUMABLE_CHANGES = ("device", "compile", "val", "checkpoint", "shard_optimizer", "log_every_s")
+# Keys without a default: absent is the same as false, so that specs written before them still match.
+OPTIONAL_FLAGS = ("shard_optimizer",)
+# Keys without a default that a scale gives where it fixes its global batch: the trainer refuses a
+# world size whose micro_batch x seq_len x grad_accum x ranks differs from it.
+OPTIONAL_INTS = ("tokens_per_update",)
 
 _MODEL_KEYS = {
     "preset", "vocab_size", "n_layers", "d_model", "n_heads", "d_ff", "max_seq_len", "method", "blocks",
@@ -74,7 +81,7 @@ def resolve(spec: dict) -> dict:
     """Defaults merged in, every key validated; returns a new dict."""
     if not isinstance(spec, dict):
         raise SpecError(f"spec: expected a JSON object, got {type(spec).__name__}")
-    allowed_top = set(DEFAULTS) | {"model", "steps", "tokens", "micro_batch", "seq_len"}
+    allowed_top = set(DEFAULTS) | {"model", "steps", "tokens", "micro_batch", "seq_len", *OPTIONAL_FLAGS, *OPTIONAL_INTS}
     _check_known(spec, allowed_top, "")
     s = deep_merge(DEFAULTS, spec)
 
@@ -150,6 +157,10 @@ def resolve(spec: dict) -> dict:
     _check(s["device"] in ("auto", "cpu", "cuda"), "device", "'auto', 'cpu' or 'cuda'", s["device"])
     _check(_is_num(s["log_every_s"]) and s["log_every_s"] >= 0, "log_every_s",
            "a number of seconds >= 0 (0: no status lines)", s["log_every_s"])
+    for k in OPTIONAL_FLAGS:
+        _check(isinstance(s.get(k, False), bool), k, "a bool", s.get(k))
+    for k in OPTIONAL_INTS:
+        _check(k not in s or (_is_int(s[k]) and s[k] >= 1), k, "a positive int", s.get(k))
     return s
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 sys.path.insert(0, workflow.basedir)
 
-from lrattnres import gpus
+from lrattnres import gpus, jobplan
 from lrattnres.config import ConfigError, resolve, resolve_rank, science
 from lrattnres.data.spec import science as science_data_spec
 from lrattnres.deps import closure, package_files, package_modules
@@ -94,6 +94,24 @@ if workflow.global_resources["_nodes"].value is None:
             "--resources gpu=N names the GPUs to use",
             file=sys.stderr,
         )
+
+
+def train_runtime(wc):
+    """The wall time of a run's training job: config's minutes, or (auto) estimated from the run's
+    size and tokens (lrattnres/jobplan.py)."""
+    given = res("train", "runtime", 60)
+    if given != "auto":
+        return given
+    run = RUNS[wc.run]
+    return jobplan.runtime_min(S, train_spec(S, run), run.preset) or 60
+
+
+def throughput_runtime(wc):
+    """The wall time of one size's timing job: config's minutes, or (auto) from Appendix I's protocol."""
+    given = res("throughput", "runtime", 30)
+    if given != "auto":
+        return given
+    return jobplan.throughput_runtime_min(S, wc.preset) or 60
 
 
 def stage(command, gpu=False, launcher="python -m lrattnres"):

@@ -35,6 +35,8 @@ if PACK:
             )
 
 
+# A data stage that streams from the Hub needs the network: resources.prepare_data.local runs it on
+# the machine that runs Snakemake; data.hf.local_dir reads a pre-staged copy instead (docs/slurm.md).
 rule prepare_data:
     input:
         pack=[PACK] if PACK else [],
@@ -43,6 +45,7 @@ rule prepare_data:
         manifest=f"{R}/data/manifest.json",
     log:
         f"{LOGS}/prepare_data.log",
+    localrule: bool(res("prepare_data", "local", False))
     conda:
         "../../envs/lrattnres.yaml"
     threads: S["data"].get("num_threads", 2)

@@ -27,3 +27,70 @@ rule kernel_check:
 
 
 REPORT_INPUTS.append(rules.kernel_check.output[0])
+
+
+# Appendix I on the trained size pair: every routing read of one batch (the run's sequence length)
+# through the fused operator against the reference, beside each model (a piece runs it with its
+# trainings), then merged into the claims.
+from lrattnres.grid import evaluations
+
+READ_RUNS = {e["run_id"]: e["claim_size"] for e in evaluations(S)}
+
+
+rule kernel_check_run:
+    input:
+        result=f"{R}/runs/{{run}}/result.json",
+        model=f"{R}/runs/{{run}}/model.safetensors",
+        data=rules.prepare_data.output.manifest,
+        src=stage_sources("lrattnres.kernel_reads", "kernels"),
+    output:
+        f"{R}/kernel_check/{{run}}.json",
+    log:
+        f"{LOGS}/kernel_check/{{run}}.log",
+    wildcard_constraints:
+        run="|".join(map(re.escape, READ_RUNS)) or "no-run",
+    conda:
+        "../../envs/lrattnres.yaml"
+    threads: 1
+    resources:
+        attempt=attempt,
+        mem_mb=res("kernel_check_run", "mem_mb", 4000),
+        runtime=res("kernel_check_run", "runtime", 30),
+        gpu=res("kernel_check_run", "gpu", 0),
+        gpu_slots=gpu_slots("kernel_check_run"),
+        cpus_per_gpu=res("kernel_check_run", "cpus_per_gpu", 1),
+    shell:
+        stage(
+            "kernel-reads --checkpoint {input.model:q} --data {input.data:q} "
+            "--out {output:q} > {log:q} 2>&1",
+            gpu=True,
+            launcher="OMP_NUM_THREADS={threads} python -m lrattnres",
+        )
+
+
+rule kernel_check_trained:
+    input:
+        runs=expand(f"{R}/kernel_check/{{run}}.json", run=READ_RUNS),
+        published="reports/published.yaml",
+        src=stage_sources("lrattnres.kernel_reads"),
+    output:
+        f"{R}/kernel_check_trained.json",
+    log:
+        f"{LOGS}/kernel_check_trained.log",
+    conda:
+        "../../envs/lrattnres.yaml"
+    resources:
+        attempt=attempt,
+        mem_mb=res("kernel_check_trained", "mem_mb", 2000),
+        runtime=res("kernel_check_trained", "runtime", 10),
+    params:
+        sizes=lambda wc: spec(READ_RUNS),
+        scale=SCALE,
+    shell:
+        stage(
+            "kernel-reads --aggregate {input.runs:q} --sizes {params.sizes:q} --scale {params.scale:q} "
+            "--published {input.published:q} --out {output:q} > {log:q} 2>&1",
+        )
+
+
+REPORT_INPUTS.append(rules.kernel_check_trained.output[0])

@@ -4,6 +4,13 @@
 from lrattnres.grid import plan as plan_grid, train_spec
 
 RUNS = {run.run_id: run for run in plan_grid(S)}
+# Where a training job runs (lrattnres/jobplan.py): one node (--nodes=1, --gpus-per-node), or
+# several through the job's own srun and torchrun's rendezvous; then the Slurm executor runs the
+# command in the batch script (an "mpi" job) with one task per node.
+TRAIN_JOB = jobplan.slurm_resources(S, S["presets"]["main"])
+TRAIN_SPANS = {
+    k: TRAIN_JOB[k] for k in ("mpi", "tasks", "cpus_per_task") if k in TRAIN_JOB
+}
 
 
 rule train:
@@ -24,20 +31,25 @@ rule train:
         "../../envs/lrattnres.yaml"
     threads: 1
     resources:
+        **TRAIN_SPANS,
         attempt=attempt,
         mem_mb=res("train", "mem_mb", 4000),
-        runtime=res("train", "runtime", 60),
-        gpu=res("train", "gpu", 0),
-        gpu_slots=gpu_slots("train"),
+        runtime=train_runtime,
+        gpu=TRAIN_JOB["gpu"],
+        gpu_slots=gpu_slots("train") if TRAIN_JOB["nodes"] == 1 else 0,
         cpus_per_gpu=res("train", "cpus_per_gpu", 1),
+        nodes=TRAIN_JOB["nodes"],
+        # the signal lead covers an update and a checkpoint write; logs append across requeues
+        slurm_extra=lambda wc: jobplan.slurm_resources(S, RUNS[wc.run].preset)[
+            "slurm_extra"
+        ],
     params:
         spec=lambda wc: spec(train_spec(S, RUNS[wc.run])),
         out=lambda wc, output: os.path.dirname(output.result),
         # the GPU count of a training job is its data-parallel world size: part of the experiment
-        launcher=lambda wc, resources: (
-            f"torchrun --standalone --nproc-per-node {resources.gpu} -m lrattnres"
-            if resources.gpu > 1
-            else "python -m lrattnres"
+        # (the trainer refuses a world size whose tokens per update are not the spec's)
+        launcher=lambda wc, resources: jobplan.launcher(
+            S, RUNS[wc.run].preset, resources.gpu or None
         ),
     shell:
         stage(

@@ -1,0 +1,261 @@
+"""What a training job asks of a cluster: where its ranks run, how they start, how long it may take,
+and how early Slurm warns it.
+
+Placement (``resources.train``: ``gpu`` per node, ``nodes``, ``launcher``):
+
+* one GPU: ``python -m lrattnres``;
+* one node (``nodes: 1``): ``sbatch --nodes=1 --gpus=<gpu> --gpus-per-node=<gpu>`` and, inside the
+  job, ``torchrun --standalone --nproc-per-node <gpu>`` (a rendezvous local to the node);
+* several nodes (``nodes: N > 1``): ``sbatch --nodes=N --ntasks=N --gpus-per-node=<gpu>``; the job
+  runs ``srun --nodes=N --ntasks-per-node=1`` and on each node ``torchrun --nnodes=N
+  --nproc-per-node=<gpu> --rdzv-backend=c10d --rdzv-endpoint=<first node>:<port>
+  --rdzv-id=$SLURM_JOB_ID`` (Snakemake's Slurm executor runs the job's command in the batch script,
+  like an MPI job's, so that its own ``srun`` spans the nodes);
+* ``launcher: srun`` uses the spanning launcher on one node too (``srun --overlap`` inside the
+  executor's job step): the same start-up as a job of several nodes.
+
+Time (``cluster``): one update takes ``tokens_per_update / (tokens_per_s_per_gpu[size] x GPUs)``;
+a checkpoint write takes the largest rank's share (lrattnres/memory.py's partition of the weights
+and optimiser state) at ``checkpoint_write_gbps`` plus hashing at ``checkpoint_hash_gbps``. A
+preempted or timed-out rank first finishes its update (or a periodic validation), then writes; the
+signal lead (``sbatch --signal=TERM@<lead>``) and torchrun's ``--shutdown-timeout`` both cover
+that plus ``signal_margin_s`` (Slurm may signal up to a minute off). A job's wall time
+(``resources.train.runtime: auto``) is the run's tokens at that speed, its checkpoints and
+validations, the start-up, times ``1 + job_margin``, at most ``runtime_max_min``; a run longer than
+that continues in the next job (Snakemake's retries; :func:`plan_rows` says how many jobs).
+``python -m lrattnres jobs [--scale paper]`` prints the plan.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import shlex
+from typing import Any
+
+from lrattnres import batch, memory
+from lrattnres.errors import UserError
+
+RDZV_PORT_BASE = 29400  # c10d rendezvous port: the base plus the job id modulo RDZV_PORT_SPAN
+RDZV_PORT_SPAN = 20000
+VAL_SPEEDUP = 3.0  # a forward pass costs about a third of a training step
+LAUNCHERS = ("auto", "torchrun", "srun")
+DEFAULT_LEAD_S = 300  # the signal lead and shutdown timeout where the scale gives no estimates
+
+
+class JobPlanError(UserError, ValueError):
+    pass
+
+
+def placement(settings: dict, gpus_per_node: int | None = None) -> dict[str, Any]:
+    """``{gpus_per_node, nodes, world, launcher}``: launcher python | torchrun | srun.
+    ``gpus_per_node``: the job's own GPU count where it differs from the config's (a
+    ``--set-resources train:gpu=N``)."""
+    train = settings.get("resources", {}).get("train", {})
+    gpn, nodes = int(train.get("gpu", 0) or 0), int(train.get("nodes", 1) or 1)
+    if gpus_per_node is not None:
+        gpn = int(gpus_per_node)
+    choice = train.get("launcher", "auto")
+    if choice not in LAUNCHERS:
+        raise JobPlanError(f"resources.train.launcher: {choice!r}; expected one of {', '.join(LAUNCHERS)}")
+    if nodes > 1 and gpn < 1:
+        raise JobPlanError(f"resources.train.nodes: {nodes} nodes without GPUs (resources.train.gpu 0); "
+                           "expected gpu >= 1 for a job of several nodes")
+    if nodes > 1 and choice == "torchrun":
+        raise JobPlanError("resources.train.launcher: torchrun --standalone runs on one node; expected auto or "
+                           f"srun for {nodes} nodes")
+    if nodes > 1 or choice == "srun":
+        how = "srun"
+    elif gpn > 1:
+        how = "torchrun"
+    else:
+        how = "python"
+    return {"gpus_per_node": gpn, "nodes": nodes, "world": max(1, gpn) * nodes, "launcher": how}
+
+
+def _cluster(settings: dict) -> dict:
+    return settings.get("cluster") or {}
+
+
+def update_s(settings: dict, preset: str) -> float | None:
+    """Estimated seconds of one update of ``preset`` (None without a speed estimate)."""
+    tps = (_cluster(settings).get("tokens_per_s_per_gpu") or {}).get(preset)
+    if not tps:
+        return None
+    b = batch.split(settings, preset)
+    return b["tokens_per_update"] / (tps * b["world"])
+
+
+def checkpoint_write_s(settings: dict, preset: str) -> float | None:
+    """Estimated seconds for the ranks to write and hash a checkpoint (the largest share)."""
+    from lrattnres.presets import PAPER_VOCAB, get_preset
+
+    c = _cluster(settings)
+    if not c.get("checkpoint_write_gbps"):
+        return None
+    shape = get_preset(preset)
+    shape["vocab_size"] = shape["vocab_size"] or PAPER_VOCAB
+    world = batch.world_size(settings)
+    muon, adam = memory.parameter_shapes(shape, "attnres", shape["d_model"])
+    # the weights (4 bytes) and the state (Muon 4, AdamW 8) of the parameters a rank owns
+    share = max(8 * a + 12 * b for a, b in zip(memory.zero_partition(muon, world), memory.zero_partition(adam, world)))
+    gb = share / 1e9
+    return gb / c["checkpoint_write_gbps"] + gb / c.get("checkpoint_hash_gbps", c["checkpoint_write_gbps"])
+
+
+def _val_s(settings: dict, preset: str, tokens: float) -> float:
+    tps = (_cluster(settings).get("tokens_per_s_per_gpu") or {}).get(preset) or 0
+    return tokens / (VAL_SPEEDUP * tps * batch.world_size(settings)) if tps else 0.0
+
+
+def lead_s(settings: dict, preset: str) -> int | None:
+    """Seconds from SIGTERM to a clean exit: the update under way (or a periodic validation, the longer),
+    the checkpoint, the margin; :data:`DEFAULT_LEAD_S` without the estimates."""
+    up, write = update_s(settings, preset), checkpoint_write_s(settings, preset)
+    if up is None or write is None:
+        return DEFAULT_LEAD_S
+    train = settings["train"]
+    b = batch.split(settings, preset)
+    val = train.get("val", {})
+    periodic = _val_s(settings, preset, val.get("batches", 0) * (b["val_batch_size"] or b["micro_batch"])
+                      * train["seq_len"]) if val.get("every") else 0.0
+    return int(math.ceil(max(up, periodic) + write + _cluster(settings).get("signal_margin_s", 60)))
+
+
+def run_estimate_s(settings: dict, spec: dict, preset: str) -> float | None:
+    """Estimated seconds of a whole training run of ``spec`` (None without a speed estimate)."""
+    up = update_s(settings, preset)
+    if up is None:
+        return None
+    b = batch.split(settings, preset)
+    steps = spec.get("steps") or math.ceil(spec["tokens"] / b["tokens_per_update"])
+    c, train = _cluster(settings), settings["train"]
+    every = (train.get("checkpoint") or {}).get("every") or 0
+    write = checkpoint_write_s(settings, preset) or 0.0
+    val = train.get("val", {})
+    n_val = steps // val["every"] if val.get("every") else 0
+    periodic = _val_s(settings, preset, val.get("batches", 0) * (b["val_batch_size"] or b["micro_batch"]) * train["seq_len"])
+    final = _val_s(settings, preset, settings.get("data", {}).get("val_tokens", 0))
+    return (c.get("job_startup_s", 0) + steps * up + (steps // every if every else 0) * write
+            + n_val * periodic + final)
+
+
+def runtime_min(settings: dict, spec: dict, preset: str) -> int | None:
+    """Minutes a training job of ``spec`` asks for: the estimate with the margin, at most the
+    cluster's longest job; None without the estimates."""
+    est = run_estimate_s(settings, spec, preset)
+    if est is None:
+        return None
+    c = _cluster(settings)
+    want = math.ceil(est * (1 + c.get("job_margin", 0.0)) / 60)
+    cap = c.get("runtime_max_min")
+    return min(want, cap) if cap else want
+
+
+def jobs_needed(settings: dict, spec: dict, preset: str) -> int | None:
+    """How many jobs of at most ``runtime_max_min`` a run takes (each loses the lead and a start-up)."""
+    est = run_estimate_s(settings, spec, preset)
+    c = _cluster(settings)
+    if est is None or not c.get("runtime_max_min"):
+        return None if est is None else 1
+    per_job = c["runtime_max_min"] * 60 - (lead_s(settings, preset) or 0) - c.get("job_startup_s", 0)
+    return max(1, math.ceil(est * (1 + c.get("job_margin", 0.0)) / per_job))
+
+
+def throughput_runtime_min(settings: dict, preset: str) -> int | None:
+    """Minutes the throughput job of ``preset`` asks for, from the timing protocol (lrattnres/throughput.py):
+    every repeat of every method compiles, warms up and times at most ``max_updates`` updates at the
+    size's speed; with the margin, at most the cluster's longest job. None without a speed."""
+    from lrattnres import throughput
+
+    c = _cluster(settings)
+    tps = (c.get("tokens_per_s_per_gpu") or {}).get(preset)
+    if not tps:
+        return None
+    t = throughput.resolve_spec({**settings.get("throughput", {}), "presets": [preset]})
+    tokens = t["grad_accum_by_preset"].get(preset, t["grad_accum"]) * t["micro_batch"] * t["seq_len"]
+    runs = len(t["methods_by_preset"].get(preset, t["methods"])) * t["repeats_by_preset"].get(preset, t["repeats"])
+    per_run = (c.get("compile_s", 0) if t["compile"] else 0) + (t["warmup"] + t["max_updates"]) * tokens / tps
+    want = math.ceil((c.get("job_startup_s", 0) + runs * per_run) * (1 + c.get("job_margin", 0.0)) / 60)
+    cap = c.get("runtime_max_min")
+    return min(want, cap) if cap else want
+
+
+def launcher(settings: dict, preset: str, gpus_per_node: int | None = None) -> str:
+    """The command that starts ``python -m lrattnres`` on every rank of a training job."""
+    p = placement(settings, gpus_per_node)
+    shutdown = f" --shutdown-timeout {lead_s(settings, preset)}"
+    if p["launcher"] == "python":
+        return "python -m lrattnres"
+    if p["launcher"] == "torchrun":
+        return f"torchrun --standalone --nproc-per-node {p['gpus_per_node']}{shutdown} -m lrattnres"
+    train = settings.get("resources", {}).get("train", {})
+    cpus = int(train.get("cpus_per_gpu", 1) or 1) * p["gpus_per_node"]
+    srun = (f"srun --overlap --nodes={p['nodes']} --ntasks={p['nodes']} --ntasks-per-node=1 "
+            f"--gpus-per-node={p['gpus_per_node']} --cpus-per-task={cpus} --kill-on-bad-exit=1")
+    endpoint = f"$(hostname):$(({RDZV_PORT_BASE}+SLURM_JOB_ID%{RDZV_PORT_SPAN}))"
+    return (f"{srun} torchrun --nnodes={p['nodes']} --nproc-per-node={p['gpus_per_node']} --rdzv-backend=c10d "
+            f"--rdzv-endpoint={endpoint} --rdzv-id=$SLURM_JOB_ID{shutdown} -m lrattnres")
+
+
+def slurm_resources(settings: dict, preset: str) -> dict[str, Any]:
+    """The train rule's resources that shape its Slurm submission (Snakemake's Slurm executor turns
+    ``gpu`` into --gpus, ``nodes`` into --nodes, ``tasks`` into --ntasks; ``mpi`` makes it run the
+    job's command in the batch script, not in a job step of its own)."""
+    p = placement(settings)
+    train = settings.get("resources", {}).get("train", {})
+    extra = [f"--signal=TERM@{lead_s(settings, preset)}", "--open-mode=append"]
+    if p["gpus_per_node"] > 0:
+        extra.append(f"--gpus-per-node={p['gpus_per_node']}")
+    if train.get("slurm_extra"):
+        extra.append(train["slurm_extra"])
+    out: dict[str, Any] = {"nodes": p["nodes"], "slurm_extra": " ".join(extra)}
+    if p["nodes"] > 1:  # the job's own srun spans the nodes; no GPU count per job for the executor
+        out.update(gpu=0, mpi="srun", tasks=p["nodes"],
+                   cpus_per_task=int(train.get("cpus_per_gpu", 1) or 1) * p["gpus_per_node"])
+    else:
+        out.update(gpu=p["gpus_per_node"])
+    return out
+
+
+def plan_rows(settings: dict) -> list[dict[str, Any]]:
+    """Per size of the scale's training runs: the placement, launcher, lead, wall time and jobs."""
+    from lrattnres.grid import plan, train_spec
+
+    rows, seen = [], set()
+    for run in plan(settings):
+        spec = train_spec(settings, run)
+        key = (run.preset, spec.get("steps"), spec.get("tokens"))
+        if key in seen:
+            continue
+        seen.add(key)
+        b = batch.split(settings, run.preset)
+        rows.append({"preset": run.preset, "steps": spec.get("steps"), "tokens": b["tokens_per_update"] * spec["steps"]
+                     if spec.get("steps") else spec.get("tokens"), **placement(settings),
+                     "update_s": update_s(settings, run.preset), "checkpoint_s": checkpoint_write_s(settings, run.preset),
+                     "lead_s": lead_s(settings, run.preset), "estimate_h": (run_estimate_s(settings, spec, run.preset) or 0) / 3600,
+                     "runtime_min": runtime_min(settings, spec, run.preset), "jobs": jobs_needed(settings, spec, run.preset),
+                     "command": launcher(settings, run.preset), "slurm": slurm_resources(settings, run.preset)})
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    from lrattnres.config import load_and_resolve
+
+    p = argparse.ArgumentParser(prog="python -m lrattnres jobs", description=__doc__.splitlines()[0])
+    p.add_argument("--config", default="config.yaml")
+    p.add_argument("--scale", default="paper")
+    args = p.parse_args(argv)
+    rows = plan_rows(load_and_resolve(args.config, {"scale": args.scale}))
+    print("| size | updates | tokens | GPUs | update | checkpoint | signal lead | estimate | wall time per job | jobs |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        def fmt(x, unit, nd=1):
+            return "-" if x is None else f"{x:,.{nd}f} {unit}"
+
+        print(f"| {r['preset']} | {r['steps']:,} | {r['tokens'] / 1e9:.1f}B | {r['nodes']} x {r['gpus_per_node']} | "
+              f"{fmt(r['update_s'], 's', 2)} | {fmt(r['checkpoint_s'], 's')} | {fmt(r['lead_s'], 's', 0)} | "
+              f"{r['estimate_h']:.1f} h | {fmt(r['runtime_min'], 'min', 0)} | {r['jobs'] or '-'} |")
+    for r in rows:
+        print(f"\n{r['preset']}: {r['command']} ...\n  Slurm: {shlex.join(f'{k}={v}' for k, v in r['slurm'].items())}")
+    return 0
