@@ -303,11 +303,13 @@ def test_smoke_dag_end_to_end_and_reruns_follow_code(tmp_path):
 
 
 def test_shell_scripts_clean():
-    """The install script and the conda post-deploy scripts parse and are shfmt-formatted (2 spaces)."""
+    """The install script, the conda post-deploy scripts and the GPU benchmark runner parse and are
+    shfmt-formatted (2 spaces)."""
     import shutil
 
-    files = [REPO / "scripts" / "install.sh", *sorted((REPO / "envs").glob("*.sh"))]
-    assert len(files) >= 2
+    files = [REPO / "scripts" / "install.sh", *sorted((REPO / "envs").glob("*.sh")),
+             *sorted((REPO / "benchmarks").glob("*.sh"))]
+    assert len(files) >= 3
     for f in files:
         proc = subprocess.run(["bash", "-n", str(f)], capture_output=True, text=True)
         assert proc.returncode == 0, f"{f}: {proc.stderr}"
