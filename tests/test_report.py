@@ -429,9 +429,9 @@ def test_recorded_gpu_grid_runs():
 
 
 def test_kernel_section_shows_cold_graph_timings_only_when_recorded():
-    """The recorded kernel table gains the flushed-L2 graph columns when the rows carry them (runs
-    since the ninth session) and keeps its old columns for older files; rows with per-kernel GPU times
-    (twelfth session) get a table of where the time goes."""
+    """The recorded kernel table gains the flushed-L2 graph columns when the rows carry them (newer
+    recordings have them) and keeps its old columns for older files; rows with per-kernel GPU times
+    get a table of where the time goes."""
     from lrattnres.report.context import ReportContext
     from lrattnres.report.sections import kernel as section
 
