@@ -98,7 +98,7 @@ def _epoch_warning(runs, split_tokens: int | None = None) -> str:
     return (f'<p class="notrun"><b>Read with care:</b> these runs read their training split up to {max(epochs):.1f} '
             f"times{held}. Past one epoch the validation loss measures memorisation as well as modelling; the gap "
             "between training and validation loss shows it. Point the scale's data stage at a larger corpus "
-            '(README, "Data") before reading trends from it.</p>')
+            '(<code>data.source</code>; README, "Scales") before reading trends from it.</p>')
 
 
 def _recorded_runs(ctx) -> str:
