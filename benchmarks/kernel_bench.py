@@ -365,7 +365,7 @@ FIRST = ((1536, 9, 4), (1536, 9, 1), (2560, 9, 4), (1024, 9, 4), (1536, 49, 4), 
 
 
 def full_grid(tokens) -> list[tuple[int, int, int, int]]:
-    """The issue's grid (d in {1024, 1536, 2560}, S in {2, 5, 9, 25, 49}, r in {d, d/4, d/8}) per token
+    """The 90-shape grid (d in {1024, 1536, 2560}, S in {2, 5, 9, 25, 49}, r in {d, d/4, d/8}) per token
     count, FIRST's shapes first."""
     out = []
     for N in tokens:
@@ -405,8 +405,8 @@ def _shape_list(text: str) -> list[tuple[int, int, int, int]]:
 
 def fits(elapsed: float, longest: float, budget: float) -> bool:
     """Whether another shape may start: the time spent plus the longest shape so far stays within the
-    budget.  Why: a lane's timeout cut off an S = 25 shape that started within its budget (twelfth
-    session, call 2), losing the minutes it had run."""
+    budget.  Why: a shape that starts within the budget but outlasts it is cut off by an outer time
+    limit, losing the minutes it had run."""
     return elapsed + longest <= budget
 
 
@@ -552,8 +552,8 @@ def _carried_references(shape, shape_rows, refs) -> list[dict]:
 
 
 def merge(paths, out_dir, stem, note):
-    """One document from runs that measured parts of the grid (lanes of one call, or calls that
-    continued a cut-off grid with --skip): the rows in grid order (a shape several runs measured: the
+    """One document from runs that measured parts of the grid (runs on several GPUs at once, or runs
+    that continued a cut-off grid with --skip): the rows in grid order (a shape several runs measured: the
     last run's; a reference implementation's row from an earlier run where the last did not time it,
     _carried_references), the first bf16 check, the last run's environment (so the table's date is its
     newest measurement; every run's under merged_from).  Each row keeps the percentages its own run

@@ -94,8 +94,8 @@ def _quick(kind: str, block_d: int, nch: int, default: bool = True) -> list[dict
 def _layouts(d: int, r: int | None = None) -> list[tuple[int, int]]:
     """The column layouts to compare at width d (key width r): its own (kernels.op._col_layout), one
     chunk, the fewest-lanes layout nearest 512-column chunks (its own where the key allows the
-    specialisation), and three chunks where those pad less than one (the layout of every multi-chunk
-    width until the ninth session)."""
+    specialisation), and three chunks where those pad less than one (the layout every multi-chunk
+    width once used)."""
     out = [kop._col_layout(d, True, r), kop._col_layout(d, False), kop._col_layout(d, True)]
     three = kop._col_layout(d, 3)
     if three[0] * 3 < out[1][0]:
@@ -277,7 +277,7 @@ def _md(doc) -> str:
              "", f"Copy bandwidth {doc['copy_bw_TBps']:.2f} TB/s. CUDA-graph replay, median. % design = bytes this "
              "design moves (fwd S+1.5, bwd 2S+2.5 units of N d 2 with the rounding residual, S+1 and 2S+1 without) / "
              "(time x copy bandwidth); % formula = the "
-             "issue's bytes (fwd S+1, bwd 2S+1).", ""]
+             "roofline's bytes (fwd S+1, bwd 2S+1).", ""]
     for shp in doc["shapes"]:
         lines += [f"## {shp.get('kernels', 'table')} kernels: {shp['tokens']} tokens, d={shp['d']}, S={shp['S']}, r={shp['r']}", "",
                   "| kernel | columns | grid | tokens or sources per step | warps | prefetch | stages | evict | key chunks | programs/SM | residual | us | % design | % formula |",

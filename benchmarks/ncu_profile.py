@@ -1,13 +1,15 @@
 """Hardware counters of the depth-routing kernels, ours beside fast-attnres, under Nsight Compute.
 
-    # on a GPU machine (one ncu run per implementation and S; see h200_call.sh, lane kncu):
-    ncu --profile-from-start off --csv --page raw ... python benchmarks/ncu_profile.py run --impl ours --S 9
+    # on a GPU machine, one ncu run per implementation (ours, fast-attnres) and S, each into LABEL_S<S>.csv:
+    ncu --clock-control none --profile-from-start off --csv --page raw --section SpeedOfLight \
+        --section LaunchStats --section Occupancy --section WarpStateStats --section MemoryWorkloadAnalysis \
+        --metrics dram__bytes_read.sum,dram__bytes_write.sum,smsp__inst_executed.sum \
+        python benchmarks/ncu_profile.py run --impl ours --S 9 > DIR/ours_S9.csv
     # anywhere: the per-kernel summary of the CSVs those runs wrote
     python benchmarks/ncu_profile.py summarize DIR --out DIR
 
-Why: timings say that fast-attnres streams its bytes faster than ours (81% against 64% of copy
-bandwidth in the forward at S = 9; 2x faster at S = 2), not why.  The counters say it: registers and
-occupancy, DRAM throughput, and where the warps stall.
+Why: timings say how close each kernel comes to the copy bandwidth, not why.  The counters say it:
+registers and occupancy, DRAM throughput, and where the warps stall.
 
 ``run`` builds one shape's inputs, runs forward and backward until autotuning has chosen, then
 brackets exactly one forward+backward with cudaProfilerStart/Stop, so that ``ncu

@@ -5,7 +5,7 @@
 
 Compiles each kernel with triton.compile for a Hopper target (GPUTarget("cuda", 90, 128)) and reads
 the cubin with the cuobjdump that Triton's wheel ships: registers, instructions in the whole kernel
-and in its innermost loop (the source loop), cp.async copies.  Why: device time is scarce, and a change
+and in its innermost loop (the source loop), cp.async copies.  Why: GPU time costs more than CPU time, and a change
 meant to leave the measured kernels alone (a refactor, a new launch option at its default) can be
 shown to leave their machine code byte for byte the same; a change meant to alter them (a layout,
 a pipelined loop) shows its instruction and register counts before any GPU run.  Run it without
@@ -50,31 +50,31 @@ CONFIGS = {
     "two-tile-key": (512, 2, 1, 4, 1, 1, "tile", 1),  # d = 1024 as 2 x 512, r = 256
     "split-tile-key-pair": (512, 3, 1, 4, 1, 1, "tile", 2, {"PAIR": True}),  # two sources per step (untimed)
     "five-tile-key-pair": (512, 5, 1, 4, 1, 1, "tile", 3, {"PAIR": True}),
-    # the deferred backward (two passes, g.h from the sources, no h or residual read; tenth session)
+    # the deferred backward (two passes, g.h from the sources, no h or residual read)
     "split-tile-key-defer": (512, 3, 1, 4, 1, 1, "tile", 2, {"DEFER": True, "HAS_RES": False}),
     "five-tile-key-defer": (512, 5, 1, 4, 1, 1, "tile", 3, {"DEFER": True, "HAS_RES": False}),
     "two-tile-key-defer": (512, 2, 1, 4, 1, 1, "tile", 1, {"DEFER": True, "HAS_RES": False}),
     "split-tile2-key-defer": (512, 3, 2, 4, 1, 1, "tile", 2, {"DEFER": True, "HAS_RES": False}),  # two tokens
     "split-tile4-key-defer": (512, 3, 4, 8, 1, 1, "tile", 2, {"DEFER": True, "HAS_RES": False}),  # four tokens, 8 warps
     "five-tile4-key-defer": (512, 5, 4, 8, 1, 1, "tile", 3, {"DEFER": True, "HAS_RES": False}),
-    # the residual's code (eleventh session): RES_STEP 0 is bf16's bit code, 2^-15 (_COMMON) the scaled one
+    # the residual's code: RES_STEP 0 is bf16's bit code, 2^-15 (_COMMON) the scaled one
     "split-tile4-key": (512, 3, 4, 4, 1, 1, "tile", 2),  # the forward the tuner takes at d = 1536, S = 9
     "split-tile4-key-bits": (512, 3, 4, 4, 1, 1, "tile", 2, {"RES_STEP": 0.0}),
     "five-tile-key-bits": (512, 5, 1, 4, 1, 1, "tile", 3, {"RES_STEP": 0.0}),
     "split-tile-rd-bits": (512, 3, 1, 4, 1, 1, "tile", 0, {"RES_STEP": 0.0}),  # r = d: no key-free chunk
-    # the lazy online softmax (eleventh session): one token (LAZY 1), four tokens (LAZY 2)
+    # the lazy online softmax: one token (LAZY 1), four tokens (LAZY 2)
     "split-tile-rd-bits-lazy": (512, 3, 1, 4, 1, 1, "tile", 0, {"RES_STEP": 0.0, "LAZY": 1}),
     "split-tile-key-bits-lazy": (512, 3, 1, 4, 1, 1, "tile", 2, {"RES_STEP": 0.0, "LAZY": 1}),
     "split-tile4-key-bits-lazy": (512, 3, 4, 4, 1, 1, "tile", 2, {"RES_STEP": 0.0, "LAZY": 2}),
     "split-tile-key-bits": (512, 3, 1, 4, 1, 1, "tile", 2, {"RES_STEP": 0.0}),
     "split-tile-rd-unmasked": (512, 3, 1, 4, 1, 1, "tile", 0, {"RES_STEP": 0.0, "SLICE": False}),  # r = d as "full"
     "split-tile-rd-unmasked-2w": (512, 3, 1, 2, 1, 1, "tile", 0, {"RES_STEP": 0.0, "SLICE": False}),
-    # the deferred token tile looped over by persistent programs (PERSIST, eleventh session's S = 2 choice)
+    # the deferred token tile looped over by persistent programs (PERSIST, a tuned choice at S = 2)
     "split-tile-key-defer-looped": (512, 3, 1, 2, 1, 1, "tile", 2, {"DEFER": True, "HAS_RES": False, "PERSIST": 16}),
-    # the residual token tile looped over by persistent programs, plain and PAIR (twelfth session's candidates)
+    # the residual token tile looped over by persistent programs, plain and PAIR (tuning candidates)
     "split-tile-key-bits-looped": (512, 3, 1, 2, 1, 1, "tile", 2, {"RES_STEP": 0.0, "PERSIST": 8}),
     "split-tile-key-bits-pair-looped": (512, 3, 1, 2, 1, 1, "tile", 2, {"RES_STEP": 0.0, "PAIR": True, "PERSIST": 6}),
-    # the resident pair (DEFER with PAIR, S <= 2; thirteenth session), looped, and its block loop pipelined
+    # the resident pair (DEFER with PAIR, S <= 2), looped, and its block loop pipelined
     "split-tile-key-resident-looped": (512, 3, 1, 4, 0, 1, "tile", 2,
                                        {"DEFER": True, "PAIR": True, "HAS_RES": False, "PERSIST": 8}),
     "split-tile-key-resident-looped-stages2": (512, 3, 1, 4, 0, 2, "tile", 2,
@@ -85,7 +85,7 @@ CONFIGS = {
                                              {"DEFER": True, "PAIR": True, "HAS_RES": False, "PERSIST": 4}),
     "five-tile-key-resident-looped-1w": (512, 5, 1, 1, 0, 1, "tile", 3,
                                          {"DEFER": True, "PAIR": True, "HAS_RES": False, "PERSIST": 32}),
-    # the pair forward (FWD_PAIR: the forward's PAIR, S = 2; fourteenth session) against the loop forward the
+    # the pair forward (FWD_PAIR: the forward's PAIR, S = 2) against the loop forward the
     # tuner took at S = 2 (one token, 1 warp, keyed, prefetch), d = 2560 (r = 640) and d = 1024 (r = 256)
     "five-key-fwd-loop-1w": (512, 5, 1, 1, 1, 1, "tile", 3, {"DEFER": True, "HAS_RES": False}),
     "five-key-fwd-pair-1w": (512, 5, 1, 1, 0, 1, "tile", 3,
@@ -94,7 +94,7 @@ CONFIGS = {
                              {"FWD_PAIR": True, "DEFER": True, "PAIR": True, "HAS_RES": False}),
     "two-key-fwd-pair-1w": (512, 2, 1, 1, 0, 1, "tile", 1,
                             {"FWD_PAIR": True, "DEFER": True, "PAIR": True, "HAS_RES": False}),
-    # d = 1024 with r = d as one chunk of 1024 (sixteenth session): the backward the tuner takes at S = 25
+    # d = 1024 with r = d as one chunk of 1024: the backward the tuner takes at S = 25
     # (persistent grid, 4 warps, prefetch; table kernel 69 registers, 166 loop instructions) and the token
     # tile beside it (72, 173)
     "one-rd-bits": (1024, 1, 1, 4, 1, 1, "persistent", 0, {"RES_STEP": 0.0}),
@@ -135,13 +135,13 @@ def _kernels(module, cfg):
     c = dict(_COMMON, BLOCK_D=block, NCH=nch, PREFETCH=prefetch, STAGES=stages, KEY0=cfg[7] if len(cfg) > 7 else 0)
     args = dict(NSLOT=_NSLOT, EPS=1e-6)
     bwd = dict(SB=1, BLOCK_T=n) if grid == "tile" else dict(SB=n, BLOCK_T=0)
-    bwd["PAIR"] = False  # the two-sources-per-step token tile (kernels since the ninth session), off
-    bwd["PERSIST"] = 0  # the token tile looped over by persistent programs (eleventh session), off
-    bwd["DEFER"] = False  # the two-pass token tile (tenth session), off; its scratch go_ptr then None
+    bwd["PAIR"] = False  # the two-sources-per-step token tile, off
+    bwd["PERSIST"] = 0  # the token tile looped over by persistent programs, off
+    bwd["DEFER"] = False  # the two-pass token tile, off; its scratch go_ptr then None
     bwd.update(cfg[8] if len(cfg) > 8 else {})
     fwd = {k: bwd[k] for k in ("HAS_RES", "RES_STEP", "SLICE") if k in bwd}  # a deferred backward's forward keeps none
-    fwd["PAIR"] = bwd.pop("FWD_PAIR", False)  # the pair forward (S = 2, fourteenth session), off
-    if "LAZY" in bwd:  # the forward's lazy online softmax (eleventh session)
+    fwd["PAIR"] = bwd.pop("FWD_PAIR", False)  # the pair forward (S = 2), off
+    if "LAZY" in bwd:  # the forward's lazy online softmax
         fwd["LAZY"] = bwd.pop("LAZY")
     bsig = {"go_ptr": "*fp32"} if (bwd["DEFER"] and not bwd["PAIR"]) else {}  # the two-pass form's g.o scratch
     return [

@@ -17,11 +17,11 @@ Configs (``--configs``, in this order by default):
   attnres-ref      AttnRes with the reference router
   lr-fused-op, attnres-fused-op   the fused kernels behind the opaque custom op (kernels.op.COMPILED_PATH "op")
 
-Goal (issue 6): on one H200 with the 1B preset, lr-fused >= 90% of baseline tokens/s and >= 62,000
+Goal: on one H200 with the 1B preset, lr-fused >= 90% of baseline tokens/s and >= 62,000
 tokens/s.
 
-Run (one call, <= ~8 minutes; results are written after every config, so a cut-off run still
-leaves the finished rows):
+Run (about 8 minutes at the default settings; results are written after every config, so a cut-off
+run still leaves the finished rows):
 
     python benchmarks/train_step_bench.py --out "$OUT"            # GPU: 1B, mb 2 x 2048, accum 16
     python benchmarks/train_step_bench.py --out "$OUT" --configs baseline,lr-fused --grad-accum 64   # paper's accum
@@ -332,7 +332,7 @@ def _table(rows) -> str:
 
 
 def _finish(doc: dict) -> None:
-    """Ratios to the baseline row, and the goal of the training issue."""
+    """Ratios to the baseline row, and the goal (module docstring)."""
     base = next((r for r in doc["rows"] if r["config"] == "baseline" and "error" not in r), None)
     for r in doc["rows"]:
         r.pop("vs_baseline", None)
@@ -367,7 +367,7 @@ _MERGE_FREE = {"configs", "stem", "budget_s", "profile", "profile_top", "host_pr
 
 
 def merge(paths: list[str], out: Path, stem: str, note: str, commit: str | None = None) -> dict:
-    """One table from runs of the same settings (e.g. two lanes of one call, one GPU each): rows in
+    """One table from runs of the same settings (e.g. two runs at once, one GPU each): rows in
     order, ratios against the first file's baseline.  Refuses runs whose settings differ."""
     docs = [json.loads(Path(p).read_text()) for p in paths]
     ref = {k: v for k, v in docs[0]["settings"].items() if k not in _MERGE_FREE}

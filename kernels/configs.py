@@ -10,7 +10,7 @@ evict-first hint on source reads), STAGES (Triton's software pipelining of the s
 forward at S = 2), DEFER (the deferred backward, no residual), PERSIST (token blocks looped over by
 that many programs per multiprocessor).  ARGS marks the configuration the per-argument kernels use
 under torch.compile (Inductor launches them with no tuning).  "why" says where the tuner chose it in
-the measured grid (benchmarks/results/kernel_bench_h200_2026-12-01_v19.json: 90 shapes, 4096 and 8192
+the measured grid (benchmarks/results/kernel_bench_h200_2026-12-01.json: 90 shapes, 4096 and 8192
 tokens, d 1024/1536/2560, r = d, d/4, d/8, S 2/5/9/25/49; the tuned choices are its runs'
 tuned_configs records) or why it is kept.
 

@@ -179,7 +179,7 @@ TRITON_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # The same 2^-16-relative h either way; the bit code has no division and no exponent test (offline
 # sm_90, d = 1536, four tokens per program: the forward 2304 -> 1184 instructions; on the H200 at
 # S = 9, 8192 tokens, the forward 79 -> 70 us at d = 1536, 139 -> 116 at d = 2560: kernel_bench
-# variant "scaled" in kernel_bench_h200_2026-11-30_v14_8192_a).  False: the scaled code for bf16 too.
+# variant "scaled" in kernel_bench_h200_2026-11-30_v14_8192_a, git history).  False: the scaled code for bf16 too.
 RES_BITS = True
 
 # The forward's lazy online softmax (kernels.fused_fwd._lazy_rescale): the running mix is rescaled only
@@ -900,7 +900,7 @@ attnres_fwd.register_autograd(_backward_through(attnres_bwd), setup_context=_set
 #
 # Inside torch.compile a custom op is opaque: every call goes back to Python, through the
 # dispatcher and the launchers above (about 1.6 ms of host time per read on the H200's host,
-# benchmarks/results/host_overhead_h200_2026-11-29.json), and the 1B step makes 384 reads per
+# host_overhead_h200_2026-11-29.json in the git history of benchmarks/results), and the 1B step makes 384 reads per
 # update, so the GPU waits for the host.  A triton_op instead lets Inductor trace the body (the
 # allocations and the Triton launches) into its own generated code.  The body must be traceable:
 # no data pointers, hence one pointer argument per source (at most MAX_ARG_SOURCES) and no

@@ -12,11 +12,11 @@ backends compute the same function:
   with an fp32 residual stream, gave the compiled 1B step a first loss 1.3e-3 off masked SDPA's
   and NaN within 8 updates on an H200 (torch 2.11); with this build and the bf16 stream it matches
   SDPA's first loss to 1e-5 and stayed finite in every run since
-  (benchmarks/results/train_step_bench_paper_*.md: 8 updates of 64 micro-batches per
+  (benchmarks/results/train_step_paper_h200_*.md: 8 updates of 64 micro-batches per
   configuration).  Which of the two changes cured it is not isolated: in isolation both mask
   builds match SDPA (benchmarks/results/flex_mask_check_h200_2026-11-29.json).  At accumulation 8
-  the 1B baseline step ran 61,302-61,890 tokens/s with it against 54,206-55,218 with masked SDPA
-  (separate runs).  flex needs a head width of at least 16 on CUDA;
+  the 1B baseline step ran 61,302 tokens/s with it against 54,467 with masked SDPA (the same tree,
+  benchmarks/results/train_step_{flex,sdpa}_h200_2026-11-29.json).  flex needs a head width of at least 16 on CUDA;
 * ``sdpa``: scaled_dot_product_attention with an explicit boolean [B, 1, T, T] mask (every score
   computed); ``auto``'s choice on the CPU;
 * ``flash``: flash-attn's varlen kernel over the documents cut out of the rows (the author's

@@ -5,7 +5,7 @@ fields).  A stage produces claims in its result JSON as ``{"<id>": {"reproduced"
 with the evidence a statistical verdict needs (below); :func:`evaluate_claims` turns the merged
 produced claims into the claim dicts of ``reports/paper.json``.
 
-Verdicts (DESIGN.md, "Claims and verdicts"):
+Verdicts (docs/report.md, "Verdicts"):
 
 - exact      match | mismatch: the reproduced value, rounded the way the paper printed the published one
              (``sig`` significant figures or ``decimals`` places; inferred from the printed number if

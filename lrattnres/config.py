@@ -202,6 +202,9 @@ def validate(config: dict, source: str = "config.yaml") -> dict:
     defaults; returns a new dict."""
     import jsonschema
 
+    if "recorded" in config:
+        raise ConfigError(f"{source}: recorded: where results measured elsewhere are recorded is not part of "
+                          "the config; expected them in reports/recorded.yaml (name: path)")
     schema = load_schema()
     config = coerce(copy.deepcopy(config), schema, schema, source=source)
     validator_cls = jsonschema.validators.validator_for(schema)
@@ -284,7 +287,6 @@ def resolve(config: dict, source: str = "config.yaml") -> dict:
     settings = deep_merge(deep_merge(config.get("base", {}), config["scales"][scale]), overrides)
     settings["scale"] = scale
     settings["results"] = f"{config.get('results', 'results')}/{scale}"
-    settings["recorded"] = dict(config.get("recorded", {}))
     _check_semantics(settings, f"{source}: scales.{scale}")
     _check_attention(config, settings, source)
     return settings

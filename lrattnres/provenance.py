@@ -76,7 +76,7 @@ def device() -> str:
 
 
 def provenance(config: Any = None, started: str | None = None, attention: dict | None = None) -> dict[str, Any]:
-    """The provenance block of DESIGN.md: commit, dirty, config hash, versions, device, times; and
+    """The provenance block of every result file: commit, dirty, config hash, versions, device, times; and
     ``attention`` for a stage that runs a model: ``{"requested", "backend", "version"}``
     (``lrattnres.attention.describe``), or one such record per model name where a stage runs
     several models with different attention."""

@@ -1,4 +1,4 @@
-"""Intervals behind the statistical verdicts (DESIGN.md, "Claims and verdicts"), from scipy.stats.
+"""Intervals behind the statistical verdicts (docs/report.md, "Verdicts"), from scipy.stats.
 
 Every function is pure and returns plain floats, so a claim can carry its interval into paper.json.
 

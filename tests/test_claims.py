@@ -187,7 +187,7 @@ def test_direction_needs_a_resolved_interval():
     assert out["verdict"] == "contradicted" and out["interval"][1] < 0
     out = claims.judge(r, {"reproduced": 0.0, "samples": [0.02, -0.02, 0.001]}, "tiny")
     assert out["verdict"] == "inconclusive" and out["interval"][0] < 0 < out["interval"][1]
-    # two replicates are never enough, however clear the sign (the issue's 95% interval of [-4.5, +7.2] too)
+    # two replicates are never enough, however clear the sign (an interval of [-4.5, +7.2] too)
     out = claims.judge(r, {"reproduced": 0.03, "samples": [0.0300, 0.0301]}, "tiny")
     assert out["verdict"] == "inconclusive" and "fewer than 3" in out["note"] and out["n"] == 2
     out = claims.judge(r, {"reproduced": 1.37, "samples": [-4.0, 6.5, 1.2, 3.0, 0.15]}, "tiny")
@@ -404,7 +404,7 @@ def test_glance_names_about_twelve_conclusions(published):
 
 
 def test_mended_records(published):
-    """The records issue #33 asked to mend: no claim that cannot fail, no tolerance wider than its effect."""
+    """The records held to the rule: no claim that cannot fail, no tolerance wider than its effect."""
     for size in ("0.5b", "1b", "4b"):
         assert published[f"appB.2.joint_rank.{size}"]["kind"] == "value"
     for cid in ("sec4.2.r64_minus_r128", "sec4.3.block_spread.r256", "appC.3.best_plr_minus_best_lr"):

@@ -68,6 +68,14 @@ def test_typo_at_top_level():
     assert "'scael'" in msg
 
 
+def test_recorded_results_are_not_part_of_the_config():
+    """Where results measured elsewhere are recorded lives in reports/recorded.yaml, which the report
+    rule reads: the config refuses the key and names the file."""
+    assert "recorded" not in RAW and "recorded" not in resolve(RAW)
+    msg = _bad(lambda r: r.update(recorded={"kernel": "k.json"}))
+    assert "recorded" in msg and "reports/recorded.yaml" in msg
+
+
 def test_negative_rank():
     msg = _bad(lambda r: r["scales"]["tiny"]["grid"].update(ranks=[-4]))
     assert "scales.tiny.grid.ranks.0" in msg

@@ -15,7 +15,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 import kernel_bench as kb  # noqa: E402
 
 
-def test_full_grid_is_the_issues_grid_goals_first():
+def test_full_grid_is_the_90_shape_grid_goals_first():
     grid = kb.full_grid([8192, 4096])
     want = {(N, d, S, r) for N in (8192, 4096) for d in (1024, 1536, 2560) for S in (2, 5, 9, 25, 49)
             for r in (d, d // 4, d // 8)}

@@ -18,7 +18,7 @@ def paper(**over) -> dict:
 
 def test_parameter_count_is_the_papers():
     muon, adam = parameter_shapes(get_preset("0.5B"), "attnres", 1024)
-    assert sum(muon) + sum(adam) == 513_697_792  # 0.5B Full AttnRes (FACTS.md)
+    assert sum(muon) + sum(adam) == 513_697_792  # 0.5B Full AttnRes (the author's repository)
     from lrattnres.accounting import total_params
 
     for name, r in (("1B", 384), ("4B", 640)):

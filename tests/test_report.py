@@ -13,8 +13,9 @@ from pathlib import Path
 import pytest
 from conftest import REPO
 
-from lrattnres import accounting, claims as engine, grid, report
+from lrattnres import accounting, claims as engine, grid, recorded, report
 from lrattnres.config import load_and_resolve
+from lrattnres.errors import InputError
 from lrattnres.io import atomic_write_json, read_json
 
 PUBLISHED = REPO / "reports" / "published.yaml"
@@ -50,7 +51,7 @@ def render(tmp: Path, results: list[Path], settings: dict | None = None, root: P
     settings = settings or load_and_resolve(REPO / "config.yaml")
     atomic_write_json(tmp / "settings.json", settings)
     return report.main(["--settings", str(tmp / "settings.json"), "--published", str(PUBLISHED),
-                        "--results", *map(str, results), "--html", str(tmp / "paper.html"), "--json",
+                        "--recorded", str(REPO / recorded.RECORDED), "--results", *map(str, results), "--html", str(tmp / "paper.html"), "--json",
                         str(tmp / "paper.json"), "--tsv", str(tmp / "claims.tsv"), "--root", str(root), *extra])
 
 
@@ -210,9 +211,10 @@ def test_a_failing_render_keeps_the_older_report(tmp_path, monkeypatch):
     assert not list(tmp_path.glob(".*.tmp"))  # no half-written temporary file left behind
 
 
-def _recorded_paper(root: Path, settings: dict, **override) -> Path:
-    """A synthetic recorded report of the gpu scale (paper.json shape)."""
-    path = root / settings["recorded"][report.RECORDED_REPORT]
+def _recorded_paper(root: Path, **override) -> Path:
+    """A synthetic recorded report of the gpu scale (paper.json shape), where reports/recorded.yaml
+    names it under ``root``."""
+    path = root / recorded.read_list(REPO / recorded.RECORDED)[recorded.REPORT]
     path.parent.mkdir(parents=True, exist_ok=True)
     doc = {"scale": "gpu", "provenance": {"commit": "0123456789abcdef", "dirty": False, "device": "cuda: NVIDIA H200 x1",
                                           "started": "2026-11-30T20:00:00+00:00", "finished": "2026-12-01T06:30:00+00:00"},
@@ -227,8 +229,8 @@ def _recorded_paper(root: Path, settings: dict, **override) -> Path:
 
 def test_recorded_report_column(tmp_path):
     settings = load_and_resolve(REPO / "config.yaml")
-    assert report.RECORDED_REPORT in settings["recorded"]
-    _recorded_paper(tmp_path, settings)
+    assert recorded.REPORT in recorded.read_list(REPO / recorded.RECORDED)
+    path = _recorded_paper(tmp_path)
     assert render(tmp_path, [], settings, root=tmp_path) == 0
     label = "gpu scale, cuda: NVIDIA H200 x1, 01234567, 2026-12-01"
     page = (tmp_path / "paper.html").read_text()
@@ -244,15 +246,39 @@ def test_recorded_report_column(tmp_path):
     assert frame.loc["sec4.2.routed_beat_baseline", "recorded_verdict"] == "reproduced"
     assert frame.loc["table5.val_loss.baseline", "recorded_verdict"] == ""
     # absent: no column; not a paper.json: no column, the problem named
-    (tmp_path / settings["recorded"][report.RECORDED_REPORT]).unlink()
+    path.unlink()
     assert render(tmp_path, [], settings, root=tmp_path) == 0
     assert "recorded: " not in (tmp_path / "paper.html").read_text()
     assert "recorded_verdict" not in (tmp_path / "claims.tsv").read_text()
-    _recorded_paper(tmp_path, settings, claims={"a": 1})
+    _recorded_paper(tmp_path, claims={"a": 1})
     assert render(tmp_path, [], settings, root=tmp_path) == 0
     paper = read_json(tmp_path / "paper.json")
     assert any("recorded report" in p and "'claims'" in p for p in paper["problems"])
     assert "recorded: " not in (tmp_path / "paper.html").read_text()
+
+
+def test_recorded_list_is_read_or_refused_naming_file_and_key(tmp_path):
+    """reports/recorded.yaml: the repository's names files that exist; a malformed list stops the
+    report with the file and the key named."""
+    listed = recorded.read_list(REPO / recorded.RECORDED)
+    assert {"kernel", "train_step", recorded.REPORT} <= set(listed)
+    assert all((REPO / rel).is_file() for name, rel in listed.items() if name != recorded.REPORT)
+    f = tmp_path / "recorded.yaml"
+    f.write_text("")
+    assert recorded.read_list(f) == {}
+    for text, want in (("kernel: [a, b]\n", "key 'kernel'"), ("- a.json\n", "expected a mapping"),
+                       ("kernel: {\n", "not valid YAML")):
+        f.write_text(text)
+        with pytest.raises(InputError, match=want) as err:
+            recorded.read_list(f)
+        assert str(f) in str(err.value)
+    settings = load_and_resolve(REPO / "config.yaml")
+    atomic_write_json(tmp_path / "settings.json", settings)
+    f.write_text("kernel: 3\n")
+    with pytest.raises(InputError, match="kernel"):
+        report.main(["--settings", str(tmp_path / "settings.json"), "--published", str(PUBLISHED), "--recorded",
+                     str(f), "--html", str(tmp_path / "p.html"), "--json", str(tmp_path / "p.json")])
+    assert not (tmp_path / "p.html").exists()
 
 
 def _chromium() -> str | None:
@@ -403,9 +429,9 @@ def test_recorded_gpu_grid_runs():
 
 
 def test_kernel_section_shows_cold_graph_timings_only_when_recorded():
-    """The recorded kernel table gains the flushed-L2 graph columns when the rows carry them (runs
-    since the ninth session) and keeps its old columns for older files; rows with per-kernel GPU times
-    (twelfth session) get a table of where the time goes."""
+    """The recorded kernel table gains the flushed-L2 graph columns when the rows carry them (newer
+    recordings have them) and keeps its old columns for older files; rows with per-kernel GPU times
+    get a table of where the time goes."""
     from lrattnres.report.context import ReportContext
     from lrattnres.report.sections import kernel as section
 

@@ -47,7 +47,7 @@ def slurm_cluster() -> str:
     try:
         import snakemake_executor_plugin_slurm  # noqa: F401
     except ImportError:
-        pytest.skip("snakemake-executor-plugin-slurm not installed: pip install -e '.[slurm]'")
+        pytest.skip("snakemake-executor-plugin-slurm not installed: pip install -e '.[pipeline,slurm]'")
     proc = subprocess.run(["bash", str(START)], capture_output=True, text=True, timeout=180)
     if proc.returncode in (77, 78, 79):
         pytest.skip(f"no test cluster: {proc.stderr.strip()}")

@@ -304,11 +304,11 @@ def test_section_with_recorded(cpu_result):
 
     res, s = _fake_gpu_result("NVIDIA H200")
     res["claims"] = tp.claims_for(res, s)
-    res["_path"] = "benchmarks/results/throughput_h200.json"
+    res["_path"] = "benchmarks/results/throughput_1b_h200_2026-11-29.json"
     ctx = _ctx({"throughput": [dict(cpu_result, _path="t.json")]}, {"throughput_gpu": res})
     html = sec.build(ctx)
     assert "Recorded GPU result (NVIDIA H200, eager)" in html and "2026-11-29T12:00:00" in html
-    assert "benchmarks/results/throughput_h200.json" in html
+    assert "benchmarks/results/throughput_1b_h200_2026-11-29.json" in html
     assert "48,150 ±" in html  # ours r = d/4 mean
     assert "sec4.9.rank_gain_positive.h100.1b" in html and "reproduced" in html
     assert ctx.claims["sec4.9.rank_gain_positive.h100.1b"]["verdict"] == "reproduced"
@@ -337,14 +337,26 @@ def test_failing_method_is_dropped_and_deadline_cuts(tmp_path, monkeypatch):
 
 
 def test_gpu_script_spec_resolves():
+    """benchmarks/run_gpu_benchmarks.sh's throughput protocol at 1B and 4B: specs the stage accepts,
+    eager on CUDA, written where benchmarks/results/ names such files."""
     import re
+    import subprocess
 
-    text = (ROOT / "benchmarks" / "throughput_gpu.sh").read_text()
-    specs = [tp.resolve_spec(json.loads(m)) for m in re.findall(r"SPEC='(.*?)'", text, re.S)]
+    script = ROOT / "benchmarks" / "run_gpu_benchmarks.sh"
+    text = script.read_text()
+    func = re.search(r"^throughput_spec\(\) \{.*?^\}$", text, re.S | re.M).group(0)
+    calls = re.findall(r"throughput_spec (\w+) \\\n\s*('\[.*?\]') (\d+)\)", text)
+    assert [c[0] for c in calls] == ["1B", "4B"]
+    specs = []
+    for preset, methods, accum in calls:
+        out = subprocess.run(["bash", "-c", f"{func}\nthroughput_spec {preset} {methods} {accum}"],
+                             capture_output=True, text=True, check=True).stdout
+        specs.append(tp.resolve_spec(json.loads(out)))
     s = specs[0]
-    assert s["presets"] == ["1B", "4B"] and s["device"] == "cuda" and s["compile"] is False
-    assert len(specs) == 2 and specs[1]["compile"] is True
-    assert "--out \"$OUT/$NAME.json\"" in text and "NAME=throughput_h200\n" in text and "PYTHONUNBUFFERED=1" in text
+    assert s["presets"] == ["1B"] and s["device"] == "cuda" and s["compile"] is False and s["grad_accum"] == 2
+    assert specs[1]["presets"] == ["4B"] and specs[1]["grad_accum"] == 1
+    assert all(x["repeats"] == 5 and x["precision"] == "bf16" for x in specs)
+    assert '--out "$OUT/throughput_1b_${GPU}_$DATE.json"' in text and "PYTHONUNBUFFERED=1" in text
 
 
 def test_fla_adapter_wiring_with_a_stand_in(monkeypatch):

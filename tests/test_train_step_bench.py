@@ -1,4 +1,4 @@
-"""benchmarks/train_step_bench.py --merge: one table from runs of equal settings (two lanes of a call)."""
+"""benchmarks/train_step_bench.py --merge: one table from runs of equal settings (two GPUs at once)."""
 
 from __future__ import annotations
 
@@ -32,14 +32,14 @@ def test_merge_rates_every_row_against_the_first_baseline(tmp_path):
     a, b = tmp_path / "a.json", tmp_path / "b.json"
     a.write_text(json.dumps(_doc([_row("baseline", 70000.0), _row("lr-fused", 63000.0)])))
     b.write_text(json.dumps(_doc([_row("attnres-fused", 56000.0)], budget_s=400.0)))
-    doc = tsb.merge([str(a), str(b)], tmp_path / "out", "merged", "two lanes", commit="abc1234")
+    doc = tsb.merge([str(a), str(b)], tmp_path / "out", "merged", "two GPUs at once", commit="abc1234")
     assert [r["config"] for r in doc["rows"]] == ["baseline", "lr-fused", "attnres-fused"]
     assert doc["rows"][2]["vs_baseline"] == pytest.approx(0.8)
     assert doc["goal"]["met"] is True and doc["goal"]["lr_fused_vs_baseline"] == pytest.approx(0.9)
     assert doc["git"]["commit"] == "abc1234" and doc["merged_from"][0]["git"] == {"commit": "stale"}
     written = json.loads((tmp_path / "out" / "merged.json").read_text())
     assert written["rows"] == doc["rows"]
-    assert "two lanes" in (tmp_path / "out" / "merged.md").read_text()
+    assert "two GPUs at once" in (tmp_path / "out" / "merged.md").read_text()
 
 
 def test_merge_refuses_runs_of_other_settings(tmp_path):

@@ -208,6 +208,31 @@ def _planned(workdir: Path) -> dict[str, int]:
     return job_counts(snakemake(workdir, "-n", "--config", "scale=smoke").stdout)
 
 
+def _record(workdir: Path, name: str, content: dict) -> None:
+    """A new result measured elsewhere: the file, and its line in reports/recorded.yaml."""
+    rel = f"benchmarks/results/{name}.json"
+    (workdir / rel).write_text(json.dumps(content))
+    listed = workdir / "reports" / "recorded.yaml"
+    listed.write_text(listed.read_text() + f"{name}: {rel}\n")
+
+
+def test_a_new_recording_reruns_only_the_report(tmp_path):
+    """reports/recorded.yaml is an input of the report rule alone, not part of the config: with every
+    output of the smoke DAG in place (empty files marked up to date), recording a result plans the
+    report and nothing else."""
+    work = copy_repo(tmp_path / "repo")
+    summary = snakemake(work, "--summary", "--config", "scale=smoke").stdout.splitlines()
+    outputs = [line.split("\t")[0] for line in summary[1:] if line.strip()]
+    assert "reports/paper.html" in outputs and "results/smoke/settings.json" in outputs
+    for rel in outputs:
+        (work / rel).parent.mkdir(parents=True, exist_ok=True)
+        (work / rel).write_text("")
+    snakemake(work, "--cores", "1", "--touch", "--config", "scale=smoke")
+    assert _planned(work) == {}
+    _record(work, "kernel_bench_new", {"rows": []})
+    assert set(_planned(work)) == {"report", "all"}
+
+
 @pytest.mark.slow
 def test_smoke_dag_end_to_end_and_reruns_follow_code(tmp_path):
     work = copy_repo(tmp_path / "repo")
@@ -253,6 +278,10 @@ def test_smoke_dag_end_to_end_and_reruns_follow_code(tmp_path):
     os.utime(work / "lrattnres" / "accounting.py")
     assert _planned(work) == {}
 
+    # a new recording (reports/recorded.yaml, not the config) reruns the report only
+    _record(work, "train_step_new", {"rows": []})
+    assert set(_planned(work)) == {"report", "all"}
+
     # a real change of one report section reruns the report only
     sec = work / "lrattnres" / "report" / "sections" / "kernel.py"
     sec.write_text(sec.read_text() + "\n# a change\n")
@@ -274,11 +303,13 @@ def test_smoke_dag_end_to_end_and_reruns_follow_code(tmp_path):
 
 
 def test_shell_scripts_clean():
-    """The install script and the conda post-deploy scripts parse and are shfmt-formatted (2 spaces)."""
+    """The install script, the conda post-deploy scripts and the GPU benchmark runner parse and are
+    shfmt-formatted (2 spaces)."""
     import shutil
 
-    files = [REPO / "scripts" / "install.sh", *sorted((REPO / "envs").glob("*.sh"))]
-    assert len(files) >= 2
+    files = [REPO / "scripts" / "install.sh", *sorted((REPO / "envs").glob("*.sh")),
+             *sorted((REPO / "benchmarks").glob("*.sh"))]
+    assert len(files) >= 3
     for f in files:
         proc = subprocess.run(["bash", "-n", str(f)], capture_output=True, text=True)
         assert proc.returncode == 0, f"{f}: {proc.stderr}"

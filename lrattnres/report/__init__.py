@@ -1,7 +1,8 @@
 """The report stage: every table and figure of the paper beside the reproduced one, with verdicts.
 
 ``python -m lrattnres report --settings S.json --published reports/published.yaml
---results a.json b.json ... --html reports/paper.html --json reports/paper.json --tsv reports/claims.tsv``
+--recorded reports/recorded.yaml --results a.json b.json ... --html reports/paper.html
+--json reports/paper.json --tsv reports/claims.tsv``
 
 Result files name their stage (``"stage": ...``) and may carry ``claims``; the claims engine
 (:mod:`lrattnres.claims`) turns them into verdicts, and every published claim no result produced is
@@ -14,9 +15,10 @@ whose value is malformed (wrong type, NaN, an unknown id, produced twice) and a 
 are listed on the page with the file and key, and the claims concerned are "not run".  Every output
 is written to a temporary file and renamed, so an older report survives any failure.
 
-A report recorded elsewhere (config ``recorded.gpu_report``: the paper.json of another scale, e.g.
-the gpu scale on an H200) is shown beside this one's verdicts, labelled with its scale, device,
-commit and date; an absent file leaves the column out.
+Results measured on another machine are listed in ``reports/recorded.yaml`` (:mod:`lrattnres.recorded`)
+and shown in their sections.  A report recorded elsewhere (its key ``gpu_report``: the paper.json of
+another scale, e.g. the gpu scale on an H200) is shown beside this one's verdicts, labelled with its
+scale, device, commit and date; an absent file leaves the column out.
 """
 
 from __future__ import annotations
@@ -36,11 +38,12 @@ from typing import Any
 from lrattnres import claims as claims_engine
 from lrattnres.io import atomic_path, atomic_write_text, read_json
 from lrattnres.provenance import now, provenance
+from lrattnres.recorded import REPORT as RECORDED_REPORT
+from lrattnres.recorded import read_list as read_recorded_list
 from lrattnres.report.context import ReportContext
 
 log = logging.getLogger("lrattnres.report")
 TEMPLATE_DIR = Path(__file__).parent / "templates"
-RECORDED_REPORT = "gpu_report"  # config key under `recorded`: a paper.json made elsewhere
 TSV_COLUMNS = ("id", "source", "section", "origin", "kind", "quantity", "published", "reproduced", "verdict",
                "interval_lo", "interval_hi", "n", "note")
 
@@ -73,7 +76,7 @@ def load_results(paths: list[str], problems: list[str] | None = None) -> dict[st
 
 def load_recorded(recorded: dict[str, str], root: Path, problems: list[str] | None = None) -> dict[str, dict]:
     """Result files measured elsewhere (e.g. on a GPU); missing ones are skipped with a log line.
-    The recorded report (``recorded.gpu_report``) is not a result file: :func:`load_recorded_report`."""
+    The recorded report (key ``gpu_report``) is not a result file: :func:`load_recorded_report`."""
     out = {}
     for name, rel in recorded.items():
         if name == RECORDED_REPORT:
@@ -293,6 +296,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m lrattnres report", description="render the paper report")
     p.add_argument("--settings", required=True, help="resolved settings JSON of the scale")
     p.add_argument("--published", required=True)
+    p.add_argument("--recorded", default=None,
+                   help="the list of results measured elsewhere (reports/recorded.yaml); without it none")
     p.add_argument("--results", nargs="*", default=[])
     p.add_argument("--html", required=True)
     p.add_argument("--json", required=True)
@@ -308,7 +313,7 @@ def main(argv: list[str] | None = None) -> int:
     problems: list[str] = []
     by_stage = load_results(args.results, problems)
     root = Path(args.root)
-    rec_cfg = settings.get("recorded") or {}
+    rec_cfg = read_recorded_list(args.recorded) if args.recorded else {}
     recorded = load_recorded(rec_cfg, root, problems)
     recorded_report = load_recorded_report(rec_cfg.get(RECORDED_REPORT), root, problems)
     rederive_claims(recorded, set(published), problems)

@@ -14,7 +14,7 @@ class ReportContext:
     settings: dict[str, Any] = field(default_factory=dict)
     by_stage: dict[str, list[dict]] = field(default_factory=dict)
     recorded: dict[str, dict] = field(default_factory=dict)
-    # a report made elsewhere (config `recorded.gpu_report`): {"label", "path", "scale", "claims": {id: claim}}
+    # a report made elsewhere (reports/recorded.yaml, key gpu_report): {"label", "path", "scale", "claims": {id: claim}}
     recorded_report: dict | None = None
     # stage outputs the report could not use, each naming the file and key (shown on the page)
     problems: list[str] = field(default_factory=list)

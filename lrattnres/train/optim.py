@@ -1,6 +1,6 @@
 """Optimisers of Section 4.1: Muon for the >=2-D transformer weights, AdamW for the rest.
 
-The split (FACTS.md, the author's repository): Muon takes every >=2-D weight of the transformer
+The split (the author's repository, jon123boss/LR-AttnRes): Muon takes every >=2-D weight of the transformer
 body; AdamW takes the token embedding (``embed.*``), the output head (``head.*``), the routing
 queries (a parameter named ``queries``, at any depth) and every 1-D parameter.  The rule lives in
 :func:`is_adam_param` and is tested.

@@ -18,8 +18,8 @@ class SpecError(UserError, ValueError):
     pass
 
 
-# The paper's recipe (Section 4.1; FACTS.md).  Shape/size keys (model, steps or tokens, micro_batch,
-# seq_len) have no default: the scale's config must give them.
+# The paper's recipe (Section 4.1; the author's repository, jon123boss/LR-AttnRes).  Shape/size keys
+# (model, steps or tokens, micro_batch, seq_len) have no default: the scale's config must give them.
 DEFAULTS: dict[str, Any] = {
     "seed": 0,
     "grad_accum": 1,

@@ -13,6 +13,8 @@ from lrattnres import gpus, jobplan
 from lrattnres.config import ConfigError, resolve, resolve_rank, science
 from lrattnres.data.spec import science as science_data_spec
 from lrattnres.deps import closure, package_files, package_modules
+from lrattnres.errors import UserError
+from lrattnres.recorded import RECORDED, read_list
 
 try:
     S = resolve(config, source="config.yaml (with --config/--configfile overrides)")
@@ -31,6 +33,15 @@ _bindir = (
     "" if "CONDA" in _deploy else f"export PATH={Path(sys.executable).parent}:$PATH; "
 )
 shell.prefix(f"{_bindir}export PYTHONPATH={workflow.basedir}:${{{{PYTHONPATH:-}}}}; ")
+
+
+def recorded_files():
+    """The files of reports/recorded.yaml that exist (results measured elsewhere): report inputs."""
+    try:
+        listed = read_list(RECORDED).values()
+    except UserError as err:
+        raise WorkflowError(f"invalid list of recorded results: {err}")
+    return [p for p in listed if os.path.exists(p)]
 
 
 def stage_sources(*modules):

@@ -10,9 +10,10 @@ rule report:
         settings=rules.settings.output[0],
         published="reports/published.yaml",
         results=REPORT_INPUTS,
-        # result files measured elsewhere (config `recorded`, including a recorded report such as
-        # `recorded.gpu_report`): a new recording reruns the report
-        recorded=[p for p in config.get("recorded", {}).values() if os.path.exists(p)],
+        # results measured elsewhere (reports/recorded.yaml, not the config): the list and every file
+        # it names that exists, so that a new recording reruns the report and nothing else
+        recorded=RECORDED,
+        recorded_files=recorded_files(),
         src=stage_sources(
             "lrattnres.report",
             "lrattnres.claims",
@@ -34,6 +35,7 @@ rule report:
     shell:
         stage(
             "report --settings {input.settings:q} --published {input.published:q} "
+            "--recorded {input.recorded:q} "
             "--results {input.results:q} --html {output.html:q} --json {output.json:q} "
             "--tsv {output.tsv:q} > {log:q} 2>&1",
         )

@@ -3,7 +3,7 @@
 The conclusions are the records of reports/published.yaml that carry ``glance`` (their short text),
 in the file's order.  Each row gives the published effect, the reproduced effect with its 95%
 interval and n, the verdict and a link to the section that shows it; with a recorded report
-(config ``recorded.gpu_report``) its verdict stands in an extra column.
+(``reports/recorded.yaml``, key ``gpu_report``) its verdict stands in an extra column.
 """
 
 from __future__ import annotations

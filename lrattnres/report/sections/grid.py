@@ -98,12 +98,12 @@ def _epoch_warning(runs, split_tokens: int | None = None) -> str:
     return (f'<p class="notrun"><b>Read with care:</b> these runs read their training split up to {max(epochs):.1f} '
             f"times{held}. Past one epoch the validation loss measures memorisation as well as modelling; the gap "
             "between training and validation loss shows it. Point the scale's data stage at a larger corpus "
-            '(README, "Data") before reading trends from it.</p>')
+            '(<code>data.source</code>; README, "Scales") before reading trends from it.</p>')
 
 
 def _recorded_runs(ctx) -> str:
-    """Training runs recorded on another machine (config ``recorded.gpu_grid``, written by
-    benchmarks/gpu_grid_collect.py): the GPU path proven through the same rules, shown as measured,
+    """Training runs recorded on another machine (``reports/recorded.yaml``, key ``gpu_grid``: each run's
+    result.json with its curves): the GPU path proven through the same rules, shown as measured,
     without verdicts, with each run's distance from the baseline, its epochs over the training split
     and its validation curve."""
     rec = (getattr(ctx, "recorded", None) or {}).get("gpu_grid")
@@ -122,7 +122,7 @@ def _recorded_runs(ctx) -> str:
                      f"{r.get('tokens_per_s') or 0:,.0f}", f"{r.get('train_s', 0):.0f}",
                      "–" if mem is None else f"{mem / 1024:.1f}", prov.get("device"), (prov.get("commit") or "")[:8]])
     parts = [f"<h3>Recorded runs of the gpu scale (file <code>{esc(rec.get('_path'))}</code>)</h3>",
-             "<p>Run through this Snakefile on a GPU (<code>benchmarks/gpu_grid.sh</code>): compiled, bf16, the "
+             "<p>Run through this Snakefile's train rule on a GPU: compiled, bf16, the "
              "routed runs through the fused kernel. Too few runs for any claim; they prove the GPU path and are "
              "shown as measured. &Delta; is the final validation loss minus the baseline's; train CE is the mean "
              "training cross-entropy of the last updates.</p>",
@@ -133,7 +133,7 @@ def _recorded_runs(ctx) -> str:
     if incomplete:
         items = ", ".join(f"<code>{esc(k)}</code> (stopped at update {v.get('last_step')} of {v.get('steps_planned')})"
                           for k, v in sorted(incomplete.items()))
-        parts.append(f"<p>Started but cut off by the call's deadline, so left out of the table: {items}.</p>")
+        parts.append(f"<p>Started but cut off by the recording's time limit, so left out of the table: {items}.</p>")
     curves = [{**r, "run_id": k} for k, r in sorted(runs.items()) if r.get("val_curve")]
     if curves:
         parts.append(_curves(curves, "Validation loss during the recorded gpu-scale runs (periodic points over a part of the "

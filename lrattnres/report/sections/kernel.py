@@ -53,7 +53,7 @@ def build(ctx) -> str:
                                "bf16 check on the GPU (|x − ref| ≤ 0.05 + 0.05|ref|)"))
         rows = bench.get("rows", [])
         if rows:
-            cold = any(r.get("fwdbwd_graph_cold_us") is not None for r in rows)  # recorded since the ninth session
+            cold = any(r.get("fwdbwd_graph_cold_us") is not None for r in rows)  # older recordings lack them
             extra = ["cold graph fwd µs", "cold graph fwd+bwd µs", "cold graph fwd+bwd %"] if cold else []
             parts.append(table(["tokens", "d", "S", "r", "impl", "fwd µs", "fwd %", "fwd+bwd µs", "fwd+bwd %",
                                 "graph fwd µs", "graph fwd %", "graph fwd+bwd µs", "graph fwd+bwd %"] + extra,
@@ -67,7 +67,7 @@ def build(ctx) -> str:
                                "Timings: called eagerly (median of triton do_bench, L2 flushed; host-side dispatch "
                                "counts where it outlasts the flush) and as CUDA-graph replays (GPU time alone)"
                                + ("; cold: replays with the L2 flushed before each (every input from DRAM)" if cold else "")))
-            timed = [r for r in rows if r.get("kernels_fwdbwd_us")]  # recorded since the twelfth session
+            timed = [r for r in rows if r.get("kernels_fwdbwd_us")]  # older recordings lack them
             if timed:
                 parts.append(table(["tokens", "d", "S", "r", "impl", "sum µs", "kernels (µs each)"],
                                    [[r["tokens"], r["d"], r["S"], r["r"], r["impl"], sum(r["kernels_fwdbwd_us"].values()),
@@ -75,6 +75,6 @@ def build(ctx) -> str:
                                    "Where the time goes: GPU time of each kernel in one forward+backward (torch.profiler, "
                                    "eager call; launch gaps not counted)"))
     else:
-        parts.append('<p class="notrun">No GPU kernel benchmark is recorded (config <code>recorded.kernel</code>).</p>')
+        parts.append('<p class="notrun">No GPU kernel benchmark is recorded (<code>reports/recorded.yaml</code>, key <code>kernel</code>).</p>')
     parts.append(claims_table([c for c in ctx.claims.values() if ctx.published[c["id"]]["stage"] == "kernel"], "Kernel claims"))
     return "\n".join(parts)

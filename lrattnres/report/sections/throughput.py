@@ -189,7 +189,7 @@ def build(ctx) -> str:
                 and isinstance(rec_all[k], dict) and rec_all[k].get("stage") == "throughput"]
     if not local and not recorded:
         out.append("<p><b>Not run:</b> the throughput stage has produced no result at this scale, and no "
-                   "recorded GPU result is configured (config.yaml <code>recorded.throughput_gpu*</code>).</p>")
+                   "recorded GPU result is listed (<code>reports/recorded.yaml</code>, keys <code>throughput_gpu*</code>).</p>")
     for res in local:
         out.append(f"<h3>This run (scale {esc(ctx.scale)})</h3>")
         out.append("<p>Different scale and hardware from Table 3: the numbers show the protocol and the "
@@ -219,7 +219,7 @@ def build(ctx) -> str:
 
 def train_step_table(doc: dict) -> str:
     """The recorded production-step benchmark (benchmarks/train_step_bench.py): one config after
-    another, not the paired protocol above; the speed goal of the training issue."""
+    another, not the paired protocol above; its speed goal is LR-AttnRes at >= 90% of the baseline."""
     st = doc.get("settings", {})
     git = doc.get("git") or {}
     mode = "eager" if st.get("no_compile") else "compiled"
@@ -248,7 +248,7 @@ def train_step_table(doc: dict) -> str:
         tail += f"<p>Rows {esc(', '.join(m['configs']))}: {esc(m['file'])} ({esc(m['note'])}).</p>"
     skipped = ", ".join(x["config"] for x in doc.get("skipped", []))
     if skipped:
-        tail += f"<p>Not timed (the call's time budget): {esc(skipped)}.</p>"
+        tail += f"<p>Not timed (the benchmark's time budget): {esc(skipped)}.</p>"
     return head + table(["config", "router", "r", "tokens/s", "vs baseline", "update s (CV)", "peak GiB"], rows,
                         "Training-step throughput, one H200") + tail
 
