@@ -90,7 +90,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from lrattnres.errors import UserError
+from lrattnres.checks import is_int
+from lrattnres.devices import resolve_device
+from lrattnres.errors import SpecError, UserError
 
 log = logging.getLogger("lrattnres.convert")
 
@@ -235,7 +237,7 @@ def rotate_state_dict(state: dict, R, rank: int, queries=None) -> dict:
 
 def parse_rank(rank: Any, d: int, k: int | None = None) -> int:
     """An int, "d", "d/<n>" (d // n, exact division required) or "k" (the joint rank)."""
-    if isinstance(rank, int) and not isinstance(rank, bool):
+    if is_int(rank):
         return rank
     if isinstance(rank, str):
         s = rank.strip()
@@ -243,17 +245,17 @@ def parse_rank(rank: Any, d: int, k: int | None = None) -> int:
             return d
         if s == "k":
             if k is None:
-                raise ValueError("spec.rank 'k' needs the joint rank")
+                raise SpecError("spec.rank 'k' needs the joint rank")
             return max(k, 1)
         m = re.fullmatch(r"d\s*/\s*(\d+)", s)
         if m:
             n = int(m.group(1))
             if n < 1 or d % n:
-                raise ValueError(f"spec.rank {rank!r}: d={d} is not divisible by {n}")
+                raise SpecError(f"spec.rank {rank!r}: d={d} is not divisible by {n}")
             return d // n
         if s.isdigit():
             return int(s)
-    raise ValueError(f"spec.rank: expected an int, 'd', 'd/<n>' or 'k', got {rank!r}")
+    raise SpecError(f"spec.rank: expected an int, 'd', 'd/<n>' or 'k', got {rank!r}")
 
 
 @dataclasses.dataclass
@@ -428,7 +430,7 @@ def parse_claim_row(row: str | None) -> tuple[str, str] | None:
         return None
     m = re.fullmatch(r"(0\.5b|1b|4b)\.(nfull|n\d+)", str(row).strip().lower())
     if not m:
-        raise ValueError(f"spec.claim_row: expected '<size>.n<N>' with size in {SIZES} and N 'full' or an int "
+        raise SpecError(f"spec.claim_row: expected '<size>.n<N>' with size in {SIZES} and N 'full' or an int "
                          f"(e.g. '0.5b.nfull', '1b.n8'), or null; got {row!r}")
     return m.group(1), m.group(2)
 
@@ -564,39 +566,31 @@ def aggregate_results(results: list[dict], provenance_block: dict | None = None)
 
 def validate_spec(spec: Any) -> dict:
     if not isinstance(spec, dict):
-        raise ValueError(f"--spec: expected a JSON object, got {type(spec).__name__}")
+        raise SpecError(f"--spec: expected a JSON object, got {type(spec).__name__}")
     unknown = sorted(set(spec) - SPEC_KEYS)
     if unknown:
-        raise ValueError(f"spec.{unknown[0]}: unknown key (expected {sorted(SPEC_KEYS)})")
+        raise SpecError(f"spec.{unknown[0]}: unknown key (expected {sorted(SPEC_KEYS)})")
     for k in SPEC_REQUIRED:
         if k not in spec:
-            raise ValueError(f"spec.{k}: missing (required)")
+            raise SpecError(f"spec.{k}: missing (required)")
     out = {"val_tokens": None, "claim_row": None, "precision": "auto", "device": "auto", "rtol": None,
            "seq_len": None, "export_dtype": "bf16", **spec}
     if out["export_dtype"] not in ("bf16", "storage"):
-        raise ValueError(f"spec.export_dtype: expected 'bf16' or 'storage', got {out['export_dtype']!r}")
-    if not isinstance(out["rank"], (int, str)) or isinstance(out["rank"], bool):
-        raise ValueError(f"spec.rank: expected an int or 'd/<n>', got {out['rank']!r}")
+        raise SpecError(f"spec.export_dtype: expected 'bf16' or 'storage', got {out['export_dtype']!r}")
+    if not (is_int(out["rank"]) or isinstance(out["rank"], str)):
+        raise SpecError(f"spec.rank: expected an int or 'd/<n>', got {out['rank']!r}")
     for k, lo in (("batch_size", 1), ("val_tokens", 1), ("seq_len", 1)):
         v = out[k]
         if v is None and k != "batch_size":
             continue
-        if not isinstance(v, int) or isinstance(v, bool) or v < lo:
-            raise ValueError(f"spec.{k}: expected an int >= {lo}{'' if k == 'batch_size' else ' or null'}, got {v!r}")
+        if not is_int(v) or v < lo:
+            raise SpecError(f"spec.{k}: expected an int >= {lo}{'' if k == 'batch_size' else ' or null'}, got {v!r}")
     if out["precision"] not in ("auto", "bf16", "fp32"):
-        raise ValueError(f"spec.precision: expected 'auto', 'bf16' or 'fp32', got {out['precision']!r}")
+        raise SpecError(f"spec.precision: expected 'auto', 'bf16' or 'fp32', got {out['precision']!r}")
     if out["rtol"] is not None and not (isinstance(out["rtol"], (int, float)) and out["rtol"] >= 0):
-        raise ValueError(f"spec.rtol: expected a number >= 0 or null, got {out['rtol']!r}")
+        raise SpecError(f"spec.rtol: expected a number >= 0 or null, got {out['rtol']!r}")
     parse_claim_row(out["claim_row"])
     return out
-
-
-def _device(name: str):
-    import torch
-
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
 
 
 def _export(conv_model, dtype, device):
@@ -624,7 +618,7 @@ def run(checkpoint: str | Path, data: str | Path, spec: dict, save: str | Path |
     started = now()
     t0 = time.perf_counter()
     spec = validate_spec(spec)
-    device = _device(spec["device"])
+    device = resolve_device(spec["device"], where="spec.device")
     precision = spec["precision"]
     if precision == "auto":
         precision = "bf16" if device.type == "cuda" else "fp32"

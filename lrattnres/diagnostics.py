@@ -50,6 +50,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from lrattnres.checks import is_int, is_number
+from lrattnres.devices import resolve_device
 from lrattnres.errors import UserError
 from lrattnres.grid import HEADLINE_ATTNRES, HEADLINE_LR, CONTROL, PAIR_SIZES, PAPER_D, paper_row, plan
 from lrattnres.io import atomic_write_json, read_json
@@ -79,10 +81,6 @@ class DiagnosticsError(UserError, ValueError):
 # ------------------------------------------------------------------------------------ settings
 
 
-def _is_int(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
 def validate_settings(block: Any, where: str = "diagnostics") -> dict[str, Any]:
     """The scale's ``diagnostics`` block with defaults filled in; bad keys are named."""
     if block is None:
@@ -98,9 +96,9 @@ def validate_settings(block: Any, where: str = "diagnostics") -> dict[str, Any]:
         raise DiagnosticsError(f"{where}.{key}: expected {expected}, got {out[key]!r}")
 
     for key in ("tokens", "batch_size", "trailing_window", "trace_points"):
-        if not _is_int(out[key]) or out[key] < 1:
+        if not is_int(out[key]) or out[key] < 1:
             bad(key, "an integer >= 1")
-    if out["seq_len"] is not None and (not _is_int(out["seq_len"]) or out["seq_len"] < 1):
+    if out["seq_len"] is not None and (not is_int(out["seq_len"]) or out["seq_len"] < 1):
         bad("seq_len", "null (the run's training seq_len) or an integer >= 1")
     if not isinstance(out["split"], str) or not out["split"]:
         bad("split", "a split name of the data manifest (e.g. 'val')")
@@ -349,13 +347,8 @@ def query_utilisation(queries) -> dict[str, Any]:
 
 
 def _device(name: str):
-    import torch
-
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    if name == "cuda" and not torch.cuda.is_available():
-        raise DiagnosticsError("diagnostics.device: 'cuda' asked for, but no CUDA device is available")
-    return torch.device(name)
+    """The device of the ``device`` setting."""
+    return resolve_device(name, where="diagnostics.device", error=DiagnosticsError)
 
 
 def _clip_of(folder: Path, info: dict | None, settings: dict) -> float:
@@ -368,7 +361,7 @@ def _clip_of(folder: Path, info: dict | None, settings: dict) -> float:
     if spec is None:
         spec = {**settings.get("recipe", {}), **settings.get("train", {})}
     clip = spec.get("grad_clip", 1.0)
-    return float(clip) if isinstance(clip, (int, float)) and not isinstance(clip, bool) else 1.0
+    return float(clip) if is_number(clip) else 1.0
 
 
 def analyse_run(run, folder: Path, manifest: dict | None, settings: dict, diag: dict, device) -> dict[str, Any]:

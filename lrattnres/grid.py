@@ -33,6 +33,7 @@ from typing import Any
 
 from lrattnres import batch, stats
 from lrattnres.accounting import added_flops
+from lrattnres.checks import is_number
 from lrattnres.config import deep_merge, resolve_rank
 from lrattnres.errors import InputError
 from lrattnres.io import atomic_write_json, read_json
@@ -197,7 +198,7 @@ def summarize(settings: dict, run_dirs: dict[str, Path], known_ids=None, publish
         result = read_json(folder / "result.json")
         loss = result.get("final_val_ce") if isinstance(result, dict) else None
         problem = None
-        if not _finite_loss(loss):
+        if not is_number(loss):
             problem = f"{folder / 'result.json'}: final_val_ce: expected a finite number, got {loss!r}"
             log.warning("%s", problem)
             loss = None
@@ -247,10 +248,6 @@ def _loss(rows: list[dict], **match) -> float | None:
     return None
 
 
-def _finite_loss(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-
-
 SEGMENTS = 5  # contiguous segments of a run pair's per-step gradient norms (paired batch means)
 # A bad run's loss is replaced by each of these in turn: a claim that changes depends on it.
 _SENTINELS = (-1.0e6, 1.0e6)
@@ -265,7 +262,7 @@ def claims(settings: dict, rows: list[dict], published: dict | None = None) -> d
     that depends on it without a value and with the problem as its note: the claims are computed
     with the run's loss set to a very low and to a very high value, and a claim that differs between
     the two depends on it."""
-    bad = [r for r in rows if not _finite_loss(r.get("final_val_ce"))]
+    bad = [r for r in rows if not is_number(r.get("final_val_ce"))]
     if not bad:
         return _claims(settings, rows, published)
     why = "; ".join(r.get("problem") or f"{r['run_id']}: final_val_ce: expected a finite number, got "
@@ -590,7 +587,7 @@ def _item(single_evidence: dict) -> dict:
 def _segment_ratios(a: list, b: list, k: int = SEGMENTS) -> list[float]:
     """100 (mean a / mean b - 1) on each of ``k`` contiguous segments of two runs' per-step series
     (steps where either is not finite left out); [] when a segment would be empty."""
-    pts = [(x, y) for x, y in zip(a, b) if _finite_loss(x) and _finite_loss(y)]
+    pts = [(x, y) for x, y in zip(a, b) if is_number(x) and is_number(y)]
     if len(pts) < k:
         return []
     out = []

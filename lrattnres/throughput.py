@@ -81,7 +81,9 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from lrattnres.errors import UserError
+from lrattnres.checks import is_int, is_number
+from lrattnres.devices import resolve_device
+from lrattnres.errors import SpecError
 
 # --------------------------------------------------------------------------------------- spec
 
@@ -140,18 +142,6 @@ PAPER_SIZES = {"1B": "1b", "4B": "4b"}
 PAPER_GPUS = ("H100", "B200")
 
 
-class SpecError(UserError, ValueError):
-    pass
-
-
-def _is_int(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
-def _is_num(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
-
-
 def _check(cond: bool, key: str, expected: str, got: Any) -> None:
     if not cond:
         raise SpecError(f"throughput spec key {key!r}: expected {expected}, got {got!r}")
@@ -178,14 +168,14 @@ def resolve_spec(spec: dict | None) -> dict:
     for k in ("micro_batch", "seq_len", "grad_accum", "repeats", "warmup", "min_updates", "max_updates", "window",
               "stride", "blocks", "doc_len_median"):
         lo = 0 if k == "warmup" else 1
-        _check(_is_int(s[k]) and s[k] >= lo, k, f"an int >= {lo}", s[k])
+        _check(is_int(s[k]) and s[k] >= lo, k, f"an int >= {lo}", s[k])
     _check(s["max_updates"] >= s["min_updates"], "max_updates", f"an int >= min_updates={s['min_updates']}",
            s["max_updates"])
     _check(s["window"] >= 2, "window", "an int >= 2", s["window"])
     for k in ("cv", "drift"):
-        _check(_is_num(s[k]) and s[k] >= 0, k, "a number >= 0 (a fraction: 0.01 = 1%)", s[k])
-    for k, check, what in (("grad_accum_by_preset", lambda v: _is_int(v) and v >= 1, "positive ints"),
-                           ("repeats_by_preset", lambda v: _is_int(v) and v >= 1, "positive ints"),
+        _check(is_number(s[k]) and s[k] >= 0, k, "a number >= 0 (a fraction: 0.01 = 1%)", s[k])
+    for k, check, what in (("grad_accum_by_preset", lambda v: is_int(v) and v >= 1, "positive ints"),
+                           ("repeats_by_preset", lambda v: is_int(v) and v >= 1, "positive ints"),
                            ("methods_by_preset", lambda v: isinstance(v, list) and v and all(m in METHOD_TABLE for m in v),
                             f"non-empty lists of names from {list(METHOD_TABLE)}")):
         d = s[k]
@@ -199,15 +189,15 @@ def resolve_spec(spec: dict | None) -> dict:
     from lrattnres.attention import BACKENDS
 
     _check(s["attention"] in BACKENDS, "attention", f"one of {BACKENDS}", s["attention"])
-    _check(_is_int(s["seed"]) and s["seed"] >= 0, "seed", "a non-negative int", s["seed"])
+    _check(is_int(s["seed"]) and s["seed"] >= 0, "seed", "a non-negative int", s["seed"])
     _check(s["tokens"] in ("data", "synthetic"), "tokens", "'data' or 'synthetic'", s["tokens"])
-    _check(s["vocab_size"] is None or (_is_int(s["vocab_size"]) and s["vocab_size"] >= 2), "vocab_size",
+    _check(s["vocab_size"] is None or (is_int(s["vocab_size"]) and s["vocab_size"] >= 2), "vocab_size",
            "null or an int >= 2", s["vocab_size"])
     dl = s["deadline_s"]
-    _check(dl is None or (_is_num(dl) and dl > 0) or (isinstance(dl, dict) and all(p in s["presets"] and _is_num(v)
+    _check(dl is None or (is_number(dl) and dl > 0) or (isinstance(dl, dict) and all(p in s["presets"] and is_number(v)
                                                                                    and v > 0 for p, v in dl.items())),
            "deadline_s", "null, a positive number of seconds, or {preset: seconds} (counted from the start)", dl)
-    _check(s["threads"] in (None, "auto") or (_is_int(s["threads"]) and s["threads"] >= 1), "threads",
+    _check(s["threads"] in (None, "auto") or (is_int(s["threads"]) and s["threads"] >= 1), "threads",
            "'auto', null or an int >= 1", s["threads"])
     _check(s["published"] is None or isinstance(s["published"], str), "published", "null or a path", s["published"])
     _check(isinstance(s["claims"], bool), "claims", "a bool", s["claims"])
@@ -546,16 +536,6 @@ def _free(device) -> None:
         torch.cuda.empty_cache()
 
 
-def _resolve_device(choice: str):
-    import torch
-
-    if choice == "cpu" or (choice == "auto" and not torch.cuda.is_available()):
-        return torch.device("cpu")
-    if not torch.cuda.is_available():
-        raise SpecError("throughput spec key 'device' is 'cuda' but no CUDA device is available")
-    return torch.device("cuda", torch.cuda.current_device())
-
-
 def gpu_name(device) -> str:
     import platform
 
@@ -593,9 +573,9 @@ def run(spec: dict, data: str | None = None, log=None, on_repeat: Callable[[dict
     t_start = time.perf_counter()
     s = resolve_spec(spec)
     deadline.deadline()  # a malformed LRATTNRES_DEADLINE stops here, before any work
-    device = _resolve_device(s["device"])
+    device = resolve_device(s["device"], where="throughput spec key 'device'")
     threads = 1 if (s["threads"] == "auto" and device.type == "cpu") else s["threads"]
-    if _is_int(threads):
+    if is_int(threads):
         torch.set_num_threads(threads)
     precision = s["precision"] if s["precision"] != "auto" else ("bf16" if device.type == "cuda" else "fp32")
     fla_ok, fla_note = fla_available(device.type)
@@ -979,7 +959,7 @@ def main(argv: list[str] | None = None) -> int:
         from lrattnres.data import load_manifest
 
         data_sha = load_manifest(args.data, verify="size")["_sha256"]
-    key = partial_key(s, gpu_name(_resolve_device(s["device"])), data_sha)
+    key = partial_key(s, gpu_name(resolve_device(s["device"], where="throughput spec key 'device'")), data_sha)
     if (left := deadline.left()) is not None and left <= 0:
         print(f"throughput: the deadline ({deadline.ENV}) has passed; nothing started, rerun to continue", file=sys.stderr)
         return deadline.EXIT_DEADLINE
