@@ -7,7 +7,7 @@ training); ``python -m lrattnres diagnostics --settings S.json --published repor
 --aggregate diagnostics/*.json --out diagnostics.json`` makes the figures and claims from the rows
 (no model, no torch).
 
-For every run of :func:`lrattnres.grid.plan` (run folder ``RUNS/<run_id>``):
+For every run of :func:`lrattnres.gridplan.plan` (run folder ``RUNS/<run_id>``):
 
 * **Effective number of sources** per read site (Eq. 14): ``N_eff(t, x) = exp(H(alpha_t(x)))`` with
   ``H = -sum_i alpha_{t,i} log alpha_{t,i}`` over the sources of read t, averaged over the held-out
@@ -34,7 +34,7 @@ For every run of :func:`lrattnres.grid.plan` (run folder ``RUNS/<run_id>``):
 
 The scale's settings may carry a ``diagnostics`` block (:data:`DEFAULTS` lists its keys).  Claims
 (``reports/published.yaml``, stage ``diagnostics``) map runs to the paper's rows as
-:mod:`lrattnres.grid` does: :func:`lrattnres.grid.paper_row` (same method and N, same r/d), the roles of
+:mod:`lrattnres.grid` does: :func:`lrattnres.gridplan.paper_row` (same method and N, same r/d), the roles of
 Section 4.4 (headline, control) for the N = 8 rows, and the size pair (roles ``pair-small`` /
 ``pair-large``) for 1B / 4B.  Direction claims say in their note which runs stood in.
 """
@@ -53,7 +53,7 @@ from typing import Any
 from lrattnres.checks import is_int, is_number
 from lrattnres.devices import resolve_device
 from lrattnres.errors import UserError
-from lrattnres.grid import HEADLINE_ATTNRES, HEADLINE_LR, CONTROL, PAIR_SIZES, PAPER_D, paper_row, plan
+from lrattnres.gridplan import CONTROL, HEADLINE_ATTNRES, HEADLINE_LR, PAIR_SIZES, PAPER_D, paper_row, plan
 from lrattnres.io import atomic_write_json, read_json
 from lrattnres.presets import get_preset
 from lrattnres.provenance import now, provenance
@@ -729,7 +729,7 @@ def claims(rows: list[dict], settings: dict, known_ids=None) -> dict[str, dict]:
 def aggregate(settings: dict, rows: list[dict], known_ids=None) -> dict:
     """The diagnostics result (without provenance) from the per-run rows of :func:`analyse_run`.
 
-    Rows are ordered as :func:`lrattnres.grid.plan` orders the runs; a planned run without a row is an
+    Rows are ordered as :func:`lrattnres.gridplan.plan` orders the runs; a planned run without a row is an
     error, a row of a run that the scale does not plan is left out."""
     diag = validate_settings(settings.get("diagnostics"), "settings.diagnostics")
     by_id = {r["run_id"]: r for r in rows}

@@ -220,7 +220,7 @@ def slurm_resources(settings: dict, preset: str) -> dict[str, Any]:
 
 def plan_rows(settings: dict) -> list[dict[str, Any]]:
     """Per size of the scale's training runs: the placement, launcher, lead, wall time and jobs."""
-    from lrattnres.grid import plan, train_spec
+    from lrattnres.gridplan import plan, train_spec
 
     rows, seen = [], set()
     for run in plan(settings):
