@@ -163,7 +163,7 @@ def jobs_needed(settings: dict, spec: dict, preset: str) -> int | None:
 
 
 def throughput_runtime_min(settings: dict, preset: str) -> int | None:
-    """Minutes the throughput job of ``preset`` asks for, from the timing protocol (lrattnres/throughput.py):
+    """Minutes the throughput job of ``preset`` asks for, from the timing protocol (lrattnres/throughput/):
     every repeat of every method compiles, warms up and times at most ``max_updates`` updates at the
     size's speed; with the margin, at most the cluster's longest job. None without a speed."""
     from lrattnres import throughput
