@@ -44,7 +44,7 @@ DATE=$(date -u +%Y-%m-%d)
 (date -u && nvidia-smi && $PY -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)') \
   >"$OUT/machine.txt" 2>&1
 
-# The throughput protocol (lrattnres/throughput.py resolves and checks the spec).
+# The throughput protocol (lrattnres/throughput/spec.py resolves and checks the spec).
 throughput_spec() { # preset, methods, accumulation
   printf '{"presets": ["%s"], "methods": %s, "micro_batch": 2, "seq_len": 2048, "grad_accum": %s,
  "repeats": 5, "warmup": 3, "min_updates": 8, "max_updates": 30, "window": 6, "stride": 2, "cv": 0.01,

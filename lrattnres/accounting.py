@@ -36,6 +36,8 @@ import sys
 from fractions import Fraction
 from typing import Any
 
+from lrattnres.checks import is_int
+
 log = logging.getLogger("lrattnres.accounting")
 
 PAPER_VOCAB = 100_277
@@ -70,7 +72,7 @@ def source_counts(n_layers: int, blocks: int | str) -> list[int]:
     writes = 2 * n_layers
     if blocks == "full":
         return [t + 1 for t in range(1, writes + 1)]
-    if not isinstance(blocks, int) or isinstance(blocks, bool) or not 1 <= blocks <= writes:
+    if not is_int(blocks) or not 1 <= blocks <= writes:
         raise ValueError(f"blocks must be 'full' or an integer in [1, 2L={writes}], got {blocks!r}")
     ends = {math.ceil(writes * j / blocks) for j in range(1, blocks + 1)}
     counts, completed = [], 0
@@ -201,7 +203,7 @@ def _arch_from_spec(name: str, value: Any) -> dict[str, Any]:
         out = {}
         for key in ("n_layers", "d_model", "d_ff"):
             v = value.get(key)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            if not is_int(v) or v < 1:
                 raise ValueError(f"spec: architectures.{name}.{key}: expected a positive integer, got {v!r}")
             out[key] = v
         vocab = value.get("vocab_size")
@@ -228,7 +230,7 @@ def parse_spec(spec: dict) -> dict[str, Any]:
     if not isinstance(blocks, list) or not blocks:
         raise ValueError(f"spec: blocks: expected a non-empty list ('full' or N >= 1), got {blocks!r}")
     for b in blocks:
-        if b != "full" and (not isinstance(b, int) or isinstance(b, bool) or b < 1):
+        if b != "full" and (not is_int(b) or b < 1):
             raise ValueError(f"spec: blocks: expected 'full' or an integer >= 1, got {b!r}")
     return {"architectures": {n: _arch_from_spec(n, v) for n, v in archs.items()}, "ranks": ranks, "blocks": blocks}
 

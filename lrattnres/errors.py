@@ -12,6 +12,11 @@ class UserError(Exception):
     """Bad input: printed as one line by the command line, exit code 2."""
 
 
+class SpecError(UserError, ValueError):
+    """A stage's settings (its ``--spec`` object, or its block of the config) that it cannot run: the
+    message names the key and what was expected."""
+
+
 class InputError(UserError, ValueError):
     """An input file that is not what a stage reads: not JSON, a key missing, a value of the wrong
     kind (a truncated or hand-edited result of an earlier stage)."""

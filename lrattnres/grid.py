@@ -1,16 +1,14 @@
-"""The experiment grid: which training runs a scale makes, and what their results say.
+"""The experiment grid's results: what the training runs of a scale say.
 
-Planning (:func:`plan`) turns a scale's ``grid`` settings into the list of runs of Sections 4.2-4.5 and
-Appendix C: the rank/grouping sweep and the baseline on the main preset, extra seeds of the headline
-pair, the full-width-RMS control, the projected-key configurations and the size pair.  At the paper
-scale that is exactly the paper's run list (48 runs).  Runs are deduplicated by id, so a grid point
-that serves two roles trains once.
+Which runs a scale makes is :mod:`lrattnres.gridplan` (:func:`plan`, :func:`train_spec`,
+:func:`paper_row`, :func:`conversions`, :func:`evaluations`; importable from here too).
 
 Summarising (``python -m lrattnres summarize-grid``) reads every run's ``result.json`` and
-``metrics.jsonl`` and writes the grid result: the per-run table, validation curves, gradient-norm
-traces, and the claims of the training sections (Table 5 losses and shape, Sections 4.2-4.6,
-Appendices A, C.3 and C.5).  Runs of the small scales are reported under the paper's row ids by
-analogy (same method and N, the same r/d ratio); their value claims show "different scale".
+``metrics.jsonl`` and writes the grid result: the per-run table with each run's added FLOPs
+(:mod:`lrattnres.accounting`), validation curves, gradient-norm traces, and the claims of the
+training sections (Table 5 losses and shape, Sections 4.2-4.6, Appendices A, C.3 and C.5).  Runs of
+the small scales are reported under the paper's row ids by analogy (same method and N, the same r/d
+ratio); their value claims show "different scale".
 
 Direction claims carry their evidence for the claims engine (lrattnres/claims.py): paired samples
 over seeds or configurations, or, for a comparison of single runs, a standard error from the same
@@ -27,138 +25,33 @@ import logging
 import math
 import statistics
 import sys
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
 
-from lrattnres import batch, stats
+from lrattnres import stats
 from lrattnres.accounting import added_flops
-from lrattnres.config import deep_merge, resolve_rank
-from lrattnres.errors import InputError
+from lrattnres.checks import is_number
+from lrattnres.config import resolve_rank
+from lrattnres.gridplan import (  # noqa: F401  (the plan's names, importable from here as before)
+    CONTROL,
+    HEADLINE_ATTNRES,
+    HEADLINE_LR,
+    PAIR_SIZES,
+    PAPER_BLOCKS,
+    PAPER_D,
+    PAPER_RANKS,
+    SIZE_OF_ROLE,
+    Run,
+    conversions,
+    evaluations,
+    paper_row,
+    plan,
+    train_spec,
+)
 from lrattnres.io import atomic_write_json, read_json
 from lrattnres.presets import get_preset
 from lrattnres.provenance import now, provenance
 
 log = logging.getLogger("lrattnres.grid")
-
-# The paper's sweep axes: a small-scale run maps to a paper row when its N is one of these and its
-# r/d ratio lands on one of the paper's ranks at d = 1024.
-PAPER_D = 1024
-PAPER_RANKS = (16, 32, 64, 128, 256, 512, 768, 1024)
-PAPER_BLOCKS = ("full", 4, 8, 16)
-PAIR_SIZES = ("1b", "4b")
-# The roles of Section 4.4 map onto the paper's rows whatever their N and r at a small scale.
-HEADLINE_LR, HEADLINE_ATTNRES, CONTROL = "lr.n8.r128", "attnres.n8.r1024", "lr-fullrms.n8.r128"
-
-
-@dataclass(frozen=True)
-class Run:
-    """One training run of the grid."""
-
-    preset: str
-    method: str  # baseline | attnres | lr | lr-fullrms | plr
-    blocks: int | str | None  # None for the baseline
-    rank: int | None  # None for the baseline
-    seed: int
-    steps: int | None = None  # overrides the scale's training length (the size pair)
-    roles: tuple[str, ...] = field(default=(), compare=False)
-
-    @property
-    def run_id(self) -> str:
-        if self.method == "baseline":
-            return f"{self.preset}-baseline-s{self.seed}"
-        return f"{self.preset}-{self.method}-n{self.blocks}-r{self.rank}-s{self.seed}"
-
-    def model(self) -> dict[str, Any]:
-        m: dict[str, Any] = {"preset": self.preset, "method": self.method}
-        if self.method != "baseline":
-            m.update(blocks=self.blocks, rank=self.rank)
-        return m
-
-
-def _routed(preset: str, blocks, rank, seed: int, *, method: str | None = None, steps=None, role: str) -> Run:
-    d = get_preset(preset)["d_model"]
-    r = resolve_rank(rank, d, where=f"grid ({role})")
-    method = method or ("attnres" if r == d else "lr")
-    return Run(preset, method, blocks, r, seed, steps, (role,))
-
-
-def plan(settings: dict) -> list[Run]:
-    """Every training run of the scale, deduplicated, in a stable order."""
-    grid, presets = settings["grid"], settings["presets"]
-    main = presets["main"]
-    d_main = get_preset(main)["d_model"]
-    runs: list[Run] = [Run(main, "baseline", None, None, 0, roles=("baseline",))]
-    for blocks in grid["blocks"]:
-        for rank in grid["ranks"]:
-            runs.append(_routed(main, blocks, rank, 0, role="sweep"))
-    if "headline" in grid:
-        h = grid["headline"]
-        for seed in range(grid.get("seeds", 1)):
-            runs.append(_routed(main, h["blocks"], h["rank"], seed, method="lr", role="seeds"))
-            runs.append(_routed(main, h["blocks"], d_main, seed, method="attnres", role="seeds"))
-    if "control" in grid:
-        c = grid["control"]
-        runs.append(_routed(main, c["blocks"], c["rank"], 0, method="lr-fullrms", role="control"))
-    for p in grid.get("projected", []):
-        runs.append(_routed(main, p["blocks"], p["rank"], 0, method="plr", role="projected"))
-    if "pair" in grid:
-        pair = grid["pair"]
-        for size_role in ("small", "large"):
-            preset = presets[size_role]
-            d = get_preset(preset)["d_model"]
-            steps = pair.get("steps")
-            runs.append(_routed(preset, pair["blocks"], d, 0, method="attnres", steps=steps, role=f"pair-{size_role}"))
-            runs.append(_routed(preset, pair["blocks"], pair["rank"], 0, method="lr", steps=steps, role=f"pair-{size_role}"))
-    merged: dict[str, Run] = {}
-    for run in runs:
-        if run.run_id in merged:
-            old = merged[run.run_id]
-            merged[run.run_id] = Run(**{**asdict(old), "roles": tuple(dict.fromkeys(old.roles + run.roles))})
-        else:
-            merged[run.run_id] = run
-    return list(merged.values())
-
-
-def train_spec(settings: dict, run: Run) -> dict:
-    """The training spec of one run: the recipe, the scale's training settings with the batch split
-    of the run's size (lrattnres/batch.py), the run's model."""
-    recipe = dict(settings["recipe"])
-    model = run.model()
-    for key in ("router", "attention", "norm_eps", "stream_dtype"):
-        if key in recipe:
-            model[key] = recipe.pop(key)
-    spec = deep_merge(recipe, settings["train"])
-    b = batch.split(settings, run.preset)  # the size's micro-batch, accumulation (auto resolved) ...
-    spec["micro_batch"], spec["grad_accum"] = b["micro_batch"], b["grad_accum"]
-    spec.pop("shard_optimizer", None)
-    if b["shard_optimizer"]:
-        spec["shard_optimizer"] = True
-    if b["val_batch_size"] is not None:
-        spec["val"] = {**spec.get("val", {}), "batch_size": b["val_batch_size"]}
-    spec["model"] = model
-    spec["seed"] = run.seed
-    if run.steps is not None:
-        spec.pop("tokens", None)
-        spec["steps"] = run.steps
-    return spec
-
-
-# ----------------------------------------------------------------------------------- summarising
-
-
-def paper_row(run: dict, d_model: int) -> str | None:
-    """The paper's row key (``lr.n8.r128``) this run stands for, or None if it has no analogue."""
-    if run["method"] == "baseline":
-        return "baseline"
-    blocks = run["blocks"]
-    if blocks not in PAPER_BLOCKS:
-        return None
-    ratio = run["rank"] / d_model
-    paper_r = round(ratio * PAPER_D)
-    if paper_r not in PAPER_RANKS or not math.isclose(paper_r / PAPER_D, ratio, rel_tol=1e-9):
-        return None
-    return f"{run['method']}.n{blocks}.r{paper_r}"
 
 
 def read_curve(metrics_path: Path) -> tuple[list[dict], list[dict]]:
@@ -197,7 +90,7 @@ def summarize(settings: dict, run_dirs: dict[str, Path], known_ids=None, publish
         result = read_json(folder / "result.json")
         loss = result.get("final_val_ce") if isinstance(result, dict) else None
         problem = None
-        if not _finite_loss(loss):
+        if not is_number(loss):
             problem = f"{folder / 'result.json'}: final_val_ce: expected a finite number, got {loss!r}"
             log.warning("%s", problem)
             loss = None
@@ -247,10 +140,6 @@ def _loss(rows: list[dict], **match) -> float | None:
     return None
 
 
-def _finite_loss(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-
-
 SEGMENTS = 5  # contiguous segments of a run pair's per-step gradient norms (paired batch means)
 # A bad run's loss is replaced by each of these in turn: a claim that changes depends on it.
 _SENTINELS = (-1.0e6, 1.0e6)
@@ -265,7 +154,7 @@ def claims(settings: dict, rows: list[dict], published: dict | None = None) -> d
     that depends on it without a value and with the problem as its note: the claims are computed
     with the run's loss set to a very low and to a very high value, and a claim that differs between
     the two depends on it."""
-    bad = [r for r in rows if not _finite_loss(r.get("final_val_ce"))]
+    bad = [r for r in rows if not is_number(r.get("final_val_ce"))]
     if not bad:
         return _claims(settings, rows, published)
     why = "; ".join(r.get("problem") or f"{r['run_id']}: final_val_ce: expected a finite number, got "
@@ -590,7 +479,7 @@ def _item(single_evidence: dict) -> dict:
 def _segment_ratios(a: list, b: list, k: int = SEGMENTS) -> list[float]:
     """100 (mean a / mean b - 1) on each of ``k`` contiguous segments of two runs' per-step series
     (steps where either is not finite left out); [] when a segment would be empty."""
-    pts = [(x, y) for x, y in zip(a, b) if _finite_loss(x) and _finite_loss(y)]
+    pts = [(x, y) for x, y in zip(a, b) if is_number(x) and is_number(y)]
     if len(pts) < k:
         return []
     out = []
@@ -621,46 +510,3 @@ def main(argv: list[str] | None = None) -> int:
     atomic_write_json(args.out, result)
     log.info("grid: %d runs, %d claims -> %s", len(result["runs"]), len(result["claims"]), args.out)
     return 0
-
-
-# ------------------------------------------------------------------------ runs of the later stages
-
-SIZE_OF_ROLE = {"sweep": "0.5b", "pair-small": "1b", "pair-large": "4b"}
-
-
-def _claim_size(run: Run, order=("pair-large", "pair-small", "sweep")) -> str | None:
-    """Which of the paper's model sizes a run stands for (its first role, in ``order``, that has one)."""
-    for role in order:
-        if role in run.roles:
-            return SIZE_OF_ROLE[role]
-    return None
-
-
-def conversions(settings: dict) -> list[dict]:
-    """Section 4.8: every standard AttnRes run of seed 0 is converted to the scale's conversion rank.
-
-    ``settings["convert"]["rank"]`` maps a preset name to its rank (an int, ``"d/<k>"`` or ``"k"``
-    for the checkpoint's joint query rank)."""
-    ranks = settings.get("convert", {}).get("rank", {})
-    out = []
-    for run in plan(settings):
-        if run.method != "attnres" or run.seed != 0:
-            continue
-        size = _claim_size(run, order=("sweep", "pair-small", "pair-large"))
-        out.append({
-            "run_id": run.run_id,
-            "rank": ranks.get(run.preset, "k"),
-            "claim_row": f"{size}.n{run.blocks}" if size else None,
-        })
-    return out
-
-
-def evaluations(settings: dict) -> list[dict]:
-    """Appendix G: the size pair's runs are evaluated downstream, standing for 1B and 4B."""
-    out = []
-    for run in plan(settings):
-        for role in ("pair-small", "pair-large"):
-            if role in run.roles:
-                out.append({"run_id": run.run_id, "claim_size": SIZE_OF_ROLE[role]})
-                break
-    return out

@@ -163,7 +163,7 @@ def jobs_needed(settings: dict, spec: dict, preset: str) -> int | None:
 
 
 def throughput_runtime_min(settings: dict, preset: str) -> int | None:
-    """Minutes the throughput job of ``preset`` asks for, from the timing protocol (lrattnres/throughput.py):
+    """Minutes the throughput job of ``preset`` asks for, from the timing protocol (lrattnres/throughput/):
     every repeat of every method compiles, warms up and times at most ``max_updates`` updates at the
     size's speed; with the margin, at most the cluster's longest job. None without a speed."""
     from lrattnres import throughput
@@ -220,7 +220,7 @@ def slurm_resources(settings: dict, preset: str) -> dict[str, Any]:
 
 def plan_rows(settings: dict) -> list[dict[str, Any]]:
     """Per size of the scale's training runs: the placement, launcher, lead, wall time and jobs."""
-    from lrattnres.grid import plan, train_spec
+    from lrattnres.gridplan import plan, train_spec
 
     rows, seen = [], set()
     for run in plan(settings):

@@ -57,6 +57,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from lrattnres.attention import BACKENDS, make_attention
+from lrattnres.checks import is_int
 from lrattnres.segments import Segments
 from lrattnres.presets import get_preset
 from lrattnres.routing import SourceBank, rms_norm, route, route_keys
@@ -90,9 +91,6 @@ class ModelConfig:
     def __post_init__(self):
         def bad(field, expected):
             raise ValueError(f"ModelConfig.{field}={getattr(self, field)!r}: expected {expected}")
-
-        def is_int(x):
-            return isinstance(x, int) and not isinstance(x, bool)
 
         for field in ("vocab_size", "n_layers", "d_model", "n_heads", "d_ff", "max_seq_len"):
             if not is_int(getattr(self, field)) or getattr(self, field) < 1:

@@ -96,7 +96,7 @@ def plan_pieces(settings: dict) -> list[Piece]:
     """The scale's pieces, each with its runs (first matching piece wins) and extra stages.
 
     Without a ``pieces`` setting the scale is one piece. Runs that no piece matches are an error."""
-    from lrattnres.grid import plan
+    from lrattnres.gridplan import plan
 
     run_ids = [r.run_id for r in plan(settings)]
     spec = settings.get("pieces") or [{"name": "all", "runs": ["*"], "stages": list(STAGES)}]
@@ -125,7 +125,7 @@ def plan_pieces(settings: dict) -> list[Piece]:
 def piece_targets(settings: dict, piece: Piece) -> list[str]:
     """The files a piece makes: per run its result, diagnostics, conversion and evaluation, and for
     the size pair's runs Appendix I's check of every routing read."""
-    from lrattnres.grid import conversions, evaluations
+    from lrattnres.gridplan import conversions, evaluations
 
     R = settings["results"]
     conv = {c["run_id"] for c in conversions(settings)}
@@ -235,7 +235,7 @@ def check_same_settings(settings: dict, results: str, accept: tuple[str, ...] = 
                                   new if isinstance(new, dict) else {"": new}, ignore=())
         return [k for k in keys if not any(k == a or k.startswith(a + ".") for a in accept)]
 
-    from lrattnres.grid import plan, train_spec
+    from lrattnres.gridplan import plan, train_spec
 
     saved_path = Path(results) / "settings.json"
     if not saved_path.is_file():

@@ -326,7 +326,7 @@ def test_failing_method_is_dropped_and_deadline_cuts(tmp_path, monkeypatch):
             raise RuntimeError("boom")
         return real(model, *a, **k)
 
-    monkeypatch.setattr(tp, "time_method", flaky)
+    monkeypatch.setattr(tp.measure, "time_method", flaky)
     spec = dict(SMALL, methods=["fused-rd", "fused-rd4", "reference-rd4"], repeats=2, max_updates=3)
     r = tp.run(spec)
     assert [row["name"] for row in r["rows"]] == ["fused-rd", "fused-rd4"]
@@ -446,7 +446,7 @@ def test_a_stage_at_its_deadline_keeps_its_runs_and_the_next_continues(tmp_path,
     spec = json.dumps(dict(SMALL, methods=["fused-rd", "fused-rd4"], repeats=3))
     first: list = []
     monkeypatch.delenv("LRATTNRES_DEADLINE", raising=False)
-    monkeypatch.setattr(tp, "time_method", _fake_timing(first, stop_after=3))
+    monkeypatch.setattr(tp.measure, "time_method", _fake_timing(first, stop_after=3))
     assert tp.main(["--spec", spec, "--out", str(out)]) == 75  # EX_TEMPFAIL: a retry continues
     part = tp.partial_path(out)
     assert not out.exists() and part.name == "smoke.partial.json"
@@ -457,7 +457,7 @@ def test_a_stage_at_its_deadline_keeps_its_runs_and_the_next_continues(tmp_path,
     # with time again, only the three missing runs are timed; the earlier ones are kept as they were
     monkeypatch.delenv("LRATTNRES_DEADLINE")
     second: list = []
-    monkeypatch.setattr(tp, "time_method", _fake_timing(second))
+    monkeypatch.setattr(tp.measure, "time_method", _fake_timing(second))
     assert tp.main(["--spec", spec, "--out", str(out)]) == 0
     assert len(second) == 3 and not part.exists()
     r = json.loads(out.read_text())
@@ -470,12 +470,12 @@ def test_a_partial_state_of_another_spec_is_not_continued(tmp_path, monkeypatch)
     out = tmp_path / "smoke.json"
     monkeypatch.delenv("LRATTNRES_DEADLINE", raising=False)
     calls: list = []
-    monkeypatch.setattr(tp, "time_method", _fake_timing(calls, stop_after=2))
+    monkeypatch.setattr(tp.measure, "time_method", _fake_timing(calls, stop_after=2))
     spec = dict(SMALL, methods=["fused-rd", "fused-rd4"], repeats=2)
     assert tp.main(["--spec", json.dumps(spec), "--out", str(out)]) == 75
     monkeypatch.delenv("LRATTNRES_DEADLINE")
     again: list = []
-    monkeypatch.setattr(tp, "time_method", _fake_timing(again))
+    monkeypatch.setattr(tp.measure, "time_method", _fake_timing(again))
     assert tp.main(["--spec", json.dumps(dict(spec, max_updates=5)), "--out", str(out)]) == 0
     assert len(again) == 4  # every run timed afresh
 
@@ -494,7 +494,7 @@ def test_a_run_under_way_stops_between_updates(monkeypatch):
         monkeypatch.setenv("LRATTNRES_DEADLINE", str(_time.time() + 1e-3))
         return real(*a, guard=guard, **k)
 
-    monkeypatch.setattr(tp, "time_method", soon)
+    monkeypatch.setattr(tp.measure, "time_method", soon)
     with pytest.raises(deadline.DeadlineReached, match="the next update"):
         tp.run(dict(SMALL, methods=["fused-rd"], repeats=1))
 

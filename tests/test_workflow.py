@@ -233,6 +233,17 @@ def test_a_new_recording_reruns_only_the_report(tmp_path):
     assert set(_planned(work)) == {"report", "all"}
 
 
+def test_per_run_diagnostics_do_not_depend_on_the_flop_counts():
+    """The diagnostics take the grid's run list from its plan: a change of the accounting (or of the
+    grid's summary) reruns no per-run diagnostics; the grid summary depends on both."""
+    from lrattnres.deps import closure
+
+    diagnostics = closure("lrattnres.diagnostics")
+    assert "lrattnres/gridplan.py" in diagnostics
+    assert "lrattnres/accounting.py" not in diagnostics and "lrattnres/grid.py" not in diagnostics
+    assert {"lrattnres/gridplan.py", "lrattnres/accounting.py"} <= set(closure("lrattnres.grid"))
+
+
 @pytest.mark.slow
 def test_smoke_dag_end_to_end_and_reruns_follow_code(tmp_path):
     work = copy_repo(tmp_path / "repo")
@@ -287,12 +298,11 @@ def test_smoke_dag_end_to_end_and_reruns_follow_code(tmp_path):
     sec.write_text(sec.read_text() + "\n# a change\n")
     assert set(_planned(work)) == {"report", "all"}
 
-    # a real change of the accounting module reruns the accounting, the stages that import it (the
-    # grid summary uses its FLOP counts; the per-run diagnostics and their aggregation import the
-    # grid's run list from the same module) and the report
+    # a real change of the accounting module reruns the accounting, the grid summary (it uses its
+    # FLOP counts) and the report; not the diagnostics, which take the grid's run list from its plan
     acc = work / "lrattnres" / "accounting.py"
     acc.write_text(acc.read_text() + "\n# a change\n")
-    assert set(_planned(work)) == {"accounting", "grid_summary", "diagnose_run", "diagnostics", "report", "all"}
+    assert set(_planned(work)) == {"accounting", "grid_summary", "report", "all"}
     snakemake(work, "reports/paper.html", "--cores", "2", "--config", "scale=smoke")
 
     # a change of the model reruns the training runs and what reads them, not data or accounting

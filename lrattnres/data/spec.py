@@ -43,6 +43,9 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+from lrattnres.checks import is_int
+from lrattnres.errors import SpecError
+
 DEFAULT_PACKAGES = [
     "torch",
     "numpy",
@@ -92,14 +95,10 @@ EXECUTION_KEYS = (("num_threads",), ("embedded", "workers"), ("hf", "local_dir")
 _FORMATS = ("auto", "txt", "jsonl", "parquet")
 
 
-class SpecError(ValueError):
-    pass
-
-
 def _int(v, key, minimum=0, optional=False):
     if v is None and optional:
         return None
-    if isinstance(v, bool) or not isinstance(v, int):
+    if not is_int(v):
         raise SpecError(f"spec.{key}: expected an integer{' or null' if optional else ''}, got {v!r}")
     if v < minimum:
         raise SpecError(f"spec.{key}: expected >= {minimum}, got {v}")

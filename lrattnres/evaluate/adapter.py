@@ -50,6 +50,8 @@ from typing import Any, Sequence
 import torch
 import torch.nn.functional as F
 
+from lrattnres.devices import resolve_device
+
 log = logging.getLogger("lrattnres.evaluate")
 
 try:  # lm-eval is needed for evaluation, not for importing the scoring core
@@ -60,18 +62,6 @@ except ImportError:  # pragma: no cover - lm-eval missing
 
     def register_model(*_names):
         return lambda cls: cls
-
-
-def resolve_device(name: str | torch.device) -> str:
-    """``auto`` -> cuda where available, else cpu; a CUDA device where none is available is an error."""
-    name = str(name)
-    if name == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if name != "cpu" and not name.startswith("cuda"):
-        raise ValueError(f"device: expected auto, cpu, cuda or cuda:N, got {name!r}")
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError(f"device: {name!r} requested but CUDA is not available here")
-    return name
 
 
 def _find_eot(tokenizer: Any) -> int:
@@ -210,7 +200,7 @@ class LRAttnResLM(_LMBase):
             except (OSError, ValueError, KeyError):
                 raise ValueError(f"{checkpoint}: no data manifest given and {recorded} records none; pass "
                                  "data=<the run's manifest.json> (its tokenizer and vocabulary)") from None
-        device = resolve_device(device)
+        device = str(resolve_device(device, error=ValueError))
         model, info = load_model(checkpoint, device)
         manifest = load_manifest(data)
         tok = Tokenizer.from_manifest(manifest)

@@ -34,7 +34,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from lrattnres.errors import UserError
+from lrattnres.checks import is_int
+from lrattnres.devices import resolve_device
+from lrattnres.errors import SpecError
 
 log = logging.getLogger("lrattnres.evaluate")
 
@@ -42,14 +44,6 @@ SPEC_KEYS = {
     "tasks", "limit", "seed", "batch_size", "max_length", "source", "device", "precision", "cache_dir",
     "run_id", "size", "method", "threads",
 }
-
-
-class SpecError(UserError, ValueError):
-    pass
-
-
-def _is_int(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
 
 
 def validate_spec(spec: Any) -> dict:
@@ -69,13 +63,13 @@ def validate_spec(spec: Any) -> dict:
     s.update({k: v for k, v in spec.items() if k in SPEC_KEYS})
     if not (isinstance(s["tasks"], list) and s["tasks"] and all(t in TASK_NAMES for t in s["tasks"])):
         raise SpecError(f"evaluate spec key 'tasks': expected a non-empty list from {TASK_NAMES}, got {s['tasks']!r}")
-    if s["limit"] is not None and not (_is_int(s["limit"]) and s["limit"] > 0):
+    if s["limit"] is not None and not (is_int(s["limit"]) and s["limit"] > 0):
         raise SpecError(f"evaluate spec key 'limit': expected null or a positive integer, got {s['limit']!r}")
-    if not _is_int(s["seed"]):
+    if not is_int(s["seed"]):
         raise SpecError(f"evaluate spec key 'seed': expected an integer, got {s['seed']!r}")
-    if not (_is_int(s["batch_size"]) and s["batch_size"] > 0):
+    if not (is_int(s["batch_size"]) and s["batch_size"] > 0):
         raise SpecError(f"evaluate spec key 'batch_size': expected a positive integer, got {s['batch_size']!r}")
-    if s["max_length"] is not None and not (_is_int(s["max_length"]) and s["max_length"] >= 2):
+    if s["max_length"] is not None and not (is_int(s["max_length"]) and s["max_length"] >= 2):
         raise SpecError(f"evaluate spec key 'max_length': expected null or an integer >= 2, got {s['max_length']!r}")
     if s["source"] not in ("offline", "hub"):
         raise SpecError(f"evaluate spec key 'source': expected 'offline' or 'hub', got {s['source']!r}")
@@ -83,19 +77,9 @@ def validate_spec(spec: Any) -> dict:
         raise SpecError(f"evaluate spec key 'device': expected auto, cpu or cuda, got {s['device']!r}")
     if s["precision"] not in ("auto", "bf16", "fp32"):
         raise SpecError(f"evaluate spec key 'precision': expected auto, bf16 or fp32, got {s['precision']!r}")
-    if s["threads"] is not None and not (_is_int(s["threads"]) and s["threads"] > 0):
+    if s["threads"] is not None and not (is_int(s["threads"]) and s["threads"] > 0):
         raise SpecError(f"evaluate spec key 'threads': expected null or a positive integer, got {s['threads']!r}")
     return s
-
-
-def _device(name: str) -> str:
-    import torch
-
-    if name == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise SpecError(f"evaluate spec key 'device': {name!r} requested but CUDA is not available")
-    return name
 
 
 def _size_of(info: dict) -> str | None:
@@ -190,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
 
         torch.set_num_threads(threads)
     try:
-        device = _device(spec["device"])
+        device = str(resolve_device(spec["device"], where="evaluate spec key 'device'"))
         lm = LRAttnResLM.from_checkpoint(args.checkpoint, args.data, device=device, batch_size=spec["batch_size"],
                                          max_length=spec["max_length"], precision=spec["precision"], progress=True)
     except ValueError as e:  # a bad device, a checkpoint or manifest that does not fit

@@ -38,6 +38,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lrattnres import deadline as deadline_mod
+from lrattnres.devices import resolve_device
 from lrattnres.errors import UserError
 from lrattnres.io import atomic_write_json
 from lrattnres.provenance import now, provenance
@@ -135,10 +136,10 @@ def _dist_env() -> tuple[int, int, int]:
 
 
 def _device(choice: str, local_rank: int) -> torch.device:
-    if choice == "cpu" or (choice == "auto" and not torch.cuda.is_available()):
+    """The rank's device: its local GPU where the spec's device resolves to CUDA. (No CUDA where it
+    was asked for is a RuntimeError, not a spec error: on a cluster another node may have it.)"""
+    if resolve_device(choice, where="spec key 'device'", error=RuntimeError).type == "cpu":
         return torch.device("cpu")
-    if not torch.cuda.is_available():
-        raise RuntimeError("spec key 'device' is 'cuda' but no CUDA device is available")
     torch.cuda.set_device(local_rank)
     return torch.device("cuda", local_rank)
 

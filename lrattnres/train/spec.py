@@ -10,13 +10,9 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from lrattnres.checks import is_int, is_number
 from lrattnres.config import deep_merge
-from lrattnres.errors import UserError
-
-
-class SpecError(UserError, ValueError):
-    pass
-
+from lrattnres.errors import SpecError
 
 # The paper's recipe (Section 4.1; the author's repository, jon123boss/LR-AttnRes).  Shape/size keys
 # (model, steps or tokens, micro_batch, seq_len) have no default: the scale's config must give them.
@@ -57,14 +53,6 @@ _MODEL_KEYS = {
 }
 
 
-def _is_int(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
-def _is_num(x) -> bool:
-    return (isinstance(x, (int, float)) and not isinstance(x, bool)) and math.isfinite(x)
-
-
 def _check(cond: bool, key: str, expected: str, got: Any) -> None:
     if not cond:
         raise SpecError(f"spec key {key!r}: expected {expected}, got {got!r}")
@@ -98,12 +86,12 @@ def resolve(spec: dict) -> dict:
     if has_steps == has_tokens:
         raise SpecError("spec: give exactly one of 'steps' and 'tokens'")
     if has_steps:
-        _check(_is_int(s["steps"]) and s["steps"] >= 1, "steps", "a positive int", s["steps"])
+        _check(is_int(s["steps"]) and s["steps"] >= 1, "steps", "a positive int", s["steps"])
     else:
-        _check(_is_int(s["tokens"]) and s["tokens"] >= 1, "tokens", "a positive int", s["tokens"])
+        _check(is_int(s["tokens"]) and s["tokens"] >= 1, "tokens", "a positive int", s["tokens"])
     for k in ("micro_batch", "grad_accum", "seq_len"):
-        _check(_is_int(s[k]) and s[k] >= 1, k, "a positive int", s[k])
-    _check(_is_int(s["seed"]) and s["seed"] >= 0, "seed", "a non-negative int", s["seed"])
+        _check(is_int(s[k]) and s[k] >= 1, k, "a positive int", s[k])
+    _check(is_int(s["seed"]) and s["seed"] >= 0, "seed", "a non-negative int", s["seed"])
 
     o = s["optim"]
     _check(isinstance(o, dict), "optim", "an object {muon, adam}", o)
@@ -113,54 +101,54 @@ def resolve(spec: dict) -> dict:
     for g in ("muon", "adam"):
         for k in ("lr", "weight_decay"):
             v = o[g][k]
-            _check(_is_num(v) and v >= 0, f"optim.{g}.{k}", "a non-negative number", v)
+            _check(is_number(v) and v >= 0, f"optim.{g}.{k}", "a non-negative number", v)
     mu = o["muon"]
-    _check(_is_num(mu["momentum"]) and 0 <= mu["momentum"] < 1, "optim.muon.momentum", "a number in [0, 1)", mu["momentum"])
+    _check(is_number(mu["momentum"]) and 0 <= mu["momentum"] < 1, "optim.muon.momentum", "a number in [0, 1)", mu["momentum"])
     _check(isinstance(mu["nesterov"], bool), "optim.muon.nesterov", "a bool", mu["nesterov"])
-    _check(_is_int(mu["ns_steps"]) and 1 <= mu["ns_steps"] < 100, "optim.muon.ns_steps", "an int in [1, 100)", mu["ns_steps"])
+    _check(is_int(mu["ns_steps"]) and 1 <= mu["ns_steps"] < 100, "optim.muon.ns_steps", "an int in [1, 100)", mu["ns_steps"])
     _check(mu["adjust_lr_fn"] in ("original", "match_rms_adamw", None), "optim.muon.adjust_lr_fn",
            "'original', 'match_rms_adamw' or null", mu["adjust_lr_fn"])
     _check(mu["ns_dtype"] in ("auto", "bf16", "fp32"), "optim.muon.ns_dtype", "'auto', 'bf16' or 'fp32'", mu["ns_dtype"])
     b = o["adam"]["betas"]
-    _check(isinstance(b, (list, tuple)) and len(b) == 2 and all(_is_num(x) and 0 <= x < 1 for x in b),
+    _check(isinstance(b, (list, tuple)) and len(b) == 2 and all(is_number(x) and 0 <= x < 1 for x in b),
            "optim.adam.betas", "two numbers in [0, 1)", b)
     o["adam"]["betas"] = list(b)
-    _check(_is_num(o["adam"]["eps"]) and o["adam"]["eps"] > 0, "optim.adam.eps", "a positive number", o["adam"]["eps"])
+    _check(is_number(o["adam"]["eps"]) and o["adam"]["eps"] > 0, "optim.adam.eps", "a positive number", o["adam"]["eps"])
 
     sc = s["schedule"]
     _check(isinstance(sc, dict), "schedule", "an object", sc)
     _check_known(sc, set(DEFAULTS["schedule"]), "schedule")
-    _check(_is_int(sc["warmup_steps"]) and sc["warmup_steps"] >= 0, "schedule.warmup_steps", "a non-negative int", sc["warmup_steps"])
-    _check(_is_num(sc["warmdown_frac"]) and 0 <= sc["warmdown_frac"] <= 1, "schedule.warmdown_frac", "a number in [0, 1]", sc["warmdown_frac"])
-    _check(_is_num(sc["final_lr_frac"]) and 0 <= sc["final_lr_frac"] <= 1, "schedule.final_lr_frac", "a number in [0, 1]", sc["final_lr_frac"])
+    _check(is_int(sc["warmup_steps"]) and sc["warmup_steps"] >= 0, "schedule.warmup_steps", "a non-negative int", sc["warmup_steps"])
+    _check(is_number(sc["warmdown_frac"]) and 0 <= sc["warmdown_frac"] <= 1, "schedule.warmdown_frac", "a number in [0, 1]", sc["warmdown_frac"])
+    _check(is_number(sc["final_lr_frac"]) and 0 <= sc["final_lr_frac"] <= 1, "schedule.final_lr_frac", "a number in [0, 1]", sc["final_lr_frac"])
 
-    _check(_is_num(s["z_loss"]) and s["z_loss"] >= 0, "z_loss", "a non-negative number", s["z_loss"])
+    _check(is_number(s["z_loss"]) and s["z_loss"] >= 0, "z_loss", "a non-negative number", s["z_loss"])
     gc = s["grad_clip"]
-    _check(gc is None or (_is_num(gc) and gc > 0), "grad_clip", "a positive number or null", gc)
+    _check(gc is None or (is_number(gc) and gc > 0), "grad_clip", "a positive number or null", gc)
 
     v = s["val"]
     _check(isinstance(v, dict), "val", "an object", v)
     _check_known(v, set(DEFAULTS["val"]), "val")
-    _check(_is_int(v["every"]) and v["every"] >= 0, "val.every", "a non-negative int (0: never)", v["every"])
-    _check(_is_int(v["batches"]) and v["batches"] >= 1, "val.batches", "a positive int", v["batches"])
-    _check(v["batch_size"] is None or (_is_int(v["batch_size"]) and v["batch_size"] >= 1), "val.batch_size",
+    _check(is_int(v["every"]) and v["every"] >= 0, "val.every", "a non-negative int (0: never)", v["every"])
+    _check(is_int(v["batches"]) and v["batches"] >= 1, "val.batches", "a positive int", v["batches"])
+    _check(v["batch_size"] is None or (is_int(v["batch_size"]) and v["batch_size"] >= 1), "val.batch_size",
            "a positive int or null (micro_batch)", v["batch_size"])
     _check(isinstance(v["final"], bool), "val.final", "a bool", v["final"])
 
     c = s["checkpoint"]
     _check(isinstance(c, dict), "checkpoint", "an object", c)
     _check_known(c, set(DEFAULTS["checkpoint"]), "checkpoint")
-    _check(_is_int(c["every"]) and c["every"] >= 0, "checkpoint.every", "a non-negative int (0: only final)", c["every"])
+    _check(is_int(c["every"]) and c["every"] >= 0, "checkpoint.every", "a non-negative int (0: only final)", c["every"])
 
     _check(s["precision"] in ("fp32", "bf16"), "precision", "'fp32' or 'bf16'", s["precision"])
     _check(isinstance(s["compile"], bool), "compile", "a bool", s["compile"])
     _check(s["device"] in ("auto", "cpu", "cuda"), "device", "'auto', 'cpu' or 'cuda'", s["device"])
-    _check(_is_num(s["log_every_s"]) and s["log_every_s"] >= 0, "log_every_s",
+    _check(is_number(s["log_every_s"]) and s["log_every_s"] >= 0, "log_every_s",
            "a number of seconds >= 0 (0: no status lines)", s["log_every_s"])
     for k in OPTIONAL_FLAGS:
         _check(isinstance(s.get(k, False), bool), k, "a bool", s.get(k))
     for k in OPTIONAL_INTS:
-        _check(k not in s or (_is_int(s[k]) and s[k] >= 1), k, "a positive int", s.get(k))
+        _check(k not in s or (is_int(s[k]) and s[k] >= 1), k, "a positive int", s.get(k))
     return s
 
 

@@ -1,6 +1,6 @@
 # Section 4.8 / Table 2: every standard AttnRes run of seed 0 converted to full-width-RMS LR-AttnRes
 # without retraining, checked in FP64 and by paired validation cross-entropy.
-from lrattnres.grid import conversions
+from lrattnres.gridplan import conversions
 
 CONVERSIONS = {c["run_id"]: c for c in conversions(S)}
 CONVERT_SETTINGS = {k: v for k, v in S.get("convert", {}).items() if k != "rank"}

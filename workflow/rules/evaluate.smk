@@ -1,5 +1,5 @@
 # Appendix G / Tables 1 and 8: zero-shot downstream accuracy of the size pair with lm-eval, offline.
-from lrattnres.grid import evaluations
+from lrattnres.gridplan import evaluations
 
 EVALUATIONS = {e["run_id"]: e for e in evaluations(S)}
 

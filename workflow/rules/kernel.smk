@@ -32,7 +32,7 @@ REPORT_INPUTS.append(rules.kernel_check.output[0])
 # Appendix I on the trained size pair: every routing read of one batch (the run's sequence length)
 # through the fused operator against the reference, beside each model (a piece runs it with its
 # trainings), then merged into the claims.
-from lrattnres.grid import evaluations
+from lrattnres.gridplan import evaluations
 
 READ_RUNS = {e["run_id"]: e["claim_size"] for e in evaluations(S)}
 

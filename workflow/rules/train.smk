@@ -1,7 +1,7 @@
-# The training runs of the grid (lrattnres/grid.py plans them from the scale's `grid` settings):
+# The training runs of the grid (lrattnres/gridplan.py plans them from the scale's `grid` settings):
 # the rank/grouping sweep, the baseline, seeds, the full-width-RMS control, projected keys and the
 # size pair. Run folders are named <preset>-<method>-n<N>-r<rank>-s<seed>.
-from lrattnres.grid import plan as plan_grid, train_spec
+from lrattnres.gridplan import plan as plan_grid, train_spec
 
 RUNS = {run.run_id: run for run in plan_grid(S)}
 # Where a training job runs (lrattnres/jobplan.py): one node (--nodes=1, --gpus-per-node), or

@@ -3,9 +3,9 @@ the size pair (Table 1 losses) and the validation curves (Figure 10, left)."""
 
 from __future__ import annotations
 
-import math
 import statistics
 
+from lrattnres.checks import is_number
 from lrattnres.report.html import badge, claims_table, effect, esc, figure, fmt, fmt_interval, table
 
 TITLE = "Training runs: rank/grouping sweep, seeds, control, size pair (Sections 4.2-4.5, Table 5, Table 1)"
@@ -141,10 +141,6 @@ def _recorded_runs(ctx) -> str:
     return "\n".join(parts)
 
 
-def _finite(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-
-
 def _shape(ctx) -> str:
     """The sweep's shape below the paper's scale: each configuration's loss change against the same
     scale's baseline beside the paper's, and the rank correlation of the two orderings."""
@@ -180,7 +176,7 @@ def _usable_runs(ctx, grid: dict) -> list[dict]:
         if not isinstance(r, dict) or not isinstance(r.get("run_id"), str):
             ctx.problems.append(f"{path}: runs[{i}]: expected a run with a 'run_id'; left out")
             continue
-        if not _finite(r.get("final_val_ce")):
+        if not is_number(r.get("final_val_ce")):
             why = r.get("problem") or f"{path}: runs[{i}] ({r['run_id']}).final_val_ce: expected a finite number, got {r.get('final_val_ce')!r}"
             if why not in ctx.problems:
                 ctx.problems.append(why)

@@ -1,0 +1,127 @@
+"""Training-step throughput with the protocol of Section 4.9 and Appendix I (Table 3).
+
+``python -m lrattnres throughput --spec '<json>' --out RESULT.json [--data MANIFEST]``
+
+Protocol (Appendix I, "Matched model comparison", "Measurement protocol", "Paired uncertainty"):
+
+* Matched weights: per repeat one shared initialisation of the backbone (seeded), copied into every
+  method's model; the routing queries (the only extra parameters of the timed methods) are zeros,
+  the production initialisation.  Same seed, same cached tokens for every method.
+* Cached tokens: one fixed host buffer of ``grad_accum`` micro-batches with production document
+  boundaries (the first training batches of ``--data``'s train split, or synthetic tokens with
+  log-normal document lengths ended by the end-of-text id), read once, transferred to the device in
+  every update exactly as the trainer does.
+* One timed update is the production step of ``lrattnres.train``: ``LossModule`` (bf16 autocast,
+  cross-entropy + z-loss), ``accumulate_gradients`` (host-to-device transfer, forward, backward over
+  ``grad_accum`` micro-batches, clipping) and ``apply_update`` (Muon + AdamW from
+  ``optim.build_optimizers``, zero_grad); the device is synchronised before and after.  Compilation,
+  storage reads, evaluation and logging are outside the timed region (compilation happens in the
+  warm-up updates).
+* ``warmup`` (3) updates, then ``min_updates``..``max_updates`` (8..30) measured updates, stopping
+  by :func:`should_stop`; every measured update counts: v = tokens x n / sum(times).
+* ``repeats`` (5) fresh repeats per configuration, the method order rotated by one each repeat.
+* Paired gains ``g_j = 100 (v_j^A / v_j^B - 1)`` over repeats j, reported as mean and a 95%
+  interval ``mean +- t_{0.975, n-1} s_g / sqrt(n)`` (:func:`paired_gain`).  The paper prints the
+  half-width as ``t_{0.975,4} s_g / 5``; the standard error of a mean of n = 5 is s / sqrt(5), and
+  dividing by 5 would shrink the interval by sqrt(5) -- we take that as a typo and use s / sqrt(n).
+
+Methods (``methods`` spec key, any subset, in this rotation order):
+
+=================  =========  =======================================================  ======
+name               method     router                                                   r
+=================  =========  =======================================================  ======
+``baseline``       baseline   none: the plain PreNorm backbone (beyond the paper)      --
+``fused-rd``       attnres    this project's kernel (``kernels.attnres``)              d
+``fused-rd4``      lr         this project's kernel                                    d/4
+``reference-rd4``  lr         the PyTorch reference (``routing.route``)                d/4
+``fla-rd``         attnres    FLA's ``fused_attnres`` (fla-core), CUDA only            d
+=================  =========  =======================================================  ======
+
+The default ``methods`` are Table 3's three (``fla-rd``, ``fused-rd``, ``fused-rd4``); ``baseline`` and
+``reference-rd4`` are extra rows a scale may add. All routed methods use N = ``blocks`` (8), clipped
+to 2L for presets with fewer writes.  FLA is
+wired as an alternative router through :func:`fla_router`, an adapter with weightless key RMS
+(``rms_weight = ones``); it is skipped with a note where ``fla`` does not import or the device is
+not CUDA.
+
+Gains: ``rank`` (fused-rd4 / fused-rd: Table 3's rank gain), ``kernel`` (fused-rd4 / reference-rd4),
+``combined_vs_fla`` (fused-rd4 / fla-rd: Section 4.9's combined gain), ``kernel_vs_fla``
+(fused-rd / fla-rd), ``routing_rd4`` and ``routing_rd`` (routed / baseline: the cost of routing).
+
+Claims: only for the paper's shapes (presets 1B and 4B) measured on a GPU: the direction claims of
+Section 4.9 per GPU, ``sec4.9.{rank_gain_positive,fast_beats_fla,combined_gain_positive}.<gpu>.<size>``
+with the per-repeat paired gains as evidence (a GPU of the same architecture stands in for the
+paper's: :data:`GPU_STAND_INS`), Appendix I's stopping rule (``appI.repeats_met_stopping_rule.<size>``:
+the timed runs that did not converge); the value claims of Table 3 only when the GPU is one of the
+paper's (H100, B200), under those ids.  Smaller scales produce no claims (the numbers are shown in
+the report beside the paper's, marked as a different scale and hardware).
+
+Resuming and deadlines: the workflow times one size per job (``{results}/throughput/<preset>.json``,
+merged by ``--aggregate``). After every timed run the stage rewrites a partial state beside its
+output (``<preset>.partial.json``: the finished runs, with the spec, device, data and code they were
+made with); a rerun of the same spec on the same device continues from it, and a complete run
+removes it. Under ``LRATTNRES_DEADLINE`` (lrattnres/deadline.py) no run starts that would not end
+before the deadline (the longest finished run of the size is the estimate) and a run under way
+stops between updates; the stage then exits 75 with its partial state kept, so that a retry, or a
+later GPU command of lrattnres/pieces.py, continues it.
+
+The modules: :mod:`~lrattnres.throughput.spec` (methods, gains, the spec and its check),
+:mod:`~lrattnres.throughput.protocol` (the stopping rule, the interval and the gains: pure functions,
+tested in tests/test_throughput.py), :mod:`~lrattnres.throughput.matched` (the cached tokens and the
+matched models), :mod:`~lrattnres.throughput.measure` (the timed runs and the protocol over them),
+:mod:`~lrattnres.throughput.summary` (claims, and the merge of single sizes),
+:mod:`~lrattnres.throughput.partial` (the state a rerun continues) and
+:mod:`~lrattnres.throughput.cli` (the command line). Their public names are importable from
+``lrattnres.throughput``.
+"""
+
+from __future__ import annotations
+
+from lrattnres.errors import SpecError
+from lrattnres.throughput.cli import main
+from lrattnres.throughput.matched import (
+    data_buffer,
+    fla_available,
+    fla_router,
+    matched_model,
+    method_config,
+    shared_backbone,
+    synthetic_buffer,
+)
+from lrattnres.throughput.measure import _gains, gpu_name, rotation, run, time_method
+from lrattnres.throughput.partial import PARTIAL_FORMAT, load_partial, partial_key, partial_path
+from lrattnres.throughput.protocol import (
+    T975,
+    mean_ci95,
+    paired_gain,
+    paired_gains,
+    should_stop,
+    t975,
+    window_ok,
+    window_stats,
+)
+from lrattnres.throughput.spec import (
+    DEFAULTS,
+    GAINS,
+    METHOD_TABLE,
+    PAPER_GPUS,
+    PAPER_SIZES,
+    SMALL_VOCAB,
+    resolve_spec,
+)
+from lrattnres.throughput.summary import (
+    GPU_STAND_INS,
+    aggregate,
+    claims_for,
+    direction_gpu,
+    paper_gpu,
+    published_ids,
+)
+
+__all__ = [
+    "DEFAULTS", "GAINS", "GPU_STAND_INS", "METHOD_TABLE", "PAPER_GPUS", "PAPER_SIZES", "PARTIAL_FORMAT", "SMALL_VOCAB",
+    "SpecError", "T975", "_gains", "aggregate", "claims_for", "data_buffer", "direction_gpu", "fla_available",
+    "fla_router", "gpu_name", "load_partial", "main", "matched_model", "mean_ci95", "method_config", "paired_gain",
+    "paired_gains", "paper_gpu", "partial_key", "partial_path", "published_ids", "resolve_spec", "rotation", "run",
+    "shared_backbone", "should_stop", "synthetic_buffer", "t975", "time_method", "window_ok", "window_stats",
+]

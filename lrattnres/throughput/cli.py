@@ -1,0 +1,74 @@
+"""``python -m lrattnres throughput``: time one or more sizes (continuing a partial state), or merge
+the results of single sizes (``--aggregate``)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from lrattnres.devices import resolve_device
+from lrattnres.errors import SpecError
+from lrattnres.throughput.measure import gpu_name, run
+from lrattnres.throughput.partial import PARTIAL_FORMAT, load_partial, partial_key, partial_path
+from lrattnres.throughput.spec import resolve_spec
+from lrattnres.throughput.summary import aggregate
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m lrattnres throughput",
+                                description="training-step throughput with the protocol of Section 4.9 / Appendix I")
+    p.add_argument("--spec", default="{}", help="JSON object of settings (see lrattnres.throughput.DEFAULTS)")
+    p.add_argument("--data", default=None, help="data manifest: time on its first training batches (else synthetic tokens)")
+    p.add_argument("--out", required=True, help="result JSON (written once, complete)")
+    p.add_argument("--partial", default=None, help="partial-state file, rewritten after every timed run and continued "
+                   "by the next run of the same spec (default: <out stem>.partial.json beside --out)")
+    p.add_argument("--aggregate", nargs="+", default=None, metavar="RESULT",
+                   help="merge these results (one per size) into --out; times nothing")
+    args = p.parse_args(argv)
+    from lrattnres import deadline
+    from lrattnres.io import atomic_write_json, read_json, read_spec_arg
+    from lrattnres.provenance import now, provenance
+
+    if args.aggregate:
+        started = now()
+        result = aggregate([read_json(x) for x in args.aggregate], args.aggregate)
+        result["provenance"] = provenance(result["spec"], started=started)
+        atomic_write_json(args.out, result)
+        return 0
+    try:
+        spec = read_spec_arg(args.spec)
+    except ValueError as e:
+        print(f"throughput: {e}", file=sys.stderr)
+        return 2
+    try:
+        s = resolve_spec(spec)
+    except SpecError as e:
+        print(str(e), file=sys.stderr)
+        return 2
+    say = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
+    ppath = Path(args.partial) if args.partial else partial_path(args.out)
+    data_sha = None
+    if args.data and s["tokens"] == "data":
+        from lrattnres.data import load_manifest
+
+        data_sha = load_manifest(args.data, verify="size")["_sha256"]
+    key = partial_key(s, gpu_name(resolve_device(s["device"], where="throughput spec key 'device'")), data_sha)
+    if (left := deadline.left()) is not None and left <= 0:
+        print(f"throughput: the deadline ({deadline.ENV}) has passed; nothing started, rerun to continue", file=sys.stderr)
+        return deadline.EXIT_DEADLINE
+    earlier = load_partial(ppath, key, say)
+
+    def keep(state: dict) -> None:
+        atomic_write_json(ppath, {"format": PARTIAL_FORMAT, "key": key, "updated": now(), **state})
+
+    try:
+        result = run(spec, data=args.data, log=say, partial=earlier, on_run=keep)
+    except deadline.DeadlineReached as e:
+        print(f"throughput: {e} ({ppath})", file=sys.stderr)
+        return deadline.EXIT_DEADLINE
+    atomic_write_json(args.out, result)
+    ppath.unlink(missing_ok=True)
+    print(f"[throughput] wrote {args.out} ({'complete' if result['complete'] else 'partial'}, "
+          f"{result['elapsed_s']:.0f} s)", file=sys.stderr)
+    return 0
