@@ -205,6 +205,8 @@ def _tokenize(spec: dict, work: Path, state: dict, progress: bool) -> None:
 
     t_start = time.perf_counter()
     source = make_source(spec)
+    if hasattr(source, "preflight"):  # a source that cannot be read says so before any work is shown
+        source.preflight()
     if shuffled(spec):
         source = _Shuffled(source, spec["seed"])
     group_ids = {g: i for i, g in enumerate(state["groups"])}

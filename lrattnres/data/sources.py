@@ -307,31 +307,34 @@ class HFSource:
         }
         return d
 
-    def open(self):
-        """The stream: from ``local_dir`` (a pre-staged copy of the dataset's repository: its README's
-        split definitions and the data files, read in the same order) when given, else from the Hub,
-        which must be reachable (:class:`StagingError` otherwise, before any download is tried)."""
-        kwargs: dict[str, Any] = {"split": self.split, "streaming": True}
-        if self.name is not None:
-            kwargs["name"] = self.name
-        if self.revision is not None:
-            kwargs["revision"] = self.revision
-        if self.data_files is not None:
-            kwargs["data_files"] = self.data_files
-        where = self.dataset
+    def preflight(self) -> str:
+        """Where the stream comes from: ``local_dir`` (a pre-staged copy of the dataset's repository: its
+        README's split definitions and the data files, read in the same order) when given, else the Hub,
+        which must be reachable. :class:`StagingError` otherwise, before any work or download starts."""
         if self.local_dir:
             if not os.path.isdir(self.local_dir):
                 raise StagingError(f"data.hf.local_dir: {self.local_dir}: no such folder; expected a pre-staged copy "
                                    f"of {self.dataset} (docs/slurm.md, 'The paper's data')")
-            where = self.local_dir
-            kwargs.pop("revision", None)  # the copy is of one revision already
-        elif self.load_dataset is _default_load_dataset and _is_hub_id(self.dataset):
+            return self.local_dir
+        if self.load_dataset is _default_load_dataset and _is_hub_id(self.dataset):
             why = hub_unreachable()
             if why is not None:
                 raise StagingError(
                     f"data.hf: {self.dataset} streams from the Hugging Face Hub, which this machine cannot reach "
                     f"({why}), and data.hf.local_dir names no pre-staged copy; expected the network (run the data "
                     "stage where it is: resources.prepare_data.local: true) or a copy (docs/slurm.md, 'The paper's data')")
+        return self.dataset
+
+    def open(self):
+        """The stream, from where :meth:`preflight` says."""
+        kwargs: dict[str, Any] = {"split": self.split, "streaming": True}
+        if self.name is not None:
+            kwargs["name"] = self.name
+        if self.revision is not None and not self.local_dir:  # a copy is of one revision already
+            kwargs["revision"] = self.revision
+        if self.data_files is not None:
+            kwargs["data_files"] = self.data_files
+        where = self.preflight()
         try:
             return self.load_dataset(where, **kwargs)
         except Exception as e:
