@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -55,6 +56,19 @@ def copy_repo(dest: Path) -> Path:
             shutil.copy2(src, target)
     subprocess.run(["git", "init", "-q"], cwd=dest, check=True)
     return dest
+
+
+def head_commit() -> str:
+    """The commit the provenance of a result made from this tree names: LRATTNRES_COMMIT where set,
+    else HEAD.  The tests run in a git checkout (CI clones the repository), so there is one."""
+    named = os.environ.get("LRATTNRES_COMMIT")
+    if named:
+        return named
+    proc = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True)
+    sha = proc.stdout.strip()
+    assert proc.returncode == 0 and re.fullmatch(r"[0-9a-f]{40}", sha), (
+        f"{REPO} is not a git checkout with a commit (git rev-parse HEAD: {proc.stderr.strip() or sha!r})")
+    return sha
 
 
 @pytest.fixture(scope="module")

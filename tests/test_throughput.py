@@ -8,6 +8,7 @@ import math
 from pathlib import Path
 
 import pytest
+from conftest import head_commit
 
 from lrattnres import throughput as tp
 
@@ -183,7 +184,7 @@ def cpu_result(tmp_path_factory):
 def test_cpu_run_json_shape(cpu_result):
     r = cpu_result
     assert r["stage"] == "throughput" and r["device"].startswith("cpu") and r["complete"] is True
-    assert r["provenance"]["commit"] is not None or "commit" in r["provenance"]
+    assert r["provenance"]["commit"] == head_commit() and isinstance(r["provenance"]["dirty"], bool)
     assert r["provenance"]["attention"]["backend"] == "sdpa"  # auto on the CPU
     names = [row["name"] for row in r["rows"]]
     assert names == ["baseline", "fused-rd", "fused-rd4", "reference-rd4"]
