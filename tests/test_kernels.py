@@ -1014,20 +1014,30 @@ def test_gpu_tuner_precompiles_and_sums(dq_sum, monkeypatch):
     assert len(submitted) == 4 and all(b == n >= 2 for b, n in submitted), submitted
 
 
+# Both backward grids (the token tile also two sources per step and deferred) at every chunk count the
+# grid's widths take.  The deferred backward serves "slice" only (under "full" every chunk is in the
+# key: kernels/op.py, _defer_kinds), so it is not paired with the "full" shapes.
+KEY_CHUNK_BWD = {
+    "persistent": {"SB": 1, "num_warps": 4, "PREFETCH": 0},
+    "tile": {"BLOCK_T": 1, "num_warps": 4, "PREFETCH": 1},
+    "tile-pair": {"BLOCK_T": 1, "num_warps": 4, "PREFETCH": 1, "PAIR": True},
+    "tile-deferred": {"BLOCK_T": 1, "num_warps": 4, "PREFETCH": 1, "DEFER": True},
+    "tile2-deferred": {"BLOCK_T": 2, "num_warps": 4, "PREFETCH": 1, "DEFER": True},
+    "tile-deferred-looped": {"BLOCK_T": 1, "num_warps": 2, "PREFETCH": 1, "DEFER": True, "PERSIST": 16},
+}
+KEY_CHUNK_CASES = [
+    pytest.param(d, r, S, norm, bwd, id=f"{d}-{r}-{S}-{norm}-{name}")
+    for name, bwd in KEY_CHUNK_BWD.items()
+    for d, r, S, norm in [(1536, 384, 9, "slice"), (2560, 640, 5, "full"), (1536, 700, 8, "slice"),
+                          (2560, 320, 9, "slice"), (1024, 256, 9, "full")]
+    if not (bwd.get("DEFER") and norm == "full")
+]
+
+
 @gpu
 @needs_cuda
-@pytest.mark.parametrize("bwd", [{"SB": 1, "num_warps": 4, "PREFETCH": 0},
-                                 {"BLOCK_T": 1, "num_warps": 4, "PREFETCH": 1},
-                                 {"BLOCK_T": 1, "num_warps": 4, "PREFETCH": 1, "PAIR": True},
-                                 {"BLOCK_T": 1, "num_warps": 4, "PREFETCH": 1, "DEFER": True},
-                                 {"BLOCK_T": 2, "num_warps": 4, "PREFETCH": 1, "DEFER": True},
-                                 {"BLOCK_T": 1, "num_warps": 2, "PREFETCH": 1, "DEFER": True, "PERSIST": 16}],
-                         ids=["persistent", "tile", "tile-pair", "tile-deferred", "tile2-deferred", "tile-deferred-looped"])
-@pytest.mark.parametrize("d,r,S,norm", [(1536, 384, 9, "slice"), (2560, 640, 5, "full"), (1536, 700, 8, "slice"),
-                                        (2560, 320, 9, "slice"), (1024, 256, 9, "full")])
+@pytest.mark.parametrize("d,r,S,norm,bwd", KEY_CHUNK_CASES)
 def test_gpu_bf16_key_chunks(d, r, S, norm, bwd, monkeypatch):
-    if bwd.get("DEFER") and norm == "full":
-        pytest.skip("the deferred backward is for 'slice' only (under 'full' every chunk is in the key)")
     """The key-chunk specialisation at every chunk count the grid's widths take (3 x 512, 5 x 512 with
     the key in the last two chunks or the last one, 2 x 512), both backward grids (the token tile also
     two sources per step, odd S and even, and deferred: no residual, g.h from the sources), under the paper's
@@ -1053,20 +1063,29 @@ def test_gpu_bf16_resident_pair(d, r, norm, cand, monkeypatch):
     assert errs["out_rel_l2"] < 1e-2 and errs["src_grad_rel_l2"] < 2e-2
 
 
+def _forward_candidates(table, shapes, extra=()):
+    """(shape..., candidate index) of every distinct forward candidate of ``table`` (op._fwd_configs or
+    op._fwd_pair_configs) at each shape's column layout: narrow chunks merge some lines of a table,
+    so a shape has as many cases as it has distinct candidates."""
+    out = []
+    for shape in shapes:
+        d, r = shape[0], shape[1]
+        for cand in range(len(table(*op._layout("fwd", d, r)))):
+            out.append(pytest.param(*shape, cand, *extra, id="-".join(map(str, (*shape, cand, *extra)))))
+    return out
+
+
 @gpu
 @needs_cuda
-@pytest.mark.parametrize("cand", range(len(op._fwd_pair_configs(512, 3))))
-@pytest.mark.parametrize("d,r,norm", [(1536, 384, "slice"), (2560, 2560, "full"), (2560, 320, "slice"),
-                                      (1024, 256, "slice"), (513, 7, "full")])
-@pytest.mark.parametrize("family", ["table", "args"])
+@pytest.mark.parametrize("d,r,norm,cand,family", [
+    p for family in ("table", "args")
+    for p in _forward_candidates(op._fwd_pair_configs, [(1536, 384, "slice"), (2560, 2560, "full"), (2560, 320, "slice"),
+                                                        (1024, 256, "slice"), (513, 7, "full")], (family,))])
 def test_gpu_bf16_pair_forward(d, r, norm, cand, family, monkeypatch):
     """Every candidate of the pair forward (S = 2, both sources at once) under the paper's bf16
     criterion, before the backward the tuner picks, in both kernel families: the key in the last chunk
     or chunks, in every chunk, an unaligned width."""
-    block_d, nch = op._layout("fwd", d, r)
-    cands = op._fwd_pair_configs(block_d, nch)
-    if cand >= len(cands):
-        pytest.skip(f"{len(cands)} distinct candidates at {nch} x {block_d} columns (narrow chunks merge some)")
+    cands = op._fwd_pair_configs(*op._layout("fwd", d, r))
     monkeypatch.setattr(op, "CONFIG_OVERRIDE", {"fwd": dict(cands[cand])})
     errs = bf16_check(d, r, 2, norm, layout="mixed", seed=d + r + cand, fn=_attnres_args if family == "args" else None)
     assert errs["out_rel_l2"] < 1e-2 and errs["src_grad_rel_l2"] < 2e-2
@@ -1074,18 +1093,16 @@ def test_gpu_bf16_pair_forward(d, r, norm, cand, family, monkeypatch):
 
 @gpu
 @needs_cuda
-@pytest.mark.parametrize("cand", range(len(op._fwd_configs(512, 3))))
-@pytest.mark.parametrize("d,r,S,norm", [(1024, 1024, 9, "slice"), (1536, 384, 9, "slice"), (2560, 2560, 5, "full")])
-@pytest.mark.parametrize("family", ["table", "args"])
+@pytest.mark.parametrize("d,r,S,norm,cand,family", [
+    p for family in ("table", "args")
+    for p in _forward_candidates(op._fwd_configs, [(1024, 1024, 9, "slice"), (1536, 384, 9, "slice"),
+                                                   (2560, 2560, 5, "full")], (family,))])
 def test_gpu_bf16_loop_forward(d, r, S, norm, cand, family, monkeypatch):
     """Every candidate of the loop forward under the paper's bf16 criterion, before the backward the
     tuner picks, in both kernel families: one chunk of 1024 with the key over the whole row (1 warp
     for 1024 columns among them), three chunks with the key in the last, five chunks under "full"
     (Triton's pipelining with 2 warps per chunk among them)."""
-    block_d, nch = op._layout("fwd", d, r)
-    cands = op._fwd_configs(block_d, nch)
-    if cand >= len(cands):
-        pytest.skip(f"{len(cands)} candidates at {nch} x {block_d} columns")
+    cands = op._fwd_configs(*op._layout("fwd", d, r))
     monkeypatch.setattr(op, "CONFIG_OVERRIDE", {"fwd": dict(cands[cand])})
     errs = bf16_check(d, r, S, norm, layout="mixed", seed=d + r + cand, fn=_attnres_args if family == "args" else None)
     assert errs["out_rel_l2"] < 1e-2 and errs["src_grad_rel_l2"] < 2e-2
