@@ -31,6 +31,7 @@ except Exception:  # pragma: no cover - triton missing
     HAS_TRITON = False
 
 import kernels  # noqa: E402
+import kernels.configs as configs  # noqa: E402
 import kernels.op as op  # noqa: E402
 import kernels.tuner as tuner  # noqa: E402
 from lrattnres.routing import route  # noqa: E402
@@ -258,14 +259,14 @@ def test_launch_configs_match_reference(fwd_cfg, bwd_cfg, case, family, monkeypa
     _fp32_against_reference(fn, *case, seed=case[0] + 3 * case[1] + case[2])
 
 
-def _fp32_against_reference(fn, d, r, S, norm, layout, seed):
-    """``fn``'s output and gradients against the reference's on fresh fp32 data, 21 tokens (the
-    Triton interpreter on the CPU, the kernels themselves on a GPU)."""
+def _fp32_against_reference(fn, d, r, S, norm, layout, seed, lead=(3, 7)):
+    """``fn``'s output and gradients against the reference's on fresh fp32 data, 21 tokens unless
+    ``lead`` says otherwise (the Triton interpreter on the CPU, the kernels themselves on a GPU)."""
     device = "cuda" if HAS_CUDA else "cpu"
     gen = torch.Generator(device=device).manual_seed(seed)
-    sources = _make_sources(S, (3, 7), d, torch.float32, device, layout, gen)
+    sources = _make_sources(S, lead, d, torch.float32, device, layout, gen)
     query = torch.randn(r, generator=gen, device=device).requires_grad_()
-    g = torch.randn(3, 7, d, generator=gen, device=device)
+    g = torch.randn(*lead, d, generator=gen, device=device)
     op.set_cpu_triton(not HAS_CUDA)
     try:
         h, gs, gq = _run(fn, sources, query, g, norm)
@@ -276,6 +277,63 @@ def _fp32_against_reference(fn, d, r, S, norm, layout, seed):
     for a, b in zip(gs, gs_ref):
         torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-3)
     torch.testing.assert_close(gq, gq_ref, rtol=1e-3, atol=2e-3 * max(1.0, gq_ref.abs().max().item()))
+
+
+# Every candidate family of kernels/configs.py at a shape that takes it: (kind, the forms whose
+# candidates a call of that shape tunes among, d, r, S, norm, layout).  d = 300 is three chunks of 128
+# (the key from chunk 2, or chunk 1 at r = 100), d = 96 one chunk; the widths and key widths unaligned.
+CANDIDATE_FAMILIES = {
+    "FWD_CHUNKS": ("fwd", (), 300, 40, 5, "slice", "mixed"),
+    "FWD_ONE": ("fwd", (), 96, 33, 4, "full", "transposed"),
+    "FWD_PAIR": ("fwd", ("pair",), 300, 100, 2, "slice", "rowpad"),
+    "BWD_CHUNKS": ("bwd", (), 300, 40, 5, "slice", "colstride"),
+    "BWD_ONE": ("bwd", (), 96, 33, 3, "full", "mixed"),
+    "BWD_RESIDENT_PAIR": ("bwd", ("pair",), 300, 100, 2, "slice", "mixed"),
+    "BWD_DEFERRED": ("bwd", ("passes",), 300, 40, 5, "slice", "contig"),
+}
+
+
+def test_candidate_families_are_all_run_on_the_cpu():
+    """A family added to kernels/configs.py is added to CANDIDATE_FAMILIES too."""
+    tables = {name for name, v in vars(configs).items() if name.startswith(("FWD_", "BWD_")) and isinstance(v, tuple)}
+    assert tables == set(CANDIDATE_FAMILIES)
+
+
+def _family_table(family: str) -> list[dict]:
+    """The built candidates of ``family`` at the column layout of its shape."""
+    kind, _, d, r, *_ = CANDIDATE_FAMILIES[family]
+    return configs.build(configs.col_layout(d, None, r)[0], "BLOCK_T" if kind == "fwd" else "SB",
+                         getattr(configs, family))
+
+
+def _family_cases():
+    """(family, candidate) for each candidate of a family that the interpreter can tell apart from the
+    family's others: every option but num_warps (PERSIST as on or off), the ARGS line among them."""
+    cases = []
+    for family in CANDIDATE_FAMILIES:
+        seen = set()
+        for i, cfg in enumerate(_family_table(family)):
+            key = tuple(sorted((k, bool(v) if k == "PERSIST" else v) for k, v in cfg.items() if k != "num_warps"))
+            if key not in seen:
+                seen.add(key)
+                cases.append(pytest.param(family, i, id=f"{family}-{i}"))
+    return cases
+
+
+@needs_triton
+@pytest.mark.parametrize("family,cand", _family_cases())
+def test_every_candidate_family_matches_reference(family, cand, monkeypatch):
+    """A representative subset of every candidate family, pinned as the only configuration of its
+    kernel, against the reference in fp32 (the interpreter on the CPU): the shape is one whose calls
+    tune among the family's candidates; 5 tokens, so every token block but the last is full."""
+    kind, forms, d, r, S, norm, layout = CANDIDATE_FAMILIES[family]
+    cfg = _family_table(family)[cand]
+    layout_d = op._layout(kind, d, r)
+    assert cfg in op._candidates(kind, *layout_d, forms)  # the shape tunes among this family's candidates
+    monkeypatch.setattr(op, "CONFIG_OVERRIDE", {kind: dict(cfg)})
+    _fp32_against_reference(kernels.attnres_triton, d, r, S, norm, layout, seed=d + r + S + cand, lead=(1, 5))
+    if cfg == configs.args_config(kind, *layout_d, forms):  # the per-argument kernels' line: their path too
+        _fp32_against_reference(_attnres_args, d, r, S, norm, layout, seed=d + r + S + cand, lead=(1, 5))
 
 
 def test_key_chunk(monkeypatch):
