@@ -1,12 +1,17 @@
-"""Shared fixtures: a throw-away copy of the repository for workflow runs."""
+"""Shared fixtures: a throw-away copy of the repository for workflow runs, and the smoke DAG that the
+workflow and fault tests share."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
+import shlex
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -31,12 +36,35 @@ if not _has_cuda():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+# The tests that share the smoke DAG (``smoke_dag``), in the order they run: those that only read the
+# finished DAG, then those that change it (each leaves it as the next one expects).
+SMOKE_DAG_ORDER = (
+    "test_smoke_dag_end_to_end",
+    "test_kill_9_then_rerun_incomplete_in_an_injection_path",
+    "test_reruns_follow_code_changes",
+    "test_changed_spec_then_sigterm_then_retry_resumes",
+    "test_corrupt_checkpoint_and_malformed_outputs_under_snakemake",
+)
+def _uses_smoke_dag(item) -> bool:
+    return "smoke_dag" in getattr(item, "fixturenames", ())
+
+
 def pytest_collection_modifyitems(config, items):
     if not _has_cuda():
         skip = pytest.mark.skip(reason="needs CUDA")
         for item in items:
             if item.get_closest_marker("gpu") is not None:
                 item.add_marker(skip)
+    # the smoke DAG's tests in SMOKE_DAG_ORDER, then the other end-to-end tests, then the rest as collected
+    order = {name: i for i, name in enumerate(SMOKE_DAG_ORDER)}
+
+    def rank(pair):
+        index, item = pair
+        if _uses_smoke_dag(item):
+            return (0, order.get(item.originalname, len(order)), index)
+        return (1 if item.get_closest_marker("slow") else 2, 0, index)
+
+    items[:] = [item for _, item in sorted(enumerate(items), key=rank)]
 
 
 def copy_repo(dest: Path) -> Path:
@@ -121,3 +149,177 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
         terminalreporter.write_line(f"{f['fault']}: {f['runs']} run(s) checked, {f['lost']} lost anything ({f['test']})")
     lost = sum(f["lost"] for f in FAULTS)
     terminalreporter.write_line(f"{len(FAULTS)} faults tried; {lost} runs lost anything (goal: 0)")
+
+
+# ---- Snakemake runs --------------------------------------------------------------------------------
+
+
+def readme_command() -> list[str]:
+    """The README's first command (Quick start: install, then run the whole pipeline), with its
+    ``.venv/bin/`` the folder of this interpreter (CI's .venv is what install.sh made)."""
+    text = (REPO / "README.md").read_text(encoding="utf-8")
+    m = re.search(r"^bash scripts/install\.sh && (\.venv/bin/\S+ [^\n#]*?)\s*$", text, re.M)
+    assert m, "README.md: no Quick start command `bash scripts/install.sh && .venv/bin/... reports/paper.html`"
+    args = shlex.split(m.group(1))
+    args[0] = str(Path(sys.executable).parent / args[0].removeprefix(".venv/bin/"))
+    return args
+
+
+def popen_snakemake(workdir: Path, *args: str, cmd: list[str] | None = None, env: dict | None = None,
+                    out=subprocess.PIPE) -> subprocess.Popen:
+    """Snakemake (this venv's, or ``cmd``) in its own session (process group), so that a test can kill
+    the whole group; its output to ``out`` (a pipe, or an open file for a long run)."""
+    env = dict(os.environ, PYTHONPATH=str(workdir)) if env is None else env
+    return subprocess.Popen(
+        cmd or [sys.executable, "-m", "snakemake", *args], cwd=workdir, env=env, start_new_session=True,
+        stdout=out, stderr=subprocess.STDOUT, text=True,
+    )
+
+
+def wait_for(cond, timeout: float, proc: subprocess.Popen | None = None, what: str = "",
+             output=lambda proc: proc.stdout.read() if proc.stdout else "") -> None:
+    """Poll ``cond`` every 0.1 s until it holds; fail if ``proc`` ends first or after ``timeout``."""
+    t0 = time.time()
+    while time.time() - t0 < timeout:
+        if cond():
+            return
+        if proc is not None and proc.poll() is not None:
+            raise AssertionError(f"process ended ({proc.returncode}) before {what}:\n{output(proc)[-5000:]}")
+        time.sleep(0.1)
+    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+
+
+def job_counts(stdout: str) -> dict[str, int]:
+    """The 'Job stats' table of a Snakemake run or dry run as {rule: count} ({} when nothing is to do)."""
+    counts: dict[str, int] = {}
+    lines = stdout.splitlines()
+    try:
+        start = next(i for i, line in enumerate(lines) if line.strip().startswith("Job stats"))
+    except StopIteration:
+        return counts
+    for line in lines[start + 3 :]:
+        m = re.match(r"^(\S+)\s+(\d+)$", line.strip())
+        if not m:
+            break
+        counts[m.group(1)] = int(m.group(2))
+    counts.pop("total", None)
+    return counts
+
+
+def check_outputs_complete(root: Path) -> dict[str, int]:
+    """Every file under ``root`` that looks like a finished output is whole: JSON parses, weights and
+    checkpoints pass their sha256 check, the data manifest verifies (every shard's size and sha256),
+    HTML is closed. Temporary files of atomic writes (hidden, *.tmp) may remain after a kill -9; they
+    never carry an output's name. Stale checkpoints (moved aside) are left as they are."""
+    from lrattnres.data import load_manifest
+    from lrattnres.train import checkpoint as ckpt
+
+    counts = {"json": 0, "weights": 0, "checkpoint": 0, "manifest": 0, "html": 0, "jsonl": 0}
+    for f in sorted(root.rglob("*")):
+        rel = f.relative_to(root).parts
+        if not f.is_file() or f.name.startswith(".") or f.suffix == ".tmp" or {".snakemake", "stale"} & set(rel):
+            continue
+        if f.name == ckpt.CHECKPOINT_FILE:
+            ckpt.read_record(f.parent)
+            counts["checkpoint"] += 1
+        elif f.suffix == ".json":
+            try:
+                json.loads(f.read_text(encoding="utf-8"))
+            except ValueError as e:
+                raise AssertionError(f"{f}: looks complete but is not valid JSON ({e})") from None
+            counts["json"] += 1
+            if f.name == "manifest.json":
+                load_manifest(f, verify=True)
+                counts["manifest"] += 1
+        elif f.name == ckpt.MODEL_FILE:
+            ckpt.read_model(f)
+            counts["weights"] += 1
+        elif f.suffix == ".html":
+            assert f.read_text(encoding="utf-8").rstrip().endswith("</html>"), f
+            counts["html"] += 1
+        elif f.suffix == ".jsonl":
+            # an append-only log: a kill may cut its last line, never an earlier one
+            for line in f.read_text(encoding="utf-8").split("\n")[:-2]:
+                json.loads(line)
+            counts["jsonl"] += 1
+    return counts
+
+
+# ---- the smoke DAG the workflow and fault tests share ------------------------------------------------
+
+# A results folder whose name holds a space and a ';': unquoted, the shell would run `touch`.
+SMOKE_RESULTS = "out dir;touch INJECTED;x"
+SMOKE_CONFIG = ("--config", "scale=smoke", f"results={SMOKE_RESULTS}")
+SMOKE_ARGS = ("--cores", "2", *SMOKE_CONFIG)
+REPORT_FILES = ("reports/paper.html", "reports/paper.json", "reports/claims.tsv")
+
+
+def outside_results(work: Path) -> dict[str, float]:
+    """Every file of the work folder outside the results folder, Snakemake's records, the report and
+    Python's byte-code caches, with its modification time."""
+    out = {}
+    for f in work.rglob("*"):
+        rel = f.relative_to(work)
+        if rel.parts[0] in (SMOKE_RESULTS, ".snakemake", ".git") or "__pycache__" in rel.parts:
+            continue
+        if rel.as_posix() in REPORT_FILES or not f.is_file():
+            continue
+        out[rel.as_posix()] = f.stat().st_mtime
+    return out
+
+
+def _part_way(res: Path) -> dict[str, int]:
+    """{run: step} of the training runs with a checkpoint and no final weights yet."""
+    out = {}
+    for rec in res.glob("runs/*/checkpoint.json"):
+        if not (rec.parent / "model.safetensors").exists():
+            try:
+                out[rec.parent.name] = json.loads(rec.read_text())["step"]
+            except (OSError, ValueError, KeyError):
+                continue  # being written: the next poll reads it
+    return out
+
+
+@pytest.fixture(scope="session")
+def smoke_dag(tmp_path_factory):
+    """The README's first command (its own snakemake, the default profile, no PYTHONPATH) at the smoke
+    scale, in a results folder named with a space and a ';': killed with kill -9 once a training run
+    is part way, then, unlocked, run again to the end.  What the tests check of the finished DAG is
+    recorded here, before any test changes it (SMOKE_DAG_ORDER)."""
+    work = copy_repo(tmp_path_factory.mktemp("smoke-dag") / "repo")
+    res = work / SMOKE_RESULTS / "smoke"
+    before = outside_results(work)
+    cmd = [*readme_command(), *SMOKE_CONFIG]
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # as a user runs it
+    log = work.parent / "killed-run.log"
+    t0 = time.time()
+    with open(log, "w") as out:
+        proc = popen_snakemake(work, cmd=cmd, env=env, out=out)
+        try:
+            wait_for(lambda: _part_way(res), 600, proc, "a training run part way",
+                     output=lambda _: log.read_text())
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=60)
+    killed = proc.returncode == -signal.SIGKILL
+    interrupted = _part_way(res)
+    train_logs = {run: (res / "logs" / "train" / f"{run}.log") for run in interrupted}
+    counts_killed = check_outputs_complete(work / SMOKE_RESULTS)
+    # the dead run left its lock: Snakemake refuses until it is unlocked (docs/slurm.md says so)
+    locked = snakemake(work, "reports/paper.html", *SMOKE_ARGS, check=False)
+    snakemake(work, "--unlock", *SMOKE_CONFIG)
+    done = subprocess.run(cmd, cwd=work, env=env, capture_output=True, text=True, timeout=1200)
+    assert done.returncode == 0, f"{shlex.join(cmd)} failed ({done.returncode}):\n{done.stdout[-4000:]}\n{done.stderr[-6000:]}"
+    seconds = time.time() - t0
+    return {
+        "work": work, "res": res, "seconds": seconds, "killed": killed, "locked": locked,
+        "interrupted": interrupted, "counts_killed": counts_killed, "before": before,
+        "after": outside_results(work), "counts_done": check_outputs_complete(work / SMOKE_RESULTS),
+        "done": done.stdout + done.stderr,
+        "train_logs": {run: f.read_text() for run, f in train_logs.items()},
+        "planned_after": job_counts(snakemake(work, "-n", "reports/paper.html", *SMOKE_ARGS).stdout),
+        "paper": json.loads((work / "reports" / "paper.json").read_text()),
+        "html": (work / "reports" / "paper.html").read_text(encoding="utf-8"),
+        "tsv": (work / "reports" / "claims.tsv").read_text(encoding="utf-8"),
+    }

@@ -8,8 +8,9 @@ many faults were tried and how many runs lost anything (the goal: 0).
 - At the command line (no Snakemake): a corrupt checkpoint (flipped bytes, truncated, junk), a
   corrupt token shard, a manifest of binary junk, junk in a jsonl source, a full disk, retries of a
   failure that cannot succeed, a data rebuild (identical, different) under a finished run.
-- On the smoke DAG, run in a results folder whose name holds a space and a ';' (nothing may be
-  written outside it): kill -9 of Snakemake, then a rerun (the default profile's
+- On the smoke DAG that the workflow tests share (tests/conftest.py, ``smoke_dag``), run in a results
+  folder whose name holds a space and a ';' (nothing may be written outside it): kill -9 of
+  Snakemake while a training run is part way, then a rerun (the default profile's
   --rerun-incomplete); a changed spec, then a rerun; SIGTERM of a training job, resumed by
   Snakemake's retry; a corrupt checkpoint and malformed stage outputs under Snakemake.
 
@@ -33,34 +34,14 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import REPO, copy_repo, snakemake
+from conftest import (REPO, SMOKE_ARGS, SMOKE_RESULTS, check_outputs_complete, copy_repo, popen_snakemake,
+                      snakemake, wait_for)
 from test_slurm import PROFILE, cluster_flags, slurm_cluster, slurm_logs  # noqa: F401  (fixture)
 
 from lrattnres.cli import main as cli_main
 
 WORDS = ("the of and to in is that for it as was with be by on not he this are or his from at which but have an "
          "model layer residual attention depth query key value token document routing weight sum block rank").split()
-
-
-def _wait_for(cond, timeout: float, proc: subprocess.Popen | None = None, what: str = "") -> None:
-    t0 = time.time()
-    while time.time() - t0 < timeout:
-        if cond():
-            return
-        if proc is not None and proc.poll() is not None:
-            out = proc.stdout.read() if proc.stdout else ""
-            raise AssertionError(f"process ended ({proc.returncode}) before {what}:\n{out[-5000:]}")
-        time.sleep(0.1)
-    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
-
-
-def _popen_snakemake(workdir: Path, *args: str) -> subprocess.Popen:
-    """Snakemake in its own session (process group), so that the test can kill the whole group."""
-    env = dict(os.environ, PYTHONPATH=str(workdir))
-    return subprocess.Popen(
-        [sys.executable, "-m", "snakemake", *args], cwd=workdir, env=env, start_new_session=True,
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )
 
 
 def _one_line_error(text: str, *needles: str) -> str:
@@ -78,45 +59,6 @@ def _flip(path: Path, at: float = 0.5, n: int = 64) -> None:
     i = int(len(data) * at)
     data[i:i + n] = bytes(b ^ 0xFF for b in data[i:i + n])
     path.write_bytes(bytes(data))
-
-
-def check_outputs_complete(root: Path) -> dict[str, int]:
-    """Every file under ``root`` that looks like a finished output is whole: JSON parses, weights and
-    checkpoints pass their sha256 check, the data manifest verifies (every shard's size and sha256),
-    HTML is closed. Temporary files of atomic writes (hidden, *.tmp) may remain after a kill -9; they
-    never carry an output's name. Stale checkpoints (moved aside) are left as they are."""
-    from lrattnres.data import load_manifest
-    from lrattnres.train import checkpoint as ckpt
-
-    counts = {"json": 0, "weights": 0, "checkpoint": 0, "manifest": 0, "html": 0, "jsonl": 0}
-    for f in sorted(root.rglob("*")):
-        rel = f.relative_to(root).parts
-        if not f.is_file() or f.name.startswith(".") or f.suffix == ".tmp" or {".snakemake", "stale"} & set(rel):
-            continue
-        if f.name == ckpt.CHECKPOINT_FILE:
-            ckpt.read_record(f.parent)
-            counts["checkpoint"] += 1
-        elif f.suffix == ".json":
-            try:
-                json.loads(f.read_text(encoding="utf-8"))
-            except ValueError as e:
-                raise AssertionError(f"{f}: looks complete but is not valid JSON ({e})") from None
-            counts["json"] += 1
-            if f.name == "manifest.json":
-                load_manifest(f, verify=True)
-                counts["manifest"] += 1
-        elif f.name == ckpt.MODEL_FILE:
-            ckpt.read_model(f)
-            counts["weights"] += 1
-        elif f.suffix == ".html":
-            assert f.read_text(encoding="utf-8").rstrip().endswith("</html>"), f
-            counts["html"] += 1
-        elif f.suffix == ".jsonl":
-            # an append-only log: a kill may cut its last line, never an earlier one
-            for line in f.read_text(encoding="utf-8").split("\n")[:-2]:
-                json.loads(line)
-            counts["jsonl"] += 1
-    return counts
 
 
 # ==================================================================== faults at the command line
@@ -332,81 +274,37 @@ def test_data_rebuilt_identically_does_not_rerun_training(corpus, tmp_path, faul
 
 # ================================================================================ faults on the DAG
 
-RESULTS = "out dir;touch INJECTED;x"  # a space and a ';': unquoted, the shell would run `touch`
-SMOKE = ("--cores", "2", "--config", "scale=smoke", f"results={RESULTS}")
-
-
-def _outside(work: Path) -> dict[str, float]:
-    """Every file of the work folder outside the results folder, Snakemake's records, the report and
-    Python's byte-code caches, with its modification time."""
-    out = {}
-    for f in work.rglob("*"):
-        rel = f.relative_to(work)
-        if rel.parts[0] in (RESULTS, ".snakemake", ".git") or "__pycache__" in rel.parts:
-            continue
-        if rel.as_posix() in ("reports/paper.html", "reports/paper.json", "reports/claims.tsv") or not f.is_file():
-            continue
-        out[rel.as_posix()] = f.stat().st_mtime
-    return out
-
-
-@pytest.fixture(scope="module")
-def dag(tmp_path_factory):
-    """The smoke DAG in a results folder named with a space and a ';', killed with kill -9 once a
-    training job has written its first checkpoint, then finished by a rerun."""
-    work = copy_repo(tmp_path_factory.mktemp("dag") / "repo")
-    res = work / RESULTS / "smoke"
-    before = _outside(work)
-    proc = _popen_snakemake(work, "reports/paper.html", *SMOKE)
-    t0 = time.time()
-    try:
-        _wait_for(lambda: any(res.glob("runs/*/checkpoint.json")), 300, proc, "a training checkpoint")
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=30)
-    killed = proc.returncode == -signal.SIGKILL
-    interrupted = {p.parent.name for p in res.glob("runs/*/checkpoint.json") if not (p.parent / "model.safetensors").exists()}
-    counts_killed = check_outputs_complete(work / RESULTS)
-    # the dead run left its lock: Snakemake refuses until it is unlocked (docs/slurm.md says so)
-    locked = snakemake(work, "reports/paper.html", *SMOKE, check=False)
-    snakemake(work, "--unlock", "--config", "scale=smoke", f"results={RESULTS}")
-    done = snakemake(work, "reports/paper.html", *SMOKE, timeout=900)
-    return {"work": work, "res": res, "before": before, "killed": killed, "locked": locked,
-            "interrupted": interrupted, "counts_killed": counts_killed, "done": done, "seconds": time.time() - t0}
+RESULTS, SMOKE = SMOKE_RESULTS, SMOKE_ARGS  # the shared smoke DAG (tests/conftest.py, smoke_dag)
 
 
 @pytest.mark.slow
-def test_kill_9_then_rerun_incomplete_in_an_injection_path(dag, faults):
+def test_kill_9_then_rerun_incomplete_in_an_injection_path(smoke_dag, faults):
+    dag = smoke_dag
     work, res = dag["work"], dag["res"]
     assert dag["killed"], "snakemake was not killed mid-run"
     assert dag["locked"].returncode != 0 and "--unlock" in dag["locked"].stdout + dag["locked"].stderr
     # no second command ran, and nothing was written outside the results folder
     assert not list(work.parent.rglob("INJECTED*")) and not list(Path.cwd().glob("INJECTED*"))
-    assert _outside(work) == dag["before"]
+    assert dag["after"] == dag["before"]
     faults("results path with a space and ';' (shell injection)", runs=1, lost=0)
-    # the rerun finished the DAG; every output is whole; the interrupted runs resumed
-    after = check_outputs_complete(work / RESULTS)
-    paper = json.loads((work / "reports" / "paper.json").read_text())
+    # the rerun finished the DAG; every output is whole
+    after = dag["counts_done"]
+    paper = dag["paper"]
     assert paper["scale"] == "smoke" and len(paper["claims"]) >= 300
-    assert (work / "reports" / "paper.html").read_text(encoding="utf-8").rstrip().endswith("</html>")
-    assert after["weights"] == len(list(res.glob("runs/*"))) and after["json"] > dag["counts_killed"]["json"]
+    assert dag["html"].rstrip().endswith("</html>")
+    runs = len(list(res.glob("runs/*")))
+    assert runs and after["weights"] == runs and after["json"] > dag["counts_killed"]["json"]
+    # the kill stopped at least one training run part way, and each resumed from the checkpoint it had
+    interrupted = dag["interrupted"]
+    assert interrupted, "the kill interrupted no training run"
     lost = 0
-    for run in dag["interrupted"]:
-        log = (res / "logs" / "train" / f"{run}.log").read_text()
-        lost += "resumed at step" not in log
-    assert lost == 0, dag["interrupted"]
-    faults("kill -9 of Snakemake, then --rerun-incomplete", runs=len(list(res.glob("runs/*"))), lost=lost)
-    assert job_counts(snakemake(work, "-n", "reports/paper.html", *SMOKE).stdout) == {}
-    print(f"smoke DAG with kill -9 and rerun: {dag['seconds']:.0f} s; {len(dag['interrupted'])} runs resumed")
-
-
-def job_counts(stdout: str) -> dict[str, int]:
-    counts = {}
-    for m in re.finditer(r"^(\w+)\s+(\d+)$", stdout, re.M):
-        if m.group(1) != "total":
-            counts[m.group(1)] = int(m.group(2))
-    return counts
+    for run, step in interrupted.items():
+        log = dag["train_logs"][run]
+        lost += f"resumed at step {step}" not in log or "moved it aside" in log
+    assert lost == 0, interrupted
+    faults("kill -9 of Snakemake, then --rerun-incomplete", runs=len(interrupted), lost=lost)
+    assert dag["planned_after"] == {}
+    print(f"smoke DAG with kill -9 and rerun: {dag['seconds']:.0f} s; {len(interrupted)} runs resumed")
 
 
 def _run_of(res: Path, method: str = "lr") -> str:
@@ -414,17 +312,17 @@ def _run_of(res: Path, method: str = "lr") -> str:
 
 
 @pytest.mark.slow
-def test_changed_spec_then_sigterm_then_retry_resumes(dag, faults):
+def test_changed_spec_then_sigterm_then_retry_resumes(smoke_dag, faults):
     """One run's training lengthened (a changed spec): its finished checkpoint moves aside and the run
     starts over. A SIGTERM to its training process mid-run: the trainer checkpoints and exits 75,
     Snakemake's retry (the default profile) resumes it, and both attempts' logs are kept."""
-    work, res = dag["work"], dag["res"]
+    work, res = smoke_dag["work"], smoke_dag["res"]
     run = _run_of(res)
     folder, logs = res / "runs" / run, res / "logs" / "train"
     before = json.loads((folder / "checkpoint.json").read_text())
     longer = ("--cores", "2", "--config", "scale=smoke", f"results={RESULTS}",
               'train={"steps": 600, "checkpoint": {"every": 10}}')
-    proc = _popen_snakemake(work, str(folder.relative_to(work) / "model.safetensors"), *longer)
+    proc = popen_snakemake(work, str(folder.relative_to(work) / "model.safetensors"), *longer)
     status = logs / "attempts" / f"{run}.status.json"
 
     def mid_run() -> bool:
@@ -435,7 +333,7 @@ def test_changed_spec_then_sigterm_then_retry_resumes(dag, faults):
         return rec["spec"]["steps"] == 600 and 10 <= rec["step"] < 500
 
     try:
-        _wait_for(mid_run, 300, proc, "a checkpoint of the longer run")
+        wait_for(mid_run, 300, proc, "a checkpoint of the longer run")
         os.kill(json.loads(status.read_text())["pid"], signal.SIGTERM)
         out, _ = proc.communicate(timeout=600)
     finally:
@@ -464,7 +362,7 @@ def test_changed_spec_then_sigterm_then_retry_resumes(dag, faults):
 
 
 @pytest.mark.slow
-def test_corrupt_checkpoint_and_malformed_outputs_under_snakemake(dag, faults):
+def test_corrupt_checkpoint_and_malformed_outputs_under_snakemake(smoke_dag, faults):
     """Faults under Snakemake, then the recovery a user makes:
     - a run whose weights are missing and whose checkpoint is corrupt: its training job stops with
       one line naming the file, and the retry stops at once (nothing is trained twice);
@@ -475,7 +373,7 @@ def test_corrupt_checkpoint_and_malformed_outputs_under_snakemake(dag, faults):
     bit for bit from the run's final checkpoint, without training."""
     from lrattnres.train import checkpoint as ckpt
 
-    work, res = dag["work"], dag["res"]
+    work, res = smoke_dag["work"], smoke_dag["res"]
     logs = res / "logs"
     runs = sorted(p.name for p in (res / "runs").iterdir() if "-attnres-" in p.name or "-plr-" in p.name)
     a, b, c = runs[:3]
@@ -552,7 +450,7 @@ def test_training_job_stopped_then_requeued_resumes_with_identical_weights(slurm
     prof = yaml.safe_load((work / PROFILE / "config.yaml").read_text())
     extra = [f"train:{k}={v}" for k, v in (prof.get("set-resources") or {}).get("train", {}).items()]
     gpus = ["--set-resources", "train:gpu=2", "train:cpus_per_gpu=1", *extra]
-    proc = _popen_snakemake(
+    proc = popen_snakemake(
         work, f"results/smoke/runs/{run}/model.safetensors", "--profile", PROFILE, *config, *cluster_flags(jobs=2), *gpus
     )
     t0 = time.time()
@@ -563,13 +461,13 @@ def test_training_job_stopped_then_requeued_resumes_with_identical_weights(slurm
 
     try:
         # 1. SIGTERM to the running job once it has written a checkpoint
-        _wait_for(lambda: (rundir / "checkpoint.json").exists() and _slurm_job_of(run), 300, proc,
+        wait_for(lambda: (rundir / "checkpoint.json").exists() and _slurm_job_of(run), 300, proc,
                   f"the first checkpoint of {run}")
         first = _slurm_job_of(run)
         assert not (rundir / "model.safetensors").exists(), "training finished before it could be stopped: raise its steps"
         subprocess.run(["scancel", "--signal=TERM", first], check=True, capture_output=True, text=True)
         # 2. requeue the resubmitted job once it has resumed
-        _wait_for(lambda: resumed() and (_slurm_job_of(run) or first) != first, 300, proc, "the resubmitted job to resume")
+        wait_for(lambda: resumed() and (_slurm_job_of(run) or first) != first, 300, proc, "the resubmitted job to resume")
         second = _slurm_job_of(run)
         step1 = int(resumed()[0])
         assert not (rundir / "model.safetensors").exists(), "training finished before it could be requeued: raise its steps"
