@@ -1,5 +1,5 @@
-"""Shared fixtures: a throw-away copy of the repository for workflow runs, and the smoke DAG that the
-workflow and fault tests share."""
+"""Shared fixtures: a throw-away copy of the repository for workflow runs, the smoke DAG that the
+workflow and fault tests share, and the GPU suite (``--gpu-suite``)."""
 
 from __future__ import annotations
 
@@ -36,6 +36,10 @@ if not _has_cuda():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+# The GPU suite (scripts/run_gpu_tests.py): every case of the kernel test files (on a GPU their kernels
+# compile for the device instead of running in Triton's interpreter) and every case marked ``gpu``.
+GPU_SUITE_FILES = ("test_kernels.py", "test_kernels_naive.py", "test_kernels_tuner.py")
+
 # The tests that share the smoke DAG (``smoke_dag``), in the order they run: those that only read the
 # finished DAG, then those that change it (each leaves it as the next one expects).
 SMOKE_DAG_ORDER = (
@@ -45,11 +49,20 @@ SMOKE_DAG_ORDER = (
     "test_changed_spec_then_sigterm_then_retry_resumes",
     "test_corrupt_checkpoint_and_malformed_outputs_under_snakemake",
 )
+def pytest_addoption(parser):
+    parser.addoption("--gpu-suite", action="store_true",
+                     help=f"only the GPU suite: every case of {', '.join(GPU_SUITE_FILES)} and every case marked gpu")
+
+
 def _uses_smoke_dag(item) -> bool:
     return "smoke_dag" in getattr(item, "fixturenames", ())
 
 
 def pytest_collection_modifyitems(config, items):
+    if config.getoption("--gpu-suite"):
+        keep = [i for i in items if i.path.name in GPU_SUITE_FILES or i.get_closest_marker("gpu") is not None]
+        config.hook.pytest_deselected(items=[i for i in items if i not in keep])
+        items[:] = keep
     if not _has_cuda():
         skip = pytest.mark.skip(reason="needs CUDA")
         for item in items:
