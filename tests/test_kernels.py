@@ -63,6 +63,12 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return num / den if den > 0 else num
 
 
+# The tokens of the fp32 cases, as leading dims [*LEAD, d]: two of them (the transposed layout then has
+# no flat [N, d] view), an odd count (no token block of 2, 4 or 8 divides it: a partial last block).
+# Through the interpreter, whose cost grows with the programs it runs one by one, 9; on a GPU 21.
+LEAD = (3, 7) if HAS_CUDA else (3, 3)
+
+
 def _make_sources(S, lead, d, dtype, device, layout, gen):
     """Fresh random sources of shape [*lead, d] laid out in different ways."""
     out = []
@@ -121,7 +127,7 @@ def test_triton_matches_reference_fp32(d, r, S, norm, layout):
     if not HAS_CUDA:
         op.set_cpu_triton(True)
     gen = torch.Generator(device=device).manual_seed(1000 * d + 10 * r + S)
-    lead = (3, 7)  # 21 tokens: not a multiple of any token block
+    lead = LEAD
     sources = _make_sources(S, lead, d, torch.float32, device, layout, gen)
     query = torch.randn(r, generator=gen, device=device).requires_grad_()
     g = torch.randn(*lead, d, generator=gen, device=device)
@@ -174,7 +180,7 @@ CONFIG_CASES = [
     ({"BLOCK_T": 1, "num_warps": 2, "PREFETCH": 1}, {"BLOCK_T": 1, "num_warps": 2, "PREFETCH": 1},
      (300, 200, 7, "slice", "mixed")),  # three chunks
     ({"BLOCK_T": 2, "num_warps": 4, "PREFETCH": 0}, {"BLOCK_T": 4, "num_warps": 4, "PREFETCH": 0, "STAGES": 2},
-     (513, 7, 9, "full", "transposed")),  # 21 tokens: a partial last block; pipelined loop
+     (513, 7, 9, "full", "transposed")),  # LEAD: a partial last block; pipelined loop
     ({"BLOCK_T": 1, "num_warps": 1, "PREFETCH": 1}, {"BLOCK_T": 2, "num_warps": 1, "PREFETCH": 1, "SPLIT": False},
      (64, 64, 1, "slice", "colstride")),  # one source
     # key-chunk specialisation (KEYCH): the key inside the last chunk (KEY0 2) or the last two (KEY0 1)
@@ -259,9 +265,9 @@ def test_launch_configs_match_reference(fwd_cfg, bwd_cfg, case, family, monkeypa
     _fp32_against_reference(fn, *case, seed=case[0] + 3 * case[1] + case[2])
 
 
-def _fp32_against_reference(fn, d, r, S, norm, layout, seed, lead=(3, 7)):
-    """``fn``'s output and gradients against the reference's on fresh fp32 data, 21 tokens unless
-    ``lead`` says otherwise (the Triton interpreter on the CPU, the kernels themselves on a GPU)."""
+def _fp32_against_reference(fn, d, r, S, norm, layout, seed, lead=LEAD):
+    """``fn``'s output and gradients against the reference's on fresh fp32 data, LEAD tokens (the Triton
+    interpreter on the CPU, the kernels themselves on a GPU)."""
     device = "cuda" if HAS_CUDA else "cpu"
     gen = torch.Generator(device=device).manual_seed(seed)
     sources = _make_sources(S, lead, d, torch.float32, device, layout, gen)
@@ -325,15 +331,15 @@ def _family_cases():
 def test_every_candidate_family_matches_reference(family, cand, monkeypatch):
     """A representative subset of every candidate family, pinned as the only configuration of its
     kernel, against the reference in fp32 (the interpreter on the CPU): the shape is one whose calls
-    tune among the family's candidates; 5 tokens, so every token block but the last is full."""
+    tune among the family's candidates."""
     kind, forms, d, r, S, norm, layout = CANDIDATE_FAMILIES[family]
     cfg = _family_table(family)[cand]
     layout_d = op._layout(kind, d, r)
     assert cfg in op._candidates(kind, *layout_d, forms)  # the shape tunes among this family's candidates
     monkeypatch.setattr(op, "CONFIG_OVERRIDE", {kind: dict(cfg)})
-    _fp32_against_reference(kernels.attnres_triton, d, r, S, norm, layout, seed=d + r + S + cand, lead=(1, 5))
+    _fp32_against_reference(kernels.attnres_triton, d, r, S, norm, layout, seed=d + r + S + cand)
     if cfg == configs.args_config(kind, *layout_d, forms):  # the per-argument kernels' line: their path too
-        _fp32_against_reference(_attnres_args, d, r, S, norm, layout, seed=d + r + S + cand, lead=(1, 5))
+        _fp32_against_reference(_attnres_args, d, r, S, norm, layout, seed=d + r + S + cand)
 
 
 def test_key_chunk(monkeypatch):
@@ -543,7 +549,7 @@ def test_lazy_softmax_with_steep_scores(lazy, block_t, order, monkeypatch):
     monkeypatch.setattr(op, "LAZY_RESCALE", lazy)
     monkeypatch.setattr(op, "CONFIG_OVERRIDE", {"fwd": {"BLOCK_T": block_t, "num_warps": 2, "PREFETCH": 1}})
     gen = torch.Generator(device=device).manual_seed(17)
-    d, r, S, lead = 64, 16, 9, (3, 7)
+    d, r, S, lead = 64, 16, 9, LEAD
     query = torch.randn(r, generator=gen, device=device) * 4
     cos = torch.linspace(-1, 1, S, device=device)  # each source's alignment with the query
     if order == "falling":
