@@ -1,5 +1,6 @@
-"""Shared fixtures: a throw-away copy of the repository for workflow runs, the smoke DAG that the
-workflow and fault tests share, and the GPU suite (``--gpu-suite``)."""
+"""Shared fixtures and helpers: a throw-away copy of the repository for workflow runs, Snakemake runs,
+the fault suite's record, the GPU suite (``--gpu-suite``), and the order of the test files, which
+pytest-xdist's workers take one file at a time."""
 
 from __future__ import annotations
 
@@ -8,7 +9,6 @@ import os
 import re
 import shlex
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -40,22 +40,20 @@ if not _has_cuda():
 # compile for the device instead of running in Triton's interpreter) and every case marked ``gpu``.
 GPU_SUITE_FILES = ("test_kernels.py", "test_kernels_naive.py", "test_kernels_tuner.py")
 
-# The tests that share the smoke DAG (``smoke_dag``), in the order they run: those that only read the
-# finished DAG, then those that change it (each leaves it as the next one expects).
-SMOKE_DAG_ORDER = (
-    "test_smoke_dag_end_to_end",
-    "test_kill_9_then_rerun_incomplete_in_an_injection_path",
-    "test_reruns_follow_code_changes",
-    "test_changed_spec_then_sigterm_then_retry_resumes",
-    "test_corrupt_checkpoint_and_malformed_outputs_under_snakemake",
-)
+# pytest-xdist (pyproject's addopts: -n 2 --dist loadfile --no-loadscope-reorder): a worker takes a
+# whole test file at a time, in the order of the collected tests, so that a file's tests share their
+# module-scoped setups (the smoke DAG of tests/test_smoke_dag.py among them) and run in the order they
+# are written; the Slurm tests are all in tests/test_slurm.py (one run at a time uses the cluster).
+# The longest files go first (in this order, measured on two cores), so that neither worker is left
+# with a long one at the end; the others follow as collected.
+LONG_FILES = ("test_smoke_dag.py", "test_slurm.py", "test_kernels.py", "test_pieces.py", "test_workflow.py",
+              "test_kernel_compare.py", "test_fault_tolerance.py", "test_gpu_share_bench.py",
+              "test_sharded_training.py", "test_kernel_check.py")
+
+
 def pytest_addoption(parser):
     parser.addoption("--gpu-suite", action="store_true",
                      help=f"only the GPU suite: every case of {', '.join(GPU_SUITE_FILES)} and every case marked gpu")
-
-
-def _uses_smoke_dag(item) -> bool:
-    return "smoke_dag" in getattr(item, "fixturenames", ())
 
 
 def pytest_collection_modifyitems(config, items):
@@ -68,16 +66,9 @@ def pytest_collection_modifyitems(config, items):
         for item in items:
             if item.get_closest_marker("gpu") is not None:
                 item.add_marker(skip)
-    # the smoke DAG's tests in SMOKE_DAG_ORDER, then the other end-to-end tests, then the rest as collected
-    order = {name: i for i, name in enumerate(SMOKE_DAG_ORDER)}
-
-    def rank(pair):
-        index, item = pair
-        if _uses_smoke_dag(item):
-            return (0, order.get(item.originalname, len(order)), index)
-        return (1 if item.get_closest_marker("slow") else 2, 0, index)
-
-    items[:] = [item for _, item in sorted(enumerate(items), key=rank)]
+    # the long files first, each file's tests in the order they are written
+    first = {name: i for i, name in enumerate(LONG_FILES)}
+    items[:] = sorted(items, key=lambda item: first.get(item.path.name, len(first)))
 
 
 def copy_repo(dest: Path) -> Path:
@@ -146,12 +137,19 @@ FAULTS: list[dict] = []
 @pytest.fixture
 def faults(request):
     """``faults(name, runs=1, lost=0)``: record a fault a test injected, how many runs it checked
-    afterwards and how many of them lost anything (finished work, a valid checkpoint, progress)."""
+    afterwards and how many of them lost anything (finished work, a valid checkpoint, progress).  The
+    record travels with the test's report (pytest-xdist sends it from its worker)."""
 
     def record(name: str, runs: int = 1, lost: int = 0) -> None:
-        FAULTS.append({"test": request.node.name, "fault": name, "runs": runs, "lost": lost})
+        request.node.user_properties.append(("fault", {"fault": name, "runs": runs, "lost": lost}))
 
     return record
+
+
+def pytest_runtest_logreport(report):
+    if report.when == "call":
+        FAULTS.extend({"test": report.nodeid.split("::")[-1].split("@")[0], **value}
+                      for key, value in report.user_properties if key == "fault")
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
@@ -256,83 +254,3 @@ def check_outputs_complete(root: Path) -> dict[str, int]:
                 json.loads(line)
             counts["jsonl"] += 1
     return counts
-
-
-# ---- the smoke DAG the workflow and fault tests share ------------------------------------------------
-
-# A results folder whose name holds a space and a ';': unquoted, the shell would run `touch`.
-SMOKE_RESULTS = "out dir;touch INJECTED;x"
-SMOKE_CONFIG = ("--config", "scale=smoke", f"results={SMOKE_RESULTS}")
-SMOKE_ARGS = ("--cores", "2", *SMOKE_CONFIG)
-REPORT_FILES = ("reports/paper.html", "reports/paper.json", "reports/claims.tsv")
-
-
-def outside_results(work: Path) -> dict[str, float]:
-    """Every file of the work folder outside the results folder, Snakemake's records, the report and
-    Python's byte-code caches, with its modification time."""
-    out = {}
-    for f in work.rglob("*"):
-        rel = f.relative_to(work)
-        if rel.parts[0] in (SMOKE_RESULTS, ".snakemake", ".git") or "__pycache__" in rel.parts:
-            continue
-        if rel.as_posix() in REPORT_FILES or not f.is_file():
-            continue
-        out[rel.as_posix()] = f.stat().st_mtime
-    return out
-
-
-def _part_way(res: Path) -> dict[str, int]:
-    """{run: step} of the training runs with a checkpoint and no final weights yet."""
-    out = {}
-    for rec in res.glob("runs/*/checkpoint.json"):
-        if not (rec.parent / "model.safetensors").exists():
-            try:
-                out[rec.parent.name] = json.loads(rec.read_text())["step"]
-            except (OSError, ValueError, KeyError):
-                continue  # being written: the next poll reads it
-    return out
-
-
-@pytest.fixture(scope="session")
-def smoke_dag(tmp_path_factory):
-    """The README's first command (its own snakemake, the default profile, no PYTHONPATH) at the smoke
-    scale, in a results folder named with a space and a ';': killed with kill -9 once a training run
-    is part way, then, unlocked, run again to the end.  What the tests check of the finished DAG is
-    recorded here, before any test changes it (SMOKE_DAG_ORDER)."""
-    work = copy_repo(tmp_path_factory.mktemp("smoke-dag") / "repo")
-    res = work / SMOKE_RESULTS / "smoke"
-    before = outside_results(work)
-    cmd = [*readme_command(), *SMOKE_CONFIG]
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # as a user runs it
-    log = work.parent / "killed-run.log"
-    t0 = time.time()
-    with open(log, "w") as out:
-        proc = popen_snakemake(work, cmd=cmd, env=env, out=out)
-        try:
-            wait_for(lambda: _part_way(res), 600, proc, "a training run part way",
-                     output=lambda _: log.read_text())
-        finally:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=60)
-    killed = proc.returncode == -signal.SIGKILL
-    interrupted = _part_way(res)
-    train_logs = {run: (res / "logs" / "train" / f"{run}.log") for run in interrupted}
-    counts_killed = check_outputs_complete(work / SMOKE_RESULTS)
-    # the dead run left its lock: Snakemake refuses until it is unlocked (docs/slurm.md says so)
-    locked = snakemake(work, "reports/paper.html", *SMOKE_ARGS, check=False)
-    snakemake(work, "--unlock", *SMOKE_CONFIG)
-    done = subprocess.run(cmd, cwd=work, env=env, capture_output=True, text=True, timeout=1200)
-    assert done.returncode == 0, f"{shlex.join(cmd)} failed ({done.returncode}):\n{done.stdout[-4000:]}\n{done.stderr[-6000:]}"
-    seconds = time.time() - t0
-    return {
-        "work": work, "res": res, "seconds": seconds, "killed": killed, "locked": locked,
-        "interrupted": interrupted, "counts_killed": counts_killed, "before": before,
-        "after": outside_results(work), "counts_done": check_outputs_complete(work / SMOKE_RESULTS),
-        "done": done.stdout + done.stderr,
-        "train_logs": {run: f.read_text() for run, f in train_logs.items()},
-        "planned_after": job_counts(snakemake(work, "-n", "reports/paper.html", *SMOKE_ARGS).stdout),
-        "paper": json.loads((work / "reports" / "paper.json").read_text()),
-        "html": (work / "reports" / "paper.html").read_text(encoding="utf-8"),
-        "tsv": (work / "reports" / "claims.tsv").read_text(encoding="utf-8"),
-    }
