@@ -132,7 +132,8 @@ def main(argv: list[str] | None = None) -> int:
         print("run_gpu_tests: no CUDA device (torch.cuda.is_available() is False); the GPU suite needs one",
               file=sys.stderr)
         return 2
-    ngpu = torch.cuda.device_count() if cuda else 1
+    # without CUDA (--allow-cpu), --gpus N still deals the cases into N parts, for checking the script
+    ngpu = torch.cuda.device_count() if cuda else max(1, args.gpus or 1)
     parts = max(1, min(args.gpus or ngpu, ngpu))
     if args.log is None:
         slug = re.sub(r"[^a-z0-9]+", "_", torch.cuda.get_device_name(0).lower()).strip("_") if cuda else "cpu"
@@ -156,13 +157,16 @@ def main(argv: list[str] | None = None) -> int:
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # compiled kernels where CUDA is
     env["PYTHONUNBUFFERED"] = "1"
+    # the GPU each part sees: the k-th of those this process sees (CUDA_VISIBLE_DEVICES may name some)
+    shown = [x.strip() for x in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if x.strip()]
+    visible = shown[:ngpu] if len(shown) >= ngpu else [str(i) for i in range(ngpu)]
     tmp = Path(tempfile.mkdtemp(prefix="gpu-tests-"))
     procs = []
     for k in range(parts):
         part_ids = ids[k::parts]
         cmd = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-n", "0", "-rA", "--durations=25",
                f"--junitxml={tmp / f'part{k}.xml'}", *([] if args.all else ["--gpu-suite"]), *extra, *part_ids]
-        part_env = dict(env, **({"CUDA_VISIBLE_DEVICES": str(k)} if parts > 1 else {}))
+        part_env = dict(env, **({"CUDA_VISIBLE_DEVICES": visible[k]} if parts > 1 else {}))
         out = open(tmp / f"part{k}.log", "w", encoding="utf-8")
         procs.append((k, len(part_ids), subprocess.Popen(cmd, cwd=REPO, env=part_env, stdout=out,
                                                          stderr=subprocess.STDOUT), out))
@@ -179,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     for k, n, proc, out in procs:
         codes.append(proc.wait())
         out.close()
-        say(f"===== part {k + 1} of {parts}: {n} cases" + (f", GPU {k}" if parts > 1 else "") + f", exit {codes[-1]}")
+        say(f"===== part {k + 1} of {parts}: {n} cases" + (f", GPU {visible[k]}" if parts > 1 else "") + f", exit {codes[-1]}")
         log.write((tmp / f"part{k}.log").read_text(encoding="utf-8", errors="replace"))
         say()
 

@@ -4,9 +4,9 @@ where every GPU case skips)."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 from conftest import GPU_SUITE_FILES, REPO, head_commit
@@ -66,9 +66,12 @@ def test_refuses_to_run_without_cuda(tmp_path):
 
 
 def test_log_names_commit_device_versions_and_every_result(tmp_path):
+    """Two parts (on the CPU, --gpus 2 deals the cases as on two GPUs): the log's header, each part's
+    pytest report, and the summary over both parts with every skip and its reason."""
     log = tmp_path / "gpu.log"
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--allow-cpu", "--log", str(log), "--tests",
-                           "tests/test_diagnostics.py", "--", "-k", "with_bf16_autocast"], cwd=REPO, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--allow-cpu", "--gpus", "2", "--log", str(log), "--tests",
+                           "tests/test_kernels_tuner.py", "tests/test_diagnostics.py", "--", "-k",
+                           "with_bf16_autocast or fault"], cwd=REPO, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     text = log.read_text()
     lines = text.splitlines()
@@ -76,9 +79,11 @@ def test_log_names_commit_device_versions_and_every_result(tmp_path):
     assert f"commit: {head_commit()} " in text
     assert any(line.startswith("device") for line in lines) and "torch: " in text
     assert "versions: " in text and "triton " in text and "pytest " in text
-    assert "selected: 1 cases (the GPU suite), in 1 part(s)" in text
-    assert "===== part 1 of 1: 1 cases, exit 0" in text
-    # pytest's own report of the case, then the summary with every skip and its reason
-    assert "SKIPPED [1] tests/test_diagnostics.py" in text
-    assert "0 passed, 0 failed, 0 errors, 1 skipped of 1 selected" in text
+    selected = int(re.search(r"^selected: (\d+) cases \(the GPU suite\), in 2 part\(s\)$", text, re.M).group(1))
+    assert selected >= 4  # the tuner's fault cases and the diagnostics' CUDA case
+    parts = re.findall(r"^===== part (\d) of 2: (\d+) cases, GPU (\d), exit 0$", text, re.M)
+    assert [(p, g) for p, _, g in parts] == [("1", "0"), ("2", "1")] and sum(int(n) for _, n, _ in parts) == selected
+    # pytest's own report of each case, then the summary with every skip and its reason
+    assert "PASSED tests/test_kernels_tuner.py::" in text and "SKIPPED [1] tests/test_diagnostics.py" in text
+    assert f"{selected - 1} passed, 0 failed, 0 errors, 1 skipped of {selected} selected" in text
     assert "SKIPPED tests/test_diagnostics.py::test_routing_diagnostics_with_bf16_autocast[cuda-1e-05]: needs CUDA" in text
