@@ -72,6 +72,9 @@ CLAIM_FIELDS = ("id", "source", "section", "origin", "row", "quantity", "kind", 
 # evidence a stage may give beside "reproduced" and "note" (see the module doc)
 EVIDENCE = ("samples", "unit", "labels", "item_se", "se", "df", "n", "threshold", "margin", "pairs")
 MIN_REPLICATES = 3
+# Quantities that are the percentage of items answered correctly (Tables 1 and 8): a number outside
+# 0-100 is refused, published or reproduced.
+ACCURACY_QUANTITIES = ("acc", "avg_acc")
 
 
 class PublishedError(ValueError):
@@ -113,6 +116,8 @@ def validate_record(rec: Any, where: str) -> None:
         fail("published", f"expected a number, bool or string, got {pub!r}")
     if _is_number(pub) and math.isnan(pub):
         fail("published", "is NaN")
+    if rec["quantity"] in ACCURACY_QUANTITIES and not (_is_number(pub) and 0 <= pub <= 100):
+        fail("published", f"an accuracy ({rec['quantity']}) is a percentage from 0 to 100, got {pub!r}")
     if "page" in rec and not (
         (isinstance(rec["page"], int) and not isinstance(rec["page"], bool) and rec["page"] > 0)
         or (isinstance(rec["page"], str) and rec["page"].strip())
@@ -489,6 +494,8 @@ def check_produced(record: dict, prod: Any, where: str) -> tuple[dict | None, st
             return None, f"{key}.reproduced: expected a number (the effect), got {v!r:.80}"
         if kind == "invariant" and not (_is_number(v) or isinstance(v, bool)):
             return None, f"{key}.reproduced: expected a number or bool, got {v!r:.80}"
+        if record["quantity"] in ACCURACY_QUANTITIES and not (_is_number(v) and 0 <= v <= 100):
+            return None, f"{key}.reproduced: expected an accuracy ({record['quantity']}) from 0 to 100 percent, got {v!r:.80}"
         if kind == "value":
             if isinstance(pub, str) and not isinstance(v, str):
                 return None, f"{key}.reproduced: expected a string, got {v!r:.80}"

@@ -99,6 +99,8 @@ GOOD = {"id": "x.a", "source": "Table 5", "section": "C.3", "row": {"method": "l
         ({"kind": "direction", "tolerance": None, "all_of": ["ok"]}, "all_of"),
         ({"origin": "hearsay"}, "origin"),
         ({"glance": " "}, "glance"),
+        ({"quantity": "acc", "published": 100.5}, "published"),
+        ({"quantity": "avg_acc", "published": -0.1}, "published"),
     ],
 )
 def test_malformed_record_names_file_record_and_field(tmp_path, change, field):
@@ -383,6 +385,23 @@ def test_malformed_stage_values_name_the_file_and_key(bad, key):
     r = direction()
     claim, why = claims.check_produced(r, bad, "results/x/grid.json")
     assert claim is None and "results/x/grid.json" in why and "x.a" in why and key in why
+
+
+@pytest.mark.parametrize("value,ok", [(0, True), (42.27, True), (100, True), (-0.01, False), (100.01, False),
+                                      (4227.0, False), (True, False)])
+def test_accuracy_outside_0_to_100_is_refused(value, ok):
+    """An accuracy is a percentage: a stage value outside 0-100 (a fraction scaled twice, a sign
+    error) leaves its claim without a value, naming the file and the claim; 0 and 100 are accuracies."""
+    for quantity in claims.ACCURACY_QUANTITIES:
+        r = {**rec(published=42.27), "quantity": quantity}
+        claim, why = claims.check_produced(r, {"reproduced": value}, "results/x/evaluate/run.json")
+        if ok:
+            assert claim == {"reproduced": value} and why == ""
+        else:
+            assert claim is None and "results/x/evaluate/run.json" in why and "x.a" in why
+            assert "from 0 to 100" in why, why
+    # another quantity takes any number
+    assert claims.check_produced(rec(published=2.944), {"reproduced": 4227.0}, "f")[0] is not None
 
 
 def test_non_finite_values_are_written_as_strings():

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import head_commit
 
 from lrattnres import convert as C
 from lrattnres.model import build_model
@@ -363,7 +364,7 @@ def test_cli_end_to_end(tmp_path, tiny_manifest):
         assert abs(r["delta_ce"]) < 1e-4 and r["original_ce"] > 0
         assert r["val_tokens_evaluated"] == 256  # 300 // 64 windows of 64
         assert r["slice_drift"]["max_logit_err"] >= 0 and "delta_ce" in r["slice_drift"]
-        assert r["provenance"]["commit"] is not None or r["provenance"]["commit"] is None
+        assert r["provenance"]["commit"] == head_commit()  # the checkout the conversion ran in
         # the attention each forward ran: the FP64 check in SDPA, the paired CE on the CPU in SDPA too
         att = r["provenance"]["attention"]
         assert set(att) == {"fp64_check", "original", "converted", "slice"}

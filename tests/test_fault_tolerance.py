@@ -8,59 +8,34 @@ many faults were tried and how many runs lost anything (the goal: 0).
 - At the command line (no Snakemake): a corrupt checkpoint (flipped bytes, truncated, junk), a
   corrupt token shard, a manifest of binary junk, junk in a jsonl source, a full disk, retries of a
   failure that cannot succeed, a data rebuild (identical, different) under a finished run.
-- On the smoke DAG, run in a results folder whose name holds a space and a ';' (nothing may be
-  written outside it): kill -9 of Snakemake, then a rerun (the default profile's
-  --rerun-incomplete); a changed spec, then a rerun; SIGTERM of a training job, resumed by
-  Snakemake's retry; a corrupt checkpoint and malformed stage outputs under Snakemake.
-
-A training job requeued by Slurm while it runs resumes with the same weights as an uninterrupted
-run (the last test; it needs the local one-node Slurm cluster).
+- On the smoke DAG (tests/test_smoke_dag.py), run in a results folder whose name holds a space and a
+  ';' (nothing may be written outside it): kill -9 of Snakemake while a training run is part way,
+  then a rerun (the default profile's --rerun-incomplete); a changed spec, then a rerun; SIGTERM of a
+  training job, resumed by Snakemake's retry; a corrupt checkpoint and malformed stage outputs under
+  Snakemake.
+- On the local one-node Slurm cluster (tests/test_slurm.py): a training job stopped, then requeued,
+  while it runs resumes with the same weights as an uninterrupted run.
 """
 
 from __future__ import annotations
 
-import errno
 import json
 import os
 import random
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
-import yaml
-from conftest import REPO, copy_repo, snakemake
-from test_slurm import PROFILE, cluster_flags, slurm_cluster, slurm_logs  # noqa: F401  (fixture)
+from conftest import REPO
 
 from lrattnres.cli import main as cli_main
 
 WORDS = ("the of and to in is that for it as was with be by on not he this are or his from at which but have an "
          "model layer residual attention depth query key value token document routing weight sum block rank").split()
-
-
-def _wait_for(cond, timeout: float, proc: subprocess.Popen | None = None, what: str = "") -> None:
-    t0 = time.time()
-    while time.time() - t0 < timeout:
-        if cond():
-            return
-        if proc is not None and proc.poll() is not None:
-            out = proc.stdout.read() if proc.stdout else ""
-            raise AssertionError(f"process ended ({proc.returncode}) before {what}:\n{out[-5000:]}")
-        time.sleep(0.1)
-    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
-
-
-def _popen_snakemake(workdir: Path, *args: str) -> subprocess.Popen:
-    """Snakemake in its own session (process group), so that the test can kill the whole group."""
-    env = dict(os.environ, PYTHONPATH=str(workdir))
-    return subprocess.Popen(
-        [sys.executable, "-m", "snakemake", *args], cwd=workdir, env=env, start_new_session=True,
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )
 
 
 def _one_line_error(text: str, *needles: str) -> str:
@@ -78,45 +53,6 @@ def _flip(path: Path, at: float = 0.5, n: int = 64) -> None:
     i = int(len(data) * at)
     data[i:i + n] = bytes(b ^ 0xFF for b in data[i:i + n])
     path.write_bytes(bytes(data))
-
-
-def check_outputs_complete(root: Path) -> dict[str, int]:
-    """Every file under ``root`` that looks like a finished output is whole: JSON parses, weights and
-    checkpoints pass their sha256 check, the data manifest verifies (every shard's size and sha256),
-    HTML is closed. Temporary files of atomic writes (hidden, *.tmp) may remain after a kill -9; they
-    never carry an output's name. Stale checkpoints (moved aside) are left as they are."""
-    from lrattnres.data import load_manifest
-    from lrattnres.train import checkpoint as ckpt
-
-    counts = {"json": 0, "weights": 0, "checkpoint": 0, "manifest": 0, "html": 0, "jsonl": 0}
-    for f in sorted(root.rglob("*")):
-        rel = f.relative_to(root).parts
-        if not f.is_file() or f.name.startswith(".") or f.suffix == ".tmp" or {".snakemake", "stale"} & set(rel):
-            continue
-        if f.name == ckpt.CHECKPOINT_FILE:
-            ckpt.read_record(f.parent)
-            counts["checkpoint"] += 1
-        elif f.suffix == ".json":
-            try:
-                json.loads(f.read_text(encoding="utf-8"))
-            except ValueError as e:
-                raise AssertionError(f"{f}: looks complete but is not valid JSON ({e})") from None
-            counts["json"] += 1
-            if f.name == "manifest.json":
-                load_manifest(f, verify=True)
-                counts["manifest"] += 1
-        elif f.name == ckpt.MODEL_FILE:
-            ckpt.read_model(f)
-            counts["weights"] += 1
-        elif f.suffix == ".html":
-            assert f.read_text(encoding="utf-8").rstrip().endswith("</html>"), f
-            counts["html"] += 1
-        elif f.suffix == ".jsonl":
-            # an append-only log: a kill may cut its last line, never an earlier one
-            for line in f.read_text(encoding="utf-8").split("\n")[:-2]:
-                json.loads(line)
-            counts["jsonl"] += 1
-    return counts
 
 
 # ==================================================================== faults at the command line
@@ -330,294 +266,6 @@ def test_data_rebuilt_identically_does_not_rerun_training(corpus, tmp_path, faul
     faults("data rebuilt identically under a finished run", runs=1, lost=0)
 
 
-# ================================================================================ faults on the DAG
-
-RESULTS = "out dir;touch INJECTED;x"  # a space and a ';': unquoted, the shell would run `touch`
-SMOKE = ("--cores", "2", "--config", "scale=smoke", f"results={RESULTS}")
-
-
-def _outside(work: Path) -> dict[str, float]:
-    """Every file of the work folder outside the results folder, Snakemake's records, the report and
-    Python's byte-code caches, with its modification time."""
-    out = {}
-    for f in work.rglob("*"):
-        rel = f.relative_to(work)
-        if rel.parts[0] in (RESULTS, ".snakemake", ".git") or "__pycache__" in rel.parts:
-            continue
-        if rel.as_posix() in ("reports/paper.html", "reports/paper.json", "reports/claims.tsv") or not f.is_file():
-            continue
-        out[rel.as_posix()] = f.stat().st_mtime
-    return out
-
-
-@pytest.fixture(scope="module")
-def dag(tmp_path_factory):
-    """The smoke DAG in a results folder named with a space and a ';', killed with kill -9 once a
-    training job has written its first checkpoint, then finished by a rerun."""
-    work = copy_repo(tmp_path_factory.mktemp("dag") / "repo")
-    res = work / RESULTS / "smoke"
-    before = _outside(work)
-    proc = _popen_snakemake(work, "reports/paper.html", *SMOKE)
-    t0 = time.time()
-    try:
-        _wait_for(lambda: any(res.glob("runs/*/checkpoint.json")), 300, proc, "a training checkpoint")
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=30)
-    killed = proc.returncode == -signal.SIGKILL
-    interrupted = {p.parent.name for p in res.glob("runs/*/checkpoint.json") if not (p.parent / "model.safetensors").exists()}
-    counts_killed = check_outputs_complete(work / RESULTS)
-    # the dead run left its lock: Snakemake refuses until it is unlocked (docs/slurm.md says so)
-    locked = snakemake(work, "reports/paper.html", *SMOKE, check=False)
-    snakemake(work, "--unlock", "--config", "scale=smoke", f"results={RESULTS}")
-    done = snakemake(work, "reports/paper.html", *SMOKE, timeout=900)
-    return {"work": work, "res": res, "before": before, "killed": killed, "locked": locked,
-            "interrupted": interrupted, "counts_killed": counts_killed, "done": done, "seconds": time.time() - t0}
-
-
-@pytest.mark.slow
-def test_kill_9_then_rerun_incomplete_in_an_injection_path(dag, faults):
-    work, res = dag["work"], dag["res"]
-    assert dag["killed"], "snakemake was not killed mid-run"
-    assert dag["locked"].returncode != 0 and "--unlock" in dag["locked"].stdout + dag["locked"].stderr
-    # no second command ran, and nothing was written outside the results folder
-    assert not list(work.parent.rglob("INJECTED*")) and not list(Path.cwd().glob("INJECTED*"))
-    assert _outside(work) == dag["before"]
-    faults("results path with a space and ';' (shell injection)", runs=1, lost=0)
-    # the rerun finished the DAG; every output is whole; the interrupted runs resumed
-    after = check_outputs_complete(work / RESULTS)
-    paper = json.loads((work / "reports" / "paper.json").read_text())
-    assert paper["scale"] == "smoke" and len(paper["claims"]) >= 300
-    assert (work / "reports" / "paper.html").read_text(encoding="utf-8").rstrip().endswith("</html>")
-    assert after["weights"] == len(list(res.glob("runs/*"))) and after["json"] > dag["counts_killed"]["json"]
-    lost = 0
-    for run in dag["interrupted"]:
-        log = (res / "logs" / "train" / f"{run}.log").read_text()
-        lost += "resumed at step" not in log
-    assert lost == 0, dag["interrupted"]
-    faults("kill -9 of Snakemake, then --rerun-incomplete", runs=len(list(res.glob("runs/*"))), lost=lost)
-    assert job_counts(snakemake(work, "-n", "reports/paper.html", *SMOKE).stdout) == {}
-    print(f"smoke DAG with kill -9 and rerun: {dag['seconds']:.0f} s; {len(dag['interrupted'])} runs resumed")
-
-
-def job_counts(stdout: str) -> dict[str, int]:
-    counts = {}
-    for m in re.finditer(r"^(\w+)\s+(\d+)$", stdout, re.M):
-        if m.group(1) != "total":
-            counts[m.group(1)] = int(m.group(2))
-    return counts
-
-
-def _run_of(res: Path, method: str = "lr") -> str:
-    return sorted(p.name for p in (res / "runs").iterdir() if f"-{method}-" in p.name)[0]
-
-
-@pytest.mark.slow
-def test_changed_spec_then_sigterm_then_retry_resumes(dag, faults):
-    """One run's training lengthened (a changed spec): its finished checkpoint moves aside and the run
-    starts over. A SIGTERM to its training process mid-run: the trainer checkpoints and exits 75,
-    Snakemake's retry (the default profile) resumes it, and both attempts' logs are kept."""
-    work, res = dag["work"], dag["res"]
-    run = _run_of(res)
-    folder, logs = res / "runs" / run, res / "logs" / "train"
-    before = json.loads((folder / "checkpoint.json").read_text())
-    longer = ("--cores", "2", "--config", "scale=smoke", f"results={RESULTS}",
-              'train={"steps": 600, "checkpoint": {"every": 10}}')
-    proc = _popen_snakemake(work, str(folder.relative_to(work) / "model.safetensors"), *longer)
-    status = logs / "attempts" / f"{run}.status.json"
-
-    def mid_run() -> bool:
-        try:
-            rec = json.loads((folder / "checkpoint.json").read_text())
-        except (OSError, ValueError):
-            return False
-        return rec["spec"]["steps"] == 600 and 10 <= rec["step"] < 500
-
-    try:
-        _wait_for(mid_run, 300, proc, "a checkpoint of the longer run")
-        os.kill(json.loads(status.read_text())["pid"], signal.SIGTERM)
-        out, _ = proc.communicate(timeout=600)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    assert proc.returncode == 0, out[-5000:]
-    first, second = (logs / "attempts" / f"{run}.1.log").read_text(), (logs / "attempts" / f"{run}.2.log").read_text()
-    assert "moved it aside" in first and "steps: checkpoint 4 != now 600" in first
-    k = int(re.search(r"stopped at step (\d+)", first).group(1))
-    assert f"resumed at step {k}" in second and "attempt 2" in second
-    assert json.loads((folder / "result.json").read_text())["steps"] == 600
-    stale = [d for d in (folder / "stale").iterdir() if (d / "checkpoint.json").exists()]
-    kept = [json.loads((d / "checkpoint.json").read_text()) for d in stale]
-    assert any(r["step"] == before["step"] == 4 and r["files"] == before["files"] for r in kept)
-    faults("changed spec (steps 4 -> 600) under a finished run", runs=1, lost=0)
-    faults("SIGTERM of a training job, retried by Snakemake", runs=1, lost=0)
-    # the same spec again: the run resumes from its final checkpoint, no step is trained again
-    snakemake(work, str(folder.relative_to(work) / "model.safetensors"), *longer, "--forcerun", "train")
-    log = (logs / f"{run}.log").read_text()
-    assert "resumed at step 600" in log and "moved it aside" not in log
-    # back to the scale's own length: the 600-step checkpoint moves aside in turn
-    snakemake(work, str(folder.relative_to(work) / "model.safetensors"), *SMOKE)
-    assert "steps: checkpoint 600 != now 4" in (logs / f"{run}.log").read_text()
-    assert len([d for d in (folder / "stale").iterdir() if (d / "checkpoint.json").exists()]) == 2
-
-
-@pytest.mark.slow
-def test_corrupt_checkpoint_and_malformed_outputs_under_snakemake(dag, faults):
-    """Faults under Snakemake, then the recovery a user makes:
-    - a run whose weights are missing and whose checkpoint is corrupt: its training job stops with
-      one line naming the file, and the retry stops at once (nothing is trained twice);
-    - another run's weights truncated: its diagnostics refuse them by name;
-    - a third run's result.json malformed: the grid summary names the file and key in that run's
-      row and leaves the claims that need it without a value (the report still renders).
-    Removing the bad files makes Snakemake redo what they came from: the truncated weights come back
-    bit for bit from the run's final checkpoint, without training."""
-    from lrattnres.train import checkpoint as ckpt
-
-    work, res = dag["work"], dag["res"]
-    logs = res / "logs"
-    runs = sorted(p.name for p in (res / "runs").iterdir() if "-attnres-" in p.name or "-plr-" in p.name)
-    a, b, c = runs[:3]
-    fa, fb, fc = (res / "runs" / r for r in (a, b, c))
-    (fa / "model.safetensors").unlink()
-    rec = json.loads((fa / "checkpoint.json").read_text())
-    _flip(fa / rec["files"]["tensors"][0]["file"])
-    proc = snakemake(work, str((fa / "model.safetensors").relative_to(work)), *SMOKE, check=False)
-    assert proc.returncode != 0
-    _one_line_error((logs / "train" / "attempts" / f"{a}.1.log").read_text(), rec["files"]["tensors"][0]["file"], "sha256")
-    assert "not retrying: attempt 1 exited 2" in (logs / "train" / "attempts" / f"{a}.2.log").read_text()
-    assert not (logs / "train" / "attempts" / f"{a}.3.log").exists() or "not retrying" in (
-        logs / "train" / "attempts" / f"{a}.3.log").read_text()
-
-    weights_b = {k: v.clone() for k, v in ckpt.read_model(fb / "model.safetensors")[0].items()}  # not the mmap
-    mb = fb / "model.safetensors"
-    mb.write_bytes(mb.read_bytes()[: mb.stat().st_size // 2])
-    (fc / "result.json").write_text(json.dumps({"stage": "train", "final_val_ce": "nan?"}))
-    targets = [str((res / n).relative_to(work)) for n in ("diagnostics.json", "grid.json")]
-    (fa / "checkpoint.json").unlink()  # the user's fix for the corrupt checkpoint: start that run over
-    row_b = str((res / "diagnostics" / f"{b}.json").relative_to(work))
-    proc = snakemake(work, *targets, *SMOKE, "--keep-going", "--forcerun", row_b, "grid_summary",
-                     check=False)
-    assert proc.returncode != 0
-    _one_line_error((logs / "diagnostics" / "attempts" / f"{b}.1.log").read_text(), str(mb.relative_to(work)),
-                    "sha256")
-    assert "not retrying: attempt 1 exited 2" in (logs / "diagnostics" / f"{b}.log").read_text()  # the retry
-    (row_c,) = [r for r in json.loads((res / "grid.json").read_text())["runs"] if r["run_id"] == c]
-    assert str((fc / "result.json").relative_to(work)) in row_c["problem"] and "final_val_ce" in row_c["problem"]
-    # recovery: the user removes what is bad; Snakemake redoes only what it came from
-    mb.unlink()
-    (fc / "result.json").unlink()
-    snakemake(work, *targets, *SMOKE)
-    back = ckpt.read_model(mb)[0]
-    assert all(bool((back[k] == weights_b[k]).all()) for k in weights_b)
-    for r in (b, c):
-        log = (logs / "train" / f"{r}.log").read_text()
-        assert "resumed at step 4" in log and "moved it aside" not in log, r
-    faults("corrupt checkpoint of an interrupted run, under Snakemake", runs=1, lost=0)
-    faults("truncated weights read by a later stage", runs=1, lost=0)
-    faults("malformed result.json read by a later stage", runs=1, lost=0)
-    check_outputs_complete(work / RESULTS)
-
-
 # ====================================================================== a Slurm job requeued
 
 
-@pytest.mark.slurm
-@pytest.mark.slow
-def test_training_job_stopped_then_requeued_resumes_with_identical_weights(slurm_cluster, tmp_path, faults):
-    """A training job submitted through the Slurm profile is interrupted twice while it runs:
-    1. `scancel --signal=TERM` (what `--signal=TERM@300` does before the time limit): the trainer
-       checkpoints and exits 75, the Slurm job fails, Snakemake submits it again (retries) and the
-       new job resumes;
-    2. `scontrol requeue` of that new job (what preemption with PreemptMode=REQUEUE does: SIGTERM,
-       then back to the queue): Slurm starts the same job again and it resumes.
-    The job asks for 2 (fake) GPUs, so it runs 2 data-parallel ranks under torchrun, as the paper
-    scale's 8-GPU jobs do (gloo on this CPU machine). The final weights equal those of an
-    uninterrupted run, bit for bit."""
-    from lrattnres.config import load_and_resolve
-    from lrattnres.grid import plan
-    from lrattnres.train.checkpoint import read_model
-
-    work = copy_repo(tmp_path / "repo")
-    overrides = {"steps": 300, "checkpoint": {"every": 5}}
-    overrides_file = tmp_path / "longer_training.yaml"
-    overrides_file.write_text(json.dumps({"scale": "smoke", "train": overrides}))
-    config = ["--configfile", "config.yaml", str(overrides_file)]
-    runs = plan(load_and_resolve(work / "config.yaml", {"scale": "smoke", "train": overrides}))
-    run = next((r.run_id for r in runs if r.method == "lr"), runs[0].run_id)
-    rundir = work / "results" / "smoke" / "runs" / run
-    train_log = work / "results" / "smoke" / "logs" / "train" / f"{run}.log"
-    attempt_logs = train_log.parent / "attempts"
-    prof = yaml.safe_load((work / PROFILE / "config.yaml").read_text())
-    extra = [f"train:{k}={v}" for k, v in (prof.get("set-resources") or {}).get("train", {}).items()]
-    gpus = ["--set-resources", "train:gpu=2", "train:cpus_per_gpu=1", *extra]
-    proc = _popen_snakemake(
-        work, f"results/smoke/runs/{run}/model.safetensors", "--profile", PROFILE, *config, *cluster_flags(jobs=2), *gpus
-    )
-    t0 = time.time()
-
-    def resumed() -> list[str]:
-        text = "".join(p.read_text() for p in [train_log, *attempt_logs.glob(f"{run}.*.log")] if p.exists())
-        return re.findall(r"resumed at step (\d+)", text)
-
-    try:
-        # 1. SIGTERM to the running job once it has written a checkpoint
-        _wait_for(lambda: (rundir / "checkpoint.json").exists() and _slurm_job_of(run), 300, proc,
-                  f"the first checkpoint of {run}")
-        first = _slurm_job_of(run)
-        assert not (rundir / "model.safetensors").exists(), "training finished before it could be stopped: raise its steps"
-        subprocess.run(["scancel", "--signal=TERM", first], check=True, capture_output=True, text=True)
-        # 2. requeue the resubmitted job once it has resumed
-        _wait_for(lambda: resumed() and (_slurm_job_of(run) or first) != first, 300, proc, "the resubmitted job to resume")
-        second = _slurm_job_of(run)
-        step1 = int(resumed()[0])
-        assert not (rundir / "model.safetensors").exists(), "training finished before it could be requeued: raise its steps"
-        subprocess.run(["scontrol", "requeue", second], check=True, capture_output=True, text=True)
-        t_requeue = time.time()
-        out, _ = proc.communicate(timeout=480)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    assert proc.returncode == 0, f"{out[-6000:]}\n{slurm_logs(work)}"
-    ids = re.findall(r"has been submitted with SLURM jobid (\d+)", out)
-    assert len(ids) == 3 and first in ids and second in ids, out[-4000:]
-    shown = subprocess.run(["scontrol", "show", "job", second], capture_output=True, text=True).stdout
-    assert int(re.search(r"Restarts=(\d+)", shown).group(1)) >= 1, shown
-    assert re.search(r"gpu[:=]2", shown), shown  # Slurm gave the job its 2 GPUs
-    step2 = int(resumed()[-1])
-    assert "world 2" in train_log.read_text()
-    assert 0 < step1 < step2 < overrides["steps"], (step1, step2)
-    second_log = next((work / "results" / "slurm").rglob(f"{second}.log")).read_text()
-    assert second_log.count("Building DAG of jobs") >= 2, second_log[-3000:]
-
-    # the same run without interruption, by hand, from the spec the run recorded
-    recorded = json.loads((rundir / "spec.json").read_text())
-    ref = tmp_path / "reference"
-    subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         "-m", "lrattnres", "train", "--spec", json.dumps(recorded["spec"]),
-         "--data", str(work / "results" / "smoke" / "data" / "manifest.json"), "--out", str(ref),
-         "--threads", "1", "--no-progress"],
-        cwd=work, env=dict(os.environ, PYTHONPATH=str(work)), check=True, capture_output=True, timeout=600,
-    )
-    (a, ma), (b, mb) = read_model(rundir / "model.safetensors"), read_model(ref / "model.safetensors")
-    assert ma["step"] == mb["step"] == overrides["steps"] and a.keys() == b.keys()
-    differ = [k for k in a if not bool((a[k] == b[k]).all())]
-    assert not differ, f"weights differ after resume: {differ[:5]}"
-    faults("Slurm: SIGTERM, then requeue of a training job", runs=1, lost=int(bool(differ)))
-    print(f"SIGTERM to Slurm job {first} (resumed at step {step1}), requeue of job {second} (resumed at step "
-          f"{step2}) of {overrides['steps']}: identical weights; {time.time() - t0:.0f} s "
-          f"(after the requeue {time.time() - t_requeue:.0f} s)")
-
-
-def _slurm_job_of(run: str) -> str | None:
-    """The Slurm job id of the training job of ``run`` (the executor puts rule and wildcards in the
-    job's comment)."""
-    out = subprocess.run(["squeue", "-h", "-o", "%i|%k|%T"], capture_output=True, text=True).stdout
-    for line in out.splitlines():
-        jid, comment, state = line.split("|", 2)
-        if comment.startswith("rule_train_") and comment.endswith(run) and state == "RUNNING":
-            return jid
-    return None

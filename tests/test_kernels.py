@@ -31,6 +31,7 @@ except Exception:  # pragma: no cover - triton missing
     HAS_TRITON = False
 
 import kernels  # noqa: E402
+import kernels.configs as configs  # noqa: E402
 import kernels.op as op  # noqa: E402
 import kernels.tuner as tuner  # noqa: E402
 from lrattnres.routing import route  # noqa: E402
@@ -60,6 +61,12 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     den = b.norm().item()
     num = (a - b).norm().item()
     return num / den if den > 0 else num
+
+
+# The tokens of the fp32 cases, as leading dims [*LEAD, d]: two of them (the transposed layout then has
+# no flat [N, d] view), an odd count (no token block of 2, 4 or 8 divides it: a partial last block).
+# Through the interpreter, whose cost grows with the programs it runs one by one, 9; on a GPU 21.
+LEAD = (3, 7) if HAS_CUDA else (3, 3)
 
 
 def _make_sources(S, lead, d, dtype, device, layout, gen):
@@ -120,7 +127,7 @@ def test_triton_matches_reference_fp32(d, r, S, norm, layout):
     if not HAS_CUDA:
         op.set_cpu_triton(True)
     gen = torch.Generator(device=device).manual_seed(1000 * d + 10 * r + S)
-    lead = (3, 7)  # 21 tokens: not a multiple of any token block
+    lead = LEAD
     sources = _make_sources(S, lead, d, torch.float32, device, layout, gen)
     query = torch.randn(r, generator=gen, device=device).requires_grad_()
     g = torch.randn(*lead, d, generator=gen, device=device)
@@ -173,7 +180,7 @@ CONFIG_CASES = [
     ({"BLOCK_T": 1, "num_warps": 2, "PREFETCH": 1}, {"BLOCK_T": 1, "num_warps": 2, "PREFETCH": 1},
      (300, 200, 7, "slice", "mixed")),  # three chunks
     ({"BLOCK_T": 2, "num_warps": 4, "PREFETCH": 0}, {"BLOCK_T": 4, "num_warps": 4, "PREFETCH": 0, "STAGES": 2},
-     (513, 7, 9, "full", "transposed")),  # 21 tokens: a partial last block; pipelined loop
+     (513, 7, 9, "full", "transposed")),  # LEAD: a partial last block; pipelined loop
     ({"BLOCK_T": 1, "num_warps": 1, "PREFETCH": 1}, {"BLOCK_T": 2, "num_warps": 1, "PREFETCH": 1, "SPLIT": False},
      (64, 64, 1, "slice", "colstride")),  # one source
     # key-chunk specialisation (KEYCH): the key inside the last chunk (KEY0 2) or the last two (KEY0 1)
@@ -258,14 +265,14 @@ def test_launch_configs_match_reference(fwd_cfg, bwd_cfg, case, family, monkeypa
     _fp32_against_reference(fn, *case, seed=case[0] + 3 * case[1] + case[2])
 
 
-def _fp32_against_reference(fn, d, r, S, norm, layout, seed):
-    """``fn``'s output and gradients against the reference's on fresh fp32 data, 21 tokens (the
-    Triton interpreter on the CPU, the kernels themselves on a GPU)."""
+def _fp32_against_reference(fn, d, r, S, norm, layout, seed, lead=LEAD):
+    """``fn``'s output and gradients against the reference's on fresh fp32 data, LEAD tokens (the Triton
+    interpreter on the CPU, the kernels themselves on a GPU)."""
     device = "cuda" if HAS_CUDA else "cpu"
     gen = torch.Generator(device=device).manual_seed(seed)
-    sources = _make_sources(S, (3, 7), d, torch.float32, device, layout, gen)
+    sources = _make_sources(S, lead, d, torch.float32, device, layout, gen)
     query = torch.randn(r, generator=gen, device=device).requires_grad_()
-    g = torch.randn(3, 7, d, generator=gen, device=device)
+    g = torch.randn(*lead, d, generator=gen, device=device)
     op.set_cpu_triton(not HAS_CUDA)
     try:
         h, gs, gq = _run(fn, sources, query, g, norm)
@@ -276,6 +283,63 @@ def _fp32_against_reference(fn, d, r, S, norm, layout, seed):
     for a, b in zip(gs, gs_ref):
         torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-3)
     torch.testing.assert_close(gq, gq_ref, rtol=1e-3, atol=2e-3 * max(1.0, gq_ref.abs().max().item()))
+
+
+# Every candidate family of kernels/configs.py at a shape that takes it: (kind, the forms whose
+# candidates a call of that shape tunes among, d, r, S, norm, layout).  d = 300 is three chunks of 128
+# (the key from chunk 2, or chunk 1 at r = 100), d = 96 one chunk; the widths and key widths unaligned.
+CANDIDATE_FAMILIES = {
+    "FWD_CHUNKS": ("fwd", (), 300, 40, 5, "slice", "mixed"),
+    "FWD_ONE": ("fwd", (), 96, 33, 4, "full", "transposed"),
+    "FWD_PAIR": ("fwd", ("pair",), 300, 100, 2, "slice", "rowpad"),
+    "BWD_CHUNKS": ("bwd", (), 300, 40, 5, "slice", "colstride"),
+    "BWD_ONE": ("bwd", (), 96, 33, 3, "full", "mixed"),
+    "BWD_RESIDENT_PAIR": ("bwd", ("pair",), 300, 100, 2, "slice", "mixed"),
+    "BWD_DEFERRED": ("bwd", ("passes",), 300, 40, 5, "slice", "contig"),
+}
+
+
+def test_candidate_families_are_all_run_on_the_cpu():
+    """A family added to kernels/configs.py is added to CANDIDATE_FAMILIES too."""
+    tables = {name for name, v in vars(configs).items() if name.startswith(("FWD_", "BWD_")) and isinstance(v, tuple)}
+    assert tables == set(CANDIDATE_FAMILIES)
+
+
+def _family_table(family: str) -> list[dict]:
+    """The built candidates of ``family`` at the column layout of its shape."""
+    kind, _, d, r, *_ = CANDIDATE_FAMILIES[family]
+    return configs.build(configs.col_layout(d, None, r)[0], "BLOCK_T" if kind == "fwd" else "SB",
+                         getattr(configs, family))
+
+
+def _family_cases():
+    """(family, candidate) for each candidate of a family that the interpreter can tell apart from the
+    family's others: every option but num_warps (PERSIST as on or off), the ARGS line among them."""
+    cases = []
+    for family in CANDIDATE_FAMILIES:
+        seen = set()
+        for i, cfg in enumerate(_family_table(family)):
+            key = tuple(sorted((k, bool(v) if k == "PERSIST" else v) for k, v in cfg.items() if k != "num_warps"))
+            if key not in seen:
+                seen.add(key)
+                cases.append(pytest.param(family, i, id=f"{family}-{i}"))
+    return cases
+
+
+@needs_triton
+@pytest.mark.parametrize("family,cand", _family_cases())
+def test_every_candidate_family_matches_reference(family, cand, monkeypatch):
+    """A representative subset of every candidate family, pinned as the only configuration of its
+    kernel, against the reference in fp32 (the interpreter on the CPU): the shape is one whose calls
+    tune among the family's candidates."""
+    kind, forms, d, r, S, norm, layout = CANDIDATE_FAMILIES[family]
+    cfg = _family_table(family)[cand]
+    layout_d = op._layout(kind, d, r)
+    assert cfg in op._candidates(kind, *layout_d, forms)  # the shape tunes among this family's candidates
+    monkeypatch.setattr(op, "CONFIG_OVERRIDE", {kind: dict(cfg)})
+    _fp32_against_reference(kernels.attnres_triton, d, r, S, norm, layout, seed=d + r + S + cand)
+    if cfg == configs.args_config(kind, *layout_d, forms):  # the per-argument kernels' line: their path too
+        _fp32_against_reference(_attnres_args, d, r, S, norm, layout, seed=d + r + S + cand)
 
 
 def test_key_chunk(monkeypatch):
@@ -485,7 +549,7 @@ def test_lazy_softmax_with_steep_scores(lazy, block_t, order, monkeypatch):
     monkeypatch.setattr(op, "LAZY_RESCALE", lazy)
     monkeypatch.setattr(op, "CONFIG_OVERRIDE", {"fwd": {"BLOCK_T": block_t, "num_warps": 2, "PREFETCH": 1}})
     gen = torch.Generator(device=device).manual_seed(17)
-    d, r, S, lead = 64, 16, 9, (3, 7)
+    d, r, S, lead = 64, 16, 9, LEAD
     query = torch.randn(r, generator=gen, device=device) * 4
     cos = torch.linspace(-1, 1, S, device=device)  # each source's alignment with the query
     if order == "falling":
@@ -1014,20 +1078,30 @@ def test_gpu_tuner_precompiles_and_sums(dq_sum, monkeypatch):
     assert len(submitted) == 4 and all(b == n >= 2 for b, n in submitted), submitted
 
 
+# Both backward grids (the token tile also two sources per step and deferred) at every chunk count the
+# grid's widths take.  The deferred backward serves "slice" only (under "full" every chunk is in the
+# key: kernels/op.py, _defer_kinds), so it is not paired with the "full" shapes.
+KEY_CHUNK_BWD = {
+    "persistent": {"SB": 1, "num_warps": 4, "PREFETCH": 0},
+    "tile": {"BLOCK_T": 1, "num_warps": 4, "PREFETCH": 1},
+    "tile-pair": {"BLOCK_T": 1, "num_warps": 4, "PREFETCH": 1, "PAIR": True},
+    "tile-deferred": {"BLOCK_T": 1, "num_warps": 4, "PREFETCH": 1, "DEFER": True},
+    "tile2-deferred": {"BLOCK_T": 2, "num_warps": 4, "PREFETCH": 1, "DEFER": True},
+    "tile-deferred-looped": {"BLOCK_T": 1, "num_warps": 2, "PREFETCH": 1, "DEFER": True, "PERSIST": 16},
+}
+KEY_CHUNK_CASES = [
+    pytest.param(d, r, S, norm, bwd, id=f"{d}-{r}-{S}-{norm}-{name}")
+    for name, bwd in KEY_CHUNK_BWD.items()
+    for d, r, S, norm in [(1536, 384, 9, "slice"), (2560, 640, 5, "full"), (1536, 700, 8, "slice"),
+                          (2560, 320, 9, "slice"), (1024, 256, 9, "full")]
+    if not (bwd.get("DEFER") and norm == "full")
+]
+
+
 @gpu
 @needs_cuda
-@pytest.mark.parametrize("bwd", [{"SB": 1, "num_warps": 4, "PREFETCH": 0},
-                                 {"BLOCK_T": 1, "num_warps": 4, "PREFETCH": 1},
-                                 {"BLOCK_T": 1, "num_warps": 4, "PREFETCH": 1, "PAIR": True},
-                                 {"BLOCK_T": 1, "num_warps": 4, "PREFETCH": 1, "DEFER": True},
-                                 {"BLOCK_T": 2, "num_warps": 4, "PREFETCH": 1, "DEFER": True},
-                                 {"BLOCK_T": 1, "num_warps": 2, "PREFETCH": 1, "DEFER": True, "PERSIST": 16}],
-                         ids=["persistent", "tile", "tile-pair", "tile-deferred", "tile2-deferred", "tile-deferred-looped"])
-@pytest.mark.parametrize("d,r,S,norm", [(1536, 384, 9, "slice"), (2560, 640, 5, "full"), (1536, 700, 8, "slice"),
-                                        (2560, 320, 9, "slice"), (1024, 256, 9, "full")])
+@pytest.mark.parametrize("d,r,S,norm,bwd", KEY_CHUNK_CASES)
 def test_gpu_bf16_key_chunks(d, r, S, norm, bwd, monkeypatch):
-    if bwd.get("DEFER") and norm == "full":
-        pytest.skip("the deferred backward is for 'slice' only (under 'full' every chunk is in the key)")
     """The key-chunk specialisation at every chunk count the grid's widths take (3 x 512, 5 x 512 with
     the key in the last two chunks or the last one, 2 x 512), both backward grids (the token tile also
     two sources per step, odd S and even, and deferred: no residual, g.h from the sources), under the paper's
@@ -1053,20 +1127,29 @@ def test_gpu_bf16_resident_pair(d, r, norm, cand, monkeypatch):
     assert errs["out_rel_l2"] < 1e-2 and errs["src_grad_rel_l2"] < 2e-2
 
 
+def _forward_candidates(table, shapes, extra=()):
+    """(shape..., candidate index) of every distinct forward candidate of ``table`` (op._fwd_configs or
+    op._fwd_pair_configs) at each shape's column layout: narrow chunks merge some lines of a table,
+    so a shape has as many cases as it has distinct candidates."""
+    out = []
+    for shape in shapes:
+        d, r = shape[0], shape[1]
+        for cand in range(len(table(*op._layout("fwd", d, r)))):
+            out.append(pytest.param(*shape, cand, *extra, id="-".join(map(str, (*shape, cand, *extra)))))
+    return out
+
+
 @gpu
 @needs_cuda
-@pytest.mark.parametrize("cand", range(len(op._fwd_pair_configs(512, 3))))
-@pytest.mark.parametrize("d,r,norm", [(1536, 384, "slice"), (2560, 2560, "full"), (2560, 320, "slice"),
-                                      (1024, 256, "slice"), (513, 7, "full")])
-@pytest.mark.parametrize("family", ["table", "args"])
+@pytest.mark.parametrize("d,r,norm,cand,family", [
+    p for family in ("table", "args")
+    for p in _forward_candidates(op._fwd_pair_configs, [(1536, 384, "slice"), (2560, 2560, "full"), (2560, 320, "slice"),
+                                                        (1024, 256, "slice"), (513, 7, "full")], (family,))])
 def test_gpu_bf16_pair_forward(d, r, norm, cand, family, monkeypatch):
     """Every candidate of the pair forward (S = 2, both sources at once) under the paper's bf16
     criterion, before the backward the tuner picks, in both kernel families: the key in the last chunk
     or chunks, in every chunk, an unaligned width."""
-    block_d, nch = op._layout("fwd", d, r)
-    cands = op._fwd_pair_configs(block_d, nch)
-    if cand >= len(cands):
-        pytest.skip(f"{len(cands)} distinct candidates at {nch} x {block_d} columns (narrow chunks merge some)")
+    cands = op._fwd_pair_configs(*op._layout("fwd", d, r))
     monkeypatch.setattr(op, "CONFIG_OVERRIDE", {"fwd": dict(cands[cand])})
     errs = bf16_check(d, r, 2, norm, layout="mixed", seed=d + r + cand, fn=_attnres_args if family == "args" else None)
     assert errs["out_rel_l2"] < 1e-2 and errs["src_grad_rel_l2"] < 2e-2
@@ -1074,18 +1157,16 @@ def test_gpu_bf16_pair_forward(d, r, norm, cand, family, monkeypatch):
 
 @gpu
 @needs_cuda
-@pytest.mark.parametrize("cand", range(len(op._fwd_configs(512, 3))))
-@pytest.mark.parametrize("d,r,S,norm", [(1024, 1024, 9, "slice"), (1536, 384, 9, "slice"), (2560, 2560, 5, "full")])
-@pytest.mark.parametrize("family", ["table", "args"])
+@pytest.mark.parametrize("d,r,S,norm,cand,family", [
+    p for family in ("table", "args")
+    for p in _forward_candidates(op._fwd_configs, [(1024, 1024, 9, "slice"), (1536, 384, 9, "slice"),
+                                                   (2560, 2560, 5, "full")], (family,))])
 def test_gpu_bf16_loop_forward(d, r, S, norm, cand, family, monkeypatch):
     """Every candidate of the loop forward under the paper's bf16 criterion, before the backward the
     tuner picks, in both kernel families: one chunk of 1024 with the key over the whole row (1 warp
     for 1024 columns among them), three chunks with the key in the last, five chunks under "full"
     (Triton's pipelining with 2 warps per chunk among them)."""
-    block_d, nch = op._layout("fwd", d, r)
-    cands = op._fwd_configs(block_d, nch)
-    if cand >= len(cands):
-        pytest.skip(f"{len(cands)} candidates at {nch} x {block_d} columns")
+    cands = op._fwd_configs(*op._layout("fwd", d, r))
     monkeypatch.setattr(op, "CONFIG_OVERRIDE", {"fwd": dict(cands[cand])})
     errs = bf16_check(d, r, S, norm, layout="mixed", seed=d + r + cand, fn=_attnres_args if family == "args" else None)
     assert errs["out_rel_l2"] < 1e-2 and errs["src_grad_rel_l2"] < 2e-2

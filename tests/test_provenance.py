@@ -2,14 +2,23 @@
 
 from __future__ import annotations
 
+import subprocess
+
 from lrattnres import provenance
 
 
 def test_git_state_reads_head(monkeypatch):
+    """The tests run in a git checkout (CI clones the repository): the commit is its HEAD."""
     monkeypatch.delenv("LRATTNRES_COMMIT", raising=False)
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=provenance._REPO, capture_output=True, text=True)
+    assert head.returncode == 0, f"{provenance._REPO} is not a git checkout: {head.stderr}"
     state = provenance.git_state()
     assert set(state) == {"commit", "dirty"}
-    assert state["commit"] is None or len(state["commit"]) == 40
+    assert state["commit"] == head.stdout.strip() and len(state["commit"]) == 40
+    status = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=provenance._REPO,
+                            capture_output=True, text=True, check=True).stdout
+    assert state["dirty"] is bool(status.strip())
+    assert provenance.provenance()["commit"] == state["commit"]
 
 
 def test_git_state_takes_the_named_commit(monkeypatch):

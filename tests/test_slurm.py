@@ -3,7 +3,8 @@
 The cluster (Debian's slurmctld, slurmd, slurm-client and munge; fake GPUs as GRES) is started by
 scripts/slurm/start.sh, which needs root. Every rule that asks for a GPU at the paper scale is made
 to ask for one here too, so that GPU jobs go through Slurm's GPU scheduling (`--gpus`); the smoke
-models still train on the CPU.
+models still train on the CPU.  Every test that needs the cluster is in this file (one run at a time
+uses it); the last, a training job stopped and requeued, is one of the fault suite's faults.
 """
 
 from __future__ import annotations
@@ -12,13 +13,15 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 import yaml
-from conftest import REPO, copy_repo, snakemake
+from conftest import REPO, copy_repo, popen_snakemake, snakemake, wait_for
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
@@ -193,3 +196,104 @@ def test_data_stage_runs_where_snakemake_runs_when_local(slurm_cluster, tmp_path
     assert proc.returncode == 0, f"{out[-6000:]}\n{slurm_logs(work)}"
     assert re.search(r"^localrule prepare_data:", out, re.M) and "has been submitted with SLURM jobid" not in out, out[-3000:]
     assert (work / "results" / "smoke" / "data" / "manifest.json").is_file()
+
+
+# ====================================================================== a Slurm job requeued (a fault of the fault suite)
+
+
+def test_training_job_stopped_then_requeued_resumes_with_identical_weights(slurm_cluster, tmp_path, faults):
+    """A training job submitted through the Slurm profile is interrupted twice while it runs:
+    1. `scancel --signal=TERM` (what `--signal=TERM@300` does before the time limit): the trainer
+       checkpoints and exits 75, the Slurm job fails, Snakemake submits it again (retries) and the
+       new job resumes;
+    2. `scontrol requeue` of that new job (what preemption with PreemptMode=REQUEUE does: SIGTERM,
+       then back to the queue): Slurm starts the same job again and it resumes.
+    The job asks for 2 (fake) GPUs, so it runs 2 data-parallel ranks under torchrun, as the paper
+    scale's 8-GPU jobs do (gloo on this CPU machine). The final weights equal those of an
+    uninterrupted run, bit for bit."""
+    from lrattnres.config import load_and_resolve
+    from lrattnres.grid import plan
+    from lrattnres.train.checkpoint import read_model
+
+    work = copy_repo(tmp_path / "repo")
+    overrides = {"steps": 300, "checkpoint": {"every": 5}}
+    overrides_file = tmp_path / "longer_training.yaml"
+    overrides_file.write_text(json.dumps({"scale": "smoke", "train": overrides}))
+    config = ["--configfile", "config.yaml", str(overrides_file)]
+    runs = plan(load_and_resolve(work / "config.yaml", {"scale": "smoke", "train": overrides}))
+    run = next((r.run_id for r in runs if r.method == "lr"), runs[0].run_id)
+    rundir = work / "results" / "smoke" / "runs" / run
+    train_log = work / "results" / "smoke" / "logs" / "train" / f"{run}.log"
+    attempt_logs = train_log.parent / "attempts"
+    prof = yaml.safe_load((work / PROFILE / "config.yaml").read_text())
+    extra = [f"train:{k}={v}" for k, v in (prof.get("set-resources") or {}).get("train", {}).items()]
+    gpus = ["--set-resources", "train:gpu=2", "train:cpus_per_gpu=1", *extra]
+    proc = popen_snakemake(
+        work, f"results/smoke/runs/{run}/model.safetensors", "--profile", PROFILE, *config, *cluster_flags(jobs=2), *gpus
+    )
+    t0 = time.time()
+
+    def resumed() -> list[str]:
+        text = "".join(p.read_text() for p in [train_log, *attempt_logs.glob(f"{run}.*.log")] if p.exists())
+        return re.findall(r"resumed at step (\d+)", text)
+
+    try:
+        # 1. SIGTERM to the running job once it has written a checkpoint
+        wait_for(lambda: (rundir / "checkpoint.json").exists() and _slurm_job_of(run), 300, proc,
+                  f"the first checkpoint of {run}")
+        first = _slurm_job_of(run)
+        assert not (rundir / "model.safetensors").exists(), "training finished before it could be stopped: raise its steps"
+        subprocess.run(["scancel", "--signal=TERM", first], check=True, capture_output=True, text=True)
+        # 2. requeue the resubmitted job once it has resumed
+        wait_for(lambda: resumed() and (_slurm_job_of(run) or first) != first, 300, proc, "the resubmitted job to resume")
+        second = _slurm_job_of(run)
+        step1 = int(resumed()[0])
+        assert not (rundir / "model.safetensors").exists(), "training finished before it could be requeued: raise its steps"
+        subprocess.run(["scontrol", "requeue", second], check=True, capture_output=True, text=True)
+        t_requeue = time.time()
+        out, _ = proc.communicate(timeout=480)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 0, f"{out[-6000:]}\n{slurm_logs(work)}"
+    ids = re.findall(r"has been submitted with SLURM jobid (\d+)", out)
+    assert len(ids) == 3 and first in ids and second in ids, out[-4000:]
+    shown = subprocess.run(["scontrol", "show", "job", second], capture_output=True, text=True).stdout
+    assert int(re.search(r"Restarts=(\d+)", shown).group(1)) >= 1, shown
+    assert re.search(r"gpu[:=]2", shown), shown  # Slurm gave the job its 2 GPUs
+    step2 = int(resumed()[-1])
+    assert "world 2" in train_log.read_text()
+    assert 0 < step1 < step2 < overrides["steps"], (step1, step2)
+    second_log = next((work / "results" / "slurm").rglob(f"{second}.log")).read_text()
+    assert second_log.count("Building DAG of jobs") >= 2, second_log[-3000:]
+
+    # the same run without interruption, by hand, from the spec the run recorded
+    recorded = json.loads((rundir / "spec.json").read_text())
+    ref = tmp_path / "reference"
+    subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         "-m", "lrattnres", "train", "--spec", json.dumps(recorded["spec"]),
+         "--data", str(work / "results" / "smoke" / "data" / "manifest.json"), "--out", str(ref),
+         "--threads", "1", "--no-progress"],
+        cwd=work, env=dict(os.environ, PYTHONPATH=str(work)), check=True, capture_output=True, timeout=600,
+    )
+    (a, ma), (b, mb) = read_model(rundir / "model.safetensors"), read_model(ref / "model.safetensors")
+    assert ma["step"] == mb["step"] == overrides["steps"] and a.keys() == b.keys()
+    differ = [k for k in a if not bool((a[k] == b[k]).all())]
+    assert not differ, f"weights differ after resume: {differ[:5]}"
+    faults("Slurm: SIGTERM, then requeue of a training job", runs=1, lost=int(bool(differ)))
+    print(f"SIGTERM to Slurm job {first} (resumed at step {step1}), requeue of job {second} (resumed at step "
+          f"{step2}) of {overrides['steps']}: identical weights; {time.time() - t0:.0f} s "
+          f"(after the requeue {time.time() - t_requeue:.0f} s)")
+
+
+def _slurm_job_of(run: str) -> str | None:
+    """The Slurm job id of the training job of ``run`` (the executor puts rule and wildcards in the
+    job's comment)."""
+    out = subprocess.run(["squeue", "-h", "-o", "%i|%k|%T"], capture_output=True, text=True).stdout
+    for line in out.splitlines():
+        jid, comment, state = line.split("|", 2)
+        if comment.startswith("rule_train_") and comment.endswith(run) and state == "RUNNING":
+            return jid
+    return None

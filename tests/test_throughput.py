@@ -8,6 +8,7 @@ import math
 from pathlib import Path
 
 import pytest
+from conftest import head_commit
 
 from lrattnres import throughput as tp
 
@@ -183,7 +184,7 @@ def cpu_result(tmp_path_factory):
 def test_cpu_run_json_shape(cpu_result):
     r = cpu_result
     assert r["stage"] == "throughput" and r["device"].startswith("cpu") and r["complete"] is True
-    assert r["provenance"]["commit"] is not None or "commit" in r["provenance"]
+    assert r["provenance"]["commit"] == head_commit() and isinstance(r["provenance"]["dirty"], bool)
     assert r["provenance"]["attention"]["backend"] == "sdpa"  # auto on the CPU
     names = [row["name"] for row in r["rows"]]
     assert names == ["baseline", "fused-rd", "fused-rd4", "reference-rd4"]
@@ -421,16 +422,16 @@ def test_recorded_claims_are_derived_again_by_this_code():
 # ------------------------------------------------------------------------------ resume and deadline
 
 
-def _fake_timing(calls: list, stop_after: int | None = None):
+def _fake_timing(calls: list, monkeypatch, stop_after: int | None = None):
     """A stand-in for time_method: fixed update times; once ``stop_after`` runs are timed, the
-    deadline (LRATTNRES_DEADLINE) is set in the past."""
-    import os
+    deadline (LRATTNRES_DEADLINE) is set in the past, through ``monkeypatch`` so that it is gone after
+    the test (set directly, a later monkeypatch.delenv would put it back for every test after)."""
     import time as _time
 
     def timed(model, batches, s, device, precision, log=None, guard=None):
         calls.append(model.cfg.rank)
         if stop_after is not None and len(calls) == stop_after:
-            os.environ["LRATTNRES_DEADLINE"] = str(_time.time() - 1)
+            monkeypatch.setenv("LRATTNRES_DEADLINE", str(_time.time() - 1))
         return {"times_s": [0.01 * len(calls)] * 3, "warmup_s": 0.0, "stopped": "converged", "final_ce": 1.0,
                 "peak_mem_gib": None, "weights_dtype": "float32"}
 
@@ -446,7 +447,7 @@ def test_a_stage_at_its_deadline_keeps_its_runs_and_the_next_continues(tmp_path,
     spec = json.dumps(dict(SMALL, methods=["fused-rd", "fused-rd4"], repeats=3))
     first: list = []
     monkeypatch.delenv("LRATTNRES_DEADLINE", raising=False)
-    monkeypatch.setattr(tp.measure, "time_method", _fake_timing(first, stop_after=3))
+    monkeypatch.setattr(tp.measure, "time_method", _fake_timing(first, monkeypatch, stop_after=3))
     assert tp.main(["--spec", spec, "--out", str(out)]) == 75  # EX_TEMPFAIL: a retry continues
     part = tp.partial_path(out)
     assert not out.exists() and part.name == "smoke.partial.json"
@@ -457,7 +458,7 @@ def test_a_stage_at_its_deadline_keeps_its_runs_and_the_next_continues(tmp_path,
     # with time again, only the three missing runs are timed; the earlier ones are kept as they were
     monkeypatch.delenv("LRATTNRES_DEADLINE")
     second: list = []
-    monkeypatch.setattr(tp.measure, "time_method", _fake_timing(second))
+    monkeypatch.setattr(tp.measure, "time_method", _fake_timing(second, monkeypatch))
     assert tp.main(["--spec", spec, "--out", str(out)]) == 0
     assert len(second) == 3 and not part.exists()
     r = json.loads(out.read_text())
@@ -470,12 +471,12 @@ def test_a_partial_state_of_another_spec_is_not_continued(tmp_path, monkeypatch)
     out = tmp_path / "smoke.json"
     monkeypatch.delenv("LRATTNRES_DEADLINE", raising=False)
     calls: list = []
-    monkeypatch.setattr(tp.measure, "time_method", _fake_timing(calls, stop_after=2))
+    monkeypatch.setattr(tp.measure, "time_method", _fake_timing(calls, monkeypatch, stop_after=2))
     spec = dict(SMALL, methods=["fused-rd", "fused-rd4"], repeats=2)
     assert tp.main(["--spec", json.dumps(spec), "--out", str(out)]) == 75
     monkeypatch.delenv("LRATTNRES_DEADLINE")
     again: list = []
-    monkeypatch.setattr(tp.measure, "time_method", _fake_timing(again))
+    monkeypatch.setattr(tp.measure, "time_method", _fake_timing(again, monkeypatch))
     assert tp.main(["--spec", json.dumps(dict(spec, max_updates=5)), "--out", str(out)]) == 0
     assert len(again) == 4  # every run timed afresh
 

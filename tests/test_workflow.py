@@ -1,5 +1,6 @@
-"""The Snakemake workflow: plans at every scale, lint and format, bad config, the smoke DAG end to end,
-and reruns that follow real code changes."""
+"""The Snakemake workflow: plans at every scale (the default through the README's first command), lint
+and format, bad config, overrides, GPU resources, what a new recording reruns.  The smoke DAG end to
+end and the reruns that follow code changes: tests/test_smoke_dag.py."""
 
 from __future__ import annotations
 
@@ -9,33 +10,15 @@ import os
 import re
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
-from conftest import REPO, copy_repo, snakemake
+from conftest import REPO, copy_repo, job_counts, readme_command, snakemake
 
 from lrattnres.config import load_and_resolve
 from lrattnres.grid import conversions, evaluations, plan
 
 SCALES = ("smoke", "tiny", "gpu", "paper")
-
-
-def job_counts(stdout: str) -> dict[str, int]:
-    """The 'Job stats' table of a dry run as {rule: count}."""
-    counts: dict[str, int] = {}
-    lines = stdout.splitlines()
-    try:
-        start = next(i for i, line in enumerate(lines) if line.strip().startswith("Job stats"))
-    except StopIteration:
-        return counts
-    for line in lines[start + 3 :]:
-        m = re.match(r"^(\S+)\s+(\d+)$", line.strip())
-        if not m:
-            break
-        counts[m.group(1)] = int(m.group(2))
-    counts.pop("total", None)
-    return counts
 
 
 @pytest.fixture(scope="module")
@@ -45,10 +28,19 @@ def shared_copy(tmp_path_factory) -> Path:
 
 @pytest.mark.parametrize("scale", SCALES)
 def test_dry_run_every_scale(shared_copy, scale):
-    proc = snakemake(shared_copy, "-n", "--config", f"scale={scale}")
+    """Every scale validates and plans its runs.  The default scale through the README's first command
+    as written (the venv's snakemake with the default profile, no --config)."""
+    if scale == load_and_resolve(REPO / "config.yaml", {})["scale"]:
+        env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+        proc = subprocess.run([*readme_command(), "-n"], cwd=shared_copy, env=env, capture_output=True, text=True,
+                              timeout=600)
+        assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+        assert "workflow specific profile profiles/default" in proc.stdout + proc.stderr
+    else:
+        proc = snakemake(shared_copy, "-n", "--config", f"scale={scale}")
     counts = job_counts(proc.stdout)
     settings = load_and_resolve(REPO / "config.yaml", {"scale": scale})
-    assert counts.get("train") == len(plan(settings))
+    assert counts.get("train") == counts.get("diagnose_run") == len(plan(settings)) > 0
     assert counts.get("convert") == len(conversions(settings))
     assert counts.get("evaluate") == len(evaluations(settings))
     assert counts.get("kernel_check_run") == len(evaluations(settings))  # Appendix I: every read of the size pair
@@ -242,74 +234,6 @@ def test_per_run_diagnostics_do_not_depend_on_the_flop_counts():
     assert "lrattnres/gridplan.py" in diagnostics
     assert "lrattnres/accounting.py" not in diagnostics and "lrattnres/grid.py" not in diagnostics
     assert {"lrattnres/gridplan.py", "lrattnres/accounting.py"} <= set(closure("lrattnres.grid"))
-
-
-@pytest.mark.slow
-def test_smoke_dag_end_to_end_and_reruns_follow_code(tmp_path):
-    work = copy_repo(tmp_path / "repo")
-    t0 = time.time()
-    snakemake(work, "reports/paper.html", "--cores", "2", "--config", "scale=smoke")
-    elapsed = time.time() - t0
-    paper = json.loads((work / "reports" / "paper.json").read_text())
-    assert paper["scale"] == "smoke"
-    assert {"commit", "config_sha256", "versions", "device", "started", "finished"} <= set(paper["provenance"])
-    claims = paper["claims"]
-    assert len(claims) >= 300
-    verdicts = {"match", "mismatch", "reproduced", "contradicted", "inconclusive", "different scale", "not run"}
-    assert all(c["verdict"] in verdicts for c in claims)
-    assert paper["problems"] == [], paper["problems"]  # every stage output of the DAG is well formed
-    tsv = (work / "reports" / "claims.tsv").read_text().splitlines()
-    assert tsv[0].startswith("id\tsource\t") and len(tsv) == len(claims) + 1
-    exact = [c for c in claims if c["kind"] == "exact"]
-    assert exact and all(c["verdict"] == "match" for c in exact), [c for c in exact if c["verdict"] != "match"]
-    for c in claims:
-        if c["verdict"] == "not run":
-            assert c["note"], c
-    html = (work / "reports" / "paper.html").read_text()
-    assert not re.search(r"<script[^>]*\ssrc=", html, re.I)  # the filter script is inline: the page works from disk
-    print(f"smoke DAG: {elapsed:.1f} s")
-
-    # nothing to do after a complete run
-    assert _planned(work) == {}
-
-    # execution settings rerun nothing: resources, threads, retries, GPUs, the retry and GPU machinery
-    for extra in (
-        ("--config", "scale=smoke", 'resources={"default": {"mem_mb": 3000, "runtime": 20}, "train": {"mem_mb": 5000}}'),
-        ("--config", "scale=smoke", 'data={"num_threads": 1}'),
-        ("--set-threads", "train=2", "evaluate=2", "prepare_data=1", "--retries", "7", "--resources", "gpu=2",
-         "--config", "scale=smoke"),
-    ):
-        assert job_counts(snakemake(work, "-n", *extra).stdout) == {}, extra
-    for module in ("attempts.py", "gpus.py"):
-        f = work / "lrattnres" / module
-        f.write_text(f.read_text() + "\n# a change\n")
-    assert _planned(work) == {}
-
-    # a bare touch of a source file reruns nothing (content checksums, not mtimes)
-    os.utime(work / "lrattnres" / "accounting.py")
-    assert _planned(work) == {}
-
-    # a new recording (reports/recorded.yaml, not the config) reruns the report only
-    _record(work, "train_step_new", {"rows": []})
-    assert set(_planned(work)) == {"report", "all"}
-
-    # a real change of one report section reruns the report only
-    sec = work / "lrattnres" / "report" / "sections" / "kernel.py"
-    sec.write_text(sec.read_text() + "\n# a change\n")
-    assert set(_planned(work)) == {"report", "all"}
-
-    # a real change of the accounting module reruns the accounting, the grid summary (it uses its
-    # FLOP counts) and the report; not the diagnostics, which take the grid's run list from its plan
-    acc = work / "lrattnres" / "accounting.py"
-    acc.write_text(acc.read_text() + "\n# a change\n")
-    assert set(_planned(work)) == {"accounting", "grid_summary", "report", "all"}
-    snakemake(work, "reports/paper.html", "--cores", "2", "--config", "scale=smoke")
-
-    # a change of the model reruns the training runs and what reads them, not data or accounting
-    model = work / "lrattnres" / "model.py"
-    model.write_text(model.read_text() + "\n# a change\n")
-    planned = _planned(work)
-    assert "train" in planned and "accounting" not in planned and "prepare_data" not in planned
 
 
 def test_shell_scripts_clean():
