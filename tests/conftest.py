@@ -71,6 +71,26 @@ def pytest_collection_modifyitems(config, items):
     items[:] = sorted(items, key=lambda item: first.get(item.path.name, len(first)))
 
 
+WORDS = ("the of and to in is that for it as was with be by on not he this are or his from at which but have an "
+         "model layer residual attention depth query key value token document routing weight sum block rank").split()
+
+
+def word_corpus(d: Path, seed: int, docs: int = 400) -> str:
+    """A jsonl corpus of random sentences over WORDS in ``d``, prepared (compact vocabulary); the
+    manifest's path. The training tests' small data."""
+    import random
+
+    from lrattnres.data import prepare
+
+    rng = random.Random(seed)
+    with open(d / "docs.jsonl", "w", encoding="utf-8") as f:
+        for _ in range(docs):
+            f.write(json.dumps({"text": " ".join(rng.choice(WORDS) for _ in range(rng.randint(10, 120)))}) + "\n")
+    prepare({"source": "local", "local": {"glob": str(d / "docs.jsonl")}, "val_tokens": 1500,
+             "shard_tokens": 20000, "vocab": "compact"}, d / "data", progress=False)
+    return str(d / "data" / "manifest.json")
+
+
 def copy_repo(dest: Path) -> Path:
     """Copy the working tree (tracked and untracked-not-ignored files) to ``dest``."""
     files = subprocess.run(

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import socket
 from pathlib import Path
 
@@ -14,24 +13,14 @@ import torch
 
 from lrattnres.train import checkpoint as ckpt
 from lrattnres.train.checkpoint import CheckpointError, read_model
+from conftest import word_corpus
 from lrattnres.train.loop import Preempted, train
 
-WORDS = ("the of and to in is that for it as was with be by on not he this are or his from at which but have an "
-         "model layer residual attention depth query key value token document routing weight sum block rank").split()
 
 
 @pytest.fixture(scope="module")
 def manifest(tmp_path_factory):
-    from lrattnres.data import prepare
-
-    d = tmp_path_factory.mktemp("shard_corpus")
-    rng = random.Random(1)
-    with open(d / "docs.jsonl", "w", encoding="utf-8") as f:
-        for _ in range(400):
-            f.write(json.dumps({"text": " ".join(rng.choice(WORDS) for _ in range(rng.randint(10, 120)))}) + "\n")
-    prepare({"source": "local", "local": {"glob": str(d / "docs.jsonl")}, "val_tokens": 1500,
-             "shard_tokens": 20000, "vocab": "compact"}, d / "data", progress=False)
-    return str(d / "data" / "manifest.json")
+    return word_corpus(tmp_path_factory.mktemp("shard_corpus"), seed=1)
 
 
 def spec(**over):

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import signal
 import socket
 import subprocess
@@ -18,25 +17,15 @@ import torch
 
 from lrattnres.train import loop
 from lrattnres.train.checkpoint import CheckpointError, load_checkpoint, load_model, read_model
+from conftest import word_corpus
 from lrattnres.train.loop import NonFiniteLoss, Preempted, ResumeMismatch, train
 
 REPO = Path(__file__).resolve().parent.parent
-WORDS = ("the of and to in is that for it as was with be by on not he this are or his from at which but have an "
-         "model layer residual attention depth query key value token document routing weight sum block rank").split()
 
 
 @pytest.fixture(scope="module")
 def manifest(tmp_path_factory):
-    from lrattnres.data import prepare
-
-    d = tmp_path_factory.mktemp("train_corpus")
-    rng = random.Random(0)
-    with open(d / "docs.jsonl", "w", encoding="utf-8") as f:
-        for _ in range(400):
-            f.write(json.dumps({"text": " ".join(rng.choice(WORDS) for _ in range(rng.randint(10, 120)))}) + "\n")
-    prepare({"source": "local", "local": {"glob": str(d / "docs.jsonl")}, "val_tokens": 1500,
-             "shard_tokens": 20000, "vocab": "compact"}, d / "data", progress=False)
-    return str(d / "data" / "manifest.json")
+    return word_corpus(tmp_path_factory.mktemp("train_corpus"), seed=0)
 
 
 def make_spec(**over):
