@@ -126,7 +126,7 @@ def test_smoke_dag_through_the_slurm_profile(slurm_cluster, tmp_path):
     t0 = time.time()
     proc = snakemake(
         work, "reports/paper.html", "--profile", PROFILE, "--config", "scale=smoke", *cluster_flags(), *flags,
-        check=False, timeout=600,
+        check=False, timeout=1500,
     )
     elapsed = time.time() - t0
     out = proc.stdout + proc.stderr
@@ -166,7 +166,7 @@ def test_training_job_lands_on_one_node_with_its_gpus(slurm_cluster, tmp_path, l
     run = plan(load_and_resolve(work / "config.yaml", {"scale": "smoke"}))[0].run_id
     proc = snakemake(
         work, f"results/smoke/runs/{run}/result.json", "--profile", PROFILE, "--config", "scale=smoke",
-        f"resources={json.dumps(res)}", *cluster_flags(jobs=2), check=False, timeout=600,
+        f"resources={json.dumps(res)}", *cluster_flags(jobs=2), check=False, timeout=900,
     )
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, f"{out[-6000:]}\n{slurm_logs(work)}"
@@ -190,7 +190,7 @@ def test_data_stage_runs_where_snakemake_runs_when_local(slurm_cluster, tmp_path
     work = copy_repo(tmp_path / "repo")
     proc = snakemake(
         work, "results/smoke/data/manifest.json", "--profile", PROFILE, "--config", "scale=smoke",
-        'resources={"prepare_data": {"local": true}}', *cluster_flags(jobs=2), check=False, timeout=600,
+        'resources={"prepare_data": {"local": true}}', *cluster_flags(jobs=2), check=False, timeout=900,
     )
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, f"{out[-6000:]}\n{slurm_logs(work)}"
@@ -251,7 +251,7 @@ def test_training_job_stopped_then_requeued_resumes_with_identical_weights(slurm
         assert not (rundir / "model.safetensors").exists(), "training finished before it could be requeued: raise its steps"
         subprocess.run(["scontrol", "requeue", second], check=True, capture_output=True, text=True)
         t_requeue = time.time()
-        out, _ = proc.communicate(timeout=480)
+        out, _ = proc.communicate(timeout=900)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
@@ -276,7 +276,7 @@ def test_training_job_stopped_then_requeued_resumes_with_identical_weights(slurm
          "-m", "lrattnres", "train", "--spec", json.dumps(recorded["spec"]),
          "--data", str(work / "results" / "smoke" / "data" / "manifest.json"), "--out", str(ref),
          "--threads", "1", "--no-progress"],
-        cwd=work, env=dict(os.environ, PYTHONPATH=str(work)), check=True, capture_output=True, timeout=600,
+        cwd=work, env=dict(os.environ, PYTHONPATH=str(work)), check=True, capture_output=True, timeout=900,
     )
     (a, ma), (b, mb) = read_model(rundir / "model.safetensors"), read_model(ref / "model.safetensors")
     assert ma["step"] == mb["step"] == overrides["steps"] and a.keys() == b.keys()
