@@ -124,8 +124,6 @@ def _planned(workdir: Path) -> dict[str, int]:
 def _smoke_jobs(workdir: Path) -> tuple[list[tuple[str, set[str], str | None]], dict[str, int]]:
     """Every job of the smoke DAG (a forced dry run): (its rule, its input files, the CLI stage its
     shell command runs, or None); and the run's job counts."""
-    import shlex
-
     from lrattnres.cli import STAGES
 
     out = snakemake(workdir, "-n", "-p", "--forceall", *SMOKE_CONFIG).stdout
@@ -192,9 +190,9 @@ def _recorded(workdir: Path, name: str, content: dict):
 
 
 def test_smoke_dag_end_to_end(smoke_dag):
-    """The README's first command end to end at the smoke scale (tests/conftest.py, smoke_dag; the
-    default scale is planned by test_dry_run_every_scale): every stage output well formed, every exact
-    and invariant claim as expected, and the page's counts are paper.json's."""
+    """The README's first command end to end at the smoke scale (the module's fixture; the default scale
+    is planned by tests/test_workflow.py's test_dry_run_every_scale): every stage output well formed,
+    every exact and invariant claim as expected, and the page's counts are paper.json's."""
     from collections import Counter
 
     from lrattnres.claims import KINDS, VERDICTS
