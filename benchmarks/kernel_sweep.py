@@ -93,7 +93,7 @@ def _quick(kind: str, block_d: int, nch: int, default: bool = True) -> list[dict
 
 def _layouts(d: int, r: int | None = None) -> list[tuple[int, int]]:
     """The column layouts to compare at width d (key width r): its own (kernels.op._col_layout), one
-    chunk, the fewest-lanes layout nearest 512-column chunks (its own where the key allows the
+    chunk, the least-padded layout nearest 512-column chunks (its own where the key allows the
     specialisation), and three chunks where those pad less than one (the layout every multi-chunk
     width once used)."""
     out = [kop._col_layout(d, True, r), kop._col_layout(d, False), kop._col_layout(d, True)]

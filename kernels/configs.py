@@ -48,7 +48,7 @@ FWD_CHUNKS = (
     (1, 8, 0, _opts(KEYED, EVICT, STAGES=3), "1 token, 2 warps, pipelined: 7 shapes (r = d at S 9 to 25)"),
 )
 
-# The forward's source loop, one chunk (d = 1024 with r = d; every width whose fewest lanes are one
+# The forward's source loop, one chunk (d = 1024 with r = d; every width whose least-padded layout is one
 # chunk, d <= 512 among them).  Only d = 1024 is measured; the others are kept for the unmeasured widths.
 FWD_ONE = (
     (2, 32, 1, ARGS, "2 tokens: 1 shape (d = 1024, r = d, S = 5, 8192 tokens)"),
@@ -136,9 +136,9 @@ def key_pos(d: int, r: int, block_d: int, nch: int) -> int:
 def col_layout(d: int, split: bool | int | None = None, r: int | None = None) -> tuple[int, int]:
     """(BLOCK_D, NCH): the chunk width and count (1 to MAX_CHUNKS) a row of d columns is read as.
 
-    The layout with the fewest lanes (NCH * BLOCK_D) among 1 to MAX_CHUNKS chunks of at least
+    The layout with the fewest columns (NCH * BLOCK_D, padding included) among 1 to MAX_CHUNKS chunks of at least
     MIN_CHUNK columns; among equals, the chunk width nearest PREFERRED_CHUNK, then the fewer chunks:
-    d = 1536 as 3 x 512 (one chunk would pad it to 2048 lanes), 2560 as 5 x 512, 1024 as 2 x 512, 513
+    d = 1536 as 3 x 512 (one chunk would pad it to 2048 columns), 2560 as 5 x 512, 1024 as 2 x 512, 513
     as 5 x 128.  With the key width r: where the key starts in the first chunk of every such layout
     (r = d), the fewest chunks (1024 as one chunk: there is nothing to specialise, and one chunk is
     faster: kernel_sweep_h200_2026-11-30_chunks2).  ``split`` (a configuration's SPLIT) forces a

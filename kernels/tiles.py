@@ -2,7 +2,7 @@
 
 Column layout: every source is a [N, d] matrix with unit column stride and its own row stride, read
 at the full row width as NCH column chunks of BLOCK_D columns (a power of two, masked past d), NCH
-from 1 to 5, whichever pads least (d = 1536 as 3 x 512, 2560 as 5 x 512: no masked lanes; see
+from 1 to 5, whichever pads least (d = 1536 as 3 x 512, 2560 as 5 x 512: no masked columns; see
 kernels.configs.col_layout).  All chunks share one register layout, so their elementwise terms add
 up before a single row sum.  Triton has no arrays of tiles: a row's five chunks are five values, the
 constant ones (column offsets, masks, the query's columns, g) passed between helpers as tuples (offs,

@@ -465,20 +465,20 @@ def test_launch_config_candidates():
 
 
 def test_column_layout():
-    """Rows are read as the fewest lanes of 1 to 5 equal power-of-two chunks; among equals, chunks
-    nearest 512 columns."""
-    assert op._col_layout(1536) == (512, 3)  # the 1B model: no padded lanes
-    assert op._col_layout(2560) == (512, 5)  # 2560 lanes instead of 3072 (3 x 1024) or 4096
-    assert op._col_layout(1024) == (512, 2)  # as few lanes as one chunk, and a key chunk to specialise
+    """Rows are read as the fewest columns (padding included) of 1 to 5 equal power-of-two chunks;
+    among equals, chunks nearest 512 columns."""
+    assert op._col_layout(1536) == (512, 3)  # the 1B model: no padded columns
+    assert op._col_layout(2560) == (512, 5)  # 2560 columns instead of 3072 (3 x 1024) or 4096
+    assert op._col_layout(1024) == (512, 2)  # as few columns as one chunk, and a key chunk to specialise
     assert op._col_layout(513) == (128, 5)
     assert op._col_layout(64) == (64, 1)
     assert op._col_layout(200) == (256, 1)  # chunks under MIN_CHUNK columns are not worth it
     assert op._col_layout(2048) == (512, 4) and op._col_layout(4096) == (1024, 4)
     assert op._col_layout(1536, split=False) == (2048, 1)
-    # given the key width: where no layout of the fewest lanes can specialise the key, the fewest chunks
+    # given the key width: where no layout of the fewest columns can specialise the key, the fewest chunks
     assert op._col_layout(1024, r=1024) == (1024, 1) and op._col_layout(1024, r=256) == (512, 2)
     assert op._col_layout(2048, r=2048) == (2048, 1) and op._col_layout(2048, r=512) == (512, 4)
-    assert op._col_layout(1536, r=1536) == (512, 3) and op._col_layout(2560, r=2560) == (512, 5)  # fewer lanes first
+    assert op._col_layout(1536, r=1536) == (512, 3) and op._col_layout(2560, r=2560) == (512, 5)  # least padding first
     assert op._col_layout(2560, split=3) == (1024, 3)  # a configuration's SPLIT forces a chunk count
     with pytest.raises(ValueError, match="SPLIT"):
         op._col_layout(2560, split=6)
@@ -486,7 +486,7 @@ def test_column_layout():
         block, nch = op._col_layout(d)
         assert block * nch >= d and block & (block - 1) == 0 and 1 <= nch <= op.MAX_CHUNKS
         assert nch == 1 or block >= op.MIN_CHUNK
-        assert block * nch <= op._next_pow2(d)  # never more lanes than one chunk
+        assert block * nch <= op._next_pow2(d)  # never more columns than one chunk
 
 
 @pytest.mark.parametrize("eager_function", [False, True], ids=["custom-op", "function"])
