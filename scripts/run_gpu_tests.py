@@ -1,31 +1,45 @@
 #!/usr/bin/env python3
 """Run the repository's GPU test suite on a CUDA machine and write one log.
 
-    python scripts/run_gpu_tests.py [--log PATH] [--gpus N] [--all] [--tests PATH ...] [-- PYTEST_ARGS ...]
+    python scripts/run_gpu_tests.py [--log PATH] [--gpus N] [--workers W] [--shard K/N] [--all]
+                                    [--tests PATH ...] [-- PYTEST_ARGS ...]
+    python scripts/run_gpu_tests.py --merge SHARD_LOG ... --log PATH
 
 The suite (tests/conftest.py, ``--gpu-suite``) is every case of tests/test_kernels.py,
 test_kernels_naive.py and test_kernels_tuner.py (on a GPU their kernels compile for the device
 instead of running in Triton's interpreter) and every case marked ``gpu`` in the other test files.
 ``--all`` runs the whole test suite instead; ``--tests`` names the test files or folders to select
-from (default: tests).  With N GPUs
-(default: every visible one) the cases are dealt round-robin into N parts that run side by side, one
-per GPU.
+from (default: tests).
+
+With N GPUs (default: every visible one) the cases are dealt round-robin into N parts that run side
+by side, one per GPU.  ``--workers W`` runs W pytest-xdist workers on each GPU (the suite is bound
+by compiling kernels, which W processes do at once; 8 on a 16-core H200 host).  Cases marked
+``gpu_alone`` (they time GPU work, or start processes of their own that share the GPU) run after
+the others in each part, one at a time.
+
+The whole suite takes longer than some machines are lent for at once.  ``--shard K/N`` runs the
+K-th of N round-robin shares of the selected cases; each shard writes its own log and a JSON
+summary beside it (``LOG.json``), and ``--merge`` joins the N shard logs of one commit into one
+log, refusing shards of another commit, another selection, or a missing or repeated share.
 
 The log (default benchmarks/results/gpu_tests_<device>_<date>.log) starts with the commit, the
-device and the versions, holds pytest's report of every case (each pass, each skip with its reason,
-each failure) part by part, and ends with the counts, every skipped case and the wall time.  Exit
-status: 0 when no case failed, 1 when one did, 2 without a CUDA device (``--allow-cpu`` runs anyway,
-the GPU cases then skip: for checking this script).
+device and the versions, holds pytest's report of every case (one line per case as it finishes,
+each skip with its reason, each failure with its traceback) part by part, and ends with the
+counts, every skipped case and the wall time.  While the suite runs, each part's report grows in
+``LOG.part<k>`` beside the log, so a run stopped from outside still leaves every finished case's
+result.  Exit status: 0 when no case failed, 1 when one did, 2 without a CUDA device
+(``--allow-cpu`` runs anyway, the GPU cases then skip: for checking this script).
 
 A copy of the tree without its .git, or with a stale one (a GPU host), names its commit:
 
-    LRATTNRES_COMMIT=<sha> python scripts/run_gpu_tests.py --log "$OUT/gpu_tests.log"
+    LRATTNRES_COMMIT=<sha> python scripts/run_gpu_tests.py --workers 8 --log "$OUT/gpu_tests.log"
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime as dt
+import json
 import os
 import platform
 import re
@@ -34,6 +48,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
@@ -83,14 +98,35 @@ def header(argv: list[str]) -> list[str]:
     return lines
 
 
-def collect(selection: list[str], extra: list[str]) -> list[str]:
-    """The node ids pytest selects."""
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-n", "0", "--collect-only", "-q",
-                           *selection, *extra], cwd=REPO, capture_output=True, text=True)
-    ids = [line for line in proc.stdout.splitlines() if "::" in line and not line.startswith(" ")]
-    if proc.returncode not in (0, 5) or not ids:
-        raise SystemExit(f"collection failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-    return ids
+# One collection in a process of its own: the selected cases, each with its ``gpu_alone`` mark.  The
+# caller's pytest arguments come first, so that the collection runs in one process and -v/-q in them
+# leave the answer alone.
+_COLLECT = """
+import json, os, sys, pytest
+
+class Seen:
+    cases = []
+
+    def pytest_collection_finish(self, session):
+        # each case as a path from the repository (a test file outside it too) and the node's own name
+        self.cases[:] = [[os.path.relpath(i.path, os.getcwd()) + "::" + i.nodeid.split("::", 1)[1],
+                          i.get_closest_marker("gpu_alone") is not None] for i in session.items]
+
+seen = Seen()
+code = pytest.main([*sys.argv[1:], "-p", "no:cacheprovider", "-n", "0", "--collect-only", "-q"], plugins=[seen])
+print("CASES " + json.dumps({"code": int(code), "cases": seen.cases}))
+"""
+
+
+def collect(selection: list[str], extra: list[str]) -> list[tuple[str, bool]]:
+    """The node ids pytest selects, each with whether it needs the GPU to itself."""
+    proc = subprocess.run([sys.executable, "-c", _COLLECT, *extra, *selection], cwd=REPO, capture_output=True,
+                          text=True)
+    found = [line[6:] for line in proc.stdout.splitlines() if line.startswith("CASES ")]
+    got = json.loads(found[-1]) if found else {"code": proc.returncode, "cases": []}
+    if got["code"] not in (0, 5) or not got["cases"]:
+        raise SystemExit(f"collection failed ({got['code']}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    return [(nodeid, alone) for nodeid, alone in got["cases"]]
 
 
 def junit_summary(path: Path) -> dict:
@@ -114,16 +150,112 @@ def junit_summary(path: Path) -> dict:
     return out
 
 
+def add_counts(total: dict, s: dict) -> None:
+    for key in ("passed", "failed", "errors", "skipped", "skips", "failures"):
+        total[key] += s[key]
+
+
+def summary_lines(total: dict, selected: int, wall: float) -> list[str]:
+    lines = ["===== summary",
+             f"{total['passed']} passed, {total['failed']} failed, {total['errors']} errors, {total['skipped']} skipped "
+             f"of {selected} selected, in {wall:.0f} s"]
+    lines += [f"FAILED {name}" for name in total["failures"]]
+    lines += [f"SKIPPED {skip}" for skip in total["skips"]]
+    ran = total["passed"] + total["failed"] + total["errors"] + total["skipped"]
+    if ran != selected:
+        lines.append(f"{selected - ran} selected cases have no result (a part stopped early: see its exit status above)")
+    return lines
+
+
+def parse_shard(text: str) -> tuple[int, int]:
+    m = re.fullmatch(r"(\d+)/(\d+)", text)
+    if not m or not 1 <= int(m.group(1)) <= int(m.group(2)):
+        raise argparse.ArgumentTypeError(f"--shard: expected K/N with 1 <= K <= N, got {text!r}")
+    return int(m.group(1)), int(m.group(2))
+
+
+def run_part(k: int, ids: list[tuple[str, bool]], workers: int, common: list[str], env: dict, report: Path,
+             tmp: Path, codes: dict) -> None:
+    """One part on one GPU: its shared cases on ``workers`` pytest-xdist workers, then the cases that
+    need the GPU to themselves, one at a time; pytest's report appended to ``report`` as it runs."""
+    shared = [i for i, alone in ids if not alone]
+    alone = [i for i, alone in ids if alone]
+    phases = [("shared", shared, ["-n", str(workers), "--dist", "worksteal"] if workers > 1 else ["-n", "0"]),
+              ("alone", alone, ["-n", "0"])]
+    codes[k] = []
+    with open(report, "a", encoding="utf-8") as out:
+        for name, cases, dist in phases:
+            if not cases:
+                continue
+            out.write(f"----- {name}: {len(cases)} cases" + (f" on {workers} workers" if name == "shared" and workers > 1
+                                                             else ", one at a time") + "\n")
+            out.flush()
+            cmd = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-v", "-ra", "--durations=25",
+                   f"--junitxml={tmp / f'part{k}-{name}.xml'}", *common, *dist, *cases]
+            codes[k].append(subprocess.run(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT).returncode)
+
+
+def merge(logs: list[Path], into: Path) -> int:
+    """Join the logs of the N shards of one run (their LOG.json summaries say which) into one log."""
+    parts = []
+    for log in logs:
+        meta = log.with_name(log.name + ".json")
+        if not log.exists() or not meta.exists():
+            raise SystemExit(f"--merge: {log} or its summary {meta.name} is missing")
+        parts.append((log, json.loads(meta.read_text(encoding="utf-8"))))
+    first = parts[0][1]
+    for log, m in parts:
+        for key in ("commit", "selection", "shards", "selected_total"):
+            if m.get(key) != first.get(key):
+                raise SystemExit(f"--merge: {log.name} has {key} {m.get(key)!r}, {parts[0][0].name} has "
+                                 f"{first.get(key)!r}: shards of one run only")
+    shards = sorted(m["shard"] for _, m in parts)
+    if shards != list(range(1, first["shards"] + 1)):
+        raise SystemExit(f"--merge: shards {shards} given, expected each of 1..{first['shards']} once")
+    parts.sort(key=lambda p: p[1]["shard"])
+    total = {"passed": 0, "failed": 0, "errors": 0, "skipped": 0, "skips": [], "failures": []}
+    for _, m in parts:
+        add_counts(total, m)
+    wall = sum(m["wall_s"] for _, m in parts)
+    lines = [f"GPU test suite of lrattnres (scripts/run_gpu_tests.py), {first['shards']} shards merged "
+             f"(scripts/run_gpu_tests.py --merge)", f"commit: {first['commit']}",
+             f"selected: {first['selected_total']} cases ({first['selection']}), in {first['shards']} shards", ""]
+    for log, m in parts:
+        lines.append(f"##### shard {m['shard']} of {m['shards']}: {log.name}")
+        lines += log.read_text(encoding="utf-8", errors="replace").splitlines()
+        lines.append("")
+    lines += summary_lines(total, first["selected_total"], wall)
+    into.parent.mkdir(parents=True, exist_ok=True)
+    into.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    merged = dict(first, shard=None, wall_s=wall, selected=first["selected_total"], **total)
+    into.with_name(into.name + ".json").write_text(json.dumps(merged, indent=1) + "\n", encoding="utf-8")
+    print("\n".join(summary_lines(total, first["selected_total"], wall)))
+    print(f"log: {into}")
+    ok = all(m["exit_ok"] for _, m in parts) and not total["failures"]
+    return 0 if ok and sum(total[k] for k in ("passed", "failed", "errors", "skipped")) == first["selected_total"] else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     extra = argv[argv.index("--") + 1:] if "--" in argv else []
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--log", type=Path, default=None, help="the log file (default benchmarks/results/gpu_tests_<device>_<date>.log)")
     p.add_argument("--gpus", type=int, default=None, help="parts run side by side, one per GPU (default: every visible GPU)")
+    p.add_argument("--workers", type=int, default=1, help="pytest-xdist workers on each GPU (default 1)")
+    p.add_argument("--shard", type=parse_shard, default=(1, 1), metavar="K/N",
+                   help="the K-th of N round-robin shares of the selected cases (default 1/1: all)")
+    p.add_argument("--merge", type=Path, nargs="+", default=None, metavar="SHARD_LOG",
+                   help="join these shard logs into --log instead of running anything")
     p.add_argument("--all", action="store_true", help="the whole test suite, not only the GPU suite")
     p.add_argument("--allow-cpu", action="store_true", help="run without a CUDA device (the GPU cases skip)")
     p.add_argument("--tests", nargs="+", default=["tests"], help="test files or folders to select from (default: tests)")
     args = p.parse_args(argv[: argv.index("--")] if "--" in argv else argv)
+    if args.merge:
+        if args.log is None:
+            p.error("--merge needs --log, the merged log's path")
+        return merge(args.merge, args.log)
+    if args.workers < 1:
+        p.error(f"--workers: expected at least 1, got {args.workers}")
 
     import torch
 
@@ -141,7 +273,9 @@ def main(argv: list[str] | None = None) -> int:
     args.log.parent.mkdir(parents=True, exist_ok=True)
 
     selection = [*args.tests] if args.all else [*args.tests, "--gpu-suite"]
-    ids = collect(selection, extra)
+    every = collect(selection, extra)
+    k_shard, n_shards = args.shard
+    ids = every[k_shard - 1::n_shards]
     t0 = time.time()
     log = open(args.log, "w", encoding="utf-8")
 
@@ -150,9 +284,15 @@ def main(argv: list[str] | None = None) -> int:
         log.write(line + "\n")
         log.flush()
 
-    for line in header(argv):
+    head = header(argv)
+    for line in head:
         say(line)
-    say(f"selected: {len(ids)} cases ({'the whole suite' if args.all else 'the GPU suite'}), in {parts} part(s)")
+    what = "the whole suite" if args.all else "the GPU suite"
+    say(f"selected: {len(ids)} cases ({what}), in {parts} part(s)"
+        + (f"; shard {k_shard} of {n_shards}: cases {k_shard}, {k_shard + n_shards}, {k_shard + 2 * n_shards}, ... "
+           f"of {len(every)}" if n_shards > 1 else ""))
+    say(f"workers: {args.workers} per GPU; {sum(a for _, a in ids)} cases marked gpu_alone run after the others, "
+        "one at a time")
     say()
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # compiled kernels where CUDA is
@@ -160,53 +300,56 @@ def main(argv: list[str] | None = None) -> int:
     # the GPU each part sees: the k-th of those this process sees (CUDA_VISIBLE_DEVICES may name some)
     shown = [x.strip() for x in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if x.strip()]
     visible = shown[:ngpu] if len(shown) >= ngpu else [str(i) for i in range(ngpu)]
+    common = [] if args.all else ["--gpu-suite"]
+    common += extra
     tmp = Path(tempfile.mkdtemp(prefix="gpu-tests-"))
-    procs = []
+    reports = [args.log.with_name(f"{args.log.name}.part{k}") for k in range(parts)]
+    codes: dict[int, list[int]] = {}
+    threads = []
     for k in range(parts):
-        part_ids = ids[k::parts]
-        cmd = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-n", "0", "-rA", "--durations=25",
-               f"--junitxml={tmp / f'part{k}.xml'}", *([] if args.all else ["--gpu-suite"]), *extra, *part_ids]
+        reports[k].write_text("", encoding="utf-8")
         part_env = dict(env, **({"CUDA_VISIBLE_DEVICES": visible[k]} if parts > 1 else {}))
-        out = open(tmp / f"part{k}.log", "w", encoding="utf-8")
-        procs.append((k, len(part_ids), subprocess.Popen(cmd, cwd=REPO, env=part_env, stdout=out,
-                                                         stderr=subprocess.STDOUT), out))
+        t = threading.Thread(target=run_part, args=(k, ids[k::parts], args.workers, common, part_env, reports[k],
+                                                    tmp, codes))
+        t.start()
+        threads.append(t)
     if parts == 1:  # one part: show its progress as it runs
-        k, n, proc, out = procs[0]
-        with open(tmp / "part0.log", encoding="utf-8") as follow:
-            while proc.poll() is None:
+        with open(reports[0], encoding="utf-8") as follow:
+            while threads[0].is_alive():
                 chunk = follow.read()
                 if chunk:
                     print(chunk, end="", flush=True)
                 time.sleep(1)
             print(follow.read(), end="", flush=True)
-    codes = []
-    for k, n, proc, out in procs:
-        codes.append(proc.wait())
-        out.close()
-        say(f"===== part {k + 1} of {parts}: {n} cases" + (f", GPU {visible[k]}" if parts > 1 else "") + f", exit {codes[-1]}")
-        log.write((tmp / f"part{k}.log").read_text(encoding="utf-8", errors="replace"))
+    for t in threads:
+        t.join()
+    for k in range(parts):
+        n, alone = len(ids[k::parts]), sum(a for _, a in ids[k::parts])
+        exits = ", ".join(str(c) for c in codes.get(k, [])) or "none"
+        say(f"===== part {k + 1} of {parts}: {n} cases ({alone} alone)" + (f", GPU {visible[k]}" if parts > 1 else "")
+            + f", exit {exits}")
+        log.write(reports[k].read_text(encoding="utf-8", errors="replace"))
         say()
 
     total = {"passed": 0, "failed": 0, "errors": 0, "skipped": 0, "skips": [], "failures": []}
-    for k in range(parts):
-        s = junit_summary(tmp / f"part{k}.xml")
-        for key in total:
-            total[key] += s[key]
+    for xml in sorted(tmp.glob("part*.xml")):
+        add_counts(total, junit_summary(xml))
     wall = time.time() - t0
-    say("===== summary")
-    say(f"{total['passed']} passed, {total['failed']} failed, {total['errors']} errors, {total['skipped']} skipped "
-        f"of {len(ids)} selected, in {wall:.0f} s")
-    for name in total["failures"]:
-        say(f"FAILED {name}")
-    for skip in total["skips"]:
-        say(f"SKIPPED {skip}")
-    ran = total["passed"] + total["failed"] + total["errors"] + total["skipped"]
-    if ran != len(ids):
-        say(f"{len(ids) - ran} selected cases have no result (a part stopped early: see its exit status above)")
+    for line in summary_lines(total, len(ids), wall):
+        say(line)
     log.close()
+    for report in reports:
+        report.unlink()
     shutil.rmtree(tmp, ignore_errors=True)
+    ran = total["passed"] + total["failed"] + total["errors"] + total["skipped"]
+    exit_ok = all(c == 0 for cs in codes.values() for c in cs)
+    commit = next((line.split()[1] for line in head if line.startswith("commit: ")), None)
+    meta = {"commit": commit, "selection": what, "tests": args.tests, "pytest_args": extra, "shard": k_shard,
+            "shards": n_shards, "selected_total": len(every), "selected": len(ids), "wall_s": round(wall, 1),
+            "exit_ok": exit_ok, **total}
+    args.log.with_name(args.log.name + ".json").write_text(json.dumps(meta, indent=1) + "\n", encoding="utf-8")
     print(f"log: {args.log}")
-    return 0 if all(c == 0 for c in codes) and ran == len(ids) else 1
+    return 0 if exit_ok and ran == len(ids) else 1
 
 
 if __name__ == "__main__":

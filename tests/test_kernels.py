@@ -1039,6 +1039,7 @@ def test_gpu_one_launch_sum_graphs_and_streams(monkeypatch):
 
 
 @gpu
+@pytest.mark.gpu_alone
 @needs_cuda
 def test_gpu_tuner_times_gpu_work_only():
     """tuner.gpu_time counts GPU time, not the host's: a launch preceded by 2 ms of host work times as the
@@ -1228,6 +1229,7 @@ print("tuned", len(op.tuned_configs()), flush=True)
 
 
 @gpu
+@pytest.mark.gpu_alone
 @needs_cuda
 @pytest.mark.parametrize("threads", ["8", "1"], ids=["parallel-compile", "serial-compile"])
 def test_gpu_tuner_side_by_side_processes(threads, tmp_path):

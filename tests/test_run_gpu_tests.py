@@ -4,6 +4,7 @@ where every GPU case skips)."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -65,13 +66,46 @@ def test_refuses_to_run_without_cuda(tmp_path):
     assert proc.returncode == 2 and "no CUDA device" in proc.stderr and not (tmp_path / "x.log").exists()
 
 
+# A suite of its own (with --all: no --gpu-suite filter): cases that pass, one that skips, one marked
+# gpu_alone, and one that fails when BREAK=1 is set.
+FAKE_SUITE = """
+import os, pytest
+
+@pytest.mark.parametrize("i", range(4))
+def test_passes(i):
+    assert i < 4
+
+@pytest.mark.skip(reason="needs CUDA")
+def test_skips():
+    pass
+
+@pytest.mark.gpu_alone
+def test_alone():
+    assert os.environ.get("PYTEST_XDIST_WORKER") is None  # one at a time: not on an xdist worker
+
+def test_breaks_on_request():
+    assert os.environ.get("BREAK") != "1"
+"""
+ALONE = "test_fake.py::test_alone"
+
+
+def _run(tmp_path, *args, env=None):
+    suite = tmp_path / "test_fake.py"
+    suite.write_text(FAKE_SUITE)
+    return subprocess.run([sys.executable, str(SCRIPT), "--allow-cpu", "--all", "--tests", str(suite), *args],
+                          cwd=REPO, capture_output=True, text=True, timeout=300, env={**os.environ, **(env or {})})
+
+
+def _meta(log):
+    return json.loads(log.with_name(log.name + ".json").read_text())
+
+
 def test_log_names_commit_device_versions_and_every_result(tmp_path):
     """Two parts (on the CPU, --gpus 2 deals the cases as on two GPUs): the log's header, each part's
-    pytest report, and the summary over both parts with every skip and its reason."""
+    pytest report (a line per case; the gpu_alone case after the others, one at a time), the summary
+    over both parts with every skip and its reason, and the JSON summary beside the log."""
     log = tmp_path / "gpu.log"
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--allow-cpu", "--gpus", "2", "--log", str(log), "--tests",
-                           "tests/test_kernels_tuner.py", "tests/test_diagnostics.py", "--", "-k",
-                           "with_bf16_autocast or fault"], cwd=REPO, capture_output=True, text=True, timeout=600)
+    proc = _run(tmp_path, "--gpus", "2", "--log", str(log))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     text = log.read_text()
     lines = text.splitlines()
@@ -79,11 +113,64 @@ def test_log_names_commit_device_versions_and_every_result(tmp_path):
     assert f"commit: {head_commit()} " in text
     assert any(line.startswith("device") for line in lines) and "torch: " in text
     assert "versions: " in text and "triton " in text and "pytest " in text
-    selected = int(re.search(r"^selected: (\d+) cases \(the GPU suite\), in 2 part\(s\)$", text, re.M).group(1))
-    assert selected >= 4  # the tuner's fault cases and the diagnostics' CUDA case
-    parts = re.findall(r"^===== part (\d) of 2: (\d+) cases, GPU (\d), exit 0$", text, re.M)
-    assert [(p, g) for p, _, g in parts] == [("1", "0"), ("2", "1")] and sum(int(n) for _, n, _ in parts) == selected
-    # pytest's own report of each case, then the summary with every skip and its reason
-    assert "PASSED tests/test_kernels_tuner.py::" in text and "SKIPPED [1] tests/test_diagnostics.py" in text
-    assert f"{selected - 1} passed, 0 failed, 0 errors, 1 skipped of {selected} selected" in text
-    assert "SKIPPED tests/test_diagnostics.py::test_routing_diagnostics_with_bf16_autocast[cuda-1e-05]: needs CUDA" in text
+    assert re.search(r"^selected: 7 cases \(the whole suite\), in 2 part\(s\)$", text, re.M)
+    assert "workers: 1 per GPU; 1 cases marked gpu_alone run after the others, one at a time" in text
+    parts = re.findall(r"^===== part (\d) of 2: (\d+) cases \((\d) alone\), GPU (\d), exit (.+)$", text, re.M)
+    assert [(p, n, g) for p, n, _, g, _ in parts] == [("1", "4", "0"), ("2", "3", "1")]
+    assert sum(int(a) for _, _, a, _, _ in parts) == 1 and all(codes == "0" or codes == "0, 0" for *_, codes in parts)
+    # the alone case runs in its own pytest after the part's others
+    part = text[text.rindex("===== part", 0, text.index(f"{ALONE} PASSED")):]
+    assert part.index("----- shared: ") < part.index("----- alone: 1 cases, one at a time") < part.index(ALONE)
+    # pytest's own line for each case, then the summary with every skip and its reason
+    assert len(re.findall(r"test_fake\.py::test_passes\[\d\] PASSED", text)) == 4
+    assert "6 passed, 0 failed, 0 errors, 1 skipped of 7 selected" in text
+    assert re.search(r"^SKIPPED \S*test_fake\.py::test_skips: needs CUDA$", text, re.M)
+    assert not list(tmp_path.glob("gpu.log.part*"))  # the live reports are folded into the log
+    meta = _meta(log)
+    assert meta["commit"] == head_commit() and meta["shard"] == meta["shards"] == 1 and meta["exit_ok"]
+    assert meta["selected"] == meta["selected_total"] == 7 and meta["skipped"] == 1 and meta["passed"] == 6
+
+
+def test_a_failing_case_fails_the_run(tmp_path):
+    """A failing case is named in the log's summary and in its JSON, and the exit status is 1."""
+    log = tmp_path / "gpu.log"
+    proc = _run(tmp_path, "--log", str(log), env={"BREAK": "1"})
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    text = log.read_text()
+    assert "5 passed, 1 failed, 0 errors, 1 skipped of 7 selected" in text
+    assert re.search(r"^FAILED \S*test_fake\.py::test_breaks_on_request$", text, re.M)
+    assert "AssertionError" in text  # pytest's traceback is in the log
+    assert not _meta(log)["exit_ok"] and len(_meta(log)["failures"]) == 1
+
+
+def test_shards_on_workers_merge_into_one_log(tmp_path):
+    """--shard K/N runs every N-th case from the K-th (the shared cases on two pytest-xdist workers);
+    --merge joins the shards of one run into one log, and refuses a missing shard or a shard of
+    another commit."""
+    logs = [tmp_path / f"shard{k}.log" for k in (1, 2)]
+    for k, log in enumerate(logs, 1):
+        proc = _run(tmp_path, "--shard", f"{k}/2", "--workers", "2", "--log", str(log))
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        assert " on 2 workers" in log.read_text() and "created: 2/2 workers" in log.read_text()
+    metas = [_meta(log) for log in logs]
+    assert [m["selected"] for m in metas] == [4, 3] and {m["selected_total"] for m in metas} == {7}
+    assert "; shard 2 of 2: cases 2, 4, 6, ... of 7" in logs[1].read_text()
+
+    merged = tmp_path / "all.log"
+
+    def merge(*shards):
+        return subprocess.run([sys.executable, str(SCRIPT), "--merge", *map(str, shards), "--log", str(merged)],
+                              cwd=REPO, capture_output=True, text=True, timeout=120)
+
+    proc = merge(*logs)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    text = merged.read_text()
+    assert text.index("##### shard 1 of 2: shard1.log") < text.index("##### shard 2 of 2: shard2.log")
+    assert "6 passed, 0 failed, 0 errors, 1 skipped of 7 selected" in text
+    assert f"commit: {head_commit()}" in text and _meta(merged)["passed"] == 6
+
+    refused = merge(logs[0])
+    assert refused.returncode != 0 and "expected each of 1..2 once" in refused.stderr
+    logs[1].with_name("shard2.log.json").write_text(json.dumps(dict(metas[1], commit="0" * 40)))
+    refused = merge(*logs)
+    assert refused.returncode != 0 and "shard2.log has commit '" + "0" * 40 in refused.stderr
