@@ -185,6 +185,13 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
 # ---- Snakemake runs --------------------------------------------------------------------------------
 
 
+# The smoke scale's grid cut to one seed, one rank and one block count, as --config entries: every rule
+# of the smoke DAG still runs (34 jobs instead of 45).  For the tests of the DAG's machinery (Slurm,
+# pieces); tests/test_smoke_dag.py runs the whole grid and checks its verdicts.
+ONE_OF_EACH = ('grid={"ranks": ["d/4"], "blocks": [2], "seeds": 1, "projected": []}',
+               'accounting={"ranks": ["d/4"], "blocks": [2]}')
+
+
 def readme_command() -> list[str]:
     """The README's first command (Quick start: install, then run the whole pipeline), with its
     ``.venv/bin/`` the folder of this interpreter (CI's .venv is what install.sh made)."""

@@ -1432,29 +1432,31 @@ if analyse is None:
 class _Target:
     def get_current_target(self):
         return GPUTarget("cuda", 90, 32)
-S, N, d, r = 3, 40, 96, 16
-BLOCK_D, NCH, STAGES = (32, 3, 2) if sys.argv[1] == "3" else (128, 1, 1)  # the pipelined loop with three chunks
-DEFER = sys.argv[5] == "1"  # the deferred backward: no residual, a g.o scratch (not for the resident pair)
-RESIDENT = DEFER and sys.argv[4] == "1"  # the resident pair: no prefetch, no scratch
-common = dict(N=N, S=S, d=d, r=r, NSLOT=S, EPS=1e-6, SLICE=True, HAS_RES=not DEFER, RES_STEP=0.0, BLOCK_D=BLOCK_D,
-              NCH=NCH, KEY0=int(sys.argv[3]), PREFETCH=0 if RESIDENT else 1, EVICT=False, STAGES=STAGES, q_ptr=torch.empty(r, dtype=torch.bfloat16),
-              res_ptr=None if DEFER else torch.empty(N, d, dtype=torch.int8), st_ptr=torch.empty(1 + 2 * S, N))
-fwd = dict(common, out_ptr=torch.empty(N, d, dtype=torch.bfloat16), BLOCK_T=2, FUSED=True, LAZY=int(sys.argv[6]),
-           PAIR=sys.argv[8] == "1")  # the pair forward (analysed only, so S = 3 does not matter)
-bwd = dict(common, h_ptr=torch.empty(N, d, dtype=torch.bfloat16), g_ptr=torch.empty(N, d, dtype=torch.bfloat16),
-           dq_part_ptr=torch.empty(4, r), go_ptr=torch.empty(S, N) if (DEFER and not RESIDENT) else None, stride_g=d, SB=2,
-           BLOCK_T=int(sys.argv[2]), PAIR=sys.argv[4] == "1", DEFER=DEFER,  # BLOCK_T 0: persistent grid
-           PERSIST=int(sys.argv[7]))
-for i in range(16):
-    for kw in (fwd, bwd):
-        kw[f"x{i}"] = torch.empty(N, d, dtype=torch.bfloat16) if i < S else None
-        kw[f"xs{i}"] = d if i < S else None
-    bwd[f"dx{i}"] = torch.empty(N, d, dtype=torch.bfloat16) if i < S else None
+def analysed(argv):  # one case: its arguments as the test names them
+    S, N, d, r = 3, 40, 96, 16
+    BLOCK_D, NCH, STAGES = (32, 3, 2) if argv[1] == "3" else (128, 1, 1)  # the pipelined loop with three chunks
+    DEFER = argv[5] == "1"  # the deferred backward: no residual, a g.o scratch (not for the resident pair)
+    RESIDENT = DEFER and argv[4] == "1"  # the resident pair: no prefetch, no scratch
+    common = dict(N=N, S=S, d=d, r=r, NSLOT=S, EPS=1e-6, SLICE=True, HAS_RES=not DEFER, RES_STEP=0.0, BLOCK_D=BLOCK_D,
+                  NCH=NCH, KEY0=int(argv[3]), PREFETCH=0 if RESIDENT else 1, EVICT=False, STAGES=STAGES, q_ptr=torch.empty(r, dtype=torch.bfloat16),
+                  res_ptr=None if DEFER else torch.empty(N, d, dtype=torch.int8), st_ptr=torch.empty(1 + 2 * S, N))
+    fwd = dict(common, out_ptr=torch.empty(N, d, dtype=torch.bfloat16), BLOCK_T=2, FUSED=True, LAZY=int(argv[6]),
+               PAIR=argv[8] == "1")  # the pair forward (analysed only, so S = 3 does not matter)
+    bwd = dict(common, h_ptr=torch.empty(N, d, dtype=torch.bfloat16), g_ptr=torch.empty(N, d, dtype=torch.bfloat16),
+               dq_part_ptr=torch.empty(4, r), go_ptr=torch.empty(S, N) if (DEFER and not RESIDENT) else None, stride_g=d, SB=2,
+               BLOCK_T=int(argv[2]), PAIR=argv[4] == "1", DEFER=DEFER,  # BLOCK_T 0: persistent grid
+               PERSIST=int(argv[7]))
+    for i in range(16):
+        for kw in (fwd, bwd):
+            kw[f"x{i}"] = torch.empty(N, d, dtype=torch.bfloat16) if i < S else None
+            kw[f"xs{i}"] = d if i < S else None
+        bwd[f"dx{i}"] = torch.empty(N, d, dtype=torch.bfloat16) if i < S else None
+    out = {}
+    for name, kernel, kw in (("fwd", fused_fwd._attnres_fwd_args_kernel, fwd), ("bwd", fused_bwd._attnres_bwd_args_kernel, bwd)):
+        out[name] = sorted(dep.name for dep in analyse(kernel, kw, {}).read_writes.writes)
+    return out
 triton.runtime.driver.set_active(_Target())
-out = {}
-for name, kernel, kw in (("fwd", fused_fwd._attnres_fwd_args_kernel, fwd), ("bwd", fused_bwd._attnres_bwd_args_kernel, bwd)):
-    out[name] = sorted(dep.name for dep in analyse(kernel, kw, {}).read_writes.writes)
-print(json.dumps(out))
+print(json.dumps([analysed([None, *case]) for case in json.loads(sys.argv[1])]))
 """
 
 
@@ -1477,17 +1479,19 @@ def test_compiled_kernels_write_only_their_outputs():
     # LAZY (the forward's lazy online softmax: 2 for its two-token blocks); PERSIST (looped token blocks);
     # PAIR with DEFER, the resident pair (its block loop pipelined: three chunks build with STAGES 2); the
     # forward's PAIR (the pair forward)
-    for case in (("1", "0", "0", "0", "0", "0", "0", "0"), ("3", "0", "0", "0", "0", "1", "0", "0"),
-                 ("3", "2", "2", "0", "0", "2", "0", "0"), ("3", "0", "2", "0", "0", "0", "0", "0"),
-                 ("3", "2", "2", "1", "0", "1", "8", "0"), ("3", "2", "2", "0", "1", "2", "0", "0"),
-                 ("3", "1", "2", "0", "1", "2", "16", "0"), ("3", "1", "2", "1", "1", "1", "8", "1"),
-                 ("1", "0", "0", "0", "0", "0", "0", "1")):
-        proc = subprocess.run([sys.executable, "-c", _WRITES_SCRIPT, *case], env=env,
-                              capture_output=True, text=True, timeout=300)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        written = json.loads(proc.stdout.strip().splitlines()[-1])
-        if written is None:
-            pytest.skip("this torch has no identify_accessed_tensors")
+    cases = (("1", "0", "0", "0", "0", "0", "0", "0"), ("3", "0", "0", "0", "0", "1", "0", "0"),
+             ("3", "2", "2", "0", "0", "2", "0", "0"), ("3", "0", "2", "0", "0", "0", "0", "0"),
+             ("3", "2", "2", "1", "0", "1", "8", "0"), ("3", "2", "2", "0", "1", "2", "0", "0"),
+             ("3", "1", "2", "0", "1", "2", "16", "0"), ("3", "1", "2", "1", "1", "1", "8", "1"),
+             ("1", "0", "0", "0", "0", "0", "0", "1"))
+    proc = subprocess.run([sys.executable, "-c", _WRITES_SCRIPT, json.dumps(cases)], env=env,
+                          capture_output=True, text=True, timeout=600)  # one process: torch imported once
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads(proc.stdout.strip().splitlines()[-1])
+    if results is None:
+        pytest.skip("this torch has no identify_accessed_tensors")
+    assert len(results) == len(cases)
+    for case, written in zip(cases, results):
         deferred = case[4] == "1"
         assert written["fwd"] == (["out_ptr", "st_ptr"] if deferred else ["out_ptr", "res_ptr", "st_ptr"]), case
         scratch = deferred and case[3] == "0"  # the two-pass form's g.o scratch

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from conftest import ONE_OF_EACH
+
 from lrattnres import pieces
 from lrattnres.config import load_and_resolve
 
@@ -165,23 +167,25 @@ def _copy_repo(dest: Path) -> Path:
     return dest
 
 
-def _piece(cwd: Path, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "lrattnres", "piece", *args, "--config", "scale=smoke"],
+def _piece(cwd: Path, *args: str, config: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "lrattnres", "piece", *args, "--config", "scale=smoke", *config],
                           cwd=cwd, capture_output=True, text=True, timeout=900)
 
 
 @pytest.mark.slow
 def test_smoke_scale_in_two_pieces_and_a_report(tmp_path):
-    """Three fresh trees: the first piece, the second continuing it, the report from both."""
+    """Three fresh trees: the first piece, the second continuing it, the report from both (on a grid
+    of one seed, rank and block count: every rule, fewer runs)."""
     out = tmp_path / "out"
     a = _copy_repo(tmp_path / "a")
-    r = _piece(a, "run", "first", "--out", str(out), "--cores", "2")
+    r = _piece(a, "run", "first", "--out", str(out), "--cores", "2", config=ONE_OF_EACH)
     assert r.returncode == 0, r.stdout + r.stderr
     first = json.loads((out / "first.json").read_text())
     assert first["missing_targets"] == [] and first["planned_jobs"]["train"] == len(first["runs"])
 
     b = _copy_repo(tmp_path / "b")
-    r = _piece(b, "run", "rest", "--out", str(out), "--cores", "2", "--restore", str(out / "first.tar.xz"))
+    r = _piece(b, "run", "rest", "--out", str(out), "--cores", "2", "--restore", str(out / "first.tar.xz"),
+               config=ONE_OF_EACH)
     assert r.returncode == 0, r.stdout + r.stderr
     rest = json.loads((out / "rest.json").read_text())
     # the restored runs are not trained again: only the piece's own runs are planned
@@ -191,7 +195,8 @@ def test_smoke_scale_in_two_pieces_and_a_report(tmp_path):
 
     c = _copy_repo(tmp_path / "c")
     into = tmp_path / "recorded"
-    r = _piece(c, "report", "--restore", str(out / "first.tar.xz"), str(out / "rest.tar.xz"), "--into", str(into))
+    r = _piece(c, "report", "--restore", str(out / "first.tar.xz"), str(out / "rest.tar.xz"), "--into", str(into),
+               config=ONE_OF_EACH)
     assert r.returncode == 0, r.stdout + r.stderr
     log = (into / "snakemake.log").read_text()
     assert "rule train:" not in log and "rule diagnose_run:" not in log  # nothing remade
