@@ -295,7 +295,9 @@ def main(argv: list[str] | None = None) -> int:
         "one at a time")
     say()
 
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # compiled kernels where CUDA is
+    # compiled kernels where CUDA is; and no pytest-xdist worker's variables from a pytest this runs under
+    env = {k: v for k, v in os.environ.items()
+           if k != "TRITON_INTERPRET" and not k.startswith(("PYTEST_XDIST_", "PYTEST_CURRENT_TEST"))}
     env["PYTHONUNBUFFERED"] = "1"
     # the GPU each part sees: the k-th of those this process sees (CUDA_VISIBLE_DEVICES may name some)
     shown = [x.strip() for x in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if x.strip()]
