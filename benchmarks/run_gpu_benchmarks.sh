@@ -4,8 +4,9 @@
 #
 #   bash benchmarks/run_gpu_benchmarks.sh OUT [BENCHMARK ...]
 #
-# BENCHMARK (default: kernel-tests kernel train-step throughput-1b throughput-4b, in that order):
-#   kernel-tests   the kernels' tests on the GPU (tests/test_kernels.py; needs pytest)     -> kernel_tests.txt
+# BENCHMARK (default: gpu-tests kernel train-step throughput-1b throughput-4b, in that order):
+#   gpu-tests      the whole GPU suite (scripts/run_gpu_tests.py on GPU_TEST_WORKERS pytest-xdist
+#                  workers per GPU, default 8; needs pytest and pytest-xdist)  -> gpu_tests_<gpu>_<date>.log
 #   kernel         benchmarks/kernel_bench.py: the bf16 check, then the 90-shape grid at 8192 and 4096
 #                  tokens, ours beside FLA and fast-attnres where installed    -> kernel_bench_<gpu>_<date>.*
 #   train-step     benchmarks/train_step_bench.py: the compiled 1B step under the paper's protocol
@@ -30,7 +31,7 @@ cd "$(dirname "$0")/.."
 OUT=${1:?usage: bash benchmarks/run_gpu_benchmarks.sh OUT [BENCHMARK ...]}
 shift
 BENCHMARKS=("$@")
-[ ${#BENCHMARKS[@]} -gt 0 ] || BENCHMARKS=(kernel-tests kernel train-step throughput-1b throughput-4b)
+[ ${#BENCHMARKS[@]} -gt 0 ] || BENCHMARKS=(gpu-tests kernel train-step throughput-1b throughput-4b)
 PY=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 mkdir -p "$OUT"
@@ -53,8 +54,8 @@ throughput_spec() { # preset, methods, accumulation
 
 run_one() {
   case $1 in
-  kernel-tests)
-    $PY -m pytest -q -p no:cacheprovider tests/test_kernels.py -rA --tb=short >"$OUT/kernel_tests.txt" 2>&1
+  gpu-tests)
+    $PY scripts/run_gpu_tests.py --workers "${GPU_TEST_WORKERS:-8}" --log "$OUT/gpu_tests_${GPU}_$DATE.log"
     ;;
   kernel)
     # shellcheck disable=SC2086  # KERNEL_ARGS holds several options
@@ -77,7 +78,7 @@ run_one() {
         '["fla-rd", "fused-rd", "fused-rd4"]' 1)"
     ;;
   *)
-    echo "unknown benchmark $1; expected kernel-tests, kernel, train-step, throughput-1b or throughput-4b" >&2
+    echo "unknown benchmark $1; expected gpu-tests, kernel, train-step, throughput-1b or throughput-4b" >&2
     return 2
     ;;
   esac
