@@ -107,10 +107,11 @@ import json, os, sys, pytest
 class Seen:
     cases = []
 
-    def pytest_collection_finish(self, session):
+    @pytest.hookimpl(trylast=True)  # after tests/conftest.py has selected and ordered the cases
+    def pytest_collection_modifyitems(self, items):
         # each case as a path from the repository (a test file outside it too) and the node's own name
         self.cases[:] = [[os.path.relpath(i.path, os.getcwd()) + "::" + i.nodeid.split("::", 1)[1],
-                          i.get_closest_marker("gpu_alone") is not None] for i in session.items]
+                          i.get_closest_marker("gpu_alone") is not None] for i in items]
 
 seen = Seen()
 code = pytest.main([*sys.argv[1:], "-p", "no:cacheprovider", "-n", "0", "--collect-only", "-q"], plugins=[seen])

@@ -75,10 +75,10 @@ def cluster_flags(jobs: int = 8) -> list[str]:
     ]
 
 
-def gpu_flags(workdir: Path) -> list[str]:
-    """--set-resources making every GPU rule of the DAG ask Slurm for one (fake) GPU, on top of the
-    profile's own set-resources (a command-line --set-resources replaces the profile's whole key)."""
-    rules = snakemake(workdir, "--list-rules", "--config", "scale=smoke").stdout.split()
+def gpu_flags(workdir: Path, rules: set[str]) -> list[str]:
+    """--set-resources making every GPU rule of the DAG (``rules``: the Snakefile's) ask Slurm for one
+    (fake) GPU, on top of the profile's own set-resources (a command-line --set-resources replaces the
+    profile's whole key)."""
     present = [r for r in GPU_RULES if r in rules]
     if not present:
         return []
@@ -126,10 +126,11 @@ def test_smoke_dag_through_the_slurm_profile(slurm_cluster, tmp_path):
     rules is a Slurm job with its log in the profile's folder, GPU rules get (fake) GPUs, and the
     report is made."""
     work = copy_repo(tmp_path / "repo")
-    flags = gpu_flags(work)
     config = ["--config", "scale=smoke", *ONE_OF_EACH]
+    rules = set(snakemake(work, "--list-rules", *config).stdout.split())
+    flags = gpu_flags(work, rules)
     every_rule = set(job_counts(snakemake(work, "-n", "reports/paper.html", *config).stdout))
-    assert len(every_rule) == len(set(snakemake(work, "--list-rules").stdout.split()) - {"all"}), every_rule
+    assert every_rule == rules - {"all"}, rules - {"all"} - every_rule
     t0 = time.time()
     proc = snakemake(
         work, "reports/paper.html", "--profile", PROFILE, *config, *cluster_flags(), *flags,
