@@ -588,6 +588,13 @@ def run_piece(settings: dict, name: str, out: str, *, restore_from: list[str], c
             pass
         record["provenance"] = provenance({"piece": name, "settings": settings}, started=started)
         record["packed"] = pack(Path(out) / f"{name}.tar.xz", R, files=own_files(settings, piece))
+        whole = set(finished_runs(settings, piece))
+        left_out = {r["run_id"]: [Path(x).relative_to(R).as_posix() for x in run_targets(settings, r["run_id"])
+                                  if not Path(x).is_file()] for r in summaries if r["done"] and r["run_id"] not in whole}
+        record["runs_left_out"] = left_out  # trained, but a later output is missing: the weights stay here
+        if left_out:
+            say(f"[piece] {name}: runs trained but not packed, their later outputs missing (a rerun trains them "
+                f"again): {left_out}")
         record["wall_s"] = round(time.monotonic() - t0, 1)
         invocations = earlier + [_invocation(record)]
         record["invocations"] = invocations  # every invocation of the piece so far, this one last

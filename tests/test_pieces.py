@@ -621,7 +621,10 @@ for run in runs_of(targets):
             f"    open({log!r}, 'a').write('stopped by SIGTERM\\n')\n"
             "    sys.exit(75)\n"
             "signal.signal(signal.SIGTERM, stop)\n"
+            "open('fake.job', 'w').write('ready')\n"
             "while True: time.sleep(0.1)\n")])
+        while not Path("fake.job").is_file() or Path("fake.job").read_text() != "ready":
+            time.sleep(0.02)
         Path("fake.job").write_text(str(job.pid))
         signal.signal(signal.SIGTERM, lambda *a: (job.wait(), sys.exit(1)))
         Path("fake.ready").write_text(str(os.getpid()))
@@ -714,6 +717,7 @@ def _check_stopped_piece(tmp_path: Path, cwd: Path, proc, why: str) -> None:
     done, half, hung = {p.name: p for p in pieces.plan_pieces(S)}["first"].runs
     rec = json.loads((tmp_path / "out" / "first.json").read_text())
     assert rec["stopped"] == why and rec["partial"] and rec["exit_code"] == 75
+    assert list(rec["runs_left_out"]) == [half]
     with tarfile.open(tmp_path / "out" / "first.tar.xz") as tar:
         names = set(tar.getnames())
         log = tar.extractfile(f"{R}/logs/train/{hung}.log").read().decode()
@@ -754,7 +758,7 @@ def test_sigterm_stops_the_whole_piece_packs_what_finished_and_a_rerun_continues
 def test_the_deadline_stops_the_whole_piece_and_packs_what_finished(tmp_path, piece_process):
     S = settings()
     done, half, hung = {p.name: p for p in pieces.plan_pieces(S)}["first"].runs
-    cwd, proc = piece_process("a", deadline=6, FAKE_DONE=done, FAKE_HALF=half)
+    cwd, proc = piece_process("a", deadline=8, FAKE_DONE=done, FAKE_HALF=half)
     _check_stopped_piece(tmp_path, cwd, proc, "deadline")
     calls = [json.loads(x) for x in (cwd / "fake.calls").read_text().splitlines()]
     assert calls[-1]["deadline"] is not None  # the jobs were given theirs (LRATTNRES_DEADLINE)
