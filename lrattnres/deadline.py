@@ -3,8 +3,9 @@
 A stage that works in resumable steps (the throughput stage's timed runs, the trainer's updates)
 checks it before each step: when the step would not end before the deadline, it keeps its partial
 state and stops with exit code 75 (EX_TEMPFAIL), which a retry or the next machine continues
-(lrattnres/attempts.py retries it; lrattnres/pieces.py sets the variable from a piece's own
-deadline). Unset, nothing stops early.
+(lrattnres/attempts.py retries it). lrattnres/pieces.py sets the variable a margin before a piece's
+own deadline, so that such a stage stops by itself; what still runs at the piece's deadline is
+stopped with its whole process group, and the piece, too, exits 75. Unset, nothing stops early.
 """
 
 from __future__ import annotations

@@ -9,61 +9,88 @@ matches it.
 
 A piece may also hold no runs, only stages (``stages: [throughput]``, optionally ``presets``: the
 sizes it times). The throughput stage keeps its finished timed runs in a partial state beside its
-output (kept by :data:`KEEP`); a piece run with ``--deadline`` passes ``LRATTNRES_DEADLINE`` to its
-jobs, so the stage stops before the piece's time is up, and running the same piece again, restoring
-its last archive, continues it until the result is complete.
+output; a piece run with ``--deadline`` passes ``LRATTNRES_DEADLINE`` to its jobs, so the stage stops
+before the piece's time is up, and running the same piece again, restoring its last archive,
+continues it until the result is complete.
 
 ``python -m lrattnres piece list`` shows the pieces and their jobs.
-``python -m lrattnres piece run NAME --out DIR [--restore A.tar.xz ...]`` restores earlier pieces,
-rebuilds the data (the manifest is deterministic, so restored results still match it), checks that
-no restored result would be redone, runs the piece through Snakemake, and writes
-``DIR/<name>.tar.xz``: the piece's small outputs (results, curves, logs, stage JSONs) with their
-Snakemake metadata, and ``DIR/<name>.json``: what ran, how long, at what throughput.
+``python -m lrattnres piece run NAME --out DIR [--restore A.tar.xz ...] [--deadline S]`` checks every
+archive whole before anything runs (lrattnres/piece_archive.py: data only), rebuilds the data (the
+manifest is deterministic, so restored results still match it), restores the archives (the newest
+copy of a file wins), checks that the restored results belong to the scale, runs the piece's
+unfinished work through Snakemake, and writes ``DIR/<name>.tar.xz``: the piece's own small outputs
+(results, curves, logs, stage JSONs, with the scale's settings and data manifest) and their Snakemake
+metadata, and ``DIR/<name>.json``: what ran, how long, at what throughput, in this invocation and in
+all of the piece's invocations together (the records beside the restored archives carry the earlier
+ones). Exit status: 0 complete; 1 a job failed (see ``DIR/<name>.log``); 2 refused (a bad archive,
+other data or settings, a bad argument); 75 stopped by its deadline or a signal, what finished packed.
 ``python -m lrattnres piece report --restore ... --into reports/recorded/<name>`` renders the report
 from restored pieces on any machine (no GPU, no weights) and records it.
 
+Finished work is never redone. A run whose outputs in the piece all exist (restored, or made earlier
+on the same machine) is left out of Snakemake's targets, and the piece says which it skips; weights
+never travel, so a restored result whose later outputs are missing could only be made whole by
+training the run again, which the piece refuses unless ``--allow-rerun``. A job that a killed
+Snakemake left marked incomplete, although its outputs are whole (every stage writes atomically, the
+trainer its result last), is marked complete first.
+
+Interrupts keep what finished. SIGTERM, SIGINT or SIGHUP to the piece, or its deadline, stops
+Snakemake's whole process group (lrattnres/process_group.py) and waits until none of its jobs is
+left; then the piece packs what is complete (the runs whose outputs all exist, stage outputs, the
+timing stage's partial state, logs), records itself as partial and exits 75. Running it again,
+restoring that archive, continues.
+
 Continuing across machines and across commits: a restored output is never redone by Snakemake; instead
 the restored results must have been made on the same data manifest (sha256) and with the same science
-settings (every run's training spec, the scale's presets, recipe, data, grid and stage settings) as
-the current configuration, or the piece refuses. A change of code alone does not redo a restored run;
-the recorded report lists every commit its pieces ran at.
+settings (every run's training spec, and the scale's presets, recipe, data, grid and stage settings,
+the throughput timing and the accounting included) as the current configuration, or the piece
+refuses. A change of code alone does not redo a restored run; the recorded report lists every commit
+its pieces ran at.
 """
 
 from __future__ import annotations
 
 import argparse
-import base64
 import fnmatch
 import json
 import os
 import shlex
 import subprocess
 import sys
-import tarfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from lrattnres import process_group
+from lrattnres.attempts import EX_TEMPFAIL, read_status
 from lrattnres.deadline import ENV as DEADLINE_ENV
 from lrattnres.io import atomic_path, atomic_write_json, read_json
+from lrattnres.piece_archive import (KEEP, ArchiveError, kept, metadata_name, pack, read_archive,  # noqa: F401
+                                     read_archives, restore, restore_members, small_outputs)
 from lrattnres.provenance import now, provenance
 
-# Files of a scale's results that a piece brings back (relative to <results>/<scale>/); weights,
-# checkpoints and token shards stay on the machine.
-# throughput/ holds each size's timing and, while unfinished, its partial state (<preset>.partial.json),
-# which the next piece continues.
-KEEP = ("settings.json", "accounting.json", "kernel_check.json", "throughput.json", "throughput/*.json",
-        "data/manifest.json", "data/build.json", "runs/*/result.json", "runs/*/metrics.jsonl", "runs/*/spec.json",
-        "diagnostics/*.json", "convert/*.json", "evaluate/*.json", "kernel_check/*.json", "logs/**/*")
 STAGES = ("settings", "accounting", "kernel_check", "throughput")
 # The rules a stage of a piece may run (the throughput stage: one job per size, then the merge).
 STAGE_RULES = {"throughput": ("throughput_size", "throughput")}
 # The rules that render the report from the pieces' small outputs (no weights needed).
 REPORT_RULES = ("grid_summary", "convert_all", "diagnostics", "evaluate_pairs", "throughput", "kernel_check_trained",
                 "report")
-# Seconds a piece keeps for packing its outputs after LRATTNRES_DEADLINE (lrattnres/deadline.py)
+# A piece's deadline (--deadline, seconds) is shared out from its end backwards: its jobs' own
+# LRATTNRES_DEADLINE (lrattnres/deadline.py) falls PACK_MARGIN_S before it, so that a stage that can
+# stop early (throughput) keeps its partial state and exits by itself; STOP_MARGIN_S before it the
+# piece stops what still runs (SIGTERM to Snakemake's process group, SIGKILL STOP_GRACE_S later); the
+# rest is for packing. A deadline under MIN_DEADLINE_S leaves the jobs no time and is refused.
 PACK_MARGIN_S = 45
+STOP_MARGIN_S = 30
+STOP_GRACE_S = 15
+MIN_DEADLINE_S = 60
+# Exit status of a piece stopped by its deadline or a signal, with what finished packed (EX_TEMPFAIL).
+EXIT_STOPPED = EX_TEMPFAIL
+# How a piece starts Snakemake (tests put a stand-in here).
+SNAKEMAKE = (sys.executable, "-m", "snakemake")
+# The train rule's outputs in a run folder (workflow/rules/train.smk); the trainer writes result.json last.
+TRAIN_OUTPUTS = ("result.json", "model.safetensors", "model.safetensors.sha256")
 # Snakemake's rerun triggers while continuing: none of code, modification times, parameters or input
 # lists (a new module in a stage's imports would redo every restored run). What decides whether a
 # restored result still belongs to the scale is checked here instead: the same data manifest and the
@@ -77,7 +104,7 @@ SHARED_GPU_ENV = {"KERNELS_AUTOTUNE": "0"}
 TRAIN_EXECUTION_KEYS = ("log_every_s", "checkpoint")
 # Sections of the resolved settings that decide what a restored output holds.
 SCIENCE_SECTIONS = ("presets", "recipe", "data", "train", "grid", "convert", "evaluate", "diagnostics",
-                    "kernel_check")
+                    "kernel_check", "throughput", "accounting")
 
 
 class PieceError(ValueError):
@@ -122,86 +149,137 @@ def plan_pieces(settings: dict) -> list[Piece]:
     return out
 
 
-def piece_targets(settings: dict, piece: Piece) -> list[str]:
-    """The files a piece makes: per run its result, diagnostics, conversion and evaluation, and for
-    the size pair's runs Appendix I's check of every routing read."""
-    from lrattnres.gridplan import conversions, evaluations
-
+def stage_targets(settings: dict, piece: Piece) -> list[str]:
+    """The files a piece's stages make."""
     R = settings["results"]
-    conv = {c["run_id"] for c in conversions(settings)}
-    evals = {e["run_id"] for e in evaluations(settings)}  # the size pair's runs
     out = []
     for s in piece.stages:
         if s == "throughput" and piece.presets:  # some sizes: their own results, merged at the report
             out += [f"{R}/throughput/{p}.json" for p in piece.presets]
         else:
             out.append(f"{R}/{s}.json")
-    for run in piece.runs:
-        out += [f"{R}/runs/{run}/result.json", f"{R}/diagnostics/{run}.json"]
-        if run in conv:
-            out.append(f"{R}/convert/{run}.json")
-        if run in evals:
-            out += [f"{R}/evaluate/{run}.json", f"{R}/kernel_check/{run}.json"]
     return out
 
 
-# ------------------------------------------------------------------------ bringing outputs back
+def run_targets(settings: dict, run: str) -> list[str]:
+    """The files a piece makes of one run: its result, diagnostics, conversion and evaluation, and for
+    the size pair's runs Appendix I's check of every routing read."""
+    from lrattnres.gridplan import conversions, evaluations
+
+    R = settings["results"]
+    out = [f"{R}/runs/{run}/result.json", f"{R}/diagnostics/{run}.json"]
+    if run in {c["run_id"] for c in conversions(settings)}:
+        out.append(f"{R}/convert/{run}.json")
+    if run in {e["run_id"] for e in evaluations(settings)}:  # the size pair's runs
+        out += [f"{R}/evaluate/{run}.json", f"{R}/kernel_check/{run}.json"]
+    return out
 
 
-def _metadata_name(path: str) -> str:
-    """Snakemake's metadata file name for an output path (urlsafe base64 of the path)."""
-    return base64.urlsafe_b64encode(path.encode()).decode()
+def piece_targets(settings: dict, piece: Piece) -> list[str]:
+    """The files a piece makes: its stages' outputs, then every run's (:func:`run_targets`)."""
+    return stage_targets(settings, piece) + [t for run in piece.runs for t in run_targets(settings, run)]
 
 
-def small_outputs(results: str) -> list[str]:
-    """Existing files of ``results`` (a scale's folder) that a piece brings back, sorted."""
-    root = Path(results)
-    found: set[str] = set()
-    for pattern in KEEP:
-        found.update(p.as_posix() for p in root.glob(pattern) if p.is_file())
-    return sorted(found)
+def finished_runs(settings: dict, piece: Piece, workdir: str = ".") -> list[str]:
+    """The piece's runs whose every output exists: they are never trained again."""
+    return [run for run in piece.runs if all((Path(workdir) / t).is_file() for t in run_targets(settings, run))]
 
 
-def pack(out: str | os.PathLike, results: str, workdir: str = ".") -> dict[str, Any]:
-    """Write the small outputs of ``results`` and their Snakemake metadata into an xz tarball."""
+# ------------------------------------------------------------------------ what a piece owns
+
+
+def _log_of(results: str, target: str) -> str:
+    """The log of the job that makes ``target``: ``<results>/logs/<path>.log`` for ``<results>/<path>.json``
+    (runs/<run>/result.json: logs/train/<run>.log), as the rules name them (workflow/rules/*.smk)."""
+    rel = target[len(results) + 1:]
+    parts = rel.split("/")
+    if len(parts) == 3 and parts[0] == "runs" and parts[2] == "result.json":
+        return f"{results}/logs/train/{parts[1]}.log"
+    return f"{results}/logs/{rel.removesuffix('.json')}.log"
+
+
+def _with_attempts(log: str, workdir: Path) -> list[str]:
+    """A job's log and what lrattnres/attempts.py keeps beside it (each attempt's log, the status)."""
+    folder, stem = log.rsplit("/", 1)
+    stem = stem.removesuffix(".log")
+    return [log] + sorted(p.relative_to(workdir).as_posix() for p in (workdir / folder / "attempts").glob(f"{stem}.*"))
+
+
+def own_files(settings: dict, piece: Piece, workdir: str = ".") -> list[str]:
+    """The existing files a piece brings back: its own outputs, complete ones only (a run's files only
+    when every output of the run exists, since its weights stay behind), the logs of its jobs, and the
+    scale's settings and data manifest they were made with. Outputs restored from other pieces are
+    not its own (an older copy must never travel on and replace a newer one)."""
     cwd = Path(workdir)
-    files = small_outputs(str(cwd / results))
-    rel = [Path(f).relative_to(cwd).as_posix() for f in files]
-    metas = [f".snakemake/metadata/{_metadata_name(r)}" for r in rel]
-    metas = [m for m in metas if (cwd / m).is_file()]
-    with atomic_path(out) as tmp:
-        # dereference: a job's log and its attempt's copy are one file under two names (a hard link,
-        # lrattnres/attempts.py); each goes in as a plain file, which restore() accepts
-        with tarfile.open(tmp, "w:xz", dereference=True) as tar:
-            for r in rel + metas:
-                info = tar.gettarinfo(str(cwd / r), arcname=r)
-                if info.islnk():  # a hard link (an attempt's kept log): stored as the file it links
-                    info.type, info.linkname, info.size = tarfile.REGTYPE, "", (cwd / r).stat().st_size
-                with open(cwd / r, "rb") as f:
-                    tar.addfile(info, f)
-    return {"files": len(rel), "metadata": len(metas), "bytes": os.path.getsize(out)}
+    R = settings["results"]
+    files = [f"{R}/settings.json", f"{R}/data/manifest.json", f"{R}/data/build.json"]
+    files += _with_attempts(f"{R}/logs/prepare_data.log", cwd) + _with_attempts(f"{R}/logs/corpus_pack.log", cwd)
+    timed = list(settings.get("throughput", {}).get("presets", []))
+    for t in stage_targets(settings, piece):
+        files += [t, *_with_attempts(_log_of(R, t), cwd)]
+        if t == f"{R}/throughput.json":  # the whole stage: every size and the merge
+            sizes = [f"{R}/throughput/{p}.json" for p in timed]
+        elif t.startswith(f"{R}/throughput/"):
+            sizes = [t]
+        else:
+            sizes = []
+        for size in sizes:
+            files += [size, size.removesuffix(".json") + ".partial.json", *_with_attempts(_log_of(R, size), cwd)]
+    done = set(finished_runs(settings, piece, workdir))
+    for run in piece.runs:
+        targets = run_targets(settings, run)
+        for t in targets:
+            files += _with_attempts(_log_of(R, t), cwd)
+        if run in done:
+            files += targets + [f"{R}/runs/{run}/metrics.jsonl", f"{R}/runs/{run}/spec.json"]
+    out = []
+    for f in dict.fromkeys(files):
+        if f.startswith(R + "/") and kept(f[len(R) + 1:]) and (cwd / f).is_file():
+            out.append(f)
+    return out
 
 
-def restore(tarballs: list[str], workdir: str = ".", *, skip: tuple[str, ...] = ()) -> list[str]:
-    """Unpack pieces into ``workdir`` (modification times kept); members under ``skip`` prefixes are
-    left out. Refuses members that would land outside ``workdir``."""
-    cwd = Path(workdir).resolve()
-    restored = []
-    for tb in tarballs:
-        try:
-            tar = tarfile.open(tb, "r:xz")
-        except (OSError, tarfile.TarError) as e:
-            raise PieceError(f"{tb}: not a piece archive ({e})") from None
-        with tar:
-            for m in tar.getmembers():
-                dest = (cwd / m.name).resolve()
-                if not str(dest).startswith(str(cwd) + os.sep) or not (m.isfile() or m.isdir()):
-                    raise PieceError(f"{tb}: member {m.name!r} is not a plain file inside the working tree")
-                if any(m.name.startswith(s) for s in skip):
-                    continue
-                tar.extract(m, str(cwd), filter="data" if hasattr(tarfile, "data_filter") else None)
-                restored.append(m.name)
-    return restored
+def _incomplete_marker(workdir: Path, path: str) -> Path:
+    """Snakemake's mark of an output whose job has not finished (.snakemake/incomplete/<base64>, split
+    into folders of 254 characters as Snakemake's file persistence does)."""
+    b64 = metadata_name(path)
+    chunks = [b64[i: i + 254] for i in range(0, len(b64), 254)]
+    return workdir.joinpath(".snakemake", "incomplete", *("@" + c for c in chunks[:-1]), chunks[-1])
+
+
+def _whole_json(path: Path) -> bool:
+    try:
+        return isinstance(json.loads(path.read_text(encoding="utf-8")), dict)
+    except (OSError, ValueError):
+        return False
+
+
+def complete_finished(settings: dict, piece: Piece, workdir: str = ".") -> list[str]:
+    """Clear Snakemake's incomplete marks on the piece's outputs that are whole, so that a job killed
+    after its work was written (SIGKILL to Snakemake, a lost machine) is not done again. Every stage
+    writes its output atomically, and the trainer writes result.json after the weights; a train job's
+    outputs count as whole when all exist and result.json is a JSON object. Returns the outputs."""
+    cwd = Path(workdir)
+    R = settings["results"]
+    if not (cwd / ".snakemake" / "incomplete").is_dir():
+        return []
+    groups = [[t] for t in stage_targets(settings, piece)]
+    for run in piece.runs:
+        groups.append([f"{R}/runs/{run}/{f}" for f in TRAIN_OUTPUTS])
+        groups += [[t] for t in run_targets(settings, run)[1:]]
+    cleared = []
+    for outputs in groups:
+        marks = [_incomplete_marker(cwd, o) for o in outputs]
+        if not any(m.is_file() for m in marks):
+            continue
+        if all((cwd / o).is_file() for o in outputs) and _whole_json(cwd / outputs[0]):
+            for m in marks:
+                m.unlink(missing_ok=True)
+            cleared += outputs
+    return cleared
+
+
+# ------------------------------------------------------------------------ checking restored results
 
 
 def check_same_data(results: str) -> int:
@@ -224,27 +302,30 @@ def check_same_data(results: str) -> int:
 
 
 def check_same_settings(settings: dict, results: str, accept: tuple[str, ...] = ()) -> list[str]:
-    """The restored scale's science settings and every restored run's training spec equal the
-    current ones, but for the dotted keys in ``accept`` (differences an operator has judged not to
-    change the results, e.g. a new key whose default is the old behaviour); returns the sections
-    compared. Raises naming the first difference."""
+    """The restored scale's science settings (:data:`SCIENCE_SECTIONS`) and every restored run's
+    training spec equal the current ones, but for the dotted keys in ``accept`` (differences an
+    operator has judged not to change the results, e.g. a new key whose default is the old
+    behaviour); returns the sections compared. Raises naming the first difference."""
     from lrattnres.train import spec as spec_mod
 
-    def differs(old, new) -> list[str]:
+    def differs(old, new, section: str = "") -> list[str]:
+        """Keys that differ and are not accepted (as ``key`` or, in a section, ``section.key``)."""
         keys = spec_mod.diff_keys(old if isinstance(old, dict) else {"": old},
                                   new if isinstance(new, dict) else {"": new}, ignore=())
-        return [k for k in keys if not any(k == a or k.startswith(a + ".") for a in accept)]
+        names = {k: [k] + ([f"{section}.{k}" if k else section] if section else []) for k in keys}
+        return [k or section for k in keys
+                if not any(n == a or n.startswith(a + ".") for n in names[k] for a in accept)]
 
     from lrattnres.gridplan import plan, train_spec
 
     saved_path = Path(results) / "settings.json"
     if not saved_path.is_file():
-        raise PieceError(f"{saved_path}: missing (the first piece writes it)")
+        raise PieceError(f"{saved_path}: missing (the first piece writes it: restore its archive too)")
     saved = read_json(saved_path)
     compared = []
     for key in SCIENCE_SECTIONS:
         if key in saved or key in settings:
-            keys = differs(saved.get(key), settings.get(key))
+            keys = differs(saved.get(key), settings.get(key), key)
             if keys:
                 raise PieceError(f"{saved_path}: settings.{key} differs from the current configuration in "
                                  f"{keys} (the restored pieces belong to another experiment; --accept KEY "
@@ -266,21 +347,24 @@ def check_same_settings(settings: dict, results: str, accept: tuple[str, ...] = 
 # --------------------------------------------------------------------------------- running
 
 
-def _snakemake(args: list[str], log, timeout: float | None = None, env: dict | None = None) -> int:
-    cmd = [sys.executable, "-m", "snakemake", *args]
+def _snakemake(args: list[str], log, *, stop: process_group.StopRequest | None = None, stop_at: float | None = None,
+               env: dict | None = None) -> process_group.Outcome:
+    """Snakemake in a process group of its own, stopped whole when ``stop`` is asked or at ``stop_at``."""
+    cmd = [*SNAKEMAKE, *args]
     log.write(f"$ {shlex.join(cmd)}\n")
     log.flush()
-    try:
-        return subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, timeout=timeout,
-                              env={**os.environ, **(env or {})}).returncode
-    except subprocess.TimeoutExpired:
-        log.write(f"[piece] snakemake stopped at the deadline ({timeout:.0f} s)\n")
-        return 124
+    out = process_group.run(cmd, stdout=log, env={**os.environ, **(env or {})}, stop=stop, stop_at=stop_at,
+                            grace_s=STOP_GRACE_S)
+    if out.stopped:
+        log.write(f"[piece] snakemake stopped ({out.stopped}), exit {out.returncode}"
+                  + (f"; killed after {STOP_GRACE_S} s: {out.killed}" if out.killed else "") + "\n")
+        log.flush()
+    return out
 
 
 def planned_jobs(targets: list[str], config_args: list[str], extra: list[str]) -> dict[str, int]:
     """Snakemake's dry-run job counts (rule -> count) for ``targets``."""
-    cmd = [sys.executable, "-m", "snakemake", *targets, "-n", "--quiet", "rules", *extra,
+    cmd = [*SNAKEMAKE, *targets, "-n", "--quiet", "rules", *extra,
            "--rerun-triggers", *CONTINUE_TRIGGERS, "--config", *config_args]
     out = subprocess.run(cmd, capture_output=True, text=True)
     if out.returncode != 0:
@@ -293,7 +377,16 @@ def planned_jobs(targets: list[str], config_args: list[str], extra: list[str]) -
     return counts
 
 
-def _run_summaries(results: str, runs: tuple[str, ...]) -> list[dict[str, Any]]:
+def _result_times(results: str, runs: tuple[str, ...]) -> dict[str, float]:
+    out = {}
+    for run in runs:
+        path = Path(results) / "runs" / run / "result.json"
+        if path.is_file():
+            out[run] = path.stat().st_mtime
+    return out
+
+
+def _run_summaries(results: str, runs: tuple[str, ...], trained: set[str]) -> list[dict[str, Any]]:
     out = []
     for run in runs:
         path = Path(results) / "runs" / run / "result.json"
@@ -301,103 +394,238 @@ def _run_summaries(results: str, runs: tuple[str, ...]) -> list[dict[str, Any]]:
             out.append({"run_id": run, "done": False})
             continue
         r = read_json(path)
-        out.append({"run_id": run, "done": True, "final_val_ce": r.get("final_val_ce"),
+        out.append({"run_id": run, "done": True, "trained_here": run in trained, "final_val_ce": r.get("final_val_ce"),
                     "final_train_ce": r.get("final_train_ce"), "data_epochs": r.get("data_epochs"),
                     "tokens": r.get("tokens"), "wall_s": r.get("wall_s"), "train_s": r.get("train_s"),
                     "tokens_per_s": r.get("tokens_per_s"), "steady_tokens_per_s": r.get("steady_tokens_per_s")})
     return out
 
 
+def _stopped_at_deadline(results: str, missing: list[str], since: float) -> bool:
+    """Whether a job of a missing output stopped at its deadline (exit 75) in this invocation."""
+    for t in missing:
+        log = _log_of(results, t)
+        rec = read_status(log)
+        status = Path(log).parent / "attempts" / f"{Path(log).stem}.status.json"
+        if rec and rec.get("code") == EX_TEMPFAIL and status.stat().st_mtime >= since:
+            return True
+    return False
+
+
+def _invocation(record: dict[str, Any]) -> dict[str, Any]:
+    """The cost of one invocation of a piece, from its record."""
+    prov = record.get("provenance") or {}
+    return {"started": prov.get("started"), "wall_s": record.get("wall_s"), "run_s": record.get("run_s"),
+            "trained_runs": len(record.get("trained_runs") or []) if "trained_runs" in record else None,
+            "trained_tokens": record.get("trained_tokens"), "stopped": record.get("stopped"),
+            "commit": prov.get("commit"), "device": prov.get("device")}
+
+
+def _record_beside(archive: str) -> Path | None:
+    return Path(archive[: -len(".tar.xz")] + ".json") if archive.endswith(".tar.xz") else None
+
+
+def earlier_invocations(archives: list[str], name: str) -> list[dict[str, Any]]:
+    """The invocations of piece ``name`` recorded beside the restored archives (``<name>.json`` next to
+    ``<name>.tar.xz``), oldest first, each once."""
+    seen: dict[Any, dict] = {}
+    for arc in archives:
+        path = _record_beside(str(arc))
+        if path is None or not path.is_file():
+            continue
+        try:
+            rec = read_json(path)
+        except (OSError, ValueError):
+            continue
+        if not isinstance(rec, dict) or rec.get("piece") != name:
+            continue
+        for inv in rec.get("invocations") or [_invocation(rec)]:
+            if isinstance(inv, dict):
+                seen.setdefault((inv.get("started"), inv.get("wall_s")), inv)
+    return sorted(seen.values(), key=lambda inv: str(inv.get("started")))
+
+
 def run_piece(settings: dict, name: str, out: str, *, restore_from: list[str], config_args: list[str],
               cores: str, deadline_s: float | None, allow_rerun: bool,
               extra: list[str], accept: tuple[str, ...] = ()) -> dict[str, Any]:
+    """Run piece ``name`` (see the module docstring); returns its record, whose ``exit_code`` is the
+    command's exit status (0, 1 or 75; a refusal raises :class:`PieceError` before anything is packed)."""
     pieces = {p.name: p for p in plan_pieces(settings)}
     if name not in pieces:
         raise PieceError(f"no piece {name!r}; the scale's pieces are {list(pieces)}")
+    if deadline_s is not None and deadline_s < MIN_DEADLINE_S:
+        raise PieceError(f"--deadline {deadline_s:g}: a piece needs at least {MIN_DEADLINE_S} s (its jobs stop "
+                         f"{PACK_MARGIN_S} s before the deadline, to leave time for stopping them and packing)")
     piece = pieces[name]
     R = settings["results"]
-    started, t0 = now(), time.monotonic()
+    started, t0, since = now(), time.monotonic(), time.time()
+    try:  # every archive is checked whole before anything runs or is written
+        archives = read_archives(restore_from, R)
+    except ArchiveError as e:
+        raise PieceError(str(e)) from None
+    earlier = earlier_invocations(restore_from, name)  # read before this invocation's record replaces one
+    end = None if deadline_s is None else t0 + deadline_s
+    stop_at = None if end is None else end - STOP_MARGIN_S
     Path(out).mkdir(parents=True, exist_ok=True)
     logs = Path(out) / f"{name}.log"
     smk = [*extra, "--cores", cores, "--scheduler", "greedy", "--keep-going", "--nolock"]
     sharing = int(settings.get("resources", {}).get("train", {}).get("jobs_per_gpu", 1))
     record: dict[str, Any] = {"piece": name, "scale": settings.get("scale"), "runs": list(piece.runs),
                               "stages": list(piece.stages), "train_jobs_per_gpu": sharing,
-                              "restored_from": restore_from,
+                              "restored_from": restore_from, "deadline_s": deadline_s,
                               "environment": {k: v for k, v in sorted(os.environ.items())
                                               if k.startswith(("KERNELS_", "LRATTNRES_", "TRITON_", "TORCH"))}}
-    with open(logs, "a", encoding="utf-8") as log:
+    stopped: str | None = None
+    targets = piece_targets(settings, piece)
+    trained: set[str] = set()
+    with process_group.StopRequest() as stop, open(logs, "a", encoding="utf-8") as log:
+        def say(msg: str) -> None:
+            log.write(msg + "\n")
+            log.flush()
+            print(msg, file=sys.stderr, flush=True)
+
         # 1. the data, built here (deterministic: the same bytes as where earlier pieces ran)
         t = time.monotonic()
         manifest = f"{R}/data/manifest.json"
-        rc = _snakemake([manifest, *smk, "--config", *config_args], log)
-        if rc != 0:
-            raise PieceError(f"building the data failed (exit {rc}); see {logs}")
+        built = _snakemake([manifest, *smk, "--config", *config_args], log, stop=stop, stop_at=stop_at)
+        stopped = built.stopped
+        if stopped is None and built.returncode != 0:
+            raise PieceError(f"building the data failed (exit {built.returncode}); see {logs}")
         record["data_s"] = round(time.monotonic() - t, 1)
-        # 2. earlier pieces, then the checks that nothing restored is redone
-        if restore_from:
-            restored = restore(restore_from, skip=(f"{R}/data/",))
-            record["restored_files"] = len(restored)
-            record["restored_runs"] = check_same_data(R)
-            record["settings_compared"] = check_same_settings(settings, R, accept)
-            record["accepted_differences"] = list(accept)
-        targets = piece_targets(settings, piece)
-        plan = planned_jobs(targets, config_args, [])
+        # 2. earlier pieces (restored even when stopping: what the piece had made travels on), then the
+        # checks that the restored results belong to this scale
+        if archives:
+            restored = restore_members(archives, skip=(f"{R}/data/",))
+            record["restored_files"] = len(restored.files)
+            record["kept_newer_local"] = restored.kept_local
+            record["superseded"] = restored.superseded
+            for s in restored.superseded:
+                say(f"[piece] {s['file']}: the newer copy of {s['from']} replaces that of {s['over']}")
+            if stopped is None:
+                record["restored_runs"] = check_same_data(R)
+                record["settings_compared"] = check_same_settings(settings, R, accept)
+                record["accepted_differences"] = list(accept)
+        # 3. what has finished is not done again
+        cleared = complete_finished(settings, piece)
+        if cleared:
+            say(f"[piece] {name}: outputs whole but marked incomplete (an interrupted Snakemake), marked complete: "
+                f"{', '.join(cleared)}")
+        record["completed_metadata"] = cleared
+        finished = finished_runs(settings, piece)
+        record["skipped_runs"] = finished
+        if finished:
+            say(f"[piece] {name}: {len(finished)} of {len(piece.runs)} runs finished earlier, not trained again: "
+                f"{', '.join(finished)}")
+        done = {t for run in finished for t in run_targets(settings, run)}
+        todo = [t for t in targets if t not in done]
+        pending = [t for t in todo if not Path(t).is_file()]
+        plan: dict[str, int] = {}
+        if stopped is None and stop.reason is None and pending:
+            try:
+                plan = planned_jobs(todo, config_args, [])
+            except PieceError:
+                if stop.reason is None:
+                    raise
+            unfinished = [r for r in piece.runs if not Path(f"{R}/runs/{r}/result.json").is_file()]
+            allowed = {"train", "diagnose_run", "convert", "evaluate", "kernel_check_run", *piece.stages,
+                       *(r for st in piece.stages for r in STAGE_RULES.get(st, ()))}
+            redo = sorted(set(plan) - allowed)
+            if redo and not allow_rerun:
+                raise PieceError(f"the piece would also run {redo}: restored outputs would be redone "
+                                 "(see the dry run; --allow-rerun accepts it)")
+            if plan.get("train", 0) > len(unfinished) and not allow_rerun:
+                whole = set(finished) | set(unfinished)
+                lacking = {r: [Path(x).relative_to(R).as_posix() for x in run_targets(settings, r)
+                               if not Path(x).is_file()] for r in piece.runs if r not in whole}
+                raise PieceError(f"the piece would train {plan['train']} runs, but only {len(unfinished)} have no "
+                                 f"result: {lacking} have a result.json but not these outputs, and making them "
+                                 "trains the run again (weights are not kept); --allow-rerun accepts it")
         record["planned_jobs"] = plan
-        allowed = {"train", "diagnose_run", "convert", "evaluate", "kernel_check_run", *piece.stages,
-                   *(r for st in piece.stages for r in STAGE_RULES.get(st, ()))}
-        redo = sorted(set(plan) - allowed)
-        if redo and not allow_rerun:
-            raise PieceError(f"the piece would also run {redo}: restored outputs would be redone "
-                             "(see the dry run; --allow-rerun accepts it)")
-        if plan.get("train", 0) > len(piece.runs):
-            raise PieceError(f"the piece would train {plan['train']} runs, more than its {len(piece.runs)}: "
-                             "restored runs would be redone")
-        # 3. the piece
+        # 4. the piece
         t = time.monotonic()
-        left = None if deadline_s is None else max(60.0, deadline_s - (time.monotonic() - t0))
+        stopped = stopped or stop.reason
         env = dict(SHARED_GPU_ENV) if sharing > 1 else {}
-        if left is not None:  # stages that can stop early (throughput) keep their partial state for the next piece
-            env[DEADLINE_ENV] = str(int(time.time() + left - PACK_MARGIN_S))
+        if stopped is None and pending:
+            if end is not None:  # stages that can stop early (throughput) keep their partial state for the next piece
+                jobs_end = time.time() + (end - time.monotonic()) - PACK_MARGIN_S
+                env[DEADLINE_ENV] = str(int(jobs_end))
+                if jobs_end <= time.time():
+                    stopped = "deadline"
+                    say(f"[piece] {name}: the deadline leaves its jobs no time; nothing started")
+            if stopped is None:
+                before = _result_times(R, piece.runs)
+                ran = _snakemake([*todo, *smk, "--rerun-triggers", *CONTINUE_TRIGGERS, "--config", *config_args],
+                                 log, stop=stop, stop_at=stop_at, env=env)
+                record["snakemake_exit"] = ran.returncode
+                record["killed_after_grace"] = ran.killed
+                stopped = ran.stopped
+                after = _result_times(R, piece.runs)
+                trained = {r for r, m in after.items() if before.get(r) != m}
         record["job_environment"] = env
-        rc = _snakemake([*targets, *smk, "--rerun-triggers", *CONTINUE_TRIGGERS, "--config", *config_args],
-                        log, timeout=left, env=env)
-        record["snakemake_exit"] = rc
         record["run_s"] = round(time.monotonic() - t, 1)
-    summaries = _run_summaries(R, piece.runs)
-    record["run_results"] = summaries
-    done = [s for s in summaries if s["done"]]
-    tokens = sum(s["tokens"] or 0 for s in done)
-    record["trained_tokens"] = tokens
-    record["aggregate_tokens_per_s"] = round(tokens / record["run_s"]) if record["run_s"] else None
-    record["missing_targets"] = [t for t in targets if not Path(t).is_file()]
-    record["wall_s"] = round(time.monotonic() - t0, 1)
-    try:  # the device in the provenance: torch is asked only if imported
-        import torch  # noqa: F401
-    except ImportError:
-        pass
-    record["provenance"] = provenance({"piece": name, "settings": settings}, started=started)
-    record["packed"] = pack(Path(out) / f"{name}.tar.xz", R)
-    atomic_write_json(Path(out) / f"{name}.json", record)
+        missing = [t for t in targets if not Path(t).is_file()]
+        if missing and stopped is None and end is not None and _stopped_at_deadline(R, missing, since):
+            stopped = "deadline"
+        if not missing:
+            stopped = None  # everything is made: a late signal changes nothing
+        record["stopped"] = stopped
+        record["partial"] = bool(missing)
+        record["exit_code"] = 0 if not missing else EXIT_STOPPED if stopped else 1
+        if stopped:
+            say(f"[piece] {name}: stopped ({stopped}); what finished is packed; run it again, restoring "
+                f"{Path(out) / (name + '.tar.xz')}, to continue")
+        # 5. the record and the archive (a signal now changes nothing: what is written is complete)
+        summaries = _run_summaries(R, piece.runs, trained)
+        record["run_results"] = summaries
+        tokens = sum(s["tokens"] or 0 for s in summaries if s.get("trained_here"))
+        record["trained_runs"] = sorted(trained)
+        record["trained_tokens"] = tokens  # this invocation's training only
+        record["aggregate_tokens_per_s"] = round(tokens / record["run_s"]) if record["run_s"] and tokens else None
+        record["missing_targets"] = missing
+        try:  # the device in the provenance: torch is asked only if imported
+            import torch  # noqa: F401
+        except ImportError:
+            pass
+        record["provenance"] = provenance({"piece": name, "settings": settings}, started=started)
+        record["packed"] = pack(Path(out) / f"{name}.tar.xz", R, files=own_files(settings, piece))
+        whole = set(finished_runs(settings, piece))
+        left_out = {r["run_id"]: [Path(x).relative_to(R).as_posix() for x in run_targets(settings, r["run_id"])
+                                  if not Path(x).is_file()] for r in summaries if r["done"] and r["run_id"] not in whole}
+        record["runs_left_out"] = left_out  # trained, but a later output is missing: the weights stay here
+        if left_out:
+            say(f"[piece] {name}: runs trained but not packed, their later outputs missing (a rerun trains them "
+                f"again): {left_out}")
+        record["wall_s"] = round(time.monotonic() - t0, 1)
+        invocations = earlier + [_invocation(record)]
+        record["invocations"] = invocations  # every invocation of the piece so far, this one last
+        record["total_wall_s"] = round(sum(i.get("wall_s") or 0 for i in invocations), 1)
+        record["total_trained_tokens"] = sum(i.get("trained_tokens") or 0 for i in invocations)
+        atomic_write_json(Path(out) / f"{name}.json", record)
     return record
 
 
 def piece_summary(archives: list[str]) -> dict[str, Any]:
     """What the pieces cost, from the ``<name>.json`` beside each ``<name>.tar.xz``: per piece its
-    wall time on the GPU machine, runs and trained tokens, and the total in GPU-minutes (one GPU)."""
+    wall time on the GPU machine over all its invocations, runs and trained tokens, and the total in
+    GPU-minutes (one GPU)."""
     rows = []
     for arc in archives:
-        rec_path = Path(str(arc)[: -len(".tar.xz")] + ".json") if str(arc).endswith(".tar.xz") else None
+        rec_path = _record_beside(str(arc))
         if rec_path is None or not rec_path.is_file():
             continue
         r = read_json(rec_path)
+        invocations = r.get("invocations") or [_invocation(r)]
         rows.append({"piece": r.get("piece"), "runs": len(r.get("runs", [])), "wall_s": r.get("wall_s"),
                      "data_s": r.get("data_s"), "run_s": r.get("run_s"), "trained_tokens": r.get("trained_tokens"),
                      "aggregate_tokens_per_s": r.get("aggregate_tokens_per_s"),
+                     "invocations": len(invocations),
+                     "total_wall_s": r.get("total_wall_s", r.get("wall_s")),
+                     "total_trained_tokens": r.get("total_trained_tokens", r.get("trained_tokens")),
+                     "partial": bool(r.get("partial", False)),
                      "train_jobs_per_gpu": r.get("train_jobs_per_gpu", r.get("gpu_jobs")),
                      "device": (r.get("provenance") or {}).get("device"),
                      "commit": (r.get("provenance") or {}).get("commit")})
-    total = sum(x["wall_s"] or 0 for x in rows)
+    total = sum(x["total_wall_s"] or 0 for x in rows)
     return {"piece_costs": rows, "gpu_minutes": round(total / 60, 1) if rows else None}
 
 
@@ -405,14 +633,17 @@ def render_report(settings: dict, restore_from: list[str], into: str, config_arg
                   extra: list[str], accept: tuple[str, ...] = ()) -> dict[str, Any]:
     """Restore every piece, render the report of the scale, and record it under ``into``."""
     R = settings["results"]
-    restored = restore(restore_from)
+    try:
+        restored = restore(restore_from, results=R)
+    except ArchiveError as e:
+        raise PieceError(str(e)) from None
     check_same_data(R)
     check_same_settings(settings, R, accept)
     Path(into).mkdir(parents=True, exist_ok=True)
     with open(Path(into) / "snakemake.log", "w", encoding="utf-8") as log:
         # only the rules that read small outputs: what the pieces made is taken as it is, never remade
         rc = _snakemake(["reports/paper.html", "--cores", "2", "--allowed-rules", *REPORT_RULES, *extra,
-                         "--config", *config_args], log)
+                         "--config", *config_args], log).returncode
     if rc != 0:
         raise PieceError(f"rendering the report failed (exit {rc}); see {Path(into) / 'snakemake.log'}")
     commits = sorted({read_json(p)["provenance"]["commit"] for p in Path(R).glob("runs/*/result.json")
@@ -442,8 +673,12 @@ def main(argv: list[str] | None = None) -> int:
             sp.add_argument("name", help="the piece to run")
             sp.add_argument("--out", required=True, help="folder for <name>.tar.xz, <name>.json, <name>.log")
             sp.add_argument("--cores", default="all")
-            sp.add_argument("--deadline", type=float, default=None, help="seconds for the whole piece")
-            sp.add_argument("--allow-rerun", action="store_true")
+            sp.add_argument("--deadline", type=float, default=None,
+                            help=f"seconds for the whole piece (at least {MIN_DEADLINE_S}); at the deadline it "
+                                 f"packs what finished and exits {EXIT_STOPPED}")
+            sp.add_argument("--allow-rerun", action="store_true",
+                            help="let the piece redo restored outputs (e.g. train a run again to make an output "
+                                 "that needs its weights)")
         if cmd in ("run", "report"):
             sp.add_argument("--restore", nargs="*", default=[], help="archives of earlier pieces")
             sp.add_argument("--accept", nargs="*", default=[], metavar="KEY",
@@ -473,8 +708,9 @@ def main(argv: list[str] | None = None) -> int:
                             cores=args.cores, deadline_s=args.deadline,
                             allow_rerun=args.allow_rerun, extra=extra, accept=tuple(args.accept))
             print(json.dumps({k: rec[k] for k in ("piece", "wall_s", "run_s", "trained_tokens",
-                                                   "aggregate_tokens_per_s", "missing_targets", "packed")}))
-            return 0 if not rec["missing_targets"] else 1
+                                                   "aggregate_tokens_per_s", "skipped_runs", "stopped",
+                                                   "missing_targets", "packed")}))
+            return rec["exit_code"]
         rec = render_report(settings, args.restore, args.into, args.config_args, extra, tuple(args.accept))
         print(json.dumps({k: rec[k] for k in ("scale", "restored_files", "run_commits")}))
         return 0

@@ -6,7 +6,9 @@ section (``kernel``, ``train_step``, ``throughput_gpu*``, ``gpu_grid``) and ``gp
 ``paper.json`` of a report made at another scale, as a column beside this report's verdicts.
 
 It is not part of the experiment's config: the Snakefile lists the file and the paths it names among
-the report rule's inputs, so a new recording reruns the report and nothing else.
+the report rule's inputs, so a new recording reruns the report and nothing else. Nor can it stop the
+experiment: for the workflow and the report stage (:func:`load`), a missing or malformed list, a bad
+entry or a listed file that is absent is a note on the report page, never a failed target.
 """
 
 from __future__ import annotations
@@ -21,22 +23,51 @@ RECORDED = "reports/recorded.yaml"  # the list, relative to the repository root
 REPORT = "gpu_report"  # the key that names a paper.json made elsewhere, not a result file
 
 
-def read_list(path: str | Path) -> dict[str, str]:
-    """The recorded files of ``path`` as {name: path relative to the repository root}; an empty
-    file records nothing.  A file that is not such a mapping raises :class:`InputError`."""
-    path = Path(path)
+def _entry_problem(path: Path, name, rel) -> str | None:
+    if not isinstance(name, str) or not isinstance(rel, str) or not rel.strip():
+        return f"{path}: key {name!r}: expected a file path relative to the repository root, got {rel!r}"
+    return None
+
+
+def _read_mapping(path: Path) -> dict:
     try:
         data = yaml.safe_load(path.read_text(encoding="utf-8"))
     except OSError as e:
         raise InputError(f"{path}: cannot be read ({e.strerror or e})") from None
     except yaml.YAMLError as e:
-        raise InputError(f"{path}: not valid YAML ({e})") from None
+        raise InputError(f"{path}: not valid YAML ({' '.join(str(e).split())})") from None
     if data is None:
         return {}
     if not isinstance(data, dict):
         raise InputError(f"{path}: expected a mapping of names to result files, got {type(data).__name__}")
+    return data
+
+
+def read_list(path: str | Path) -> dict[str, str]:
+    """The recorded files of ``path`` as {name: path relative to the repository root}; an empty
+    file records nothing.  A file that is not such a mapping raises :class:`InputError`."""
+    path = Path(path)
+    data = _read_mapping(path)
     for name, rel in data.items():
-        if not isinstance(name, str) or not isinstance(rel, str) or not rel.strip():
-            raise InputError(f"{path}: key {name!r}: expected a file path relative to the repository root, "
-                             f"got {rel!r}")
+        if (problem := _entry_problem(path, name, rel)) is not None:
+            raise InputError(problem)
     return dict(data)
+
+
+def load(path: str | Path) -> tuple[dict[str, str], list[str]]:
+    """``(entries, notes)``: what :func:`read_list` reads, never raising. A missing or malformed file
+    records nothing and a bad entry is left out, each with a note naming the file and the key."""
+    path = Path(path)
+    if not path.exists():
+        return {}, [f"{path}: absent, so no results measured elsewhere are shown"]
+    try:
+        data = _read_mapping(path)
+    except InputError as e:
+        return {}, [f"{e}; no results measured elsewhere are shown"]
+    entries, notes = {}, []
+    for name, rel in data.items():
+        if (problem := _entry_problem(path, name, rel)) is not None:
+            notes.append(problem + "; left out")
+        else:
+            entries[name] = rel
+    return entries, notes

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 from conftest import REPO
+from markupsafe import escape
 
 from lrattnres import accounting, claims as engine, grid, recorded, report
 from lrattnres.config import load_and_resolve
@@ -272,13 +273,36 @@ def test_recorded_list_is_read_or_refused_naming_file_and_key(tmp_path):
         with pytest.raises(InputError, match=want) as err:
             recorded.read_list(f)
         assert str(f) in str(err.value)
+
+
+def test_a_bad_recorded_list_is_a_note_on_the_page(tmp_path):
+    """A missing or malformed reports/recorded.yaml, a bad entry or a listed file that does not exist
+    never stops the report: each is a note on the page and in paper.json naming the file and key."""
     settings = load_and_resolve(REPO / "config.yaml")
     atomic_write_json(tmp_path / "settings.json", settings)
-    f.write_text("kernel: 3\n")
-    with pytest.raises(InputError, match="kernel"):
-        report.main(["--settings", str(tmp_path / "settings.json"), "--published", str(PUBLISHED), "--recorded",
-                     str(f), "--html", str(tmp_path / "p.html"), "--json", str(tmp_path / "p.json")])
-    assert not (tmp_path / "p.html").exists()
+    f = tmp_path / "recorded.yaml"
+
+    def notes(text: str | None) -> list[str]:
+        f.unlink(missing_ok=True)
+        if text is not None:
+            f.write_text(text)
+        assert report.main(["--settings", str(tmp_path / "settings.json"), "--published", str(PUBLISHED),
+                            "--recorded", str(f), "--html", str(tmp_path / "p.html"), "--json",
+                            str(tmp_path / "p.json"), "--root", str(REPO)]) == 0
+        paper = read_json(tmp_path / "p.json")
+        page = (tmp_path / "p.html").read_text()
+        assert paper["problems"] == [] and all(str(escape(n)) in page for n in paper["recorded_notes"])
+        return paper["recorded_notes"]
+
+    assert notes(None) == [f"{f}: absent, so no results measured elsewhere are shown"]
+    assert "not valid YAML" in notes("kernel: {\n")[0]
+    kernel = recorded.read_list(REPO / recorded.RECORDED)["kernel"]
+    got = notes(f"kernel: 3\ntrain_step: benchmarks/results/none.json\nkernel2: {kernel}\n")
+    assert len(got) == 2 and "key 'kernel': expected a file path" in got[0] and "left out" in got[0]
+    assert "recorded result 'train_step': benchmarks/results/none.json does not exist" in got[1]
+    assert notes("gpu_report: reports/none.json\n") == [
+        "recorded report ('gpu_report'): reports/none.json does not exist yet; its column is left out"]
+    assert notes("") == [] and 'id="recorded-notes"' not in (tmp_path / "p.html").read_text()
 
 
 def _chromium() -> str | None:

@@ -225,6 +225,23 @@ def test_a_new_recording_reruns_only_the_report(tmp_path):
     assert set(_planned(work)) == {"report", "all"}
 
 
+def test_a_bad_recorded_list_fails_no_target(shared_copy):
+    """reports/recorded.yaml, malformed or missing, plans every job as before (the report notes it on
+    its page; tests/test_report.py)."""
+    listed = shared_copy / "reports" / "recorded.yaml"
+    kept = listed.read_text()
+    try:
+        for text in ("kernel: {\n", None):
+            listed.unlink()
+            if text is not None:
+                listed.write_text(text)
+            counts = job_counts(snakemake(shared_copy, "-n", "--config", "scale=smoke").stdout)
+            assert counts.get("report") == 1 and counts.get("train") == len(plan(load_and_resolve(
+                REPO / "config.yaml", {"scale": "smoke"}))), (text, counts)
+    finally:
+        listed.write_text(kept)
+
+
 def test_per_run_diagnostics_do_not_depend_on_the_flop_counts():
     """The diagnostics take the grid's run list from its plan: a change of the accounting (or of the
     grid's summary) reruns no per-run diagnostics; the grid summary depends on both."""

@@ -18,7 +18,9 @@ is written to a temporary file and renamed, so an older report survives any fail
 Results measured on another machine are listed in ``reports/recorded.yaml`` (:mod:`lrattnres.recorded`)
 and shown in their sections.  A report recorded elsewhere (its key ``gpu_report``: the paper.json of
 another scale, e.g. the gpu scale on an H200) is shown beside this one's verdicts, labelled with its
-scale, device, commit and date; an absent file leaves the column out.
+scale, device, commit and date; an absent file leaves the column out.  The list never stops the
+report: a missing or malformed list, a bad entry and a listed file that does not exist are notes on
+the page (``recorded_notes`` in paper.json), naming the file and the key.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ from lrattnres import claims as claims_engine
 from lrattnres.io import atomic_path, atomic_write_text, read_json
 from lrattnres.provenance import now, provenance
 from lrattnres.recorded import REPORT as RECORDED_REPORT
-from lrattnres.recorded import read_list as read_recorded_list
+from lrattnres.recorded import load as load_recorded_list
 from lrattnres.report.context import ReportContext
 
 log = logging.getLogger("lrattnres.report")
@@ -74,8 +76,15 @@ def load_results(paths: list[str], problems: list[str] | None = None) -> dict[st
     return by_stage
 
 
-def load_recorded(recorded: dict[str, str], root: Path, problems: list[str] | None = None) -> dict[str, dict]:
-    """Result files measured elsewhere (e.g. on a GPU); missing ones are skipped with a log line.
+def _note(notes: list[str] | None, text: str) -> None:
+    log.info("%s", text)
+    if notes is not None:
+        notes.append(text)
+
+
+def load_recorded(recorded: dict[str, str], root: Path, problems: list[str] | None = None,
+                  notes: list[str] | None = None) -> dict[str, dict]:
+    """Result files measured elsewhere (e.g. on a GPU); a missing one is skipped with a note.
     The recorded report (key ``gpu_report``) is not a result file: :func:`load_recorded_report`."""
     out = {}
     for name, rel in recorded.items():
@@ -83,7 +92,7 @@ def load_recorded(recorded: dict[str, str], root: Path, problems: list[str] | No
             continue
         path = root / rel
         if not path.exists():
-            log.info("recorded result %s not found at %s; skipped", name, path)
+            _note(notes, f"recorded result {name!r}: {rel} does not exist; its section shows none")
             continue
         try:
             data = read_json(path)
@@ -107,14 +116,15 @@ def recorded_label(report: dict) -> str:
     return f"{report.get('scale', '?')} scale, {device}, {commit}, {date}"
 
 
-def load_recorded_report(rel: str | None, root: Path, problems: list[str] | None = None) -> dict | None:
+def load_recorded_report(rel: str | None, root: Path, problems: list[str] | None = None,
+                         notes: list[str] | None = None) -> dict | None:
     """``{"label", "path", "claims": {id: claim}}`` of a paper.json made elsewhere, or None when the
-    config names none, the file is absent, or it is not a report (the last recorded as a problem)."""
+    config names none, the file is absent (a note), or it is not a report (a problem)."""
     if not rel:
         return None
     path = root / rel
     if not path.exists():
-        log.info("recorded report not found at %s; its column is left out", path)
+        _note(notes, f"recorded report ({RECORDED_REPORT!r}): {rel} does not exist yet; its column is left out")
         return None
     try:
         data = read_json(path)
@@ -248,6 +258,7 @@ def render(ctx: ReportContext, claims: list[dict], prov: dict) -> str:
         paper_sections=sections_of,
         provenance=prov,
         problems=ctx.problems,
+        recorded_notes=ctx.recorded_notes,
         recorded=ctx.recorded_report,
         badge=html.badge,
         fmt=html.fmt,
@@ -313,9 +324,9 @@ def main(argv: list[str] | None = None) -> int:
     problems: list[str] = []
     by_stage = load_results(args.results, problems)
     root = Path(args.root)
-    rec_cfg = read_recorded_list(args.recorded) if args.recorded else {}
-    recorded = load_recorded(rec_cfg, root, problems)
-    recorded_report = load_recorded_report(rec_cfg.get(RECORDED_REPORT), root, problems)
+    rec_cfg, recorded_notes = load_recorded_list(args.recorded) if args.recorded else ({}, [])
+    recorded = load_recorded(rec_cfg, root, problems, recorded_notes)
+    recorded_report = load_recorded_report(rec_cfg.get(RECORDED_REPORT), root, problems, recorded_notes)
     rederive_claims(recorded, set(published), problems)
     claim_problems: dict[str, str] = {}
     produced = collect_produced(by_stage, recorded, published, claim_problems)
@@ -331,13 +342,15 @@ def main(argv: list[str] | None = None) -> int:
         recorded=recorded,
         recorded_report=recorded_report,
         problems=problems,
+        recorded_notes=recorded_notes,
     )
     starts = [r.get("provenance", {}).get("started") for rs in by_stage.values() for r in rs
               if isinstance(r.get("provenance"), dict)]
     prov = provenance(settings, started=min([s for s in starts if isinstance(s, str)] or [started]))
     page = render(ctx, claims, prov)
     atomic_write_text(args.html, page)
-    write_json_strict(args.json, {"scale": scale, "provenance": prov, "claims": claims, "problems": problems})
+    write_json_strict(args.json, {"scale": scale, "provenance": prov, "claims": claims, "problems": problems,
+                                  "recorded_notes": recorded_notes})
     if args.tsv:
         write_tsv(args.tsv, claims, recorded_report)
     log.info("wrote %s and %s: %d claims (%s); %d problems", args.html, args.json, len(claims),

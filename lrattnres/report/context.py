@@ -18,6 +18,8 @@ class ReportContext:
     recorded_report: dict | None = None
     # stage outputs the report could not use, each naming the file and key (shown on the page)
     problems: list[str] = field(default_factory=list)
+    # what of reports/recorded.yaml could not be shown (a missing or malformed list, an absent file)
+    recorded_notes: list[str] = field(default_factory=list)
 
     def results(self, stage: str) -> list[dict]:
         """Result JSONs of ``stage`` produced by this run (empty if the stage has not run)."""

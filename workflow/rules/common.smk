@@ -14,7 +14,8 @@ from lrattnres.config import ConfigError, resolve, resolve_rank, science
 from lrattnres.data.spec import science as science_data_spec
 from lrattnres.deps import closure, package_files, package_modules
 from lrattnres.errors import UserError
-from lrattnres.recorded import RECORDED, read_list
+from lrattnres.recorded import RECORDED
+from lrattnres.recorded import load as load_recorded
 
 try:
     S = resolve(config, source="config.yaml (with --config/--configfile overrides)")
@@ -36,12 +37,12 @@ shell.prefix(f"{_bindir}export PYTHONPATH={workflow.basedir}:${{{{PYTHONPATH:-}}
 
 
 def recorded_files():
-    """The files of reports/recorded.yaml that exist (results measured elsewhere): report inputs."""
-    try:
-        listed = read_list(RECORDED).values()
-    except UserError as err:
-        raise WorkflowError(f"invalid list of recorded results: {err}")
-    return [p for p in listed if os.path.exists(p)]
+    """reports/recorded.yaml and the files it names that exist (results measured elsewhere): report
+    inputs. A missing or malformed list is never an error here: the report page notes it.
+    """
+    entries, _notes = load_recorded(RECORDED)
+    listed = [RECORDED] if os.path.exists(RECORDED) else []
+    return listed + [p for p in entries.values() if os.path.exists(p)]
 
 
 def stage_sources(*modules):

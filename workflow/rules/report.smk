@@ -11,8 +11,8 @@ rule report:
         published="reports/published.yaml",
         results=REPORT_INPUTS,
         # results measured elsewhere (reports/recorded.yaml, not the config): the list and every file
-        # it names that exists, so that a new recording reruns the report and nothing else
-        recorded=RECORDED,
+        # it names that exists, so that a new recording reruns the report and nothing else; a missing
+        # or malformed list is a note on the page
         recorded_files=recorded_files(),
         src=stage_sources(
             "lrattnres.report",
@@ -32,10 +32,13 @@ rule report:
         attempt=attempt,
         mem_mb=res("report", "mem_mb", 2000),
         runtime=res("report", "runtime", 10),
+    params:
+        # the list's path even when it is absent (the page then says so); when present it is an input
+        recorded=lambda wc: RECORDED,
     shell:
         stage(
             "report --settings {input.settings:q} --published {input.published:q} "
-            "--recorded {input.recorded:q} "
+            "--recorded {params.recorded:q} "
             "--results {input.results:q} --html {output.html:q} --json {output.json:q} "
             "--tsv {output.tsv:q} > {log:q} 2>&1",
         )
