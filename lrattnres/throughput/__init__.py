@@ -83,16 +83,22 @@ from lrattnres.throughput.matched import (
     data_buffer,
     fla_available,
     fla_router,
+    build_method_model,
+    load_shared,
     matched_model,
     method_config,
+    release_weights,
     shared_backbone,
     synthetic_buffer,
 )
-from lrattnres.throughput.measure import _gains, gpu_name, rotation, run, time_method
+from lrattnres.throughput.comparison import compare, differences
+from lrattnres.throughput.measure import (MethodFailed, MethodSlot, _gains, gpu_name, graphs_compiled, memory_plan,
+                                          rotation, run, run_estimate, time_method)
 from lrattnres.throughput.partial import PARTIAL_FORMAT, load_partial, partial_key, partial_path
 from lrattnres.throughput.protocol import (
     T975,
     mean_ci95,
+    more_repeats,
     paired_gain,
     paired_gains,
     should_stop,
@@ -107,6 +113,7 @@ from lrattnres.throughput.spec import (
     PAPER_GPUS,
     PAPER_SIZES,
     SMALL_VOCAB,
+    for_preset,
     resolve_spec,
 )
 from lrattnres.throughput.summary import (
@@ -119,9 +126,11 @@ from lrattnres.throughput.summary import (
 )
 
 __all__ = [
-    "DEFAULTS", "GAINS", "GPU_STAND_INS", "METHOD_TABLE", "PAPER_GPUS", "PAPER_SIZES", "PARTIAL_FORMAT", "SMALL_VOCAB",
-    "SpecError", "T975", "_gains", "aggregate", "claims_for", "data_buffer", "direction_gpu", "fla_available",
-    "fla_router", "gpu_name", "load_partial", "main", "matched_model", "mean_ci95", "method_config", "paired_gain",
-    "paired_gains", "paper_gpu", "partial_key", "partial_path", "published_ids", "resolve_spec", "rotation", "run",
-    "shared_backbone", "should_stop", "synthetic_buffer", "t975", "time_method", "window_ok", "window_stats",
+    "DEFAULTS", "GAINS", "GPU_STAND_INS", "METHOD_TABLE", "MethodFailed", "MethodSlot", "PAPER_GPUS", "PAPER_SIZES",
+    "PARTIAL_FORMAT", "SMALL_VOCAB", "SpecError", "T975", "_gains", "aggregate", "build_method_model", "claims_for",
+    "compare", "data_buffer", "differences", "direction_gpu", "fla_available", "fla_router", "for_preset", "gpu_name",
+    "graphs_compiled", "load_partial", "load_shared", "main", "matched_model", "mean_ci95", "memory_plan",
+    "method_config", "more_repeats", "paired_gain", "paired_gains", "paper_gpu", "partial_key", "partial_path",
+    "published_ids", "release_weights", "resolve_spec", "rotation", "run", "run_estimate", "shared_backbone",
+    "should_stop", "synthetic_buffer", "t975", "time_method", "window_ok", "window_stats",
 ]
