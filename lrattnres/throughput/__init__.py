@@ -4,9 +4,16 @@
 
 Protocol (Appendix I, "Matched model comparison", "Measurement protocol", "Paired uncertainty"):
 
-* Matched weights: per repeat one shared initialisation of the backbone (seeded), copied into every
-  method's model; the routing queries (the only extra parameters of the timed methods) are zeros,
-  the production initialisation.  Same seed, same cached tokens for every method.
+* Matched weights: per repeat one shared initialisation of the backbone (seeded), kept on the host
+  (pinned on CUDA) and copied into every method's model; the routing queries (the only extra
+  parameters of the timed methods) are zeros, the production initialisation.  Same seed, same cached
+  tokens for every method.
+* Compiled once: each method's model and (with ``compile``) its compiled loss module are built once
+  per process and serve all of its repeats there: a run loads its repeat's shared weights into the
+  same parameters and starts a fresh optimiser, so Dynamo compiles nothing again (each run records
+  ``graphs_compiled`` and ``compile_s``). Between runs a model gives its device memory back: only the
+  timed model is on the GPU. The paper's repeats are fresh processes; the result's ``protocol`` lists
+  this and every other difference from Appendix I (:mod:`~lrattnres.throughput.comparison`).
 * Cached tokens: one fixed host buffer of ``grad_accum`` micro-batches with production document
   boundaries (the first training batches of ``--data``'s train split, or synthetic tokens with
   log-normal document lengths ended by the end-of-text id), read once, transferred to the device in
@@ -19,7 +26,11 @@ Protocol (Appendix I, "Matched model comparison", "Measurement protocol", "Paire
   warm-up updates).
 * ``warmup`` (3) updates, then ``min_updates``..``max_updates`` (8..30) measured updates, stopping
   by :func:`should_stop`; every measured update counts: v = tokens x n / sum(times).
-* ``repeats`` (5) fresh repeats per configuration, the method order rotated by one each repeat.
+* ``repeats`` (5) repeats per configuration, the method order rotated by one each repeat.
+* Resolution (beyond the paper): with ``target_half_width`` (percentage points), more repeats of the
+  ``resolve_gain`` gain's two methods (the rank gain: ``fused-rd4`` and ``fused-rd``) until its 95%
+  half-width is at most the target, ``max_repeats`` repeats are done, or ``budget_s`` (seconds per
+  size over all its commands) would be passed (:func:`more_repeats`); ``resolution`` says which.
 * Paired gains ``g_j = 100 (v_j^A / v_j^B - 1)`` over repeats j, reported as mean and a 95%
   interval ``mean +- t_{0.975, n-1} s_g / sqrt(n)`` (:func:`paired_gain`).  The paper prints the
   half-width as ``t_{0.975,4} s_g / 5``; the standard error of a mean of n = 5 is s / sqrt(5), and
@@ -55,6 +66,12 @@ paper's: :data:`GPU_STAND_INS`), Appendix I's stopping rule (``appI.repeats_met_
 the timed runs that did not converge); the value claims of Table 3 only when the GPU is one of the
 paper's (H100, B200), under those ids.  Smaller scales produce no claims (the numbers are shown in
 the report beside the paper's, marked as a different scale and hardware).
+
+Memory and failures: before it builds anything the stage estimates its peak GPU memory per size and
+method (:func:`lrattnres.memory.throughput_estimate`) and refuses a plan that exceeds the scale's
+``cluster.gpu_memory_gib`` (``--cluster``) or this GPU's memory, less ``cluster.memory_margin``
+(exit 2). A method that runs out of GPU memory fails the job naming it (:class:`MethodFailed`, exit
+1); another failing method is dropped from the comparison and listed under ``skipped``.
 
 Resuming and deadlines: the workflow times one size per job (``{results}/throughput/<preset>.json``,
 merged by ``--aggregate``). After every timed run the stage rewrites a partial state beside its
