@@ -619,6 +619,8 @@ def test_more_repeats_of_the_pair_until_the_gain_is_resolved(monkeypatch):
     monkeypatch.setattr(tp.measure, "time_method", _paced(calls, steady))
     r = tp.run(dict(base, target_half_width=0.3))
     assert r["resolution"]["smoke"]["stopped"] == "resolved" and len(calls) == 9  # the three repeats suffice
+    assert "resolved: at most the target 0.3" in __import__(
+        "lrattnres.report.sections.throughput", fromlist=["x"]).result_tables(r, "cpu")
     # a noisy rank gain: repeats of fused-rd and fused-rd4 alone are added up to max_repeats
     noisy = dict(steady, lr=lambda k: 1.0 + 0.02 * (k % 2))
     calls.clear()
@@ -633,6 +635,11 @@ def test_more_repeats_of_the_pair_until_the_gain_is_resolved(monkeypatch):
     by = {row["name"]: row for row in r["rows"]}
     assert len(by["baseline"]["repeats"]) == 3 and len(by["fused-rd4"]["repeats"]) == 8
     assert [x["name"] for x in extra if x["repeat"] == 3] == ["fused-rd4", "fused-rd"]  # rotation goes on
+    from lrattnres.report.sections import throughput as sec
+
+    html = sec.result_tables(r, "cpu")
+    assert "95% half-width" in html and "over 8 paired repeats; not resolved (target 0.3) within 8 repeats" in html
+    assert "the measurement protocol, the paper&#x27;s and this result&#x27;s" in html and "differs" in html
     # the budget: no extra repeat that would take the size past it
     calls.clear()
     r = tp.run(dict(base, target_half_width=0.3, budget_s=1e-6))
@@ -739,3 +746,34 @@ def test_recorded_patterns_name_the_newest_recording(tmp_path):
     assert recorded.resolve_path("a/b.json", tmp_path) == "a/b.json"
     listed = recorded.read_list(ROOT / recorded.RECORDED)
     assert recorded.resolve_path(listed["throughput_gpu_1b"], ROOT).startswith("benchmarks/results/throughput_1b_")
+
+
+def test_a_resolving_size_continues_across_commands_and_counts_its_time(tmp_path, monkeypatch):
+    import time as _time
+
+    out = tmp_path / "smoke.json"
+    spec = json.dumps(dict(SMALL, methods=["fused-rd", "fused-rd4"], repeats=2, max_repeats=5, target_half_width=0.3))
+    noisy = {"attnres": lambda k: 1.0, "lr": lambda k: 1.0 + 0.02 * (k % 2)}  # never resolved
+    monkeypatch.delenv("LRATTNRES_DEADLINE", raising=False)
+    calls: list = []
+    paced = _paced(calls, noisy)
+
+    def stops(*a, **k):
+        rec = paced(*a, **k)
+        if len(calls) == 6:  # inside the extra repeats: the command's time is up
+            monkeypatch.setenv("LRATTNRES_DEADLINE", str(_time.time() - 1))
+        return rec
+
+    monkeypatch.setattr(tp.measure, "time_method", stops)
+    assert tp.main(["--spec", spec, "--out", str(out)]) == 75
+    state = json.loads(tp.partial_path(out).read_text())
+    assert len(state["runs"]) == 6 and state["spent_s"]["smoke"] > 0
+    monkeypatch.delenv("LRATTNRES_DEADLINE")
+    calls.clear()
+    monkeypatch.setattr(tp.measure, "time_method", _paced(calls, {"attnres": noisy["attnres"],
+                                                                  "lr": lambda k: noisy["lr"](k + 3)}))
+    assert tp.main(["--spec", spec, "--out", str(out)]) == 0 and len(calls) == 4
+    r = json.loads(out.read_text())
+    assert sorted({x["repeat"] for x in r["runs"]}) == [0, 1, 2, 3, 4] and r["runs"][:6] == state["runs"]
+    res = r["resolution"]["smoke"]
+    assert res["stopped"] == "max_repeats" and res["n"] == 5 and res["spent_s"] >= state["spent_s"]["smoke"]

@@ -76,8 +76,8 @@ def compare(res: dict) -> list[dict[str, Any]]:
                     False, "this project's kernel (kernels.attnres) in place of Fast-AttnRes"
                     + ("" if "fla-rd" in names else "; FLA not timed (see the skipped list)")
                     + ("" if set(sizes) <= set(PAPER_SIZES) else "; not the paper's sizes")))
-    out.append(_row("weights", "one seeded backbone initialisation per repeat, kept on the host and loaded into "
-                               "every method's model, routing queries zero", True))
+    out.append(_row("weights", "one seeded backbone initialisation per repeat, loaded into every method's model, "
+                               "routing queries zero", True))
     out.append(_row("timed", "the trainer's update between device synchronisations: transfer, forward, backward, "
                              "accumulation, clipping, Muon + AdamW, zero_grad; compilation in the warm-up", True))
     up = (f"{s.get('warmup')} warm-up, {s.get('min_updates')} to {s.get('max_updates')} measured; windows of "

@@ -163,10 +163,12 @@ def time_method(model, batches: list, s: dict, device, precision: str, log=None,
 
 
 def _free(device) -> None:
+    """Give freed device memory back to the GPU (on the CPU reference counting has freed it already;
+    a full collection there costs more than a short run)."""
     import torch
 
-    gc.collect()
     if device.type == "cuda":
+        gc.collect()
         torch.cuda.empty_cache()
 
 
@@ -500,7 +502,7 @@ def run(spec: dict, data: str | None = None, log=None, on_repeat: Callable[[dict
         g = result["gains"].get(preset, {}).get(s["resolve_gain"])
         result["resolution"][preset] = {
             "gain": s["resolve_gain"], "target_half_width": target, "half_width": (g or {}).get("half_width"),
-            "n": (g or {}).get("n"), "stopped": why_stopped, "spent_s": round(spent[preset], 1), "budget_s": budget,
+            "n": (g or {}).get("n"), "stopped": why_stopped, "spent_s": spent[preset], "budget_s": budget,
             "base_repeats": base, "max_repeats": s["max_repeats"]}
     result["complete"] = not result.get("cut", False)
     result["claims"] = claims_for(result, s)
