@@ -205,9 +205,10 @@ def throughput_estimate(shape: dict, *, micro_batch: int, seq_len: int, cluster:
             "idle_models_gib": idle, "peak_gib": e["train_peak_gib"] + shared + idle}
 
 
-def check_throughput(rows: list[dict], cluster: dict, where: str) -> None:
+def check_throughput(rows: list[dict], cluster: dict, where: str, memory_of: str = "cluster.gpu_memory_gib") -> None:
     """Refuse a throughput plan (rows of ``preset``, ``method`` and :func:`throughput_estimate`'s
-    ``peak_gib``) whose estimated peak exceeds ``cluster.gpu_memory_gib`` less ``cluster.memory_margin``."""
+    ``peak_gib``) whose estimated peak exceeds ``cluster.gpu_memory_gib`` less ``cluster.memory_margin``
+    (``memory_of`` names where that memory comes from in the message)."""
     limit = cluster["gpu_memory_gib"] * (1 - cluster.get("memory_margin", 0.0))
     for row in rows:
         if row["peak_gib"] > limit:
@@ -218,6 +219,6 @@ def check_throughput(rows: list[dict], cluster: dict, where: str) -> None:
                 f"{row['activations_gib']:.1f}, overhead {row['overhead_gib']:.1f}"
                 + (f", shared starting weights {row['shared_weights_gib']:.1f}" if row["shared_weights_gib"] else "")
                 + (f", idle models {row['idle_models_gib']:.1f}" if row["idle_models_gib"] else "")
-                + f" GiB); expected at most {limit:.1f} GiB (cluster.gpu_memory_gib {cluster['gpu_memory_gib']} less "
+                + f" GiB); expected at most {limit:.1f} GiB ({memory_of} {cluster['gpu_memory_gib']:g} less "
                 f"the {100 * cluster.get('memory_margin', 0.0):.0f}% margin): a smaller micro_batch with a larger "
                 "grad_accum keeps the tokens per update, or time it on a GPU with more memory")

@@ -223,7 +223,7 @@ def memory_plan(presets: list[dict], s: dict, cluster: dict | None, device) -> d
                                              rank=cfg.get("rank"), shared_on_gpu=SHARED_ON_GPU, idle_models=0)
             rows.append({"preset": plan["preset"], "method": name, "micro_batch": s["micro_batch"],
                          "seq_len": s["seq_len"], **est})
-    memory.check_throughput(rows, cluster, "throughput (the scale's cluster)")
+    memory.check_throughput(rows, cluster, "memory check")
     out = {"checked": True, "gpu_memory_gib": cluster["gpu_memory_gib"], "memory_margin": cluster.get("memory_margin", 0.0),
            "limit_gib": cluster["gpu_memory_gib"] * (1 - cluster.get("memory_margin", 0.0)),
            "shared_weights": "gpu" if SHARED_ON_GPU else "host", "rows": rows}
@@ -231,7 +231,8 @@ def memory_plan(presets: list[dict], s: dict, cluster: dict | None, device) -> d
         import torch
 
         total = torch.cuda.get_device_properties(device).total_memory / memory.GIB
-        memory.check_throughput(rows, dict(cluster, gpu_memory_gib=total), f"throughput on {gpu_name(device)}")
+        memory.check_throughput(rows, dict(cluster, gpu_memory_gib=round(total, 1)), "memory check",
+                                memory_of=f"this GPU's memory ({gpu_name(device)})")
         out["device_memory_gib"] = total
     return out
 
