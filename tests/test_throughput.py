@@ -588,13 +588,17 @@ def test_a_repeat_reloads_the_weights_and_starts_a_fresh_optimiser(eager_backend
     slot = tp.MethodSlot("smoke", "fused-rd4", s, 97, dev, "fp32")
     first = tp.shared_backbone("smoke", s, 97, 0, dev)
     assert all(v.device.type == "cpu" for v in first.values())  # the shared weights stay on the host
-    recs = []
+    recs, guarded = [], []
     for shared in (first, tp.shared_backbone("smoke", s, 97, 0, dev), tp.shared_backbone("smoke", s, 97, 1, dev)):
         slot.load(shared)
-        recs.append(tp.time_method(slot.model, batches, s, dev, "fp32", fwd=slot.fwd, lm=slot.lm))
+        guarded.append([])
+        recs.append(tp.time_method(slot.model, batches, s, dev, "fp32", fwd=slot.fwd, lm=slot.lm,
+                                   guard=guarded[-1].append))
         slot.release()
         assert all(p.untyped_storage().nbytes() == 0 and p.grad is None for p in slot.model.parameters())
     assert recs[0]["graphs_compiled"] >= 1 and recs[1]["graphs_compiled"] == 0 == recs[2]["graphs_compiled"]
+    # the deadline's guard is not told the compiling update's time, only the updates' after it
+    assert guarded[0][0] == 0.0 and guarded[1][0] > 0 and len(guarded[0]) == 2
     assert recs[1]["final_ce"] == recs[0]["final_ce"]
     assert recs[2]["final_ce"] != recs[0]["final_ce"]
 

@@ -95,7 +95,8 @@ def time_method(model, batches: list, s: dict, device, precision: str, log=None,
     they are made here. ``guard(seconds)`` is called before every update after the first with the last
     update's duration (it raises to stop: the deadline, lrattnres/deadline.py). Compilation happens in
     the first warm-up update: ``compile_s`` is its excess over the median measured update where Dynamo
-    compiled graphs during the run (``graphs_compiled``), else 0.
+    compiled graphs during the run (``graphs_compiled``), else 0; the guard is not given that update's
+    time (the deadline would stop a run whose next update takes seconds for want of minutes).
     """
     import torch
 
@@ -129,7 +130,7 @@ def time_method(model, batches: list, s: dict, device, precision: str, log=None,
         torch.cuda.reset_peak_memory_stats(device)
     t0 = time.perf_counter()
     last = first = None
-    for _ in range(s["warmup"]):
+    for i in range(s["warmup"]):
         if guard is not None and last is not None:
             guard(last)
         t = time.perf_counter()
@@ -137,6 +138,8 @@ def time_method(model, batches: list, s: dict, device, precision: str, log=None,
         _sync(device)
         last = time.perf_counter() - t
         first = last if first is None else first
+        if i == 0 and graphs_compiled() > graphs0:
+            last = 0.0  # it compiled: its time says nothing of the next update's
     _sync(device)
     warm_s = time.perf_counter() - t0
     times: list[float] = []
