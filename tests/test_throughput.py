@@ -710,7 +710,12 @@ def test_a_plan_that_does_not_fit_the_gpu_is_refused_before_anything_is_built(tm
     monkeypatch.setattr(tp.measure, "shared_backbone", nothing)
     tiny_gpu = dict(paper, gpu_memory_gib=0.5)
     out = tmp_path / "smoke.json"
-    assert tp.main(["--spec", json.dumps(SMALL), "--cluster", json.dumps(tiny_gpu), "--out", str(out)]) == 2
+    from lrattnres.throughput.cli import cluster_arg
+
+    arg = cluster_arg(tiny_gpu)  # as the workflow passes it: a resource printed without ", "
+    assert ", " not in arg and json.loads(arg)["memory_anchors"][0] == {"preset": "4B", "micro_batch": 2,
+                                                                        "peak_gib": 76.0, "method": "lr"}
+    assert tp.main(["--spec", json.dumps(SMALL), "--cluster", arg, "--out", str(out)]) == 2
     err = capsys.readouterr().err
     assert "timing baseline at smoke needs an estimated" in err and "cluster.gpu_memory_gib 0.5 less the 10% margin" in err
     assert not out.exists() and not tp.partial_path(out).exists()

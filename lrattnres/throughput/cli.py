@@ -22,6 +22,16 @@ from lrattnres.throughput.spec import resolve_spec
 from lrattnres.throughput.summary import aggregate
 
 MEMORY_KEYS = ("gpu_memory_gib", "memory_margin", "memory_overhead_gib", "memory_anchors")
+ANCHOR_KEYS = ("preset", "micro_batch", "peak_gib", "method")
+
+
+def cluster_arg(cluster: dict | None) -> str:
+    """The ``--cluster`` value of a scale's cluster section: what the memory check reads, as compact
+    JSON (the workflow passes it as a resource, whose printed value must hold no ", ")."""
+    c = {k: v for k, v in (cluster or {}).items() if k in MEMORY_KEYS}
+    if "memory_anchors" in c:
+        c["memory_anchors"] = [{k: a[k] for k in ANCHOR_KEYS if k in a} for a in c["memory_anchors"]]
+    return json.dumps(c, separators=(",", ":"), sort_keys=True)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -5,11 +5,10 @@
 # stage stops before the deadline and exits 75, which Snakemake's retries continue. The stage refuses
 # a plan whose estimated GPU memory exceeds the scale's cluster.gpu_memory_gib less its margin before
 # it builds anything; the cluster section reaches it as a resource (an execution setting: no rerun).
+from lrattnres.throughput.cli import cluster_arg
+
 THROUGHPUT_PRESETS = list(S["throughput"].get("presets", []))
-THROUGHPUT_CLUSTER = json.dumps(
-    {k: v for k, v in (S.get("cluster") or {}).items()
-     if k in ("gpu_memory_gib", "memory_margin", "memory_overhead_gib", "memory_anchors")}
-)
+THROUGHPUT_CLUSTER = cluster_arg(S.get("cluster"))
 
 
 rule throughput_size:
