@@ -678,9 +678,11 @@ def test_run_estimate_counts_compilation_once():
 def test_a_method_out_of_memory_fails_the_job_naming_it(tmp_path, monkeypatch, capsys):
     import torch
 
+    errors = [torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")]
+
     def oom(model, *a, **k):
         if model.cfg.rank == 8:
-            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+            raise errors[0]
         return {"times_s": [0.01] * 3, "warmup_s": 0.0, "stopped": "converged", "final_ce": 1.0, "peak_mem_gib": None,
                 "weights_dtype": "float32", "first_update_s": 0.01, "graphs_compiled": 0, "compile_s": 0.0}
 
@@ -694,8 +696,12 @@ def test_a_method_out_of_memory_fails_the_job_naming_it(tmp_path, monkeypatch, c
     assert not out.exists()  # no result with an empty row
     state = json.loads(tp.partial_path(out).read_text())
     assert [x["name"] for x in state["runs"]] == ["fused-rd"] and not state["dropped"]
-    with pytest.raises(tp.MethodFailed, match="fused-rd4"):
+    errors[0] = RuntimeError("CUDA error: out of memory")  # raised by a library, not the allocator
+    with pytest.raises(tp.MethodFailed, match="fused-rd4 ran out of GPU memory"):
         tp.run(spec)
+    errors[0] = RuntimeError("shape not supported")  # any other failure: dropped, and listed
+    r = tp.run(spec)
+    assert [row["name"] for row in r["rows"]] == ["fused-rd"] and "shape not supported" in r["skipped"][-1]["why"]
 
 
 def test_a_plan_that_does_not_fit_the_gpu_is_refused_before_anything_is_built(tmp_path, monkeypatch, capsys):

@@ -196,6 +196,14 @@ def _pair(s: dict) -> tuple[str, str]:
     return next((num, den) for g, num, den in GAINS if g == s["resolve_gain"])
 
 
+def out_of_memory(e: BaseException) -> bool:
+    """Whether an error is the GPU running out of memory: the allocator's ``torch.OutOfMemoryError``,
+    or a CUDA error of that kind raised elsewhere (a library's workspace)."""
+    import torch
+
+    return isinstance(e, torch.OutOfMemoryError) or "out of memory" in str(e).lower()
+
+
 def run_estimate(runs: list[dict], compiled_here: bool) -> float | None:
     """Seconds the next timed run of a size should take, from its finished runs: the longest run
     without its compilation, plus the longest compilation where the method is not compiled in this
@@ -426,8 +434,10 @@ def run(spec: dict, data: str | None = None, log=None, on_repeat: Callable[[dict
                     if shared_rep != j:
                         try:
                             shared = shared_backbone(preset, s, vocab, j, device, into=shared)
-                        except torch.OutOfMemoryError as e:
-                            raise fail(f"{preset}: the shared starting weights of repeat {j}", e) from None
+                        except Exception as e:
+                            if out_of_memory(e):
+                                raise fail(f"{preset}: the shared starting weights of repeat {j}", e) from None
+                            raise
                         shared_rep = j
                     if name not in slots:
                         slots[name] = MethodSlot(preset, name, s, vocab, device, precision)
@@ -444,10 +454,10 @@ def run(spec: dict, data: str | None = None, log=None, on_repeat: Callable[[dict
                     raise
                 except MethodFailed:
                     raise
-                except torch.OutOfMemoryError as e:
-                    spent[preset] = spent0 + time.perf_counter() - t_pre
-                    raise fail(f"{preset} repeat {j} method {name}", e) from None
                 except Exception as e:  # an unsupported shape, a peer's error: dropped, and said so
+                    if out_of_memory(e):
+                        spent[preset] = spent0 + time.perf_counter() - t_pre
+                        raise fail(f"{preset} repeat {j} method {name}", e) from None
                     why = f"{type(e).__name__}: {str(e)[:500]}"
                     say(f"[throughput] {preset} repeat {j} {name} FAILED, dropped from the comparison: {why}")
                     result["skipped"].append({"preset": preset, "method": name, "why": f"failed in repeat {j}: {why}"})
