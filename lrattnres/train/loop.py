@@ -394,6 +394,9 @@ def _train(
             f"{tokens_per_step:,} tokens, device {device}, world {world}, attention {attention['backend']} "
             f"({attention['version']})"
             + (f", resumed at step {step}" if resumed else ""))
+        from lrattnres.attention import warn_compiled_flex
+
+        warn_compiled_flex(mcfg.attention, device, s["compile"], say)
 
     val_bs = s["val"]["batch_size"] or s["micro_batch"]
 
