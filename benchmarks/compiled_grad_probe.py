@@ -36,15 +36,18 @@ gpu scale's, the gradient norms are).
 Writes ``compiled_grad_probe_<gpu>_<date>.json`` (device, versions, commit, settings, every check
 and run) and ``.md`` (the tables) to ``--out``, after every finished check and run.
 
-Time on one H200, estimated from measurements of this project (benchmarks/README.md), not measured
-for this script: a gpu-small training process compiles in 12-83 s with others beside it, and 150
-updates of 16,384 tokens take about 19 s with seven processes side by side (132k tokens/s each);
-eager runs compile nothing.  The ``grads`` stage runs five variant processes at once, each four
-cases of a 2-layer model (one compile and about 10 s of measuring each): about 2-3 minutes.  The
-``train`` stage then runs ``--parallel`` (9) processes at a time, each about 2-3 minutes from start
-to result: with the default budget of 540 s about 18 of the 36 planned runs finish (the default
-attention and eager at both learning rates, flex at the lower one); the JSON lists the rest as not
-started, and ``--stages train --train-variants ...`` runs them in a further command.
+Time on one H200, estimated from this project's measurements (docs/results.md, benchmarks/README.md),
+not measured for this script: a gpu-small training process compiles in 12-83 s with others compiling
+beside it, and 150 updates of 16,384 tokens take about 19 s with seven processes side by side
+(132k tokens/s each); eager runs compile nothing.  The ``grads`` stage runs its five variant
+processes at once, each four cases of a 2-layer model of gpu-small's width (a compile of 15-30 s and
+about 10 s of measuring each): 2-3 minutes, cut at ``--grad-timeout-s`` (240 s).  The ``train``
+stage then starts ``--parallel`` (9) processes, each 2-3 minutes from start to result (compiling
+beside eight others, 150 updates, the final validation, the checkpoint): with the default budget of
+540 s its first nine runs finish, the default attention at both learning rates and eager beside it
+at the higher ones (:func:`plan_runs`); the next are cut at the budget or not started, and the JSON
+says which.  ``--stages train --lrs 0.005/0.001 --train-variants eager,flex,flex-contiguous`` and
+``--train-variants flex-outside,flex-create_mask`` run the rest in commands of their own.
 """
 
 from __future__ import annotations
@@ -169,15 +172,27 @@ def parse_args(argv=None) -> argparse.Namespace:
 # ---------------------------------------------------------------------------------------- the plan
 
 
+def _priority(variant: str, lr_index: int) -> int:
+    """0: what the default attention must show (its runs at every learning rate, and eager beside it
+    at the higher ones); 1: eager and flex at the first learning rates; 2: the rest."""
+    if variant == "sdpa" or (variant == "eager" and lr_index > 0):
+        return 0
+    if variant in ("eager", "flex") and lr_index == 0:
+        return 1
+    return 2
+
+
 def plan_runs(methods: list[str], variants: list[str], lrs: list[tuple[float, float]]) -> list[dict]:
-    """Every (learning rates, variant, method) run, most telling first: the default attention and eager
-    at each learning rate, then flex, then the other variants (each over every method)."""
-    tier = {"sdpa": 0, "eager": 0, "flex": 1}
-    runs = [{"method": m, "variant": v, "lrs": lr, "name": f"{m}-{v}-{lr_label(lr).replace('/', '_')}"}
+    """Every (learning rates, variant, method) run, most telling first (:func:`_priority`; then by
+    learning rates, variant and method as given): the default attention at each learning rate and
+    eager beside it at the higher ones, then eager and flex at the first, then the other variants."""
+    runs = [{"method": m, "variant": v, "lrs": lr, "name": f"{m}-{v}-{lr_label(lr).replace('/', '_')}",
+             "_key": (_priority(v, li), li, vi, mi)}
             for li, lr in enumerate(lrs) for vi, v in enumerate(variants) for mi, m in enumerate(methods)]
-    order = {id(r): (tier.get(r["variant"], 2), lrs.index(r["lrs"]), variants.index(r["variant"]),
-                     methods.index(r["method"])) for r in runs}
-    return sorted(runs, key=lambda r: order[id(r)])
+    runs.sort(key=lambda r: r["_key"])
+    for r in runs:
+        del r["_key"]
+    return runs
 
 
 def train_spec(settings: dict, method: str, variant: str, lrs: tuple[float, float], steps: int,

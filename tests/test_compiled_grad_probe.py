@@ -48,8 +48,11 @@ def test_the_plan_runs_the_most_telling_runs_first():
     runs = probe.plan_runs(["baseline", "lr", "attnres"], variants, lrs)
     assert len(runs) == 36 and len({r["name"] for r in runs}) == 36
     head = [(r["variant"], probe.lr_label(r["lrs"])) for r in runs[::3]]  # each over the three methods
-    assert head[:6] == [("sdpa", "0.005/0.001"), ("eager", "0.005/0.001"), ("sdpa", "0.02/0.003"),
-                        ("eager", "0.02/0.003"), ("flex", "0.005/0.001"), ("flex", "0.02/0.003")]
+    # first the runs the default attention is judged by: its own at both learning rates, eager beside
+    # it at the higher ones (one wave of nine processes); then eager and flex at the lower ones
+    assert head[:5] == [("sdpa", "0.005/0.001"), ("sdpa", "0.02/0.003"), ("eager", "0.02/0.003"),
+                        ("eager", "0.005/0.001"), ("flex", "0.005/0.001")]
+    assert head[5:7] == [("flex-contiguous", "0.005/0.001"), ("flex-outside", "0.005/0.001")]
     assert [r["method"] for r in runs[:3]] == ["baseline", "lr", "attnres"]
     assert runs[0]["name"] == "baseline-sdpa-0.005_0.001"
 
