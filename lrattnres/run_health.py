@@ -24,7 +24,7 @@ FROM_RESULT = "result.json"
 FROM_REPLAY = "metrics.jsonl, the guard replayed with its default settings"
 
 
-def _float(x: Any) -> float:
+def as_float(x: Any) -> float:
     """A norm from JSON: numbers as they are, "nan"/"inf" strings (metrics.jsonl) as floats."""
     try:
         return float(x)
@@ -41,7 +41,7 @@ def run_outliers(result: dict | None, trace: list | None = None) -> tuple[list[d
         return [dict(e) for e in gn["outliers"] if isinstance(e, dict)], FROM_RESULT
     if trace:
         guard = GradGuard()
-        guard.replay([_float(x) for x in trace])
+        guard.replay([as_float(x) for x in trace])
         return guard.outliers, FROM_REPLAY
     return [], None
 
@@ -49,7 +49,7 @@ def run_outliers(result: dict | None, trace: list | None = None) -> tuple[list[d
 def worst(outliers: list[dict]) -> dict:
     """The outlier with the largest norm (a non-finite one first)."""
     def key(e):
-        n = _float(e.get("norm"))
+        n = as_float(e.get("norm"))
         return (not math.isfinite(n), n if math.isfinite(n) else 0.0)
 
     return max(outliers, key=key)
@@ -60,8 +60,8 @@ def describe(outliers: list[dict]) -> str:
     w = worst(outliers)
     n = len(outliers)
     med = w.get("median")
-    median = "" if med is None else f" (running median {_float(med):.3g})"
-    return (f"{n} gradient-norm outlier{'s' if n != 1 else ''}, the largest {_float(w.get('norm')):.3g} at update "
+    median = "" if med is None else f" (running median {as_float(med):.3g})"
+    return (f"{n} gradient-norm outlier{'s' if n != 1 else ''}, the largest {as_float(w.get('norm')):.3g} at update "
             f"{w.get('update')}{median}")
 
 

@@ -163,7 +163,7 @@ def _outlier_cell(r) -> str:
     if not out:
         return "–"
     w = run_health.worst(out)
-    return f"⚠ {len(out)}, largest {run_health._float(w.get('norm')):.3g} at update {w.get('update')}"
+    return f"⚠ {len(out)}, largest {run_health.as_float(w.get('norm')):.3g} at update {w.get('update')}"
 
 
 def _shape(ctx) -> str:
