@@ -27,7 +27,7 @@ import statistics
 import sys
 from pathlib import Path
 
-from lrattnres import stats
+from lrattnres import run_health, stats
 from lrattnres.accounting import added_flops
 from lrattnres.checks import is_number
 from lrattnres.config import resolve_rank
@@ -120,6 +120,8 @@ def summarize(settings: dict, run_dirs: dict[str, Path], known_ids=None, publish
             "val_curve": val,
             "grad_norm_trace": [s["grad_norm"] for s in steps],
         }
+        # the trainer's gradient-norm outliers (lrattnres/run_health.py): a run with any is flagged
+        row["grad_outliers"], row["grad_outliers_from"] = run_health.run_outliers(result, row["grad_norm_trace"])
         row["paper_row"] = paper_row(row, d)
         if problem:
             row["problem"] = problem
@@ -153,7 +155,22 @@ def claims(settings: dict, rows: list[dict], published: dict | None = None) -> d
     A run whose ``final_val_ce`` is not a finite number (its ``problem`` says why) leaves every claim
     that depends on it without a value and with the problem as its note: the claims are computed
     with the run's loss set to a very low and to a very high value, and a claim that differs between
-    the two depends on it."""
+    the two depends on it.  A run with gradient-norm outliers (``grad_outliers``) is found the same
+    way, its loss and gradient norms set to extreme values in turn: every claim whose value or
+    evidence moves rests on it, and its note says so (lrattnres/run_health.py)."""
+    out = _claims_known(settings, rows, published)
+    for run in rows:
+        if not run.get("grad_outliers"):
+            continue
+        text = run_health.note(run["run_id"], run["grad_outliers"])
+        for cid in _resting_on(settings, rows, published, run, out):
+            old = out[cid].get("note")
+            out[cid] = {**out[cid], "note": f"{old}; {text}" if old else text}
+    return out
+
+
+def _claims_known(settings: dict, rows: list[dict], published: dict | None) -> dict[str, dict]:
+    """The claims, those that depend on a run without a finite loss left without a value."""
     bad = [r for r in rows if not is_number(r.get("final_val_ce"))]
     if not bad:
         return _claims(settings, rows, published)
@@ -166,6 +183,28 @@ def claims(settings: dict, rows: list[dict], published: dict | None = None) -> d
         a, b = outs[0].get(cid), outs[1].get(cid)
         out[cid] = a if a == b else {"reproduced": None, "note": f"not computed: {why}"}
     return out
+
+
+def _resting_on(settings: dict, rows: list[dict], published: dict | None, run: dict, base: dict) -> list[str]:
+    """The claim ids of ``base`` whose value or evidence changes when ``run``'s loss and gradient
+    norms are set to extreme values (each of :data:`_SENTINELS` in turn)."""
+    def moved(v: float) -> dict:
+        norm = 1e-9 if v < 0 else 1e9
+        gn = dict(run.get("grad_norm") or {})
+        if gn.get("mean") is not None:
+            gn["mean"] = norm
+        loss = v if is_number(run.get("final_val_ce")) else run.get("final_val_ce")
+        return {**run, "final_val_ce": loss, "grad_norm": gn,
+                "grad_norm_trace": [norm] * len(run.get("grad_norm_trace") or [])}
+
+    def evidence(c: dict | None) -> dict | None:
+        return None if c is None else {k: v for k, v in c.items() if k != "note"}
+
+    found = set()
+    for v in _SENTINELS:
+        other = _claims_known(settings, [moved(v) if r is run else r for r in rows], published)
+        found |= {cid for cid in base if evidence(base[cid]) != evidence(other.get(cid))}
+    return [cid for cid in base if cid in found]
 
 
 def _claims(settings: dict, rows: list[dict], published: dict | None) -> dict[str, dict]:

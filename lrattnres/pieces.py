@@ -101,7 +101,7 @@ CONTINUE_TRIGGERS = ("software-env",)
 # reached their first validation together on one H200; its first candidate configuration runs.
 SHARED_GPU_ENV = {"KERNELS_AUTOTUNE": "0"}
 # Keys of a run's training spec that say how a run reports and saves itself, not what it computes.
-TRAIN_EXECUTION_KEYS = ("log_every_s", "checkpoint")
+TRAIN_EXECUTION_KEYS = ("log_every_s", "checkpoint", "grad_guard")
 # Sections of the resolved settings that decide what a restored output holds.
 SCIENCE_SECTIONS = ("presets", "recipe", "data", "train", "grid", "convert", "evaluate", "diagnostics",
                     "kernel_check", "throughput", "accounting")

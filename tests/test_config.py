@@ -155,9 +155,11 @@ def test_science_leaves_out_execution_settings():
 
     a = resolve(RAW)
     b = resolve(deep_merge(RAW, {"resources": {"default": {"mem_mb": 123}}, "data": {"num_threads": 7},
-                                 "results": "elsewhere"}))
+                                 "results": "elsewhere",
+                                 "train": {"log_every_s": 5, "grad_guard": {"factor": 20, "window": 50}}}))
     assert a != b and science(a) == science(b)
     assert "resources" not in science(a) and "num_threads" not in science(a)["data"]
+    assert not {"log_every_s", "grad_guard"} & set(science(b)["train"])
     c = resolve(deep_merge(RAW, {"train": {"steps": 7}}))
     assert science(c) != science(a)
 

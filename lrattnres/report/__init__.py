@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from lrattnres import claims as claims_engine
+from lrattnres import run_health
 from lrattnres.io import atomic_path, atomic_write_text, read_json
 from lrattnres.provenance import now, provenance
 from lrattnres.recorded import REPORT as RECORDED_REPORT
@@ -330,6 +331,10 @@ def main(argv: list[str] | None = None) -> int:
     rederive_claims(recorded, set(published), problems)
     claim_problems: dict[str, str] = {}
     produced = collect_produced(by_stage, recorded, published, claim_problems)
+    # claims of the stages that read trained weights name the runs with gradient-norm outliers among
+    # theirs (the grid stage names its own: lrattnres/run_health.py)
+    run_health.annotate_claims(produced, [r for rs in by_stage.values() for r in rs] + list(recorded.values()),
+                               run_health.flagged_runs(by_stage.get("grid", [])))
     claims = claims_engine.evaluate_claims(published, produced, scale,
                                            {k: v for k, v in claim_problems.items() if k in published})
     problems += list(dict.fromkeys(claim_problems.values()))

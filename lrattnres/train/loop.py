@@ -9,7 +9,9 @@ on each of ``world_size`` ranks.  Per step:
    by ``world_size`` because DDP averages gradients over ranks), so the update is exactly the
    gradient of the token-averaged loss of the global batch, whatever the split into ranks and
    micro-batches; the z-loss is counted once and reported separately from the cross-entropy;
-4. gradients are clipped to ``grad_clip`` and the pre-clip norm is logged;
+4. gradients are clipped to ``grad_clip`` and the pre-clip norm is logged; the gradient-norm guard
+   (``lrattnres.train.guard``) reports a norm far above its running median, or not finite, in one
+   line and records it (metrics.jsonl ``grad_outlier``; result.json ``grad_norm.outliers``);
 5. a non-finite CE, z-loss or gradient norm stops the run before the update (no checkpoint is
    written, so the last good one stays);
 6. Muon and AdamW step.
@@ -44,6 +46,7 @@ from lrattnres.io import atomic_write_json
 from lrattnres.provenance import now, provenance
 from lrattnres.train import checkpoint as ckpt
 from lrattnres.train import spec as spec_mod
+from lrattnres.train.guard import GradGuard
 from lrattnres.train.metrics import (MetricsWriter, StatusLines, end_of_run_summary, grad_norm_summary, memory_stats,
                                      progress_bar)
 from lrattnres.train.optim import base_lrs, build_optimizers, local_optimizer, owners
@@ -362,6 +365,7 @@ def _train(
             f"training split {planned_epochs:.1f} times; past one epoch the validation loss measures memorisation "
             "as well as modelling (point the scale's data stage at a larger corpus)")
     resumed = False
+    guard = GradGuard(**s["grad_guard"])
     if st is not None:
         ckpt.restore_training(out, st, model, local_opts)  # weights, and this rank's optimiser state
         mine = ckpt.read_state(out, st, rank)
@@ -370,6 +374,7 @@ def _train(
         grad_norms = list(mine["grad_norms"] if rank == 0 else ckpt.read_state(out, st, 0)["grad_norms"])
         loader.load_state_dict(mine["loader"])
         ckpt.set_rng_state(mine["rng"])
+        guard.replay(grad_norms)  # the guard's history and outliers, as the uninterrupted run has them
         resumed = True
         del st, mine
 
@@ -394,6 +399,9 @@ def _train(
             f"{tokens_per_step:,} tokens, device {device}, world {world}, attention {attention['backend']} "
             f"({attention['version']})"
             + (f", resumed at step {step}" if resumed else ""))
+        from lrattnres.attention import warn_compiled_flex
+
+        warn_compiled_flex(mcfg.attention, device, s["compile"], say)
 
     val_bs = s["val"]["batch_size"] or s["micro_batch"]
 
@@ -452,6 +460,10 @@ def _train(
             batches = [next(loader) for _ in range(s["grad_accum"])]
             ce, zl, gn = accumulate_gradients(fwd, lm, batches, params, device, zc, clip, world,
                                               segments=attention["backend"] == "flash")
+            event = guard.observe(step, gn)  # every rank sees the same norm; rank 0 reports it
+            if event is not None and master:
+                (bar.write if live else say)(guard.line(out.name or "train", event))
+                metrics.write({"kind": "grad_outlier", "step": step + 1, **event})
             for term, v in (("cross-entropy", ce), ("z-loss", zl), ("gradient norm", gn)):
                 if not math.isfinite(v):
                     raise NonFiniteLoss(
@@ -518,7 +530,7 @@ def _train(
         "resumed": resumed,
         "tokens_per_s": tokens / train_s if train_s > 0 else None,
         "steps_per_s": step / train_s if train_s > 0 else None,
-        "grad_norm": grad_norm_summary(grad_norms, clip),
+        "grad_norm": grad_norm_summary(grad_norms, clip, guard),
         "parameters": model.num_parameters(),
         "model_config": mcfg_dict,
         "world_size": world,
