@@ -64,6 +64,7 @@ from typing import Any
 
 from lrattnres import process_group
 from lrattnres.attempts import EX_TEMPFAIL, read_status
+from lrattnres.config import science
 from lrattnres.deadline import ENV as DEADLINE_ENV
 from lrattnres.io import atomic_path, atomic_write_json, read_json
 from lrattnres.piece_archive import (KEEP, ArchiveError, kept, metadata_name, pack, read_archive,  # noqa: F401
@@ -322,10 +323,11 @@ def check_same_settings(settings: dict, results: str, accept: tuple[str, ...] = 
     if not saved_path.is_file():
         raise PieceError(f"{saved_path}: missing (the first piece writes it: restore its archive too)")
     saved = read_json(saved_path)
+    current = science(settings)  # settings.json leaves out the execution settings: compare like with like
     compared = []
     for key in SCIENCE_SECTIONS:
-        if key in saved or key in settings:
-            keys = differs(saved.get(key), settings.get(key), key)
+        if key in saved or key in current:
+            keys = differs(saved.get(key), current.get(key), key)
             if keys:
                 raise PieceError(f"{saved_path}: settings.{key} differs from the current configuration in "
                                  f"{keys} (the restored pieces belong to another experiment; --accept KEY "

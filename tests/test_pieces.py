@@ -288,6 +288,9 @@ def test_restored_results_must_match_data_and_settings(tmp_path):
     res = json.loads(json.dumps(S))
     res["resources"] = {"default": {"mem_mb": 1}}
     pieces.check_same_settings(res, str(R))
+    # nor are the training's execution settings, which settings.json leaves out
+    res["train"] = {**res["train"], "log_every_s": 5, "grad_guard": {"factor": 50, "window": 20, "min_history": 5}}
+    pieces.check_same_settings(res, str(R))
 
 
 def _copy_repo(dest: Path) -> Path:
