@@ -47,7 +47,7 @@ def test_unmatched_runs_and_duplicate_names_refused():
 
 def test_targets_include_the_stages_that_need_weights():
     S = settings("gpu")
-    first = pieces.plan_pieces(S)[0]
+    first = next(p for p in pieces.plan_pieces(S) if p.name == "seeds")
     t = pieces.piece_targets(S, first)
     R = S["results"]
     assert f"{R}/kernel_check.json" in t
@@ -220,16 +220,17 @@ def test_piece_summary_totals_the_gpu_minutes(tmp_path):
     assert pieces.piece_summary([]) == {"piece_costs": [], "gpu_minutes": None}
 
 
-def test_the_recorded_gpu_pieces_still_belong_to_the_gpu_scale(tmp_path):
-    """Every committed piece of the gpu scale was made with today's gpu-scale settings: continuing the
-    scale from them needs no --accept (a change of the gpu scale's science fails here first)."""
+def test_the_recorded_gpu_pieces_are_superseded(tmp_path):
+    """The committed seeds piece ran at the paper's rates, before the learning-rate check: continuing
+    the scale from it is refused, naming the grid settings that differ."""
     archives = sorted((REPO / "reports" / "recorded" / "gpu" / "pieces").glob("*.tar.xz"))
     assert archives
     S = settings("gpu")
     for arc in archives:
         with tarfile.open(arc) as tar:
             tar.extractall(tmp_path / arc.stem, filter="data")
-        assert "train" in pieces.check_same_settings(S, str(tmp_path / arc.stem / S["results"]))
+        with pytest.raises(pieces.PieceError, match=r"settings\.grid differs .*lr_check"):
+            pieces.check_same_settings(S, str(tmp_path / arc.stem / S["results"]))
 
 
 def test_a_piece_of_stages_only_times_its_sizes():
