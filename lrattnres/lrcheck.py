@@ -89,7 +89,8 @@ def choose(rows: list[dict], tie_margin: float) -> dict | None:
     if not eligible:
         return None
     lowest = min(eligible, key=lambda r: (r["final_val_ce"], r["multiplier"]))
-    ties = sorted((r for r in eligible if r["final_val_ce"] - lowest["final_val_ce"] <= tie_margin),
+    # within the margin, inclusive (1e-12: a difference of two printed losses is not exact in binary)
+    ties = sorted((r for r in eligible if r["final_val_ce"] - lowest["final_val_ce"] <= tie_margin + 1e-12),
                   key=lambda r: r["multiplier"])
     win = ties[0]
     return {"multiplier": win["multiplier"], "run_id": win.get("run_id"), "final_val_ce": win["final_val_ce"],

@@ -119,6 +119,9 @@ def test_a_near_tie_takes_the_smallest_multiplier_within_the_margin():
     w = lrcheck.choose(rows, tie_margin=0.01)
     assert w["multiplier"] == 2 and w["near_ties"] == [2, 4, 8] and w["lowest"]["multiplier"] == 8
     assert lrcheck.choose(rows, tie_margin=0.0)["multiplier"] == 8
+    # the margin is inclusive: 3.02 - 3.01 is 0.01 nats, though 0.010000000000000231 in binary
+    assert lrcheck.choose([_row(1, 3.02), _row(2, 3.01)], tie_margin=0.01)["multiplier"] == 1
+    assert lrcheck.choose([_row(1, 3.0201), _row(2, 3.01)], tie_margin=0.01)["multiplier"] == 2
 
 
 def test_diverged_and_unstable_runs_cannot_win():
