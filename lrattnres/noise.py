@@ -7,7 +7,9 @@ From the grid's rows (lrattnres/grid.py) this gives the grid result's ``noise``:
   gradient-norm outliers, each flagged where the clipped share reaches half the updates or an
   outlier was recorded;
 - the baseline at the configured rates against the learning-rate check's x1 run (the reference
-  rates: the paper's), the difference of their final validation CE;
+  rates: the paper's), the difference of their final validation CE; and against the check's run at
+  the configured multiple, which has the baseline's spec and seed: the two repeat one run, and their
+  difference is the device's own run-to-run noise;
 - the paired differences of the headline pair (LR-AttnRes minus AttnRes, same seed), their SD with
   its chi-square interval (:func:`lrattnres.stats.sd_interval`) and n;
 - the rule of ``grid.noise``: where that SD exceeds ``max_paired_sd`` nats, the headline pair needs
@@ -111,11 +113,18 @@ def against_reference(settings: dict, rows: list[dict], check: dict | None) -> d
                  and "baseline" in r["roles"]), None)
     if ref is None or base is None:
         return None
+    k = check["configured"]["multiplier"]
     out = {"baseline_run": base["run_id"], "final_val_ce": base.get("final_val_ce"), "reference_run": ref["run_id"],
-           "reference_final_val_ce": ref["final_val_ce"], "configured_multiplier": check["configured"]["multiplier"],
-           "difference": None}
+           "reference_final_val_ce": ref["final_val_ce"], "configured_multiplier": k, "difference": None,
+           "repeat_run": None, "repeat_final_val_ce": None, "repeat_difference": None}
     if _finite(out["final_val_ce"]) and _finite(out["reference_final_val_ce"]):
         out["difference"] = out["final_val_ce"] - out["reference_final_val_ce"]
+    # the check's run at the configured multiple has the baseline's spec and seed: the two repeat one run
+    same = next((r for r in check["runs"] if k is not None and math.isclose(r["multiplier"], k, rel_tol=lrcheck.REL_TOL)), None)
+    if same is not None and same["run_id"]:
+        out.update(repeat_run=same["run_id"], repeat_final_val_ce=same["final_val_ce"])
+        if _finite(out["final_val_ce"]) and _finite(same["final_val_ce"]):
+            out["repeat_difference"] = out["final_val_ce"] - same["final_val_ce"]
     return out
 
 
@@ -144,6 +153,8 @@ def describe(result: dict) -> list[str]:
     if ref and ref["difference"] is not None:
         lines.append(f"  baseline {ref['final_val_ce']:.4f} against the reference rates' {ref['reference_final_val_ce']:.4f}: "
                      f"{ref['difference']:+.4f} nats")
+    if ref and ref["repeat_difference"] is not None:
+        lines.append(f"  the baseline repeats {ref['repeat_run']} (same spec and seed): {ref['repeat_difference']:+.4f} nats")
     p = result["paired"]
     if p["sd"] is not None:
         lo, hi = p["sd_interval"]

@@ -223,6 +223,13 @@ def test_noise_of_the_seed_pairs_and_the_seeds_rule():
     assert health["gpu-small-attnres-n8-r384-s0"]["flags"] == [] and health["gpu-small-baseline-s0"]["max_grad_norm"] == 2.5
     ref = out["against_reference"]
     assert ref["difference"] == pytest.approx(3.8957 - 3.95) and ref["reference_run"] == "gpu-small-baseline-lrx1-s0"
+    # the configured rates are x1: the baseline repeats the check's x1 run
+    assert ref["repeat_run"] == "gpu-small-baseline-lrx1-s0" and ref["repeat_difference"] == pytest.approx(3.8957 - 3.95)
+    other = noise.summarize(s, rows, lrcheck.summarize(settings("gpu", recipe={"optim": {"muon": {"lr": 0.002},
+                                                                              "adam": {"lr": 0.0006}}}),
+                                                   [_check_row(s, 1.0, 3.95), _check_row(s, 2.0, 3.90)]))
+    assert other["against_reference"]["repeat_run"] == "gpu-small-baseline-lrx2-s0"
+    assert other["against_reference"]["repeat_difference"] == pytest.approx(3.8957 - 3.90)
     # within the rule's SD: enough seeds
     calm = [dict(r, final_val_ce=3.80 + 0.001 * r["seed"]) if r["method"] == "lr" else r for r in rows]
     calm = [dict(r, final_val_ce=3.83 + 0.0012 * r["seed"]) if r["method"] == "attnres" else r for r in calm]
@@ -267,6 +274,7 @@ def test_grid_summary_keeps_the_check_out_of_the_table_and_claims(tmp_path):
     assert out["claims"]["table5.val_loss.baseline"]["reproduced"] == 5.0  # the scale's baseline, not the check's
     assert out["lr_check"]["winner"]["multiplier"] == 2.0 and out["lr_check"]["configured"]["matches_winner"] is False
     assert out["noise"]["paired"]["n"] == 2 and out["noise"]["against_reference"]["difference"] == pytest.approx(-0.2)
+    assert out["noise"]["against_reference"]["repeat_difference"] == pytest.approx(-0.2)  # smoke runs at x1
     # a diverged check run is an outcome of the check, not a problem of the grid's claims
     dirs = _fake_runs(tmp_path / "b", s, _loss, stopped={"smoke-baseline-lrx2-s0"})
     out = grid.summarize(s, dirs, set(PUBLISHED), PUBLISHED)
@@ -292,6 +300,7 @@ def test_report_section_shows_the_rule_the_winner_and_a_mismatch(tmp_path):
     assert 'badge bad">mismatch' in html and "not the check&#x27;s winner x2" in html
     assert "SD" in html and "chi-square" in html and "needs 5 seeds" in html
     assert "sec4.4.paired_reduction_all_positive" in html and "0.31" in html
+    assert "run-to-run noise" in html and "smoke-baseline-lrx1-s0" in html
     # the configured rates set to the winner: no mismatch
     won = settings("smoke", recipe={"optim": {"muon": {"lr": 0.04}, "adam": {"lr": 0.006}}})
     g2 = grid.summarize(won, _fake_runs(tmp_path / "b", won, _loss), set(PUBLISHED), PUBLISHED)

@@ -121,8 +121,13 @@ def _reference(noise: dict) -> str:
                 f"reference rates (<code>{esc(ref['reference_run'])}</code>): no finite pair of losses.</p>")
     k = ref.get("configured_multiplier")
     at = f"x{k:g}" if k is not None else "the configured rates"
-    return (f"<p>The baseline at {esc(at)}: final validation CE {ref['final_val_ce']:.4f}, against "
-            f"{ref['reference_final_val_ce']:.4f} at the reference rates (x1): <b>{ref['difference']:+.4f}</b> nats.</p>")
+    out = (f"<p>The baseline at {esc(at)}: final validation CE {ref['final_val_ce']:.4f}, against "
+           f"{ref['reference_final_val_ce']:.4f} at the reference rates (x1): <b>{ref['difference']:+.4f}</b> nats.")
+    if ref.get("repeat_difference") is not None:
+        out += (f" It has the spec and seed of the check's run <code>{esc(ref['repeat_run'])}</code> "
+                f"({ref['repeat_final_val_ce']:.4f}): the two differ by {ref['repeat_difference']:+.4f} nats, this "
+                "device's run-to-run noise for one spec.")
+    return out + "</p>"
 
 
 def _resolvable(ctx) -> str:
