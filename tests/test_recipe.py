@@ -298,7 +298,7 @@ def test_report_section_shows_the_rule_the_winner_and_a_mismatch(tmp_path):
     for line in lrcheck.RULE:
         assert html_lib.escape(line) in html
     assert 'badge bad">mismatch' in html and "not the check&#x27;s winner x2" in html
-    assert "SD" in html and "chi-square" in html and "needs 5 seeds" in html
+    assert "SD" in html and "chi-square" in html and "needs 5 seeds" in html and "enough seeds" in html  # SD 0
     assert "sec4.4.paired_reduction_all_positive" in html and "0.31" in html
     assert "run-to-run noise" in html and "smoke-baseline-lrx1-s0" in html
     # the configured rates set to the winner: no mismatch
@@ -322,6 +322,8 @@ def test_report_section_flags_an_incomplete_check(tmp_path):
     assert "has not run at this scale" in section.build(_context(s, g))
     g["lr_check"] = lrcheck.summarize(s, [_check_row(s, 1.0, 4.0)])
     assert "incomplete" in section.build(_context(s, g))
+    g["noise"]["rule"].update(exceeded=True, text="SD 0.03 > 0.015 nats")
+    assert "more seeds needed" in section.build(_context(s, g))
 
 
 def test_recipe_command_reads_piece_archives_without_extracting(tmp_path, monkeypatch, capsys):

@@ -106,9 +106,11 @@ def _paired(noise: dict) -> str:
         out.append(f"<p>Paired differences: n = {p['n']}; an SD needs two seed pairs.</p>")
     rule = noise.get("rule")
     if rule:
-        v = "not run" if rule["exceeded"] is None else ("mismatch" if rule["exceeded"] else "match")
+        flag = ('<span class="badge muted">not evaluated</span>' if rule["exceeded"] is None else
+                '<span class="badge ok">enough seeds</span>' if not rule["exceeded"] or rule["planned_seeds"] >= rule["seeds"]
+                else '<span class="badge bad">more seeds needed</span>')
         out.append(f"<p>Rule: where the SD exceeds {rule['max_paired_sd']:g} nats the headline pair needs "
-                   f"{rule['seeds']} seeds. {badge(v)} {esc(rule['text'])}.</p>")
+                   f"{rule['seeds']} seeds. {flag} {esc(rule['text'])}.</p>")
     return "\n".join(out)
 
 
