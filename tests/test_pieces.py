@@ -222,9 +222,11 @@ def test_piece_summary_totals_the_gpu_minutes(tmp_path):
 
 def test_the_recorded_gpu_pieces_belong_to_the_gpu_scale_or_are_refused(tmp_path):
     """A committed piece of the gpu scale made from the configured pack (data.pack.sha256) was made with
-    today's gpu-scale settings: continuing the scale from it needs no --accept (a change of the gpu
-    scale's science fails here first). A piece made from another pack (the seeds piece of 2026-12-01,
-    manifest 24388f66...) is superseded: continuing from it is refused, naming the data."""
+    today's gpu-scale settings: every run's spec is today's (a change of the gpu scale's science fails
+    here first). Only the scale's rates may differ in its settings.json: the recipe piece runs before
+    they are set to its winner, and its runs do not depend on them. A piece made from another pack
+    (the seeds piece of 2026-12-01, manifest 24388f66...) is superseded: continuing from it is
+    refused, naming the data."""
     archives = sorted((REPO / "reports" / "recorded" / "gpu" / "pieces").glob("*.tar.xz"))
     assert archives
     S = settings("gpu")
@@ -234,6 +236,10 @@ def test_the_recorded_gpu_pieces_belong_to_the_gpu_scale_or_are_refused(tmp_path
         results = tmp_path / arc.stem / S["results"]
         made_from = json.loads((results / "data" / "manifest.json").read_text())["source"]["sha256"]
         if made_from == S["data"]["pack"]["sha256"]:
+            saved = json.loads((results / "settings.json").read_text())
+            for group in ("muon", "adam"):  # the recipe piece's settings.json holds the rates before its winner
+                saved["recipe"]["optim"][group]["lr"] = S["recipe"]["optim"][group]["lr"]
+            (results / "settings.json").write_text(json.dumps(saved))
             assert "train" in pieces.check_same_settings(S, str(results))
         else:
             with pytest.raises(pieces.PieceError, match=r"settings\.data differs"):

@@ -64,6 +64,37 @@ def test_the_check_does_not_depend_on_the_rates_the_scale_chose():
     assert train_spec(chosen, run)["optim"]["muon"]["lr"] == 0.008
 
 
+def with_rates(settings_json: Path, s: dict) -> None:
+    """Set the learning rates of a restored settings.json to those of settings ``s``."""
+    saved = json.loads(settings_json.read_text())
+    for group in ("muon", "adam"):
+        saved["recipe"]["optim"][group]["lr"] = s["recipe"]["optim"][group]["lr"]
+    settings_json.write_text(json.dumps(saved))
+
+
+def test_the_recipe_piece_belongs_to_the_scale_after_its_winner_is_set(tmp_path):
+    """The recipe piece's settings.json holds the rates before the check; once the scale's rates are set
+    to the winner, its runs' specs are still the scale's, and only those two rates differ."""
+    from lrattnres.config import science
+    from lrattnres.io import atomic_write_json
+
+    before = settings("gpu")
+    after = settings("gpu", recipe={"optim": {"muon": {"lr": 0.008}, "adam": {"lr": 0.0024}}})
+    res = tmp_path / before["results"]
+    atomic_write_json(res / "settings.json", science(before))
+    for run in lr_check_runs(before):
+        atomic_write_json(res / "runs" / run.run_id / "spec.json", {"spec": resolve_train_spec(train_spec(before, run))})
+    with pytest.raises(pieces.PieceError, match=r"settings\.recipe differs .*muon\.lr"):
+        pieces.check_same_settings(after, str(res))
+    with_rates(res / "settings.json", after)  # the later pieces' settings.json, restored after it
+    assert "train" in pieces.check_same_settings(after, str(res))
+    # a seeds run made before the winner was set is not the scale's any more
+    seed_run = next(r for r in plan(before) if r.run_id == "gpu-small-lr-n8-r48-s0")
+    atomic_write_json(res / "runs" / seed_run.run_id / "spec.json", {"spec": resolve_train_spec(train_spec(before, seed_run))})
+    with pytest.raises(pieces.PieceError, match="training spec differs"):
+        pieces.check_same_settings(after, str(res))
+
+
 def test_five_seeds_add_the_headline_pair_only():
     s3, s5 = settings("gpu"), settings("gpu", grid={"seeds": 5})
     a, b = [r.run_id for r in plan(s3)], [r.run_id for r in plan(s5)]
