@@ -204,7 +204,9 @@ def test_smoke_scale_in_two_pieces_and_a_report(tmp_path):
     assert paper["scale"] == "smoke" and paper["claims"]
     run_ids = {x["run_id"] for x in (first["run_results"] + rest["run_results"])}
     grid = json.loads((c / "results" / "smoke" / "grid.json").read_text())
-    assert {row["run_id"] for row in grid["runs"]} == run_ids
+    check = grid["lr_check"]  # the learning-rate check's runs: its own table, not the grid's
+    assert {row["run_id"] for row in grid["runs"]} | {row["run_id"] for row in check["runs"]} == run_ids
+    assert check["state"] == "done" and paper["recipe"]["lr_check"] == check
 
 
 def test_piece_summary_totals_the_gpu_minutes(tmp_path):
