@@ -259,6 +259,29 @@ def test_grad_outlier_is_reported_recorded_and_survives_resume(manifest, tmp_pat
         assert [(r["step"], r["update"]) for r in records(out, "grad_outlier")] == [(4, 3)]
 
 
+def test_nonfinite_loss_recorded_as_the_result_where_the_spec_asks(manifest, tmp_path, monkeypatch):
+    """A run of the learning-rate check (spec record_nonfinite) that diverges ends with a result saying
+    so, its weights of the last good update, and no final validation: a diverged rate is an outcome."""
+    real = loop.loss_sums
+    calls = {"n": 0}
+
+    def poisoned(logits, targets):
+        calls["n"] += 1
+        ce, z = real(logits, targets)
+        if calls["n"] > 2 * 4:  # from the 5th update on (2 micro-batches each)
+            z = z * float("inf")
+        return ce, z
+
+    monkeypatch.setattr(loop, "loss_sums", poisoned)
+    res = train(make_spec(record_nonfinite=True), manifest, tmp_path, progress=False)
+    assert res["stopped"]["update"] == 5 and res["stopped"]["term"] == "z-loss"
+    assert res["steps"] == 4 and res["final_val_ce"] is None and res["val_tokens"] == 0
+    on_disk = json.loads((tmp_path / "result.json").read_text())
+    assert on_disk["stopped"] == res["stopped"] and (tmp_path / "model.safetensors").exists()
+    assert all(torch.isfinite(v).all() for v in weights(tmp_path / "model.safetensors").values())
+    assert records(tmp_path, "stopped")[0]["update"] == 5 and not records(tmp_path, "final_val")
+
+
 def test_grad_norm_logged_before_clipping(manifest, tmp_path):
     tight = train(make_spec(steps=2, grad_clip=1e-4, val={"final": False}), manifest, tmp_path / "a", progress=False)
     loose = train(make_spec(steps=2, grad_clip=None, val={"final": False}), manifest, tmp_path / "b", progress=False)

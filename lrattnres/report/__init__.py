@@ -354,8 +354,10 @@ def main(argv: list[str] | None = None) -> int:
     prov = provenance(settings, started=min([s for s in starts if isinstance(s, str)] or [started]))
     page = render(ctx, claims, prov)
     atomic_write_text(args.html, page)
-    write_json_strict(args.json, {"scale": scale, "provenance": prov, "claims": claims, "problems": problems,
-                                  "recorded_notes": recorded_notes})
+    grid = next(iter(by_stage.get("grid", [])), {})
+    recipe = {"lr_check": grid.get("lr_check"), "noise": grid.get("noise")}  # the grid's; None before it ran
+    write_json_strict(args.json, {"scale": scale, "provenance": prov, "claims": claims, "recipe": recipe,
+                                  "problems": problems, "recorded_notes": recorded_notes})
     if args.tsv:
         write_tsv(args.tsv, claims, recorded_report)
     log.info("wrote %s and %s: %d claims (%s); %d problems", args.html, args.json, len(claims),

@@ -13,7 +13,9 @@ on each of ``world_size`` ranks.  Per step:
    (``lrattnres.train.guard``) reports a norm far above its running median, or not finite, in one
    line and records it (metrics.jsonl ``grad_outlier``; result.json ``grad_norm.outliers``);
 5. a non-finite CE, z-loss or gradient norm stops the run before the update (no checkpoint is
-   written, so the last good one stays);
+   written, so the last good one stays); with the spec's ``record_nonfinite`` the run ends there
+   instead, writing its weights and a result whose ``stopped`` names the update (no final
+   validation: ``final_val_ce`` is null);
 6. Muon and AdamW step.
 
 Exit paths (``cli.py`` maps them to exit codes): normal end; SIGTERM/SIGINT (Slurm preemption), or
@@ -436,6 +438,7 @@ def _train(
     clip = s["grad_clip"]
     ddp = world > 1
     last_step_s, last_save_s = 0.0, 0.0
+    stopped = None  # a non-finite loss recorded as the result (spec record_nonfinite)
     try:
         while step < steps_total:
             # preemption, a deadline (LRATTNRES_DEADLINE: the next update and a checkpoint would end after
@@ -464,12 +467,17 @@ def _train(
             if event is not None and master:
                 (bar.write if live else say)(guard.line(out.name or "train", event))
                 metrics.write({"kind": "grad_outlier", "step": step + 1, **event})
-            for term, v in (("cross-entropy", ce), ("z-loss", zl), ("gradient norm", gn)):
-                if not math.isfinite(v):
-                    raise NonFiniteLoss(
-                        f"non-finite {term} ({v}) at step {step + 1} (update index {step}); stopped before the "
-                        f"update; the last good checkpoint {ck_path} (if any) is kept"
-                    )
+            bad = next(((term, v) for term, v in (("cross-entropy", ce), ("z-loss", zl), ("gradient norm", gn))
+                        if not math.isfinite(v)), None)
+            if bad is not None:
+                why = f"non-finite {bad[0]} ({bad[1]}) at step {step + 1} (update index {step}); stopped before the update"
+                if not s.get("record_nonfinite"):
+                    raise NonFiniteLoss(f"{why}; the last good checkpoint {ck_path} (if any) is kept")
+                stopped = {"update": step + 1, "term": bad[0], "value": str(bad[1]), "reason": why}
+                metrics.write({"kind": "stopped", "step": step, "tokens": tokens, **stopped})
+                if master:
+                    bar.write(f"[train] {why}; recorded as the run's result (record_nonfinite)")
+                break
             apply_update(optimizers, device)
             dt = time.perf_counter() - t0
             last_step_s = dt
@@ -503,12 +511,13 @@ def _train(
         metrics.flush()
 
     # ---- end: final checkpoint, weights, final validation, result (last) -----------------------
-    save_checkpoint()
+    if stopped is None:
+        save_checkpoint()
     if master:
         ckpt.save_model(model.state_dict(), {"model_config": mcfg_dict, "spec": s, "manifest_sha256": manifest_sha,
                                              "step": step, "tokens": tokens}, out / ckpt.MODEL_FILE)
     final = {"ce": None, "tokens": 0}
-    if s["val"]["final"]:
+    if s["val"]["final"] and stopped is None:
         final = evaluate(model, val_batches(), device, s["precision"], None, rank, world)
         metrics.write({"kind": "final_val", "step": step, "tokens": tokens, "val_ce": final["ce"],
                        "val_tokens": final["tokens"]})
@@ -531,6 +540,7 @@ def _train(
         "tokens_per_s": tokens / train_s if train_s > 0 else None,
         "steps_per_s": step / train_s if train_s > 0 else None,
         "grad_norm": grad_norm_summary(grad_norms, clip, guard),
+        "stopped": stopped,  # None, or the non-finite update that ended the run (record_nonfinite)
         "parameters": model.num_parameters(),
         "model_config": mcfg_dict,
         "world_size": world,
