@@ -4,14 +4,19 @@
 #
 #   bash benchmarks/run_gpu_benchmarks.sh OUT [BENCHMARK ...]
 #
-# BENCHMARK (default: gpu-tests kernel train-step throughput-1b throughput-4b, in that order):
+# BENCHMARK (default: grad-probe gpu-tests kernel train-step throughput-1b throughput-4b, in that order):
+#   grad-probe     benchmarks/compiled_grad_probe.py: the compiled training step's gradients against
+#                  the eager step's for each flex variant, then 150-update gpu-small trainings with the
+#                  default attention, each flex variant and eager (GRAD_PROBE_DATA: the gpu scale's
+#                  manifest, else synthetic documents)    -> compiled_grad_probe_<gpu>_<date>.{json,md}
 #   gpu-tests      the whole GPU suite (scripts/run_gpu_tests.py on GPU_TEST_WORKERS pytest-xdist
 #                  workers per GPU, default 8; needs pytest and pytest-xdist)  -> gpu_tests_<gpu>_<date>.log
 #   kernel         benchmarks/kernel_bench.py: the bf16 check, then the 90-shape grid at 8192 and 4096
 #                  tokens, ours beside FLA and fast-attnres where installed    -> kernel_bench_<gpu>_<date>.*
 #   train-step     benchmarks/train_step_bench.py: the compiled 1B step under the paper's protocol
-#                  (micro-batch 2 x 2048, 64 accumulation steps, flex), baseline and LR-AttnRes r = d/4
-#                  with the fused kernel                                  -> train_step_paper_<gpu>_<date>.*
+#                  (micro-batch 2 x 2048, 64 accumulation steps, attention TRAIN_STEP_ATTENTION, default
+#                  auto: masked SDPA), baseline and LR-AttnRes r = d/4 with the fused kernel
+#                                                                         -> train_step_paper_<gpu>_<date>.*
 #   throughput-1b  the throughput stage at 1B with the gpu scale's protocol of config.yaml (Table 3,
 #                  Appendix I: compiled, micro-batch 2 x 2048, accumulation 64, five repeats of FLA r = d
 #                  where fla imports, ours r = d and r = d/4 in rotated order, then more repeats of ours
@@ -24,8 +29,9 @@
 # its start and exits 75; run it again with that partial file in OUT to continue (whatever its date).
 # A failed benchmark is reported and the next one runs; the exit status is 1 if any failed.
 #
-# Environment: PYTHON (default python3); KERNEL_ARGS and TRAIN_STEP_ARGS, more options for
-# kernel_bench.py and train_step_bench.py (e.g. KERNEL_ARGS="--tokens 8192 --skip-measured A.json");
+# Environment: PYTHON (default python3); KERNEL_ARGS, TRAIN_STEP_ARGS and GRAD_PROBE_ARGS, more options
+# for kernel_bench.py, train_step_bench.py and compiled_grad_probe.py (e.g. KERNEL_ARGS="--tokens 8192
+# --skip-measured A.json"); GRAD_PROBE_DATA, a data manifest for the probe's trainings;
 # KERNEL_BUDGET_S (default 7200), the time after which kernel_bench starts no new shape;
 # THROUGHPUT_DEADLINE_S, the seconds a throughput benchmark may take in this call; TORCHINDUCTOR_CACHE_DIR
 # (default results/compile-cache): Inductor's on-disk caches, which a later call on the same machine reuses;
@@ -36,7 +42,7 @@ cd "$(dirname "$0")/.."
 OUT=${1:?usage: bash benchmarks/run_gpu_benchmarks.sh OUT [BENCHMARK ...]}
 shift
 BENCHMARKS=("$@")
-[ ${#BENCHMARKS[@]} -gt 0 ] || BENCHMARKS=(gpu-tests kernel train-step throughput-1b throughput-4b)
+[ ${#BENCHMARKS[@]} -gt 0 ] || BENCHMARKS=(grad-probe gpu-tests kernel train-step throughput-1b throughput-4b)
 PY=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-$PWD/results/compile-cache}
@@ -64,6 +70,11 @@ throughput() { # size (1b, 4b), preset (1B, 4B)
 
 run_one() {
   case $1 in
+  grad-probe)
+    # shellcheck disable=SC2086  # GRAD_PROBE_ARGS holds several options
+    $PY benchmarks/compiled_grad_probe.py --out "$OUT" --stem "compiled_grad_probe_${GPU}_$DATE" \
+      ${GRAD_PROBE_DATA:+--data "$GRAD_PROBE_DATA"} ${GRAD_PROBE_ARGS:-}
+    ;;
   gpu-tests)
     $PY scripts/run_gpu_tests.py --workers "${GPU_TEST_WORKERS:-8}" --log "$OUT/gpu_tests_${GPU}_$DATE.log"
     ;;
@@ -74,7 +85,8 @@ run_one() {
     ;;
   train-step)
     # shellcheck disable=SC2086
-    $PY benchmarks/train_step_bench.py --out "$OUT" --stem "train_step_paper_${GPU}_$DATE" --attention flex \
+    $PY benchmarks/train_step_bench.py --out "$OUT" --stem "train_step_paper_${GPU}_$DATE" \
+      --attention "${TRAIN_STEP_ATTENTION:-auto}" \
       --grad-accum 64 --configs baseline,lr-fused --profile '' ${TRAIN_STEP_ARGS:-}
     ;;
   throughput-1b)
@@ -84,7 +96,7 @@ run_one() {
     throughput 4b 4B
     ;;
   *)
-    echo "unknown benchmark $1; expected gpu-tests, kernel, train-step, throughput-1b or throughput-4b" >&2
+    echo "unknown benchmark $1; expected grad-probe, gpu-tests, kernel, train-step, throughput-1b or throughput-4b" >&2
     return 2
     ;;
   esac

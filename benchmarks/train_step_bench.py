@@ -229,6 +229,9 @@ def run_config(name, a, device):
 
         kop.COMPILED_PATH = c.get("compiled_path", "triton_op")
     fwd = torch.compile(lm, dynamic=False, fullgraph=a.fullgraph) if compile_ else lm
+    from lrattnres.attention import warn_compiled_flex
+
+    warn_compiled_flex(a.attention, device, compile_)
     gen = torch.Generator().manual_seed(a.seed + 1)
 
     split = []  # (forward/backward/clip seconds, optimiser seconds) per update
@@ -422,10 +425,11 @@ def main(argv=None) -> int:
     try:
         from lrattnres.attention import resolve_backend
 
-        doc["attention_backend_eager"] = resolve_backend(a.attention, device, torch.bfloat16)
-        doc["attention_note"] = "under torch.compile, 'auto' resolves when traced (see lrattnres.attention)"
+        doc["attention_backend"] = resolve_backend(a.attention, device, torch.bfloat16)
+        doc["attention_note"] = ("'auto' is masked SDPA on every device; 'flex' compiled on CUDA has gradients under "
+                                 "investigation (lrattnres.attention, docs/attention.md)")
     except Exception as e:  # pragma: no cover
-        doc["attention_backend_eager"] = f"unknown ({e})"
+        doc["attention_backend"] = f"unknown ({e})"
     try:
         import kernels  # noqa: F401
 

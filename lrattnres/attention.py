@@ -4,21 +4,25 @@ Training packs several documents into one row; a token may attend only to earlie
 document (``doc_ids`` [B, T] labels them; documents are contiguous runs of equal ids).  Three
 backends compute the same function:
 
-* ``flex``: PyTorch's flex_attention with a document block mask, skipping the blocks the mask
-  empties (compiled on CUDA); ``auto``'s choice on CUDA, the backend measured on the H200
-  (docs/attention.md).  Inside an outer ``torch.compile`` the block mask is built from tensor ops
-  (``document_block_mask``, equal to ``create_block_mask``'s), so it traces with no graph break.
-  An earlier build of that mask (index lists ordered by ``BlockMask.from_kv_blocks``' argsort),
-  with an fp32 residual stream, gave the compiled 1B step a first loss 1.3e-3 off masked SDPA's
-  and NaN within 8 updates on an H200 (torch 2.11); with this build and the bf16 stream it matches
-  SDPA's first loss to 1e-5 and stayed finite in every run since
-  (benchmarks/results/train_step_paper_h200_*.md: 8 updates of 64 micro-batches per
-  configuration).  Which of the two changes cured it is not isolated: in isolation both mask
-  builds match SDPA (benchmarks/results/flex_mask_check_h200_2026-11-29.json).  At accumulation 8
-  the 1B baseline step ran 61,302 tokens/s with it against 54,467 with masked SDPA (the same tree,
-  benchmarks/results/train_step_{flex,sdpa}_h200_2026-11-29.json).  flex needs a head width of at least 16 on CUDA;
 * ``sdpa``: scaled_dot_product_attention with an explicit boolean [B, 1, T, T] mask (every score
-  computed); ``auto``'s choice on the CPU;
+  computed); ``auto``'s choice on every device.  On CUDA it is the backend whose compiled gradients
+  are measured right: on one H200 (torch 2.11) the gpu-small baseline's 150-update run with the gpu
+  scale's spec has a largest gradient norm of 2.51 compiled with masked SDPA, as in eager mode,
+  where the same run compiled with flex reaches norms of 5e8 to 3e18 (docs/attention.md).  Its cost:
+  at accumulation 8 the compiled 1B baseline step runs 54,467 tokens/s with masked SDPA against
+  61,302 with flex, 11% fewer (benchmarks/results/train_step_{flex,sdpa}_h200_2026-11-29.json);
+* ``flex``: PyTorch's flex_attention with a document block mask, skipping the blocks the mask
+  empties; only when asked for by name.  Inside an outer ``torch.compile`` (the compiled training
+  step) the block mask is built from tensor ops (``document_block_mask``, equal to
+  ``create_block_mask``'s), so it traces with no graph break; outside one (eager models, validation)
+  the mask comes from ``create_block_mask`` and flex runs compiled on its own on CUDA (eager flex
+  materialises the scores).  Outside the outer compile its output and q/k/v gradients match masked
+  SDPA's (benchmarks/results/flex_mask_check_h200_2026-11-29.json); inside it the model's gradients
+  are wrong, cause not isolated (upstream: pytorch/pytorch issues 158212, 146377, 135161), so a
+  compiled training step with flex on CUDA prints :data:`COMPILED_FLEX_WARNING` once per process
+  (:func:`warn_compiled_flex`).  :data:`FLEX_VARIANT_ENV` selects variants of the flex path that tell
+  the candidate causes apart on a GPU (:func:`flex_variant`; benchmarks/compiled_grad_probe.py).  flex
+  needs a head width of at least 16 on CUDA;
 * ``flash``: flash-attn's varlen kernel over the documents cut out of the rows (the author's
   choice); only when asked for by name (``auto`` never picks it), and only with the optional
   ``flash`` extra installed (a config that names it without the package is refused when it is
@@ -38,6 +42,8 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import os
+import sys
 from collections.abc import Callable
 
 import torch
@@ -57,13 +63,83 @@ def flash_installed() -> bool:
 
 
 def resolve_backend(backend: str, device: torch.device, dtype: torch.dtype | None = None) -> str:
-    """The concrete backend ``auto`` stands for on this device: ``flex`` on CUDA, ``sdpa`` elsewhere
-    (the measured choices; ``auto`` never picks ``flash``).  Named backends pass through."""
+    """The concrete backend ``auto`` stands for: masked ``sdpa`` on every device (on CUDA the backend
+    whose compiled gradients are measured right; see the module docstring).  ``auto`` never picks
+    ``flex`` or ``flash``; named backends pass through."""
     if backend not in BACKENDS:
         raise ValueError(f"attention backend must be one of {BACKENDS}, got {backend!r}")
     if backend != "auto":
         return backend
-    return "flex" if torch.device(device).type == "cuda" else "sdpa"
+    return "sdpa"
+
+
+# ---- flex under an outer torch.compile: the warning, and the variants a GPU probe compares -----------
+
+# What a compiled training step with flex on CUDA prints, once per process (warn_compiled_flex).
+COMPILED_FLEX_WARNING = (
+    "warning: attention 'flex' in a compiled training step on CUDA: its compiled gradients are under "
+    "investigation (one H200, torch 2.11, gpu-small baseline, 150 updates: gradient norms 5e8-3e18 where "
+    "eager and compiled masked SDPA give at most 2.51; upstream pytorch/pytorch issue 158212); attention "
+    "'auto' trains with masked SDPA (docs/attention.md)")
+_warned = False
+
+
+def warn_compiled_flex(backend: str, device: torch.device | str, compiled: bool,
+                       say: Callable[[str], None] | None = None) -> bool:
+    """Print :data:`COMPILED_FLEX_WARNING` (through ``say``, else to stderr) the first time in this
+    process that a compiled training step runs flex on CUDA; returns whether it printed."""
+    global _warned
+    if _warned or not compiled or torch.device(device).type != "cuda" or resolve_backend(backend, device) != "flex":
+        return False
+    _warned = True
+    (say or (lambda msg: print(msg, file=sys.stderr, flush=True)))(COMPILED_FLEX_WARNING)
+    return True
+
+
+# Variants of the flex path, for a GPU probe that tells the candidate causes of the compiled flex
+# gradients apart (benchmarks/compiled_grad_probe.py).  None is the default path; none is a fix.
+FLEX_VARIANT_ENV = "LRATTNRES_FLEX_VARIANT"
+FLEX_VARIANT_FLAGS = {
+    # q, k, v made contiguous before flex (the model passes views of the fused qkv projection; upstream
+    # issue 146377: a compiled flex backward gave wrong K gradients for some input strides)
+    "contiguous": "q, k, v copied to contiguous tensors before flex",
+    # inside the outer compile, the mask from create_block_mask instead of document_block_mask
+    "create_mask": "create_block_mask traced inside the compiled graph instead of the tensor-op mask",
+    # flex and its mask out of the model's graph: a graph break around each attention call, which
+    # builds its mask with create_block_mask and runs flex compiled on its own (the eager model's path)
+    "outside": "flex compiled on its own outside the model's graph (a graph break around each call)",
+}
+
+
+def parse_flex_variant(text: str | None, where: str = FLEX_VARIANT_ENV) -> frozenset[str]:
+    """The flags of a comma-separated variant (empty: the default path); an unknown flag is an error
+    naming ``where``."""
+    flags = frozenset(f.strip() for f in (text or "").split(",") if f.strip())
+    unknown = sorted(flags - set(FLEX_VARIANT_FLAGS))
+    if unknown:
+        raise ValueError(f"{where}={text!r}: unknown flex variant flag(s) {unknown}; expected a comma-separated "
+                         f"subset of {sorted(FLEX_VARIANT_FLAGS)}, or nothing for the default path")
+    return flags
+
+
+_FLEX_VARIANT = parse_flex_variant(os.environ.get(FLEX_VARIANT_ENV))
+
+
+def flex_variant() -> frozenset[str]:
+    """The flex variant this process runs (from :data:`FLEX_VARIANT_ENV` at import, or
+    :func:`set_flex_variant`)."""
+    return _FLEX_VARIANT
+
+
+def set_flex_variant(flags) -> frozenset[str]:
+    """Run the flex variant ``flags`` (a comma-separated string or an iterable of flags) from now on;
+    returns the previous one.  A model compiled before keeps what it traced: reset dynamo
+    (``torch._dynamo.reset()``) before compiling again."""
+    global _FLEX_VARIANT
+    previous = _FLEX_VARIANT
+    _FLEX_VARIANT = parse_flex_variant(flags if isinstance(flags, str) or flags is None else ",".join(flags),
+                                       where="set_flex_variant")
+    return previous
 
 
 def describe(backend: str, device: torch.device | str, *, documents: bool = True) -> dict[str, str]:
@@ -73,6 +149,7 @@ def describe(backend: str, device: torch.device | str, *, documents: bool = True
     them every backend is plain causal SDPA (the downstream evaluation).  The version is torch's for
     flex and SDPA, flash-attn's for flash."""
     used = resolve_backend(backend, torch.device(device)) if documents else "sdpa"
+    out = {"requested": backend, "backend": used}
     if used == "flash":
         from importlib import metadata
 
@@ -82,7 +159,10 @@ def describe(backend: str, device: torch.device | str, *, documents: bool = True
             version = "flash-attn (not installed)"
     else:
         version = f"torch {torch.__version__}"
-    return {"requested": backend, "backend": used, "version": version}
+    out["version"] = version
+    if used == "flex" and _FLEX_VARIANT:  # a probe's variant, never the default
+        out["flex_variant"] = sorted(_FLEX_VARIANT)
+    return out
 
 
 def make_attention(
@@ -190,8 +270,8 @@ def _ordered_blocks(m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     needed columns first, in order.
 
     Without a sort (BlockMask.from_kv_blocks orders with torch.argsort, which torch 2.13 keeps out
-    of Inductor: fallback_to_eager): the compiled 1B step that reached NaN used that ordering (see
-    the module docstring; the cause is not isolated).  Each column's slot is a count (needed
+    of Inductor: fallback_to_eager): the compiled 1B step that reached NaN used that ordering
+    (docs/attention.md; the cause is not isolated).  Each column's slot is a count (needed
     columns before it, or the row's count plus the unneeded ones before it) and the indices are a
     one-hot sum over slots: elementwise ops and sums only, [B, R, C, C] int32 (16^3 per batch row
     at T = 2048).
@@ -207,23 +287,47 @@ def _ordered_blocks(m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return counts[:, None].contiguous(), order[:, None].contiguous()
 
 
-def _flex_attention(doc_ids: torch.Tensor) -> Attend:
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+def _create_document_mask(doc_ids: torch.Tensor):
+    """create_block_mask's BlockMask of causal attention within documents."""
+    from torch.nn.attention.flex_attention import create_block_mask
 
+    B, T = doc_ids.shape
+
+    def document_causal(b, h, q_idx, kv_idx):
+        return (q_idx >= kv_idx) & (doc_ids[b, q_idx] == doc_ids[b, kv_idx])
+
+    return create_block_mask(document_causal, B, None, T, T, device=doc_ids.device)
+
+
+@torch.compiler.disable
+def _flex_outside(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_ids: torch.Tensor) -> torch.Tensor:
+    """Variant ``outside``: one attention call out of the model's graph, as an eager model runs it
+    (its mask from create_block_mask, flex compiled on its own on a GPU)."""
+    return _flex_fn(q.device.type)(q, k, v, block_mask=_create_document_mask(doc_ids))
+
+
+def _flex_attention(doc_ids: torch.Tensor) -> Attend:
+    from torch.nn.attention.flex_attention import flex_attention
+
+    variant = _FLEX_VARIANT
+    if "contiguous" in variant:
+        def prep(x):
+            return x.contiguous()
+    else:
+        def prep(x):
+            return x
+    if torch.compiler.is_compiling() and "outside" in variant:
+        return lambda q, k, v: _flex_outside(prep(q), prep(k), prep(v), doc_ids)
     if torch.compiler.is_compiling():
         # traced into the model's graph, with the tensor-op block mask (see the module docstring)
-        block_mask, flex = document_block_mask(doc_ids), flex_attention
+        block_mask = _create_document_mask(doc_ids) if "create_mask" in variant else document_block_mask(doc_ids)
+        flex = flex_attention
     else:
         # eager: create_block_mask (the path checked on the H200) and flex's own compiled wrapper
         # on a GPU (eager flex materialises the scores)
-        B, T = doc_ids.shape
-
-        def document_causal(b, h, q_idx, kv_idx):
-            return (q_idx >= kv_idx) & (doc_ids[b, q_idx] == doc_ids[b, kv_idx])
-
-        block_mask = create_block_mask(document_causal, B, None, T, T, device=doc_ids.device)
+        block_mask = _create_document_mask(doc_ids)
         flex = _flex_fn(doc_ids.device.type)
-    return lambda q, k, v: flex(q, k, v, block_mask=block_mask)
+    return lambda q, k, v: flex(prep(q), prep(k), prep(v), block_mask=block_mask)
 
 
 def _flash_varlen():

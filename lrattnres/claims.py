@@ -23,7 +23,11 @@ Verdicts (docs/report.md, "Verdicts"):
                threshold    a single-run design: effect +- the claim's threshold (the produced
                             ``threshold``, else the record's).
              reproduced when lo > 0, contradicted when hi < 0, inconclusive otherwise (or without an
-             interval).  ``every`` records also name the items (``labels`` beside ``samples``, each with
+             interval).  Each direction claim also carries ``mdd``, the smallest true effect its test
+             resolves at this noise with 80% power (:func:`lrattnres.stats.min_detectable` of the
+             evidence's standard error: ``sd / sqrt(n)`` over n - 1 degrees of freedom for samples;
+             the threshold itself for a single-run design), to set beside the paper's effect.
+             ``every`` records also name the items (``labels`` beside ``samples``, each with
              the single-run half-width from ``item_se`` and ``df``): one item resolved below 0 makes
              the claim contradicted.  ``tie`` records claim a near-tie: reproduced when the interval
              lies inside +-``margin`` (produced), contradicted when it lies wholly outside, else
@@ -68,7 +72,7 @@ REQUIRED = ("id", "source", "section", "row", "quantity", "kind", "published", "
 OPTIONAL = ("page", "tolerance", "bound", "op", "decimals", "sig", "check", "origin", "note", "glance",
             "threshold", "tie", "every", "all_of")
 CLAIM_FIELDS = ("id", "source", "section", "origin", "row", "quantity", "kind", "published", "reproduced",
-                "verdict", "interval", "n", "note")
+                "verdict", "interval", "n", "mdd", "note")
 # evidence a stage may give beside "reproduced" and "note" (see the module doc)
 EVIDENCE = ("samples", "unit", "labels", "item_se", "se", "df", "n", "threshold", "margin", "pairs")
 MIN_REPLICATES = 3
@@ -287,6 +291,21 @@ def _evidence_interval(record: dict, prod: dict, effect: float) -> tuple[list[fl
     return None, prod.get("n"), "", "no interval: a single comparison with no threshold or replicates"
 
 
+def min_detectable(record: dict, prod: dict) -> float | None:
+    """The smallest true effect a direction claim's evidence resolves with 80% power (None without an
+    interval): from the samples' SD over n - 1 degrees of freedom, a produced standard error, or the
+    single-run threshold (an effect beyond it is resolved whatever the noise)."""
+    if prod.get("samples") is not None:
+        st = stats.mean_interval(prod["samples"])
+        if st["sd"] is None:
+            return None
+        return stats.min_detectable(st["sd"] / math.sqrt(st["n"]), st["n"] - 1)
+    if prod.get("se") is not None:
+        return stats.min_detectable(prod["se"], prod.get("df"))
+    thr = prod.get("threshold", record.get("threshold"))
+    return None if thr is None else float(thr)
+
+
 def _judge_direction(record: dict, prod: dict) -> dict:
     effect = prod["reproduced"]
     if isinstance(effect, bool) or not _is_number(effect):
@@ -376,7 +395,7 @@ def judge(record: dict, prod: dict | None, scale: str) -> dict:
     (``{"reproduced": ..., evidence ...}``, or None when no stage produced it)."""
     stage = record.get("stage", "?")
     reproduced = None if prod is None else prod.get("reproduced")
-    out = {"verdict": "not run", "note": "", "interval": None, "n": None, "reproduced": reproduced}
+    out = {"verdict": "not run", "note": "", "interval": None, "n": None, "mdd": None, "reproduced": reproduced}
     if reproduced is None and not (record["kind"] == "shape" and prod and prod.get("pairs") is not None):
         if stage == "none":
             out["note"] = "not reproducible in this project (stage none: needs data outside the pipeline)"
@@ -391,6 +410,8 @@ def judge(record: dict, prod: dict | None, scale: str) -> dict:
 
     if kind == "direction":
         out.update(_judge_direction(record, prod))
+        if _is_number(reproduced) and not isinstance(reproduced, bool):
+            out["mdd"] = min_detectable(record, prod)
         return out
     if kind == "shape":
         out.update(_judge_shape(record, prod))
@@ -587,5 +608,6 @@ def _claim(rec: dict, res: dict, note: str) -> dict:
         "verdict": res["verdict"],
         "interval": json_safe(res["interval"]),
         "n": res["n"],
+        "mdd": json_safe(res.get("mdd")),
         "note": note,
     }

@@ -29,6 +29,7 @@ STAGES: dict[str, tuple[str, str]] = {
     "prepare-data": ("lrattnres.data.cli", "tokenise a corpus into token shards and a manifest"),
     "train": ("lrattnres.train.cli", "train one model (resumable)"),
     "summarize-grid": ("lrattnres.grid", "collect the training runs of a scale into the grid result"),
+    "recipe": ("lrattnres.recipe", "the learning-rate check and the noise at the chosen rates, from runs or pieces"),
     "convert": ("lrattnres.convert", "convert a standard AttnRes checkpoint to LR-AttnRes"),
     "evaluate": ("lrattnres.evaluate.cli", "zero-shot downstream evaluation with lm-eval"),
     "evaluate-pairs": ("lrattnres.evaluate.pairs", "the size-pair accuracy claims from the evaluations"),

@@ -8,7 +8,9 @@ Summarising (``python -m lrattnres summarize-grid``) reads every run's ``result.
 (:mod:`lrattnres.accounting`), validation curves, gradient-norm traces, and the claims of the
 training sections (Table 5 losses and shape, Sections 4.2-4.6, Appendices A, C.3 and C.5).  Runs of
 the small scales are reported under the paper's row ids by analogy (same method and N, the same r/d
-ratio); their value claims show "different scale".
+ratio); their value claims show "different scale".  The learning-rate check's runs stay out of the
+table and the claims: they make the result's ``lr_check`` (:mod:`lrattnres.lrcheck`), and the noise
+of the runs at the chosen rates its ``noise`` (:mod:`lrattnres.noise`).
 
 Direction claims carry their evidence for the claims engine (lrattnres/claims.py): paired samples
 over seeds or configurations, or, for a comparison of single runs, a standard error from the same
@@ -27,7 +29,7 @@ import statistics
 import sys
 from pathlib import Path
 
-from lrattnres import stats
+from lrattnres import lrcheck, noise, run_health, stats
 from lrattnres.accounting import added_flops
 from lrattnres.checks import is_number
 from lrattnres.config import resolve_rank
@@ -35,6 +37,7 @@ from lrattnres.gridplan import (  # noqa: F401  (the plan's names, importable fr
     CONTROL,
     HEADLINE_ATTNRES,
     HEADLINE_LR,
+    LR_CHECK,
     PAIR_SIZES,
     PAPER_BLOCKS,
     PAPER_D,
@@ -43,6 +46,7 @@ from lrattnres.gridplan import (  # noqa: F401  (the plan's names, importable fr
     Run,
     conversions,
     evaluations,
+    lr_check_runs,
     paper_row,
     plan,
     train_spec,
@@ -84,53 +88,65 @@ def summarize(settings: dict, run_dirs: dict[str, Path], known_ids=None, publish
     ``problem`` naming the file and key; the claims that depend on it are left without a value.
     """
     runs = plan(settings)
-    table = []
-    for run in runs:
-        folder = run_dirs[run.run_id]
-        result = read_json(folder / "result.json")
-        loss = result.get("final_val_ce") if isinstance(result, dict) else None
-        problem = None
-        if not is_number(loss):
-            problem = f"{folder / 'result.json'}: final_val_ce: expected a finite number, got {loss!r}"
-            log.warning("%s", problem)
-            loss = None
-        if not isinstance(result, dict):
-            result = {}
-        val, steps = read_curve(folder / "metrics.jsonl")
-        shape = get_preset(run.preset)
-        d = shape["d_model"]
-        cost = added_flops(shape["n_layers"], d, shape["d_ff"], run.method, run.blocks, run.rank)
-        row = {
-            "run_id": run.run_id,
-            "preset": run.preset,
-            "d_model": d,
-            "method": run.method,
-            "blocks": run.blocks,
-            "rank": run.rank,
-            "seed": run.seed,
-            "roles": list(run.roles),
-            "added_flops_pct": cost["pct"],
-            "final_val_ce": loss,
-            "steps": result.get("steps"),
-            "tokens": result.get("tokens"),
-            "data_epochs": result.get("data_epochs"),
-            "wall_s": result.get("wall_s"),
-            "tokens_per_s": result.get("tokens_per_s"),
-            "grad_norm": result.get("grad_norm"),
-            "val_curve": val,
-            "grad_norm_trace": [s["grad_norm"] for s in steps],
-        }
-        row["paper_row"] = paper_row(row, d)
-        if problem:
-            row["problem"] = problem
-        table.append(row)
+    table = [run_row(run, run_dirs[run.run_id]) for run in runs if LR_CHECK not in run.roles]
+    check = [run_row(run, run_dirs[run.run_id]) for run in lr_check_runs(settings)]
     produced = claims(settings, table, published)
     if known_ids is not None:
         dropped = sorted(set(produced) - set(known_ids))
         if dropped:
             log.info("no published counterpart, not claimed: %s", ", ".join(dropped))
         produced = {k: v for k, v in produced.items() if k in known_ids}
-    return {"stage": "grid", "scale": settings["scale"], "runs": table, "claims": produced}
+    lr_check = lrcheck.summarize(settings, check)
+    return {"stage": "grid", "scale": settings["scale"], "runs": table, "claims": produced,
+            "lr_check": lr_check, "noise": noise.summarize(settings, table, lr_check)}
+
+
+def run_row(run: Run, folder: Path) -> dict:
+    """One run's row of the grid result, from its ``result.json`` and ``metrics.jsonl``.  A run whose
+    ``final_val_ce`` is not a finite number keeps its row with ``final_val_ce`` null and a ``problem``
+    naming the file and key."""
+    result = read_json(folder / "result.json")
+    loss = result.get("final_val_ce") if isinstance(result, dict) else None
+    problem = None
+    if not is_number(loss):
+        problem = f"{folder / 'result.json'}: final_val_ce: expected a finite number, got {loss!r}"
+        log.warning("%s", problem)
+        loss = None
+    if not isinstance(result, dict):
+        result = {}
+    val, steps = read_curve(folder / "metrics.jsonl")
+    shape = get_preset(run.preset)
+    d = shape["d_model"]
+    cost = added_flops(shape["n_layers"], d, shape["d_ff"], run.method, run.blocks, run.rank)
+    row = {
+        "run_id": run.run_id,
+        "preset": run.preset,
+        "d_model": d,
+        "method": run.method,
+        "blocks": run.blocks,
+        "rank": run.rank,
+        "seed": run.seed,
+        "roles": list(run.roles),
+        "added_flops_pct": cost["pct"],
+        "final_val_ce": loss,
+        "steps": result.get("steps"),
+        "tokens": result.get("tokens"),
+        "data_epochs": result.get("data_epochs"),
+        "wall_s": result.get("wall_s"),
+        "tokens_per_s": result.get("tokens_per_s"),
+        "grad_norm": result.get("grad_norm"),
+        "stopped": result.get("stopped"),
+        "val_curve": val,
+        "grad_norm_trace": [s["grad_norm"] for s in steps],
+    }
+    if run.lr_scale is not None:
+        row["lr_scale"] = run.lr_scale
+    # the trainer's gradient-norm outliers (lrattnres/run_health.py): a run with any is flagged
+    row["grad_outliers"], row["grad_outliers_from"] = run_health.run_outliers(result, row["grad_norm_trace"])
+    row["paper_row"] = paper_row(row, d)
+    if problem:
+        row["problem"] = problem
+    return row
 
 
 def _loss(rows: list[dict], **match) -> float | None:
@@ -153,7 +169,22 @@ def claims(settings: dict, rows: list[dict], published: dict | None = None) -> d
     A run whose ``final_val_ce`` is not a finite number (its ``problem`` says why) leaves every claim
     that depends on it without a value and with the problem as its note: the claims are computed
     with the run's loss set to a very low and to a very high value, and a claim that differs between
-    the two depends on it."""
+    the two depends on it.  A run with gradient-norm outliers (``grad_outliers``) is found the same
+    way, its loss and gradient norms set to extreme values in turn: every claim whose value or
+    evidence moves rests on it, and its note says so (lrattnres/run_health.py)."""
+    out = _claims_known(settings, rows, published)
+    for run in rows:
+        if not run.get("grad_outliers"):
+            continue
+        text = run_health.note(run["run_id"], run["grad_outliers"])
+        for cid in _resting_on(settings, rows, published, run, out):
+            old = out[cid].get("note")
+            out[cid] = {**out[cid], "note": f"{old}; {text}" if old else text}
+    return out
+
+
+def _claims_known(settings: dict, rows: list[dict], published: dict | None) -> dict[str, dict]:
+    """The claims, those that depend on a run without a finite loss left without a value."""
     bad = [r for r in rows if not is_number(r.get("final_val_ce"))]
     if not bad:
         return _claims(settings, rows, published)
@@ -166,6 +197,28 @@ def claims(settings: dict, rows: list[dict], published: dict | None = None) -> d
         a, b = outs[0].get(cid), outs[1].get(cid)
         out[cid] = a if a == b else {"reproduced": None, "note": f"not computed: {why}"}
     return out
+
+
+def _resting_on(settings: dict, rows: list[dict], published: dict | None, run: dict, base: dict) -> list[str]:
+    """The claim ids of ``base`` whose value or evidence changes when ``run``'s loss and gradient
+    norms are set to extreme values (each of :data:`_SENTINELS` in turn)."""
+    def moved(v: float) -> dict:
+        norm = 1e-9 if v < 0 else 1e9
+        gn = dict(run.get("grad_norm") or {})
+        if gn.get("mean") is not None:
+            gn["mean"] = norm
+        loss = v if is_number(run.get("final_val_ce")) else run.get("final_val_ce")
+        return {**run, "final_val_ce": loss, "grad_norm": gn,
+                "grad_norm_trace": [norm] * len(run.get("grad_norm_trace") or [])}
+
+    def evidence(c: dict | None) -> dict | None:
+        return None if c is None else {k: v for k, v in c.items() if k != "note"}
+
+    found = set()
+    for v in _SENTINELS:
+        other = _claims_known(settings, [moved(v) if r is run else r for r in rows], published)
+        found |= {cid for cid in base if evidence(base[cid]) != evidence(other.get(cid))}
+    return [cid for cid in base if cid in found]
 
 
 def _claims(settings: dict, rows: list[dict], published: dict | None) -> dict[str, dict]:

@@ -3,7 +3,10 @@
 :func:`plan` turns a scale's ``grid`` settings into the list of runs of Sections 4.2-4.5 and Appendix
 C: the rank/grouping sweep and the baseline on the main preset, extra seeds of the headline pair, the
 full-width-RMS control, the projected-key configurations and the size pair.  At the paper scale that
-is exactly the paper's run list (48 runs).  Runs are deduplicated by id, so a grid point that serves
+is exactly the paper's run list (48 runs).  A scale with a learning-rate check (``grid.lr_check``,
+:mod:`lrattnres.lrcheck`) also plans the check's baseline runs, last: one per multiplier of the
+check's reference rates, named ``<preset>-baseline-lrx<multiplier>-s0``; they stand for no row of
+the paper.  Runs are deduplicated by id, so a grid point that serves
 two roles trains once.  :func:`train_spec` is the training spec of one run, :func:`paper_row` the
 paper's row a run stands for, :func:`conversions` and :func:`evaluations` the runs that the conversion
 and the downstream evaluation take.
@@ -15,6 +18,7 @@ names).
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -31,6 +35,8 @@ PAPER_BLOCKS = ("full", 4, 8, 16)
 PAIR_SIZES = ("1b", "4b")
 # The roles of Section 4.4 map onto the paper's rows whatever their N and r at a small scale.
 HEADLINE_LR, HEADLINE_ATTNRES, CONTROL = "lr.n8.r128", "attnres.n8.r1024", "lr-fullrms.n8.r128"
+# The role of the learning-rate check's runs (baselines at multiples of the check's reference rates).
+LR_CHECK = "lr-check"
 
 
 @dataclass(frozen=True)
@@ -44,9 +50,12 @@ class Run:
     seed: int
     steps: int | None = None  # overrides the scale's training length (the size pair)
     roles: tuple[str, ...] = field(default=(), compare=False)
+    lr_scale: float | None = None  # the learning-rate check: its multiple of the check's reference rates
 
     @property
     def run_id(self) -> str:
+        if self.lr_scale is not None:
+            return f"{self.preset}-{self.method}-lrx{multiplier_text(self.lr_scale)}-s{self.seed}"
         if self.method == "baseline":
             return f"{self.preset}-baseline-s{self.seed}"
         return f"{self.preset}-{self.method}-n{self.blocks}-r{self.rank}-s{self.seed}"
@@ -56,6 +65,20 @@ class Run:
         if self.method != "baseline":
             m.update(blocks=self.blocks, rank=self.rank)
         return m
+
+
+def multiplier_text(m: float) -> str:
+    """A multiplier as it appears in a run id: 2 -> "2", 0.5 -> "0.5"."""
+    return f"{int(m)}" if float(m).is_integer() else f"{m:g}"
+
+
+def lr_check_runs(settings: dict) -> list[Run]:
+    """The learning-rate check's runs: the main preset's baseline, seed 0, once per multiplier."""
+    check = settings["grid"].get("lr_check")
+    if not check:
+        return []
+    main = settings["presets"]["main"]
+    return [Run(main, "baseline", None, None, 0, roles=(LR_CHECK,), lr_scale=float(m)) for m in check["multipliers"]]
 
 
 def _routed(preset: str, blocks, rank, seed: int, *, method: str | None = None, steps=None, role: str) -> Run:
@@ -92,6 +115,7 @@ def plan(settings: dict) -> list[Run]:
             steps = pair.get("steps")
             runs.append(_routed(preset, pair["blocks"], d, 0, method="attnres", steps=steps, role=f"pair-{size_role}"))
             runs.append(_routed(preset, pair["blocks"], pair["rank"], 0, method="lr", steps=steps, role=f"pair-{size_role}"))
+    runs += lr_check_runs(settings)
     merged: dict[str, Run] = {}
     for run in runs:
         if run.run_id in merged:
@@ -104,8 +128,19 @@ def plan(settings: dict) -> list[Run]:
 
 def train_spec(settings: dict, run: Run) -> dict:
     """The training spec of one run: the recipe, the scale's training settings with the batch split
-    of the run's size (lrattnres/batch.py), the run's model."""
-    recipe = dict(settings["recipe"])
+    of the run's size (lrattnres/batch.py), the run's model.
+
+    A run of the learning-rate check takes Muon's and Adam's rates as its multiple of the check's
+    reference rates (everything else of the recipe as the scale's: schedule, warm-up, z-loss,
+    clipping), so that its spec does not depend on the rates the scale chose; and it records a
+    non-finite loss as its result instead of failing (``record_nonfinite``): a diverged multiplier is
+    an outcome of the check."""
+    recipe = copy.deepcopy(settings["recipe"])
+    if run.lr_scale is not None:
+        ref = settings["grid"]["lr_check"]["reference"]
+        optim = recipe.setdefault("optim", {})
+        for group in ("muon", "adam"):
+            optim[group] = {**optim.get(group, {}), "lr": ref[group] * run.lr_scale}
     model = run.model()
     for key in ("router", "attention", "norm_eps", "stream_dtype"):
         if key in recipe:
@@ -123,11 +158,16 @@ def train_spec(settings: dict, run: Run) -> dict:
     if run.steps is not None:
         spec.pop("tokens", None)
         spec["steps"] = run.steps
+    if run.lr_scale is not None:
+        spec["record_nonfinite"] = True
     return spec
 
 
 def paper_row(run: dict, d_model: int) -> str | None:
-    """The paper's row key (``lr.n8.r128``) this run stands for, or None if it has no analogue."""
+    """The paper's row key (``lr.n8.r128``) this run stands for, or None if it has no analogue (a run
+    of the learning-rate check stands for none)."""
+    if list(run.get("roles") or ()) == [LR_CHECK]:
+        return None
     if run["method"] == "baseline":
         return "baseline"
     blocks = run["blocks"]

@@ -64,6 +64,7 @@ from typing import Any
 
 from lrattnres import process_group
 from lrattnres.attempts import EX_TEMPFAIL, read_status
+from lrattnres.config import science
 from lrattnres.deadline import ENV as DEADLINE_ENV
 from lrattnres.io import atomic_path, atomic_write_json, read_json
 from lrattnres.piece_archive import (KEEP, ArchiveError, kept, metadata_name, pack, read_archive,  # noqa: F401
@@ -101,7 +102,7 @@ CONTINUE_TRIGGERS = ("software-env",)
 # reached their first validation together on one H200; its first candidate configuration runs.
 SHARED_GPU_ENV = {"KERNELS_AUTOTUNE": "0"}
 # Keys of a run's training spec that say how a run reports and saves itself, not what it computes.
-TRAIN_EXECUTION_KEYS = ("log_every_s", "checkpoint")
+TRAIN_EXECUTION_KEYS = ("log_every_s", "checkpoint", "grad_guard")
 # Sections of the resolved settings that decide what a restored output holds.
 SCIENCE_SECTIONS = ("presets", "recipe", "data", "train", "grid", "convert", "evaluate", "diagnostics",
                     "kernel_check", "throughput", "accounting")
@@ -322,10 +323,11 @@ def check_same_settings(settings: dict, results: str, accept: tuple[str, ...] = 
     if not saved_path.is_file():
         raise PieceError(f"{saved_path}: missing (the first piece writes it: restore its archive too)")
     saved = read_json(saved_path)
+    current = science(settings)  # settings.json leaves out the execution settings: compare like with like
     compared = []
     for key in SCIENCE_SECTIONS:
-        if key in saved or key in settings:
-            keys = differs(saved.get(key), settings.get(key), key)
+        if key in saved or key in current:
+            keys = differs(saved.get(key), current.get(key), key)
             if keys:
                 raise PieceError(f"{saved_path}: settings.{key} differs from the current configuration in "
                                  f"{keys} (the restored pieces belong to another experiment; --accept KEY "

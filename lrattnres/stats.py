@@ -11,6 +11,11 @@ Every function is pure and returns plain floats, so a claim can carry its interv
 - :func:`spearman_interval`: Spearman's rank correlation with the Fisher-z interval of Fieller,
   Hartley and Pearson (1957): ``tanh(atanh(rho) +- z sqrt(1.06 / (n - 3)))``; a perfect ordering is
   taken as the nearest imperfect one, where the transform is finite.
+- :func:`sd_interval`: the chi-square interval of a normal sample's SD,
+  ``[s sqrt((n-1) / chi2_{(1+level)/2, n-1}), s sqrt((n-1) / chi2_{(1-level)/2, n-1})]``.
+- :func:`min_detectable`: the minimum detectable difference of a two-sided test whose effect has
+  standard error ``se``: ``(q_{(1+level)/2} + q_{power}) se`` (Student t with ``df``, normal without):
+  the true effect that the test resolves with probability ``power``.
 """
 
 from __future__ import annotations
@@ -19,6 +24,8 @@ import math
 from collections.abc import Iterable, Sequence
 
 LEVEL = 0.95
+# The power at which a claim's minimum detectable difference is stated (the usual 80%).
+POWER = 0.80
 
 
 def _finite(values: Iterable[float], what: str) -> list[float]:
@@ -118,3 +125,34 @@ def segments(values: Sequence[float], k: int) -> list[list[float]]:
     k = max(1, min(k, n))
     bounds = [round(i * n / k) for i in range(k + 1)]
     return [list(values[bounds[i]:bounds[i + 1]]) for i in range(k)]
+
+
+def sd_interval(sd: float, n: int, level: float = LEVEL) -> list[float] | None:
+    """The ``level`` chi-square interval of the SD of a normal sample of ``n`` whose sample SD is
+    ``sd``; None for n < 2 (no SD)."""
+    from scipy import stats
+
+    (sd,) = _finite([sd], "sd")
+    if sd < 0:
+        raise ValueError(f"sd: expected >= 0, got {sd!r}")
+    if n < 2:
+        return None
+    df = n - 1
+    hi_q, lo_q = stats.chi2.ppf(0.5 + level / 2, df), stats.chi2.ppf(0.5 - level / 2, df)
+    return [sd * math.sqrt(df / hi_q), sd * math.sqrt(df / lo_q)]
+
+
+def min_detectable(se: float, df: float | None = None, level: float = LEVEL, power: float = POWER) -> float:
+    """The smallest true effect that a two-sided test at ``level`` resolves with probability ``power``
+    when the effect's standard error is ``se`` (``df`` degrees of freedom; normal when None)."""
+    from scipy import stats
+
+    (se,) = _finite([se], "standard error")
+    if se < 0:
+        raise ValueError(f"standard error: expected >= 0, got {se!r}")
+    if not 0 < power < 1:
+        raise ValueError(f"power: expected between 0 and 1, got {power!r}")
+    if df is not None and df < 1:
+        raise ValueError(f"degrees of freedom: expected >= 1, got {df!r}")
+    q_power = float(stats.norm.ppf(power) if df is None else stats.t.ppf(power, df))
+    return (quantile(level, df) + q_power) * se

@@ -93,30 +93,71 @@ def test_sdpa_backward_matches_reference():
 
 
 def test_auto_backend_choice(monkeypatch):
-    """auto is the measured backend of the device (flex on CUDA, SDPA elsewhere), installed
-    flash-attn or not, inside torch.compile or not; named backends pass through."""
+    """auto is masked SDPA on every device (on CUDA the backend whose compiled gradients are measured
+    right), installed flash-attn or not, inside torch.compile or not; named backends pass through."""
     import lrattnres.attention as attention
 
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     for installed in (True, False):
         monkeypatch.setattr(attention, "flash_installed", lambda: installed)
         assert resolve_backend("auto", cpu, torch.float32) == "sdpa"
-        assert resolve_backend("auto", cuda, torch.bfloat16) == "flex"
-        assert resolve_backend("auto", cuda, torch.float32) == "flex"
+        assert resolve_backend("auto", cuda, torch.bfloat16) == "sdpa"
+        assert resolve_backend("auto", cuda, torch.float32) == "sdpa"
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
-    assert resolve_backend("auto", cuda, torch.bfloat16) == "flex"
+    assert resolve_backend("auto", cuda, torch.bfloat16) == "sdpa"
+    assert resolve_backend("flex", cuda, torch.bfloat16) == "flex"
     assert resolve_backend("sdpa", cuda, torch.bfloat16) == "sdpa"
     assert resolve_backend("flash", cpu) == "flash"
     with pytest.raises(ValueError, match="attention backend must be one of"):
         resolve_backend("xformers", cpu, torch.float32)
 
 
-def test_describe_names_the_backend_that_runs_and_its_version():
+def test_describe_names_the_backend_that_runs_and_its_version(monkeypatch):
+    import lrattnres.attention as attention
+
     v = f"torch {torch.__version__}"
     assert describe("auto", "cpu") == {"requested": "auto", "backend": "sdpa", "version": v}
-    assert describe("auto", "cuda") == {"requested": "auto", "backend": "flex", "version": v}
+    assert describe("auto", "cuda") == {"requested": "auto", "backend": "sdpa", "version": v}
+    assert describe("flex", "cuda") == {"requested": "flex", "backend": "flex", "version": v}
     assert describe("flex", "cuda", documents=False) == {"requested": "flex", "backend": "sdpa", "version": v}
     assert describe("flash", "cuda")["version"].startswith("flash-attn ")
+    # a probe's flex variant is part of the record; it changes nothing for the other backends
+    monkeypatch.setattr(attention, "_FLEX_VARIANT", frozenset({"outside", "contiguous"}))
+    assert describe("flex", "cuda")["flex_variant"] == ["contiguous", "outside"]
+    assert "flex_variant" not in describe("auto", "cuda")
+
+
+def test_compiled_flex_on_cuda_warns_once_per_process(monkeypatch):
+    """The warning comes for a compiled step with flex on CUDA only, once, and cites the measurement
+    and the upstream issue."""
+    import lrattnres.attention as attention
+
+    monkeypatch.setattr(attention, "_warned", False)
+    said = []
+    for backend, device, compiled in (("flex", "cpu", True), ("flex", "cuda", False), ("auto", "cuda", True),
+                                      ("sdpa", "cuda", True)):
+        assert not attention.warn_compiled_flex(backend, device, compiled, said.append)
+    assert said == []
+    assert attention.warn_compiled_flex("flex", torch.device("cuda"), True, said.append)
+    assert not attention.warn_compiled_flex("flex", "cuda", True, said.append)
+    assert said == [attention.COMPILED_FLEX_WARNING]
+    line = said[0]
+    assert "\n" not in line and "158212" in line and "5e8" in line and "2.51" in line and "masked SDPA" in line
+
+
+def test_flex_variant_is_parsed_strictly(monkeypatch):
+    import lrattnres.attention as attention
+
+    assert attention.parse_flex_variant(None) == frozenset()
+    assert attention.parse_flex_variant(" contiguous, outside ,") == {"contiguous", "outside"}
+    with pytest.raises(ValueError, match=r"LRATTNRES_FLEX_VARIANT='contigous'.*unknown.*contiguous"):
+        attention.parse_flex_variant("contigous")
+    monkeypatch.setattr(attention, "_FLEX_VARIANT", frozenset())
+    assert attention.set_flex_variant(["create_mask"]) == frozenset()
+    assert attention.flex_variant() == {"create_mask"}
+    with pytest.raises(ValueError, match="set_flex_variant"):
+        attention.set_flex_variant("inside")
+    assert attention.flex_variant() == {"create_mask"}  # a refused variant changes nothing
 
 
 # ---- flash-attn's varlen path, on the CPU with a stand-in for its kernel -----------------------------
@@ -248,15 +289,28 @@ def test_document_block_mask_equals_create_block_mask(T):
     assert blocks(ours.full_q_num_blocks, ours.full_q_indices) == blocks(ref.full_q_num_blocks, ref.full_q_indices)
 
 
-def test_flex_inside_torch_compile_matches_sdpa():
+@pytest.mark.parametrize("variant", ["", "contiguous", "create_mask", "outside"])
+def test_flex_inside_torch_compile_matches_sdpa(variant, monkeypatch):
     """flex with the tensor-op block mask traces into one graph (fullgraph) and computes the
-    masked attention (forward only: flex has no CPU backward)."""
+    masked attention (forward only: flex has no CPU backward); so does every variant a GPU probe
+    compares (``outside`` breaks the graph around the call, so it compiles without fullgraph)."""
+    import lrattnres.attention as attention
+
+    monkeypatch.setattr(attention, "_FLEX_VARIANT", attention.parse_flex_variant(variant))
+    own = []  # calls of flex on its own (outside the model's graph), at run time
+    real = attention._flex_fn
+    monkeypatch.setattr(attention, "_flex_fn", lambda device_type: own.append(device_type) or real(device_type))
     g = torch.Generator().manual_seed(1)
     T = 200  # not a multiple of flex's 128-token block
     doc = (torch.rand(2, T, generator=g) < 1 / 60).int().cumsum(1)
     q, k, v = (torch.randn(2, 2, T, 16, generator=g) for _ in range(3))
-    compiled = torch.compile(lambda q, k, v, d: causal_attention(q, k, v, d, backend="flex"), fullgraph=True, dynamic=False)
-    torch.testing.assert_close(compiled(q, k, v, doc), causal_attention(q, k, v, doc, backend="sdpa"), atol=1e-5, rtol=1e-5)
+    v = v.transpose(1, 2).contiguous().transpose(1, 2)  # a strided view, as the model's permuted qkv
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda q, k, v, d: causal_attention(q, k, v, d, backend="flex"),
+                             fullgraph=variant != "outside", dynamic=False)
+    out = compiled(q, k, v, doc)
+    assert own == (["cpu"] if variant == "outside" else [])
+    torch.testing.assert_close(out, causal_attention(q, k, v, doc, backend="sdpa"), atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.gpu

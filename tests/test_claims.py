@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import copy
+import math
+import statistics
 from pathlib import Path
 
 import pytest
@@ -208,6 +210,24 @@ def test_direction_needs_a_resolved_interval():
     assert claims.verdict(direction(), True, "tiny")[0] == "inconclusive"
     v, note = claims.verdict(direction(), 0.5, "tiny")
     assert v == "inconclusive" and "no interval" in note
+
+
+def test_direction_claims_carry_their_minimum_detectable_difference():
+    """What a claim could resolve at its noise: (t_{0.975} + t_{0.80}) times its standard error."""
+    r = direction()
+    samples = [0.018, 0.086, 0.072]  # the recorded gpu seeds piece's paired reductions (paper rates)
+    sd = statistics.stdev(samples)
+    out = claims.judge(r, {"reproduced": 0.0587, "samples": samples}, "gpu")
+    assert out["mdd"] == pytest.approx((4.302653 + 1.060660) * sd / math.sqrt(3), rel=1e-5)
+    assert out["mdd"] > 0.029  # the paper's paired reduction: not resolvable at that noise
+    out = claims.judge(r, {"reproduced": 0.03, "se": 0.005, "df": 4}, "tiny")
+    assert out["mdd"] == pytest.approx((2.776445 + 0.940965) * 0.005, rel=1e-5)
+    assert claims.judge(direction(threshold=10, note="why ten"), {"reproduced": 12.0}, "tiny")["mdd"] == 10.0
+    assert claims.judge(r, {"reproduced": 0.5}, "tiny")["mdd"] is None  # no interval, nothing resolvable
+    assert claims.judge(r, {"reproduced": 0.03, "samples": [0.03]}, "tiny")["mdd"] is None
+    assert claims.judge(r, None, "tiny")["mdd"] is None
+    # other kinds carry none
+    assert claims.judge(rec(kind="value", published=2.9), {"reproduced": 3.0}, "tiny")["mdd"] is None
 
 
 def test_direction_every_item_and_near_tie():

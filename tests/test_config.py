@@ -30,7 +30,7 @@ def test_default_scale_is_tiny():
 
 def test_scale_recipe_refines_the_shared_recipe():
     s = resolve(RAW)
-    assert s["recipe"]["optim"]["muon"] == {"lr": 0.02, "momentum": 0.95, "weight_decay": 0.1}
+    assert s["recipe"]["optim"]["muon"] == {"lr": 0.08, "momentum": 0.95, "weight_decay": 0.1}
     assert s["recipe"]["optim"]["adam"]["betas"] == [0.9, 0.95]
 
 
@@ -140,7 +140,7 @@ def test_text_that_reads_as_nothing_valid_is_refused_by_key(section, value, key)
 def test_top_level_recipe_overrides_the_scale_recipe_key_by_key():
     """A --configfile's top-level recipe wins over the scale's own recipe block, key by key."""
     raw = deep_merge(RAW, {"recipe": {"optim": {"muon": {"lr": 0.005}}, "z_loss": 0.0}})
-    s = resolve(raw)  # tiny: its own recipe sets muon.lr 0.02
+    s = resolve(raw)  # tiny: its own recipe sets muon.lr 0.08
     assert s["recipe"]["optim"]["muon"] == {"lr": 0.005, "momentum": 0.95, "weight_decay": 0.1}
     assert s["recipe"]["optim"]["adam"]["lr"] == RAW["scales"]["tiny"]["recipe"]["optim"]["adam"]["lr"]
     assert s["recipe"]["z_loss"] == 0.0
@@ -155,9 +155,11 @@ def test_science_leaves_out_execution_settings():
 
     a = resolve(RAW)
     b = resolve(deep_merge(RAW, {"resources": {"default": {"mem_mb": 123}}, "data": {"num_threads": 7},
-                                 "results": "elsewhere"}))
+                                 "results": "elsewhere",
+                                 "train": {"log_every_s": 5, "grad_guard": {"factor": 20, "window": 50}}}))
     assert a != b and science(a) == science(b)
     assert "resources" not in science(a) and "num_threads" not in science(a)["data"]
+    assert not {"log_every_s", "grad_guard"} & set(science(b)["train"])
     c = resolve(deep_merge(RAW, {"train": {"steps": 7}}))
     assert science(c) != science(a)
 

@@ -155,3 +155,66 @@ def test_pack_spec_validation():
         validate_spec({"source": "pack", "pack": {"path": "x", "sha256": "abc"}})
     with pytest.raises(SpecError, match="spec.pack.collections"):
         validate_spec({"source": "pack", "pack": {"path": "x", "collections": []}})
+
+
+def _dpkg(roots_dir, versions):
+    """Fake dpkg lookups: page2.html comes from a second package (as the Perl manual's perldiag.pod
+    comes from perl-modules-5.36), the text files from none."""
+    def owners(files):
+        out = {}
+        for f in map(str, files):
+            if f.endswith("page2.html"):
+                out[f] = ["doc-web-extra"]
+            elif f.startswith(str(roots_dir / "h")):
+                out[f] = ["doc-web"]
+            elif f.startswith(str(roots_dir / "p")):
+                out[f] = ["doc-pod"]
+            else:
+                out[f] = []
+        return out
+
+    return {"owners": owners, "versions": lambda pkgs: {p: versions.get(p) for p in pkgs}}
+
+
+def test_pack_records_every_package_it_was_extracted_from(roots):
+    tmp, cols = roots
+    v1 = {"doc-web": "1.0", "doc-web-extra": "2.0", "doc-pod": "3.1"}
+    h1 = docs.build_pack(tmp / "a.jsonl.xz", cols, min_chars=200, **_dpkg(tmp, v1))
+    by = {c["name"]: c for c in h1["collections"]}
+    assert by["web"]["packages"] == {"doc-web": "1.0", "doc-web-extra": "2.0"} and by["web"]["unowned_files"] == 0
+    assert by["text"]["packages"] == {} and by["text"]["unowned_files"] == 3
+    assert h1["packages"] == {"doc-pod": "3.1", "doc-web": "1.0", "doc-web-extra": "2.0"}
+    assert docs.read_header(tmp / "a.jsonl.xz")["packages"] == h1["packages"]
+    # the same texts from another version of one package: another pack, and one line says which
+    h2 = docs.build_pack(tmp / "b.jsonl.xz", cols, min_chars=200, **_dpkg(tmp, {**v1, "doc-web-extra": "2.1"}))
+    assert (tmp / "a.jsonl.xz").read_bytes() != (tmp / "b.jsonl.xz").read_bytes()
+    line = docs.diff_line(docs.header_packages(h1), docs.header_packages(h2), "a.jsonl.xz")
+    assert line == "1 of 3 packages differ from a.jsonl.xz: doc-web-extra 2.0 -> 2.1"
+    assert "\n" not in line
+    assert docs.diff_line(h1["packages"], h1["packages"], "a.jsonl.xz") == "the same 3 package versions as a.jsonl.xz"
+    assert docs.version_diff({"x": "1"}, {"y": "2"}) == [("x", "1", None), ("y", None, "2")]
+    # a pack made before the record names its collections' own packages only
+    old = {"collections": [{"package": "doc-web", "version": "1.0"}, {"package": "doc-pod", "version": "3.1"}]}
+    assert docs.diff_line(docs.header_packages(old), h1["packages"], "old") == \
+        "1 of 3 packages differ from old: doc-web-extra absent -> 2.0"
+    # the data stage's manifest carries the versions
+    spec = {"source": "pack", "pack": {"path": str(tmp / "a.jsonl.xz"), "min_chars": 200},
+            "val_tokens": 50, "shard_tokens": 10_000, "vocab": "compact", "vocab_max": 200}
+    m = prepare(spec, tmp / "data", progress=False)
+    assert m["source"]["packages"] == h1["packages"]
+    sub = prepare({**spec, "pack": {**spec["pack"], "collections": ["web"]}}, tmp / "sub", progress=False)
+    assert sub["source"]["packages"] == {"doc-web": "1.0", "doc-web-extra": "2.0"}
+
+
+def test_corpus_pack_compares_in_one_line(roots, monkeypatch, capsys):
+    tmp, cols = roots
+    fake = _dpkg(tmp, {"doc-web": "1.0", "doc-web-extra": "2.0", "doc-pod": "3.1"})
+    docs.build_pack(tmp / "ref.jsonl.xz", cols, min_chars=200, **fake)
+    monkeypatch.setattr(docs, "COLLECTIONS", tuple(cols))
+    monkeypatch.setattr(docs, "file_owners", fake["owners"])
+    monkeypatch.setattr(docs, "package_versions", lambda pkgs: {p: {"doc-web": "1.1"}.get(p, "2.0" if p == "doc-web-extra" else "3.1") for p in pkgs})
+    assert docs.main(["--compare", str(tmp / "ref.jsonl.xz")]) == 1
+    out = capsys.readouterr().out.strip().splitlines()
+    assert out == [f"corpus-pack: installed: 1 of 3 packages differ from {tmp / 'ref.jsonl.xz'}: doc-web 1.0 -> 1.1"]
+    assert docs.main(["--out", str(tmp / "new.jsonl.xz"), "--min-chars", "200", "--compare", str(tmp / "ref.jsonl.xz")]) == 0
+    assert capsys.readouterr().out.strip().endswith("doc-web 1.0 -> 1.1")

@@ -170,6 +170,56 @@ def test_a_malformed_loss_leaves_only_its_claims_unrun(tmp_path):
     assert c["sec4.5.lr_lower_loss.1b"]["reproduced"] == pytest.approx(0.02)
 
 
+def test_claims_resting_on_a_run_with_gradient_norm_outliers_say_so(tmp_path):
+    """A run whose result.json records gradient-norm outliers is flagged in the run table, and exactly
+    the claims whose value or evidence rests on it name it in their note; the others do not."""
+    s = settings("tiny")
+    dirs = _fake_runs(tmp_path, s, _loss)
+    flagged = dirs["tiny-lr-nfull-r16-s0"] / "result.json"
+    res = json.loads(flagged.read_text())
+    event = {"update": 2, "norm": 3.0e9, "median": 1.5}
+    flagged.write_text(json.dumps({**res, "grad_norm": {"mean": 1.0, "max": 3.0e9, "outliers": [event]}}))
+    out = summarize(s, dirs, set(PUBLISHED), PUBLISHED)
+    rows = {r["run_id"]: r for r in out["runs"]}
+    assert rows["tiny-lr-nfull-r16-s0"]["grad_outliers"] == [event]
+    assert rows["tiny-lr-nfull-r16-s0"]["grad_outliers_from"] == "result.json"
+    assert rows["tiny-baseline-s0"]["grad_outliers"] == []
+    c = out["claims"]
+    text = "rests on tiny-lr-nfull-r16-s0, whose training had 1 gradient-norm outlier, the largest 3e+09 at update 2"
+    for cid in ("table5.val_loss.lr.nfull.r256", "sec4.2.routed_beat_baseline", "table5.loss_order_spearman",
+                "table5.loss_change_pct.lr.nfull.r256"):
+        assert text in c[cid]["note"], cid
+    for cid in ("sec4.4.paired_reduction_mean", "sec4.5.lr_lower_loss.1b", "table5.val_loss.baseline",
+                "table5.val_loss.lr.n4.r128"):
+        assert "rests on" not in c[cid]["note"], cid
+    # the values themselves are those of the unflagged computation
+    clean = summarize(s, _fake_runs(tmp_path / "clean", s, _loss), set(PUBLISHED), PUBLISHED)["claims"]
+    assert {k: v["reproduced"] for k, v in c.items()} == {k: v["reproduced"] for k, v in clean.items()}
+    # a seed of the headline pair sets the single-run noise: every claim judged with it rests on it
+    seed = dirs["tiny-lr-n4-r8-s1"] / "result.json"
+    seed.write_text(json.dumps({**json.loads(seed.read_text()), "grad_norm": {"mean": 1.0, "outliers": [event]}}))
+    c = summarize(s, dirs, set(PUBLISHED), PUBLISHED)["claims"]
+    assert "rests on tiny-lr-n4-r8-s1" in c["sec4.4.paired_reduction_all_positive"]["note"]
+    assert "rests on tiny-lr-n4-r8-s1" in c["sec4.5.lr_lower_loss.1b"]["note"]  # its se is the seeds' pooled SD
+    assert "rests on tiny-lr-n4-r8-s1" in c["sec4.4.paired_reduction_mean"]["note"]
+    assert "rests on tiny-lr-n4-r8-s1" not in c["table5.val_loss.baseline"]["note"]
+
+
+def test_a_result_without_outliers_is_judged_from_its_metrics(tmp_path):
+    """A result.json written before the guard: its per-update norms are replayed through the guard."""
+    s = settings("tiny")
+    dirs = _fake_runs(tmp_path, s, _loss)
+    d = dirs["tiny-baseline-s0"]
+    norms = [1.0] * 12 + [500.0, 1.0]
+    (d / "metrics.jsonl").write_text("".join(json.dumps({"kind": "train", "step": i + 1, "tokens": i, "grad_norm": g,
+                                                         "ce": 9.0}) + "\n" for i, g in enumerate(norms)))
+    out = summarize(s, dirs, set(PUBLISHED), PUBLISHED)
+    row = next(r for r in out["runs"] if r["run_id"] == "tiny-baseline-s0")
+    assert row["grad_outliers"] == [{"update": 12, "norm": 500.0, "median": 1.0}]
+    assert row["grad_outliers_from"].startswith("metrics.jsonl")
+    assert "rests on tiny-baseline-s0" in out["claims"]["table5.val_loss.baseline"]["note"]
+
+
 def _paper_rows() -> list[dict]:
     """The paper's own numbers as a run table: Table 5 (seed 0) and Appendix A's seeds."""
     rows = []

@@ -48,7 +48,7 @@ def test_unmatched_runs_and_duplicate_names_refused():
 
 def test_targets_include_the_stages_that_need_weights():
     S = settings("gpu")
-    first = pieces.plan_pieces(S)[0]
+    first = next(p for p in pieces.plan_pieces(S) if p.name == "seeds")
     t = pieces.piece_targets(S, first)
     R = S["results"]
     assert f"{R}/kernel_check.json" in t
@@ -288,6 +288,9 @@ def test_restored_results_must_match_data_and_settings(tmp_path):
     res = json.loads(json.dumps(S))
     res["resources"] = {"default": {"mem_mb": 1}}
     pieces.check_same_settings(res, str(R))
+    # nor are the training's execution settings, which settings.json leaves out
+    res["train"] = {**res["train"], "log_every_s": 5, "grad_guard": {"factor": 50, "window": 20, "min_history": 5}}
+    pieces.check_same_settings(res, str(R))
 
 
 def _copy_repo(dest: Path) -> Path:
@@ -349,7 +352,9 @@ def test_smoke_scale_in_two_pieces_and_a_report(tmp_path):
     assert paper["scale"] == "smoke" and paper["claims"]
     run_ids = {x["run_id"] for x in (first["run_results"] + rest["run_results"])}
     grid = json.loads((c / "results" / "smoke" / "grid.json").read_text())
-    assert {row["run_id"] for row in grid["runs"]} == run_ids
+    check = grid["lr_check"]  # the learning-rate check's runs: its own table, not the grid's
+    assert {row["run_id"] for row in grid["runs"]} | {row["run_id"] for row in check["runs"]} == run_ids
+    assert check["state"] == "done" and paper["recipe"]["lr_check"] == check
 
 
 def test_piece_summary_totals_the_gpu_minutes(tmp_path):
@@ -365,23 +370,30 @@ def test_piece_summary_totals_the_gpu_minutes(tmp_path):
     assert pieces.piece_summary([]) == {"piece_costs": [], "gpu_minutes": None}
 
 
-def test_the_recorded_gpu_pieces_still_belong_to_the_gpu_scale(tmp_path):
-    """Every committed piece of the gpu scale was made with today's gpu-scale settings (a change of the
-    gpu scale's science fails here first), but for the throughput section: the seeds piece times
-    nothing, and was recorded before Table 3's timing took the paper's protocol (64 accumulation
-    steps, compiled, synthetic tokens), so continuing from it takes ``--accept throughput``."""
+def test_the_recorded_gpu_pieces_belong_to_the_gpu_scale_or_are_refused(tmp_path):
+    """A committed piece of the gpu scale made from the configured pack (data.pack.sha256) was made with
+    today's gpu-scale settings: every run's spec is today's (a change of the gpu scale's science fails
+    here first). Only the scale's rates may differ in its settings.json: the recipe piece runs before
+    they are set to its winner, and its runs do not depend on them. A piece made from another pack
+    (the seeds piece of 2026-12-01, manifest 24388f66...) is superseded: continuing from it is
+    refused, naming the data."""
     archives = sorted((REPO / "reports" / "recorded" / "gpu" / "pieces").glob("*.tar.xz"))
     assert archives
     S = settings("gpu")
     for arc in archives:
         R = tmp_path / arc.stem
         pieces.restore([str(arc)], workdir=str(R), results=S["results"])
-        with tarfile.open(arc) as tar:
-            assert not [n for n in tar.getnames() if "/throughput" in n]
-        with pytest.raises(pieces.PieceError, match=r"settings.throughput differs .*'grad_accum'"):
-            pieces.check_same_settings(S, str(R / S["results"]))
-        compared = pieces.check_same_settings(S, str(R / S["results"]), accept=("throughput",))
-        assert {"train", "accounting", "throughput"} <= set(compared)
+        results = R / S["results"]
+        made_from = json.loads((results / "data" / "manifest.json").read_text())["source"]["sha256"]
+        if made_from == S["data"]["pack"]["sha256"]:
+            saved = json.loads((results / "settings.json").read_text())
+            for group in ("muon", "adam"):  # the recipe piece's settings.json holds the rates before its winner
+                saved["recipe"]["optim"][group]["lr"] = S["recipe"]["optim"][group]["lr"]
+            (results / "settings.json").write_text(json.dumps(saved))
+            assert "train" in pieces.check_same_settings(S, str(results))
+        else:
+            with pytest.raises(pieces.PieceError, match=r"settings\.data differs"):
+                pieces.check_same_settings(S, str(results))
 
 
 def test_a_piece_of_stages_only_times_its_sizes():

@@ -186,6 +186,39 @@ def test_malformed_stage_values_leave_their_claims_not_run(tmp_path):
     assert 'id="problems"' in page and "junk.json" in page and "Table 5 reproduced" in page
 
 
+def test_runs_with_gradient_norm_outliers_are_flagged_and_their_claims_say_so(tmp_path):
+    """A run whose training recorded gradient-norm outliers: the training section names it above its
+    tables and marks it in the run list; the grid's claims that rest on it, and the claims of a later
+    stage that read it (the per-run kernel check here), say so in their notes; a stage that did not read it
+    (a check of another run's reads) does not."""
+    settings = load_and_resolve(REPO / "config.yaml")
+    flagged = "tiny-lr-nfull-r8-s0"
+    event = {"update": 41, "norm": 5.0e8, "median": 2.5}
+
+    g = grid_result(settings, tmp_path)
+    res = tmp_path / "runs" / flagged / "result.json"
+    res.write_text(json.dumps({**json.loads(res.read_text()), "grad_norm": {"mean": 1.0, "outliers": [event]}}))
+    pub = engine.load_published(PUBLISHED)
+    dirs = {run.run_id: tmp_path / "runs" / run.run_id for run in grid.plan(settings)}
+    atomic_write_json(g, {**grid.summarize(settings, dirs, set(pub), pub), "provenance": {"started": "2026-12-01T10:00:00"}})
+    reads, other = tmp_path / "reads.json", tmp_path / "other.json"  # stages that read trained weights
+    atomic_write_json(reads, {"stage": "kernel_reads", "runs": [{"run_id": flagged}, {"run_id": "tiny-baseline-s0"}],
+                              "claims": {"appI.trained_reads_bf16_criterion": {"reproduced": True, "note": "16 reads"}}})
+    atomic_write_json(other, {"stage": "kernel_reads", "runs": [{"run_id": "tiny-attnres-n4-r64-s0"}],
+                              "claims": {"table10.rel_l2_err_pct.1b.fla.r1536.forward": {"reproduced": 1e-3}}})
+    assert render(tmp_path, [g, reads, other], settings) == 0
+    by = {c["id"]: c for c in _strict((tmp_path / "paper.json").read_text())["claims"]}
+    text = f"rests on {flagged}, whose training had 1 gradient-norm outlier, the largest 5e+08 at update 41"
+    assert text in by["table5.val_loss.lr.nfull.r128"]["note"]
+    assert "rests on" not in by["table5.val_loss.baseline"]["note"]
+    assert (f"16 reads; computed from runs that include {flagged} (1 gradient-norm outlier"
+            in by["appI.trained_reads_bf16_criterion"]["note"])
+    assert "outlier" not in by["table10.rel_l2_err_pct.1b.fla.r1536.forward"]["note"]
+    page = (tmp_path / "paper.html").read_text()
+    assert "Gradient-norm outliers:</b> 1 run had" in page and f"<code>{flagged}</code>: 1 gradient-norm outlier" in page
+    assert "⚠ 1, largest 5e+08 at update 41" in page
+
+
 def test_a_failing_section_is_contained(tmp_path, monkeypatch):
     from lrattnres.report.sections import kernel
 

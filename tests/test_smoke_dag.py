@@ -305,6 +305,8 @@ def test_reruns_follow_code_changes(smoke_dag):
     for extra in (
         (*SMOKE_CONFIG, 'resources={"default": {"mem_mb": 3000, "runtime": 20}, "train": {"mem_mb": 5000}}'),
         (*SMOKE_CONFIG, 'data={"num_threads": 1}'),
+        # how a training run reports itself: status lines and the gradient-norm guard
+        (*SMOKE_CONFIG, 'train={"log_every_s": 5, "grad_guard": {"factor": 50}}'),
         ("--set-threads", "train=2", "evaluate=2", "prepare_data=1", "--retries", "7", "--resources", "gpu=2",
          *SMOKE_CONFIG),
     ):

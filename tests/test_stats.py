@@ -58,3 +58,27 @@ def test_segments_are_contiguous_and_cover_everything():
     assert segs == [[0], [1], [2, 3], [4], [5]]
     assert stats.segments([1, 2], 5) == [[1], [2]]
     assert sum(stats.segments(list(range(103)), 5), []) == list(range(103))
+
+
+def test_sd_interval_is_the_chi_square_interval():
+    # textbook factors for n = 3 (2 degrees of freedom): chi2_{0.025} = 0.05064, chi2_{0.975} = 7.3778,
+    # so the 95% interval of sigma is [0.5206 s, 6.2847 s]
+    lo, hi = stats.sd_interval(1.0, 3)
+    assert lo == pytest.approx(0.52060, abs=1e-4) and hi == pytest.approx(6.2847, abs=1e-3)
+    # n = 10: chi2_{0.025, 9} = 2.7004, chi2_{0.975, 9} = 19.023 -> [0.6878 s, 1.8256 s]
+    lo, hi = stats.sd_interval(0.02, 10)
+    assert lo == pytest.approx(0.02 * 0.68783, rel=1e-4) and hi == pytest.approx(0.02 * 1.82562, rel=1e-4)
+    assert stats.sd_interval(0.0, 5) == [0.0, 0.0] and stats.sd_interval(1.0, 1) is None
+    with pytest.raises(ValueError, match="sd"):
+        stats.sd_interval(-1.0, 3)
+
+
+def test_min_detectable_difference():
+    # normal: (1.959964 + 0.841621) se = 2.801585 se, the textbook "2.8 standard errors"
+    assert stats.min_detectable(1.0) == pytest.approx(2.801585, abs=1e-6)
+    # Student t, 2 degrees of freedom: t_{0.975} = 4.302653, t_{0.80} = 1.060660
+    assert stats.min_detectable(0.01, 2) == pytest.approx(0.01 * (4.302653 + 1.060660), rel=1e-6)
+    assert stats.min_detectable(1.0, power=0.5) == pytest.approx(1.959964, abs=1e-6)  # power 50%: the half-width
+    for bad in ({"se": -1.0}, {"se": 1.0, "power": 1.0}, {"se": 1.0, "df": 0}):
+        with pytest.raises(ValueError):
+            stats.min_detectable(**bad)

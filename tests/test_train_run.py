@@ -65,7 +65,9 @@ def test_outputs_and_metrics(full_run):
     assert r["stage"] == "train" and r["run_id"] == "full" and r["steps"] == 6
     assert r["tokens"] == 6 * 4 * 2 * 32 and r["val_tokens"] > 0 and r["final_val_ce"] > 0
     assert r["train_split_tokens"] > 0 and r["data_epochs"] == pytest.approx(r["tokens"] / r["train_split_tokens"])
-    assert set(r["grad_norm"]) >= {"mean", "var", "above_clip_pct"} and "provenance" in r
+    assert set(r["grad_norm"]) >= {"mean", "var", "above_clip_pct", "count", "max", "outliers"} and "provenance" in r
+    assert r["grad_norm"]["outliers"] == [] and r["grad_norm"]["max"] >= r["grad_norm"]["mean"] > 0
+    assert r["grad_norm"]["guard"] == {"factor": 100.0, "window": 100, "min_history": 10}
     # the attention the forward ran (auto on the CPU: masked SDPA) and its version
     assert r["provenance"]["attention"] == {"requested": "auto", "backend": "sdpa", "version": f"torch {torch.__version__}"}
     recs = records(out)
@@ -204,6 +206,80 @@ def test_nonfinite_loss_stops_and_keeps_last_checkpoint(manifest, tmp_path, monk
     assert load(tmp_path)["step"] == 4
     assert not (tmp_path / "model.safetensors").exists() and not (tmp_path / "result.json").exists()
     assert all(torch.isfinite(v).all() for v in load(tmp_path)["model"].values())
+    # the guard recorded the non-finite norm of that update before the run stopped
+    (event,) = records(tmp_path, "grad_outlier")
+    assert event["step"] == 5 and event["update"] == 4 and event["norm"] == "nan" and event["median"] > 0
+
+
+_ACCUMULATE = loop.accumulate_gradients
+
+
+def _inflated_norm(monkeypatch, at: int, start: int, times: float = 1e4):
+    """accumulate_gradients, with the reported pre-clip norm of update index ``at`` multiplied by
+    ``times`` (a fault that shows in the norm only); ``start``: the update the next train() call
+    begins at."""
+    real = _ACCUMULATE
+    state = {"update": start}
+
+    def fake(*a, **kw):
+        ce, zl, gn = real(*a, **kw)
+        u, state["update"] = state["update"], state["update"] + 1
+        return ce, zl, gn * times if u == at else gn
+
+    monkeypatch.setattr(loop, "accumulate_gradients", fake)
+    return state
+
+
+def test_grad_outlier_is_reported_recorded_and_survives_resume(manifest, tmp_path, monkeypatch):
+    """A norm far above the running median is reported in one line with its update index, norm and
+    median, recorded in metrics.jsonl and result.json, and found the same way by a run resumed
+    before it (the guard's history restored from the checkpoint: with min_history 2, a run resumed
+    at update 2 that forgot updates 0 and 1 would not judge update 3) and by one resumed after it."""
+    spec = make_spec(grad_guard={"factor": 50, "window": 4, "min_history": 2}, val={"every": 0, "batches": 1, "final": False})
+    lines = []
+    _inflated_norm(monkeypatch, at=3, start=0)
+    full = train(spec, manifest, tmp_path / "full", progress=False, log=lines.append)
+    (event,) = full["grad_norm"]["outliers"]
+    norms = [r["grad_norm"] for r in records(tmp_path / "full")]
+    assert event["update"] == 3 and event["norm"] == norms[3] and event["median"] == pytest.approx(sorted(norms[:3])[1])
+    assert full["grad_norm"]["max"] == norms[3]
+    said = [x for x in lines if "gradient-norm outlier" in x]
+    assert len(said) == 1 and "update index 3 (step 4)" in said[0] and f"{event['norm']:.4g}" in said[0]
+    assert f"{event['median']:.4g}" in said[0] and "\n" not in said[0]
+    assert [(r["step"], r["update"]) for r in records(tmp_path / "full", "grad_outlier")] == [(4, 3)]
+    for stop in (2, 4):  # resumed before the outlier, and after it
+        out, lines = tmp_path / f"stop{stop}", []
+        _inflated_norm(monkeypatch, at=3, start=0)
+        with pytest.raises(Preempted):
+            train(spec, manifest, out, progress=False, stop_after=stop, log=lines.append)
+        _inflated_norm(monkeypatch, at=3, start=stop)
+        res = train(spec, manifest, out, progress=False, log=lines.append)
+        assert res["resumed"] and res["grad_norm"]["outliers"] == full["grad_norm"]["outliers"], stop
+        assert sum("gradient-norm outlier" in x for x in lines) == 1, (stop, lines)  # the replay says nothing
+        assert [(r["step"], r["update"]) for r in records(out, "grad_outlier")] == [(4, 3)]
+
+
+def test_nonfinite_loss_recorded_as_the_result_where_the_spec_asks(manifest, tmp_path, monkeypatch):
+    """A run of the learning-rate check (spec record_nonfinite) that diverges ends with a result saying
+    so, its weights of the last good update, and no final validation: a diverged rate is an outcome."""
+    real = loop.loss_sums
+    calls = {"n": 0}
+
+    def poisoned(logits, targets):
+        calls["n"] += 1
+        ce, z = real(logits, targets)
+        if calls["n"] > 2 * 4:  # from the 5th update on (2 micro-batches each)
+            z = z * float("inf")
+        return ce, z
+
+    monkeypatch.setattr(loop, "loss_sums", poisoned)
+    res = train(make_spec(record_nonfinite=True), manifest, tmp_path, progress=False)
+    assert res["stopped"]["update"] == 5 and res["stopped"]["term"] == "z-loss"
+    assert res["steps"] == 4 and res["final_val_ce"] is None and res["val_tokens"] == 0
+    on_disk = json.loads((tmp_path / "result.json").read_text())
+    assert on_disk["stopped"] == res["stopped"] and (tmp_path / "model.safetensors").exists()
+    assert all(torch.isfinite(v).all() for v in weights(tmp_path / "model.safetensors").values())
+    assert records(tmp_path, "stopped")[0]["update"] == 5 and not records(tmp_path, "final_val")
 
 
 def test_grad_norm_logged_before_clipping(manifest, tmp_path):

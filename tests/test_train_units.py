@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -121,6 +122,16 @@ def test_grad_norm_summary():
     s = grad_norm_summary([0.5, 1.5, 2.0, 1.0], 1.0)
     assert s["mean"] == pytest.approx(1.25) and s["above_clip_pct"] == pytest.approx(50.0)
     assert s["var"] == pytest.approx(((0.75 ** 2) + 0.25 ** 2 + 0.75 ** 2 + 0.25 ** 2) / 4)
+    assert s["max"] == 2.0 and s["count"] == 4 and "outliers" not in s
+    assert grad_norm_summary([], 1.0) == {"mean": None, "var": None, "max": None, "above_clip_pct": None, "count": 0}
+    from lrattnres.train.guard import GradGuard
+
+    g = GradGuard(factor=10, window=3, min_history=1)
+    g.replay([1.0, 50.0, 2.0])
+    s = grad_norm_summary([1.0, 50.0, 2.0], 1.0, g)
+    assert s["outliers"] == [{"update": 1, "norm": 50.0, "median": 1.0}] and s["max"] == 50.0
+    assert s["guard"] == {"factor": 10.0, "window": 3, "min_history": 1}
+    json.dumps(s, allow_nan=False)  # result.json's grad_norm section is plain JSON
 
 
 def test_muon_matches_torch_muon():

@@ -275,12 +275,53 @@ def collection_files(c: Collection, root: str | None = None) -> list[Path]:
 
 def package_version(package: str) -> str | None:
     """The installed version of a Debian package, or None (not installed, or no dpkg)."""
+    return package_versions([package]).get(package)
+
+
+def package_versions(packages) -> dict[str, str | None]:
+    """Installed version of each Debian package (``dpkg-query -W``); None where it is not installed or
+    there is no dpkg."""
+    names = sorted(set(packages))
+    out: dict[str, str | None] = dict.fromkeys(names)
+    if not names:
+        return out
     try:
-        out = subprocess.run(["dpkg-query", "-W", "-f=${Version}", package], capture_output=True,
-                             text=True, timeout=30)
+        run = subprocess.run(["dpkg-query", "-W", "-f=${Package}\t${Version}\n", *names], capture_output=True,
+                             text=True, timeout=120)
     except (OSError, subprocess.SubprocessError):
-        return None
-    return out.stdout.strip() or None if out.returncode == 0 else None
+        return out
+    for line in run.stdout.splitlines():
+        name, _, version = line.partition("\t")
+        name = name.split(":")[0]  # an architecture-qualified name (pkg:amd64)
+        if name in out and version.strip():
+            out[name] = version.strip()
+    return out
+
+
+_DPKG_CHUNK = 2000  # paths per dpkg-query call (the argument list stays short)
+
+
+def file_owners(paths) -> dict[str, list[str]]:
+    """The Debian packages that installed each file (``dpkg-query -S``), by path as given; ``[]`` where
+    no package owns it (or there is no dpkg). A path is looked up as its real path (a symlinked folder,
+    e.g. /usr/share/perl/5.36 -> 5.36.0, is how dpkg does not know it), then as given."""
+    paths = [str(p) for p in paths]
+    real = {p: os.path.realpath(p) for p in paths}
+    found: dict[str, list[str]] = {}
+    for query in (sorted(set(real.values())), sorted(set(paths))):
+        query = [q for q in query if q not in found]
+        for i in range(0, len(query), _DPKG_CHUNK):
+            try:
+                run = subprocess.run(["dpkg-query", "-S", *query[i:i + _DPKG_CHUNK]], capture_output=True,
+                                     text=True, timeout=300)
+            except (OSError, subprocess.SubprocessError):
+                return {p: [] for p in paths}
+            for line in run.stdout.splitlines():
+                if line.startswith("diversion ") or ": " not in line:
+                    continue
+                pkgs, _, path = line.partition(": ")
+                found.setdefault(path, sorted({x.strip().split(":")[0] for x in pkgs.split(",") if x.strip()}))
+    return {p: found.get(real[p]) or found.get(p) or [] for p in paths}
 
 
 def iter_collection(c: Collection, min_chars: int, root: str | None = None) -> Iterator[tuple[str, str]]:
@@ -305,17 +346,34 @@ def by_name(names: list[str] | None) -> list[Collection]:
 # ---------------------------------------------------------------------------------------- packs
 
 
+def installed_packages(files: list[Path], owners=None, versions=None) -> tuple[dict, int]:
+    """({package: version} of every package that installed one of ``files``, count of files no
+    package owns); ``owners`` and ``versions`` default to the dpkg lookups."""
+    owners, versions = owners or file_owners, versions or package_versions
+    owned = owners(files)
+    pkgs = sorted({p for ps in owned.values() for p in ps})
+    return dict(sorted(versions(pkgs).items())), sum(1 for ps in owned.values() if not ps)
+
+
 def build_pack(out: str | os.PathLike, collections: list[Collection], *, min_chars: int = DEFAULT_MIN_CHARS,
-               roots: dict[str, str] | None = None, require_all: bool = True, progress=None) -> dict:
+               roots: dict[str, str] | None = None, require_all: bool = True, progress=None,
+               owners=None, versions=None) -> dict:
     """Write the pack of ``collections`` to ``out`` (atomically); return its header.
 
     Exact duplicate texts are kept once (the first in order). ``roots`` replaces collections' roots
     (for tests). With ``require_all``, a collection whose package is not installed is an error that
     names the packages to install; otherwise it is left out and the header says so.
+
+    The header records, per collection and for the whole pack (``packages``), the version of every
+    Debian package that installed a file the pack read: not only the collection's own package (the
+    Perl manual's perldiag.pod, for one, is installed by perl-modules-5.36), so that two packs of
+    the same versions are the same bytes and a rebuild says which versions differ
+    (:func:`version_diff`). ``owners`` and ``versions`` look them up (dpkg; replaced in tests).
     """
     from lrattnres.io import atomic_path
 
     roots = roots or {}
+    versions = versions or package_versions
     say = progress or (lambda msg: None)
     present, missing = [], []
     for c in collections:
@@ -342,11 +400,14 @@ def build_pack(out: str | os.PathLike, collections: list[Collection], *, min_cha
                     body.append(json.dumps({"source": c.name, "id": doc_id, "text": text}, ensure_ascii=False))
                     n += 1
                     chars += len(text)
-                stats.append({"name": c.name, "package": c.package, "version": package_version(c.package),
+                pkgs, unowned = installed_packages(collection_files(c, roots.get(c.name)), owners, versions)
+                stats.append({"name": c.name, "package": c.package, "version": versions([c.package]).get(c.package),
                               "reader": c.reader, "documents": n, "characters": chars,
-                              "duplicates_skipped": dups})
+                              "duplicates_skipped": dups, "packages": pkgs, "unowned_files": unowned})
                 say(f"[corpus-pack] {c.name}: {n:,} documents, {chars:,} characters")
+            every = {k: v for st in stats for k, v in st["packages"].items()}
             header = {"format": PACK_FORMAT, "min_chars": min_chars, "collections": stats,
+                      "packages": dict(sorted(every.items())),
                       "missing": [c.name for c in missing],
                       "documents": sum(s["documents"] for s in stats),
                       "characters": sum(s["characters"] for s in stats)}
@@ -390,21 +451,55 @@ def iter_pack(path: str | os.PathLike) -> Iterator[tuple[str, str, str]]:
         raise PackError(f"{path}: truncated or corrupt ({e})") from None
 
 
+def header_packages(header: dict) -> dict[str, str | None]:
+    """{package: version} a pack was extracted from: its ``packages``, or, for a pack made before
+    they were recorded, the collections' own packages."""
+    if isinstance(header.get("packages"), dict):
+        return dict(header["packages"])
+    return {c["package"]: c.get("version") for c in header.get("collections", [])}
+
+
+def version_diff(old: dict[str, str | None], new: dict[str, str | None]) -> list[tuple[str, str | None, str | None]]:
+    """(package, old version, new version) of every package whose version differs, sorted; a package
+    on one side only has None on the other."""
+    return [(p, old.get(p), new.get(p)) for p in sorted(set(old) | set(new)) if old.get(p) != new.get(p)]
+
+
+def diff_line(old: dict[str, str | None], new: dict[str, str | None], ref: str) -> str:
+    """One line: which packages differ from the reference pack ``ref``, or that none do."""
+    diff = version_diff(old, new)
+    if not diff:
+        return f"the same {len(new)} package versions as {ref}"
+    items = "; ".join(f"{p} {o or 'absent'} -> {n or 'absent'}" for p, o, n in diff)
+    return f"{len(diff)} of {len(set(old) | set(new))} packages differ from {ref}: {items}"
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m lrattnres corpus-pack", description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", required=True, help="the pack to write (.jsonl.xz)")
+    p.add_argument("--out", default=None, help="the pack to write (.jsonl.xz)")
     p.add_argument("--collections", default=None,
                    help=f"comma-separated collection names (default: all of {[c.name for c in COLLECTIONS]})")
     p.add_argument("--min-chars", type=int, default=DEFAULT_MIN_CHARS, help="shortest document kept")
     p.add_argument("--allow-missing", action="store_true", help="leave out collections that are not installed")
     p.add_argument("--list", action="store_true", help="list the collections and their packages, then exit")
+    p.add_argument("--compare", default=None, metavar="PACK",
+                   help="say in one line which package versions differ from PACK's: those of the pack built "
+                        "with --out, or without --out those installed here (exit 1 when they differ)")
     args = p.parse_args(argv)
     if args.list:
         for c in COLLECTIONS:
             print(f"{c.name:22s} {c.package:24s} {package_version(c.package) or 'not installed':24s} {c.why}")
         return 0
+    if args.out is None and args.compare is None:
+        p.error("expected --out (build a pack), --compare (check the installed versions) or --list")
     try:
         cols = by_name(args.collections.split(",") if args.collections else None)
+        ref = header_packages(read_header(args.compare)) if args.compare else None
+        if args.out is None:  # compare what is installed now, without building
+            now, _ = installed_packages([f for c in cols for f in collection_files(c)])
+            line = diff_line(ref, now, args.compare)
+            print(f"corpus-pack: installed: {line}")
+            return 0 if not version_diff(ref, now) else 1
         header = build_pack(args.out, cols, min_chars=args.min_chars, require_all=not args.allow_missing,
                             progress=lambda m: print(m, file=sys.stderr, flush=True))
     except (PackError, ValueError) as e:
@@ -412,6 +507,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     print(f"corpus-pack: {args.out}: {header['documents']:,} documents, {header['characters']:,} characters, "
           f"{os.path.getsize(args.out):,} bytes", file=sys.stderr)
+    if ref is not None:
+        print(f"corpus-pack: {args.out}: {diff_line(ref, header_packages(header), args.compare)}")
     return 0
 
 

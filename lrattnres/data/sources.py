@@ -533,10 +533,17 @@ class PackSource:
 
     def describe(self) -> dict[str, Any]:
         header, digest = self._check()
+        from .docs import header_packages
+
         keep = set(self.collections or [c["name"] for c in header["collections"]])
+        cols = [c for c in header["collections"] if c["name"] in keep]
+        # every Debian package the kept collections were extracted from, with its version
+        packages = ({k: v for c in cols for k, v in c["packages"].items()} if all("packages" in c for c in cols)
+                    else header_packages({"collections": cols}))
         return {"kind": self.kind, "path": self.path, "sha256": digest,
                 "pack_format": header["format"], "min_chars": header["min_chars"],
-                "collections": [c for c in header["collections"] if c["name"] in keep],
+                "packages": dict(sorted(packages.items())),
+                "collections": cols,
                 "order": "collections in pack order, files by sorted path", **self.stats}
 
     def iter_texts(self, skip: int = 0) -> Iterator[str]:

@@ -27,6 +27,7 @@ def main(argv: list[str] | None = None) -> int:
     direction = lr_above_attnres_each_pair(results)
     out = {
         "stage": "evaluate_pairs",
+        "runs": [r.get("run_id") for r in results],  # the trained runs its claims rest on
         "pairs": direction["pairs"],
         "lr_above_attnres_each_pair": {"holds": direction["reproduced"], "note": direction["note"]},
         "claims": claims,

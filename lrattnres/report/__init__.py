@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from lrattnres import claims as claims_engine
+from lrattnres import run_health
 from lrattnres.io import atomic_path, atomic_write_text, read_json
 from lrattnres.provenance import now, provenance
 from lrattnres.recorded import REPORT as RECORDED_REPORT
@@ -332,6 +333,10 @@ def main(argv: list[str] | None = None) -> int:
     rederive_claims(recorded, set(published), problems)
     claim_problems: dict[str, str] = {}
     produced = collect_produced(by_stage, recorded, published, claim_problems)
+    # claims of the stages that read trained weights name the runs with gradient-norm outliers among
+    # theirs (the grid stage names its own: lrattnres/run_health.py)
+    run_health.annotate_claims(produced, [r for rs in by_stage.values() for r in rs] + list(recorded.values()),
+                               run_health.flagged_runs(by_stage.get("grid", [])))
     claims = claims_engine.evaluate_claims(published, produced, scale,
                                            {k: v for k, v in claim_problems.items() if k in published})
     problems += list(dict.fromkeys(claim_problems.values()))
@@ -351,8 +356,10 @@ def main(argv: list[str] | None = None) -> int:
     prov = provenance(settings, started=min([s for s in starts if isinstance(s, str)] or [started]))
     page = render(ctx, claims, prov)
     atomic_write_text(args.html, page)
-    write_json_strict(args.json, {"scale": scale, "provenance": prov, "claims": claims, "problems": problems,
-                                  "recorded_notes": recorded_notes})
+    grid = next(iter(by_stage.get("grid", [])), {})
+    recipe = {"lr_check": grid.get("lr_check"), "noise": grid.get("noise")}  # the grid's; None before it ran
+    write_json_strict(args.json, {"scale": scale, "provenance": prov, "claims": claims, "recipe": recipe,
+                                  "problems": problems, "recorded_notes": recorded_notes})
     if args.tsv:
         write_tsv(args.tsv, claims, recorded_report)
     log.info("wrote %s and %s: %d claims (%s); %d problems", args.html, args.json, len(claims),

@@ -112,9 +112,10 @@ def time_method(model, batches: list, s: dict, device, precision: str, log=None,
     params = [p for p in model.parameters() if p.requires_grad]
     z, clip = float(ts["z_loss"]), ts["grad_clip"]
 
-    from lrattnres.attention import resolve_backend
+    from lrattnres.attention import resolve_backend, warn_compiled_flex
 
     segments = resolve_backend(model.cfg.attention, device) == "flash"
+    warn_compiled_flex(model.cfg.attention, device, s["compile"])
 
     def update():
         ce, zl, gn = accumulate_gradients(fwd, lm, batches, params, device, z, clip, segments=segments)

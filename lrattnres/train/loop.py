@@ -9,9 +9,13 @@ on each of ``world_size`` ranks.  Per step:
    by ``world_size`` because DDP averages gradients over ranks), so the update is exactly the
    gradient of the token-averaged loss of the global batch, whatever the split into ranks and
    micro-batches; the z-loss is counted once and reported separately from the cross-entropy;
-4. gradients are clipped to ``grad_clip`` and the pre-clip norm is logged;
+4. gradients are clipped to ``grad_clip`` and the pre-clip norm is logged; the gradient-norm guard
+   (``lrattnres.train.guard``) reports a norm far above its running median, or not finite, in one
+   line and records it (metrics.jsonl ``grad_outlier``; result.json ``grad_norm.outliers``);
 5. a non-finite CE, z-loss or gradient norm stops the run before the update (no checkpoint is
-   written, so the last good one stays);
+   written, so the last good one stays); with the spec's ``record_nonfinite`` the run ends there
+   instead, writing its weights and a result whose ``stopped`` names the update (no final
+   validation: ``final_val_ce`` is null);
 6. Muon and AdamW step.
 
 Exit paths (``cli.py`` maps them to exit codes): normal end; SIGTERM/SIGINT (Slurm preemption), or
@@ -44,6 +48,7 @@ from lrattnres.io import atomic_write_json
 from lrattnres.provenance import now, provenance
 from lrattnres.train import checkpoint as ckpt
 from lrattnres.train import spec as spec_mod
+from lrattnres.train.guard import GradGuard
 from lrattnres.train.metrics import (MetricsWriter, StatusLines, end_of_run_summary, grad_norm_summary, memory_stats,
                                      progress_bar)
 from lrattnres.train.optim import base_lrs, build_optimizers, local_optimizer, owners
@@ -362,6 +367,7 @@ def _train(
             f"training split {planned_epochs:.1f} times; past one epoch the validation loss measures memorisation "
             "as well as modelling (point the scale's data stage at a larger corpus)")
     resumed = False
+    guard = GradGuard(**s["grad_guard"])
     if st is not None:
         ckpt.restore_training(out, st, model, local_opts)  # weights, and this rank's optimiser state
         mine = ckpt.read_state(out, st, rank)
@@ -370,6 +376,7 @@ def _train(
         grad_norms = list(mine["grad_norms"] if rank == 0 else ckpt.read_state(out, st, 0)["grad_norms"])
         loader.load_state_dict(mine["loader"])
         ckpt.set_rng_state(mine["rng"])
+        guard.replay(grad_norms)  # the guard's history and outliers, as the uninterrupted run has them
         resumed = True
         del st, mine
 
@@ -394,6 +401,9 @@ def _train(
             f"{tokens_per_step:,} tokens, device {device}, world {world}, attention {attention['backend']} "
             f"({attention['version']})"
             + (f", resumed at step {step}" if resumed else ""))
+        from lrattnres.attention import warn_compiled_flex
+
+        warn_compiled_flex(mcfg.attention, device, s["compile"], say)
 
     val_bs = s["val"]["batch_size"] or s["micro_batch"]
 
@@ -428,6 +438,7 @@ def _train(
     clip = s["grad_clip"]
     ddp = world > 1
     last_step_s, last_save_s = 0.0, 0.0
+    stopped = None  # a non-finite loss recorded as the result (spec record_nonfinite)
     try:
         while step < steps_total:
             # preemption, a deadline (LRATTNRES_DEADLINE: the next update and a checkpoint would end after
@@ -452,12 +463,21 @@ def _train(
             batches = [next(loader) for _ in range(s["grad_accum"])]
             ce, zl, gn = accumulate_gradients(fwd, lm, batches, params, device, zc, clip, world,
                                               segments=attention["backend"] == "flash")
-            for term, v in (("cross-entropy", ce), ("z-loss", zl), ("gradient norm", gn)):
-                if not math.isfinite(v):
-                    raise NonFiniteLoss(
-                        f"non-finite {term} ({v}) at step {step + 1} (update index {step}); stopped before the "
-                        f"update; the last good checkpoint {ck_path} (if any) is kept"
-                    )
+            event = guard.observe(step, gn)  # every rank sees the same norm; rank 0 reports it
+            if event is not None and master:
+                (bar.write if live else say)(guard.line(out.name or "train", event))
+                metrics.write({"kind": "grad_outlier", "step": step + 1, **event})
+            bad = next(((term, v) for term, v in (("cross-entropy", ce), ("z-loss", zl), ("gradient norm", gn))
+                        if not math.isfinite(v)), None)
+            if bad is not None:
+                why = f"non-finite {bad[0]} ({bad[1]}) at step {step + 1} (update index {step}); stopped before the update"
+                if not s.get("record_nonfinite"):
+                    raise NonFiniteLoss(f"{why}; the last good checkpoint {ck_path} (if any) is kept")
+                stopped = {"update": step + 1, "term": bad[0], "value": str(bad[1]), "reason": why}
+                metrics.write({"kind": "stopped", "step": step, "tokens": tokens, **stopped})
+                if master:
+                    bar.write(f"[train] {why}; recorded as the run's result (record_nonfinite)")
+                break
             apply_update(optimizers, device)
             dt = time.perf_counter() - t0
             last_step_s = dt
@@ -491,12 +511,13 @@ def _train(
         metrics.flush()
 
     # ---- end: final checkpoint, weights, final validation, result (last) -----------------------
-    save_checkpoint()
+    if stopped is None:
+        save_checkpoint()
     if master:
         ckpt.save_model(model.state_dict(), {"model_config": mcfg_dict, "spec": s, "manifest_sha256": manifest_sha,
                                              "step": step, "tokens": tokens}, out / ckpt.MODEL_FILE)
     final = {"ce": None, "tokens": 0}
-    if s["val"]["final"]:
+    if s["val"]["final"] and stopped is None:
         final = evaluate(model, val_batches(), device, s["precision"], None, rank, world)
         metrics.write({"kind": "final_val", "step": step, "tokens": tokens, "val_ce": final["ce"],
                        "val_tokens": final["tokens"]})
@@ -518,7 +539,8 @@ def _train(
         "resumed": resumed,
         "tokens_per_s": tokens / train_s if train_s > 0 else None,
         "steps_per_s": step / train_s if train_s > 0 else None,
-        "grad_norm": grad_norm_summary(grad_norms, clip),
+        "grad_norm": grad_norm_summary(grad_norms, clip, guard),
+        "stopped": stopped,  # None, or the non-finite update that ended the run (record_nonfinite)
         "parameters": model.num_parameters(),
         "model_config": mcfg_dict,
         "world_size": world,

@@ -175,16 +175,21 @@ class StatusLines:
             self.emit()
 
 
-def grad_norm_summary(norms: list[float], clip: float | None) -> dict[str, float | None]:
-    """Mean, population variance and percentage above the clip threshold of pre-clip norms."""
+def grad_norm_summary(norms: list[float], clip: float | None, guard=None) -> dict[str, Any]:
+    """Mean, population variance, maximum and percentage above the clip threshold of pre-clip norms;
+    with ``guard`` (lrattnres.train.guard.GradGuard) also its outliers (``{"update", "norm",
+    "median"}`` each) and its settings."""
     vals = [x for x in norms if math.isfinite(x)]
-    if not vals:
-        return {"mean": None, "var": None, "above_clip_pct": None, "count": 0}
-    n = len(vals)
-    mean = math.fsum(vals) / n
-    var = math.fsum((x - mean) ** 2 for x in vals) / n
-    above = None if clip is None else 100.0 * sum(x > clip for x in vals) / n
-    return {"mean": mean, "var": var, "above_clip_pct": above, "count": n}
+    out: dict[str, Any] = {"mean": None, "var": None, "max": None, "above_clip_pct": None, "count": 0}
+    if vals:
+        n = len(vals)
+        mean = math.fsum(vals) / n
+        out.update(mean=mean, var=math.fsum((x - mean) ** 2 for x in vals) / n, max=max(vals),
+                   above_clip_pct=None if clip is None else 100.0 * sum(x > clip for x in vals) / n, count=n)
+    if guard is not None:
+        out["outliers"] = [dict(e) for e in guard.outliers]
+        out["guard"] = guard.settings()
+    return out
 
 
 # The end-of-run training loss is the mean cross-entropy of this many last updates (all when fewer):

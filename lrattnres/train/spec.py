@@ -13,6 +13,7 @@ from typing import Any
 from lrattnres.checks import is_int, is_number
 from lrattnres.config import deep_merge
 from lrattnres.errors import SpecError
+from lrattnres.train import guard
 
 # The paper's recipe (Section 4.1; the author's repository, jon123boss/LR-AttnRes).  Shape/size keys
 # (model, steps or tokens, micro_batch, seq_len) have no default: the scale's config must give them.
@@ -35,14 +36,21 @@ DEFAULTS: dict[str, Any] = {
     # seconds between two plain status lines (step, loss, tokens/s, elapsed, ETA) where no live bar is
     # drawn: a log file, a batch job; 0: none.  An execution setting, not science.
     "log_every_s": 60.0,
+    # the gradient-norm guard (lrattnres/train/guard.py): a pre-clip norm above factor x the running
+    # median of the last `window` norms (once `min_history` are known), or not finite, is reported in
+    # one line and recorded in result.json.  It only observes: an execution setting, not science.
+    "grad_guard": {"factor": 100.0, "window": 100, "min_history": 10},
 }
 
 # Keys that may change between a run and its resumption (they do not change the trajectory).
 # ``shard_optimizer`` (ZeroRedundancyOptimizer over the data-parallel ranks) makes the same update;
 # the checkpoint keeps the optimiser state by parameter name, so either kind of run resumes the other.
-RESUMABLE_CHANGES = ("device", "compile", "val", "checkpoint", "shard_optimizer", "log_every_s")
+RESUMABLE_CHANGES = ("device", "compile", "val", "checkpoint", "shard_optimizer", "log_every_s", "grad_guard")
 # Keys without a default: absent is the same as false, so that specs written before them still match.
-OPTIONAL_FLAGS = ("shard_optimizer",)
+# ``record_nonfinite``: a non-finite loss or gradient norm ends the run with a result that says so
+# (``stopped``, no final validation) instead of failing it; the learning-rate check's runs set it,
+# since a diverged learning rate is one of the check's outcomes (lrattnres/lrcheck.py).
+OPTIONAL_FLAGS = ("shard_optimizer", "record_nonfinite")
 # Keys without a default that a scale gives where it fixes its global batch: the trainer refuses a
 # world size whose micro_batch x seq_len x grad_accum x ranks differs from it.
 OPTIONAL_INTS = ("tokens_per_update",)
@@ -145,6 +153,11 @@ def resolve(spec: dict) -> dict:
     _check(s["device"] in ("auto", "cpu", "cuda"), "device", "'auto', 'cpu' or 'cuda'", s["device"])
     _check(is_number(s["log_every_s"]) and s["log_every_s"] >= 0, "log_every_s",
            "a number of seconds >= 0 (0: no status lines)", s["log_every_s"])
+    try:
+        s["grad_guard"] = guard.check_settings(s["grad_guard"])
+    except ValueError as e:
+        key, _, what = str(e).partition(": ")
+        raise SpecError(f"spec key {key!r}: {what}") from None
     for k in OPTIONAL_FLAGS:
         _check(isinstance(s.get(k, False), bool), k, "a bool", s.get(k))
     for k in OPTIONAL_INTS:

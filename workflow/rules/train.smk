@@ -2,6 +2,7 @@
 # the rank/grouping sweep, the baseline, seeds, the full-width-RMS control, projected keys and the
 # size pair. Run folders are named <preset>-<method>-n<N>-r<rank>-s<seed>.
 from lrattnres.gridplan import plan as plan_grid, train_spec
+from lrattnres.pieces import TRAIN_EXECUTION_KEYS
 
 RUNS = {run.run_id: run for run in plan_grid(S)}
 # Where a training job runs (lrattnres/jobplan.py): one node (--nodes=1, --gpus-per-node), or
@@ -44,7 +45,19 @@ rule train:
             "slurm_extra"
         ],
     params:
-        spec=lambda wc: spec(train_spec(S, RUNS[wc.run])),
+        # what the run computes: a change of it reruns the job (Snakemake's params trigger)
+        science=lambda wc: spec(
+            {
+                k: v
+                for k, v in train_spec(S, RUNS[wc.run]).items()
+                if k not in TRAIN_EXECUTION_KEYS
+            }
+        ),
+        # the spec the trainer reads, with the keys that say how a run reports and saves itself
+        # (TRAIN_EXECUTION_KEYS: status lines, checkpoint cadence, the gradient-norm guard). A
+        # function of the job's resources too, so Snakemake counts it as derived and leaves it out
+        # of its params trigger: those keys rerun nothing.
+        spec=lambda wc, resources: spec(train_spec(S, RUNS[wc.run])),
         out=lambda wc, output: os.path.dirname(output.result),
         # the GPU count of a training job is its data-parallel world size: part of the experiment
         # (the trainer refuses a world size whose tokens per update are not the spec's)

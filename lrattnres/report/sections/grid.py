@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import statistics
 
+from lrattnres import run_health
 from lrattnres.checks import is_number
 from lrattnres.report.html import badge, claims_table, effect, esc, figure, fmt, fmt_interval, table
 
@@ -141,6 +142,30 @@ def _recorded_runs(ctx) -> str:
     return "\n".join(parts)
 
 
+def _outlier_warning(runs) -> str:
+    """A warning paragraph naming every run with gradient-norm outliers ('' when none has any)."""
+    flagged = [r for r in runs if r.get("grad_outliers")]
+    if not flagged:
+        return ""
+    items = "; ".join(f"<code>{esc(r['run_id'])}</code>: {esc(run_health.describe(r['grad_outliers']))}"
+                      + (f" (found by replaying {esc(r['grad_outliers_from'])})" if r.get("grad_outliers_from")
+                         == run_health.FROM_REPLAY else "")
+                      for r in flagged)
+    return (f'<p class="notrun"><b>Gradient-norm outliers:</b> {len(flagged)} run{"s" if len(flagged) != 1 else ""} '
+            f"had a pre-clip gradient norm far above its running median, or not finite (the trainer's guard, "
+            f"<code>train.grad_guard</code>): {items}. Such a run may have computed wrong gradients; every claim "
+            "that rests on it says so in its note.</p>")
+
+
+def _outlier_cell(r) -> str:
+    """'–', or how many outliers the run had and its largest norm."""
+    out = r.get("grad_outliers")
+    if not out:
+        return "–"
+    w = run_health.worst(out)
+    return f"⚠ {len(out)}, largest {run_health.as_float(w.get('norm')):.3g} at update {w.get('update')}"
+
+
 def _shape(ctx) -> str:
     """The sweep's shape below the paper's scale: each configuration's loss change against the same
     scale's baseline beside the paper's, and the rank correlation of the two orderings."""
@@ -204,6 +229,7 @@ def build(ctx) -> str:
     seed0 = [r for r in runs if r["preset"] == main and r["seed"] == 0]
     pub_by_row = {f"{p['method']}.n{p['N']}.r{p['r']}" if p["method"] != "baseline" else "baseline": p for p in pub5}
     parts.append(_epoch_warning(runs))
+    parts.append(_outlier_warning(runs))
 
     # Table 5 beside the published rows
     rows = []
@@ -267,8 +293,9 @@ def build(ctx) -> str:
 
     # Run table and claims
     parts.append("<details><summary>All runs of this scale</summary>")
-    parts.append(table(["run", "roles", "val. loss", "steps", "tokens", "wall (s)", "tokens/s"],
-                       [[r["run_id"], ", ".join(r["roles"]), r["final_val_ce"], r["steps"], r["tokens"], r["wall_s"], r["tokens_per_s"]] for r in runs]))
+    parts.append(table(["run", "roles", "val. loss", "steps", "tokens", "wall (s)", "tokens/s", "gradient-norm outliers"],
+                       [[r["run_id"], ", ".join(r["roles"]), r["final_val_ce"], r["steps"], r["tokens"], r["wall_s"],
+                         r["tokens_per_s"], _outlier_cell(r)] for r in runs]))
     parts.append("</details>")
     parts.append(claims_table([c for c in ctx.claims.values() if ctx.published[c["id"]]["stage"] == "grid"], "Claims of the training sections"))
     parts.append(_recorded_runs(ctx))
