@@ -17,19 +17,24 @@
 #                  (micro-batch 2 x 2048, 64 accumulation steps, attention TRAIN_STEP_ATTENTION, default
 #                  auto: masked SDPA), baseline and LR-AttnRes r = d/4 with the fused kernel
 #                                                                         -> train_step_paper_<gpu>_<date>.*
-#   throughput-1b  the throughput stage (Table 3's protocol, Appendix I), eager, at 1B: five repeats of
-#                  FLA r = d, ours r = d and r = d/4, the plain backbone and the reference router r = d/4,
-#                  accumulation 2                                         -> throughput_1b_<gpu>_<date>.json
-#   throughput-4b  the same at 4B: FLA r = d, ours r = d and r = d/4, accumulation 1
-#                                                                         -> throughput_4b_<gpu>_<date>.json
-# Each benchmark also writes <name>.log; OUT/machine.txt records the GPU, driver, torch and triton. A
-# throughput benchmark keeps its finished timed runs in a .partial.json; run it again to continue.
+#   throughput-1b  the throughput stage at 1B with the gpu scale's protocol of config.yaml (Table 3,
+#                  Appendix I: compiled, micro-batch 2 x 2048, accumulation 64, five repeats of FLA r = d
+#                  where fla imports, ours r = d and r = d/4 in rotated order, then more repeats of ours
+#                  until the rank gain's 95% half-width is 0.3 points or the size has taken 15 minutes)
+#                                                                         -> throughput_1b_<gpu>_<date>.json
+#   throughput-4b  the same at 4B                                         -> throughput_4b_<gpu>_<date>.json
+# Each benchmark also writes (appends to) <name>.log; OUT/machine.txt records the GPU, driver, torch and
+# triton. A throughput benchmark keeps its finished timed runs in throughput_<size>_<gpu>_<date>.partial.json;
+# with THROUGHPUT_DEADLINE_S it starts no timed run that would end later than that many seconds after
+# its start and exits 75; run it again with that partial file in OUT to continue (whatever its date).
 # A failed benchmark is reported and the next one runs; the exit status is 1 if any failed.
 #
 # Environment: PYTHON (default python3); KERNEL_ARGS, TRAIN_STEP_ARGS and GRAD_PROBE_ARGS, more options
 # for kernel_bench.py, train_step_bench.py and compiled_grad_probe.py (e.g. KERNEL_ARGS="--tokens 8192
 # --skip-measured A.json"); GRAD_PROBE_DATA, a data manifest for the probe's trainings;
 # KERNEL_BUDGET_S (default 7200), the time after which kernel_bench starts no new shape;
+# THROUGHPUT_DEADLINE_S, the seconds a throughput benchmark may take in this call; TORCHINDUCTOR_CACHE_DIR
+# (default results/compile-cache): Inductor's on-disk caches, which a later call on the same machine reuses;
 # LRATTNRES_COMMIT, the commit of a copy of the tree that has no .git of its own.
 # The peers are optional: pip install --no-deps fla-core==0.6.0 fast-attnres==2.1.0.
 set -uo pipefail
@@ -40,6 +45,7 @@ BENCHMARKS=("$@")
 [ ${#BENCHMARKS[@]} -gt 0 ] || BENCHMARKS=(grad-probe gpu-tests kernel train-step throughput-1b throughput-4b)
 PY=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-$PWD/results/compile-cache}
 mkdir -p "$OUT"
 
 # The GPU's name as a file-name word: "NVIDIA H200" -> h200
@@ -51,11 +57,15 @@ DATE=$(date -u +%Y-%m-%d)
 (date -u && nvidia-smi && $PY -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)') \
   >"$OUT/machine.txt" 2>&1
 
-# The throughput protocol (lrattnres/throughput/spec.py resolves and checks the spec).
-throughput_spec() { # preset, methods, accumulation
-  printf '{"presets": ["%s"], "methods": %s, "micro_batch": 2, "seq_len": 2048, "grad_accum": %s,
- "repeats": 5, "warmup": 3, "min_updates": 8, "max_updates": 30, "window": 6, "stride": 2, "cv": 0.01,
- "drift": 0.005, "blocks": 8, "device": "cuda", "precision": "bf16", "compile": false, "doc_len_median": 512}' "$1" "$2" "$3"
+# Table 3's timing of one size with the gpu scale's protocol (config.yaml, scales.gpu.throughput), on
+# CUDA, continuing the partial state of an earlier call in OUT (its stem, whatever its date).
+throughput() { # size (1b, 4b), preset (1B, 4B)
+  local stem partial deadline=()
+  partial=$(find "$OUT" -maxdepth 1 -name "throughput_$1_${GPU}_*.partial.json" | sort | tail -n 1)
+  stem=$([ -n "$partial" ] && basename "$partial" .partial.json || echo "throughput_$1_${GPU}_$DATE")
+  [ -z "${THROUGHPUT_DEADLINE_S:-}" ] || deadline=(env "LRATTNRES_DEADLINE=$(($(date +%s) + THROUGHPUT_DEADLINE_S))")
+  ${deadline[@]+"${deadline[@]}"} $PY -m lrattnres throughput --scale gpu --spec "{\"presets\": [\"$2\"], \"device\": \"cuda\"}" \
+    --out "$OUT/$stem.json" --partial "$OUT/$stem.partial.json"
 }
 
 run_one() {
@@ -80,14 +90,10 @@ run_one() {
       --grad-accum 64 --configs baseline,lr-fused --profile '' ${TRAIN_STEP_ARGS:-}
     ;;
   throughput-1b)
-    $PY -m lrattnres throughput --out "$OUT/throughput_1b_${GPU}_$DATE.json" \
-      --partial "$OUT/throughput_1b_${GPU}_$DATE.partial.json" --spec "$(throughput_spec 1B \
-        '["fla-rd", "fused-rd", "fused-rd4", "baseline", "reference-rd4"]' 2)"
+    throughput 1b 1B
     ;;
   throughput-4b)
-    $PY -m lrattnres throughput --out "$OUT/throughput_4b_${GPU}_$DATE.json" \
-      --partial "$OUT/throughput_4b_${GPU}_$DATE.partial.json" --spec "$(throughput_spec 4B \
-        '["fla-rd", "fused-rd", "fused-rd4"]' 1)"
+    throughput 4b 4B
     ;;
   *)
     echo "unknown benchmark $1; expected grad-probe, gpu-tests, kernel, train-step, throughput-1b or throughput-4b" >&2
@@ -100,9 +106,10 @@ failed=0
 for b in "${BENCHMARKS[@]}"; do
   t0=$(date +%s)
   echo "[$b] started"
-  run_one "$b" >"$OUT/$b.log" 2>&1
+  run_one "$b" >>"$OUT/$b.log" 2>&1
   rc=$?
   echo "[$b] exit $rc after $(($(date +%s) - t0)) s (log: $OUT/$b.log)"
+  [ "$rc" != 75 ] || echo "[$b] stopped at its deadline; run it again with its .partial.json in $OUT to continue"
   [ "$rc" = 0 ] || failed=1
 done
 exit $failed

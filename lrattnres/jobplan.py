@@ -164,8 +164,10 @@ def jobs_needed(settings: dict, spec: dict, preset: str) -> int | None:
 
 def throughput_runtime_min(settings: dict, preset: str) -> int | None:
     """Minutes the throughput job of ``preset`` asks for, from the timing protocol (lrattnres/throughput/):
-    every repeat of every method compiles, warms up and times at most ``max_updates`` updates at the
-    size's speed; with the margin, at most the cluster's longest job. None without a speed."""
+    every method compiles once in the job, then every repeat of every method warms up and times at most
+    ``max_updates`` updates at the size's speed; with ``target_half_width``, the extra repeats of the
+    resolved gain's two methods up to ``max_repeats`` (at most ``budget_s``). With the margin, at most
+    the cluster's longest job. None without a speed."""
     from lrattnres import throughput
 
     c = _cluster(settings)
@@ -174,9 +176,17 @@ def throughput_runtime_min(settings: dict, preset: str) -> int | None:
         return None
     t = throughput.resolve_spec({**settings.get("throughput", {}), "presets": [preset]})
     tokens = t["grad_accum_by_preset"].get(preset, t["grad_accum"]) * t["micro_batch"] * t["seq_len"]
-    runs = len(t["methods_by_preset"].get(preset, t["methods"])) * t["repeats_by_preset"].get(preset, t["repeats"])
-    per_run = (c.get("compile_s", 0) if t["compile"] else 0) + (t["warmup"] + t["max_updates"]) * tokens / tps
-    want = math.ceil((c.get("job_startup_s", 0) + runs * per_run) * (1 + c.get("job_margin", 0.0)) / 60)
+    methods = len(t["methods_by_preset"].get(preset, t["methods"]))
+    repeats = t["repeats_by_preset"].get(preset, t["repeats"])
+    per_run = (t["warmup"] + t["max_updates"]) * tokens / tps
+    extra = 0.0
+    if t["target_half_width"] is not None:
+        extra = max(0, t["max_repeats"] - repeats) * 2 * per_run
+        budget = throughput.for_preset(t, "budget_s", preset)
+        extra = min(extra, budget) if budget else extra
+    compile_s = methods * c.get("compile_s", 0) if t["compile"] else 0
+    want = math.ceil((c.get("job_startup_s", 0) + compile_s + methods * repeats * per_run + extra)
+                     * (1 + c.get("job_margin", 0.0)) / 60)
     cap = c.get("runtime_max_min")
     return min(want, cap) if cap else want
 

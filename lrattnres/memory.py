@@ -182,3 +182,43 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['optimizer_gib']:.1f} GiB | {r['activations_gib']:.1f} GiB | {r['train_peak_gib']:.1f} GiB | "
               f"{r['val_peak_gib']:.1f} GiB | {100 * r['peak_gib'] / r['gpu_memory_gib']:.0f}% |")
     return 0
+
+
+def throughput_estimate(shape: dict, *, micro_batch: int, seq_len: int, cluster: dict, method: str = "lr",
+                        rank: int | None = None, shared_on_gpu: bool = False, idle_models: int = 0) -> dict[str, Any]:
+    """The estimated peak GPU memory of the throughput stage (lrattnres/throughput/) timing one method,
+    in GiB, with its parts.
+
+    The timed update is one rank's training step on one GPU (:func:`estimate` with the full optimiser
+    state: weights, gradients, Muon and AdamW state, the activations of one micro-batch, the overhead).
+    The stage's layout adds what it keeps beside the timed model: the shared starting weights where
+    they are on the GPU (``shared_on_gpu``: an fp32 copy, 4 bytes per parameter; the stage keeps them
+    on the host) and the weights of ``idle_models`` other methods' models left on the GPU (the stage
+    gives their memory back between runs)."""
+    e = estimate(shape, micro_batch=micro_batch, seq_len=seq_len, world=1, shard=False, val_batch_size=1,
+                 cluster=cluster, method=method, rank=rank)
+    weights = e["weights_gib"]
+    shared = weights if shared_on_gpu else 0.0
+    idle = idle_models * weights
+    return {"weights_gib": weights, "grads_gib": e["grads_gib"], "optimizer_gib": e["optimizer_gib"],
+            "activations_gib": e["activations_gib"], "overhead_gib": e["overhead_gib"], "shared_weights_gib": shared,
+            "idle_models_gib": idle, "peak_gib": e["train_peak_gib"] + shared + idle}
+
+
+def check_throughput(rows: list[dict], cluster: dict, where: str, memory_of: str = "cluster.gpu_memory_gib") -> None:
+    """Refuse a throughput plan (rows of ``preset``, ``method`` and :func:`throughput_estimate`'s
+    ``peak_gib``) whose estimated peak exceeds ``cluster.gpu_memory_gib`` less ``cluster.memory_margin``
+    (``memory_of`` names where that memory comes from in the message)."""
+    limit = cluster["gpu_memory_gib"] * (1 - cluster.get("memory_margin", 0.0))
+    for row in rows:
+        if row["peak_gib"] > limit:
+            raise FitError(
+                f"{where}: timing {row['method']} at {row['preset']} needs an estimated {row['peak_gib']:.1f} GiB "
+                f"(micro_batch {row['micro_batch']} x {row['seq_len']}: weights {row['weights_gib']:.1f}, gradients "
+                f"{row['grads_gib']:.1f}, optimiser state {row['optimizer_gib']:.1f}, activations "
+                f"{row['activations_gib']:.1f}, overhead {row['overhead_gib']:.1f}"
+                + (f", shared starting weights {row['shared_weights_gib']:.1f}" if row["shared_weights_gib"] else "")
+                + (f", idle models {row['idle_models_gib']:.1f}" if row["idle_models_gib"] else "")
+                + f" GiB); expected at most {limit:.1f} GiB ({memory_of} {cluster['gpu_memory_gib']:g} less "
+                f"the {100 * cluster.get('memory_margin', 0.0):.0f}% margin): a smaller micro_batch with a larger "
+                "grad_accum keeps the tokens per update, or time it on a GPU with more memory")

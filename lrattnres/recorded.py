@@ -1,7 +1,9 @@
 """Where results measured on another machine are recorded: ``reports/recorded.yaml``.
 
 The file maps a name to a path relative to the repository root, e.g.
-``kernel: benchmarks/results/kernel_bench_h200_2026-12-01.json``.  The report shows each file in its
+``kernel: benchmarks/results/kernel_bench_h200_2026-12-01.json``, or to a pattern (``*``, ``?``,
+``[...]``) that names the newest of several recordings (:func:`resolve_path`), so that a new
+recording replaces the one before it as soon as it is committed.  The report shows each file in its
 section (``kernel``, ``train_step``, ``throughput_gpu*``, ``gpu_grid``) and ``gpu_report``, the
 ``paper.json`` of a report made at another scale, as a column beside this report's verdicts.
 
@@ -13,6 +15,7 @@ entry or a listed file that is absent is a note on the report page, never a fail
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import yaml
@@ -71,3 +74,19 @@ def load(path: str | Path) -> tuple[dict[str, str], list[str]]:
         else:
             entries[name] = rel
     return entries, notes
+
+
+_DATE = re.compile(r"\d{4}-\d{2}-\d{2}")
+
+
+def resolve_path(rel: str, root: str | Path = ".") -> str | None:
+    """The file a listed entry names, relative to ``root``: the entry itself, or for a pattern the
+    file it matches with the latest YYYY-MM-DD date in its name (then the last name); None when a
+    pattern matches nothing."""
+    if not any(c in rel for c in "*?["):
+        return rel
+    root = Path(root)
+    found = [p.relative_to(root).as_posix() for p in root.glob(rel) if p.is_file()]
+    if not found:
+        return None
+    return max(found, key=lambda f: (max(_DATE.findall(Path(f).name), default=""), f))

@@ -90,7 +90,7 @@ def test_a_plan_that_does_not_fit_is_refused_naming_the_field():
 
 
 def test_cpu_scales_and_scales_without_anchors_are_not_checked():
-    assert plan(resolve(dict(RAW, scale="gpu"))) == []
+    assert plan(resolve(dict(RAW, scale="tiny"))) == []
     s = paper(resources={"train": {"gpu": 0}}, cluster={"gpu_memory_gib": 1.0})
     assert s["cluster"]["gpu_memory_gib"] == 1.0  # CPU training: no GPU budget to check
 

@@ -296,7 +296,8 @@ def test_recorded_list_is_read_or_refused_naming_file_and_key(tmp_path):
     report with the file and the key named."""
     listed = recorded.read_list(REPO / recorded.RECORDED)
     assert {"kernel", "train_step", recorded.REPORT} <= set(listed)
-    assert all((REPO / rel).is_file() for name, rel in listed.items() if name != recorded.REPORT)
+    assert all((REPO / recorded.resolve_path(rel, REPO)).is_file() for name, rel in listed.items()
+               if name != recorded.REPORT)
     f = tmp_path / "recorded.yaml"
     f.write_text("")
     assert recorded.read_list(f) == {}

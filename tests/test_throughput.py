@@ -308,7 +308,8 @@ def test_section_with_recorded(cpu_result):
     res["_path"] = "benchmarks/results/throughput_1b_h200_2026-11-29.json"
     ctx = _ctx({"throughput": [dict(cpu_result, _path="t.json")]}, {"throughput_gpu": res})
     html = sec.build(ctx)
-    assert "Recorded GPU result (NVIDIA H200, eager)" in html and "2026-11-29T12:00:00" in html
+    assert "Recorded GPU result (NVIDIA H200, eager, accumulation 4)" in html and "2026-11-29T12:00:00" in html
+    assert "Not the paper's protocol:</b> eager, accumulation 4" in html and "Appendix I" in html
     assert "benchmarks/results/throughput_1b_h200_2026-11-29.json" in html
     assert "48,150 ±" in html  # ours r = d/4 mean
     assert "sec4.9.rank_gain_positive.h100.1b" in html and "reproduced" in html
@@ -337,27 +338,48 @@ def test_failing_method_is_dropped_and_deadline_cuts(tmp_path, monkeypatch):
     assert cut["complete"] is False and cut["rows"] == [] and "deadline" in cut["notes"][-1]
 
 
-def test_gpu_script_spec_resolves():
-    """benchmarks/run_gpu_benchmarks.sh's throughput protocol at 1B and 4B: specs the stage accepts,
-    eager on CUDA, written where benchmarks/results/ names such files."""
+def test_gpu_script_times_the_gpu_scales_protocol(tmp_path):
+    """benchmarks/run_gpu_benchmarks.sh's throughput-1b/4b: the gpu scale's spec of config.yaml (the paper's
+    compiled protocol at accumulation 64, resolving the rank gain within 15 minutes a size), on CUDA,
+    written where benchmarks/results/ names such files, continuing a partial state of another date, and
+    stopping at THROUGHPUT_DEADLINE_S."""
+    import os
     import re
     import subprocess
 
-    script = ROOT / "benchmarks" / "run_gpu_benchmarks.sh"
-    text = script.read_text()
-    func = re.search(r"^throughput_spec\(\) \{.*?^\}$", text, re.S | re.M).group(0)
-    calls = re.findall(r"throughput_spec (\w+) \\\n\s*('\[.*?\]') (\d+)\)", text)
-    assert [c[0] for c in calls] == ["1B", "4B"]
-    specs = []
-    for preset, methods, accum in calls:
-        out = subprocess.run(["bash", "-c", f"{func}\nthroughput_spec {preset} {methods} {accum}"],
-                             capture_output=True, text=True, check=True).stdout
-        specs.append(tp.resolve_spec(json.loads(out)))
-    s = specs[0]
-    assert s["presets"] == ["1B"] and s["device"] == "cuda" and s["compile"] is False and s["grad_accum"] == 2
-    assert specs[1]["presets"] == ["4B"] and specs[1]["grad_accum"] == 1
-    assert all(x["repeats"] == 5 and x["precision"] == "bf16" for x in specs)
-    assert '--out "$OUT/throughput_1b_${GPU}_$DATE.json"' in text and "PYTHONUNBUFFERED=1" in text
+    from lrattnres.config import load_and_resolve
+
+    text = (ROOT / "benchmarks" / "run_gpu_benchmarks.sh").read_text()
+    func = re.search(r"^throughput\(\) \{.*?^\}$", text, re.S | re.M).group(0)
+    assert re.findall(r"throughput (\w+) (\w+)\n", text) == [("1b", "1B"), ("4b", "4B")]
+    stub = tmp_path / "py"
+    stub.write_text('#!/bin/sh\necho "deadline=${LRATTNRES_DEADLINE:-}"; printf "%s\\n" "$@"\n')
+    stub.chmod(0o755)
+    out = tmp_path / "out"
+    out.mkdir()
+
+    def call(*env):
+        script = f"OUT={out}; GPU=h200; DATE=2026-12-10; PY={stub}\n{func}\nthroughput 1b 1B"
+        return subprocess.run(["env", *env, "bash", "-uc", script], capture_output=True, text=True, check=True,
+                              env={"PATH": os.environ["PATH"]}).stdout.splitlines()
+
+    args = call()
+    assert args[0] == "deadline=" and args[1:5] == ["-m", "lrattnres", "throughput", "--scale"] and args[5] == "gpu"
+    spec = json.loads(args[args.index("--spec") + 1])
+    assert spec == {"presets": ["1B"], "device": "cuda"}
+    assert args[args.index("--out") + 1] == f"{out}/throughput_1b_h200_2026-12-10.json"
+    (out / "throughput_1b_h200_2026-12-09.partial.json").write_text("{}")
+    args = call("THROUGHPUT_DEADLINE_S=500")
+    assert args[args.index("--partial") + 1] == f"{out}/throughput_1b_h200_2026-12-09.partial.json"
+    assert args[args.index("--out") + 1] == f"{out}/throughput_1b_h200_2026-12-09.json"
+    assert 400 < float(args[0].removeprefix("deadline=")) - __import__("time").time() <= 500
+    s = tp.resolve_spec({**load_and_resolve(ROOT / "config.yaml", {"scale": "gpu"})["throughput"], **spec})
+    assert (s["compile"], s["micro_batch"], s["seq_len"], s["grad_accum"], s["repeats"], s["blocks"]) == (
+        True, 2, 2048, 64, 5, 8)
+    assert (s["warmup"], s["min_updates"], s["max_updates"], s["window"], s["cv"], s["drift"]) == (3, 8, 30, 6, 0.01, 0.005)
+    assert s["methods"] == ["fla-rd", "fused-rd", "fused-rd4"] and s["attention"] == "auto"
+    assert s["target_half_width"] == 0.3 and s["budget_s"] == 900 and s["resolve_gain"] == "rank"
+    assert "PYTHONUNBUFFERED=1" in text and "TORCHINDUCTOR_CACHE_DIR" in text
 
 
 def test_fla_adapter_wiring_with_a_stand_in(monkeypatch):
@@ -428,7 +450,7 @@ def _fake_timing(calls: list, monkeypatch, stop_after: int | None = None):
     the test (set directly, a later monkeypatch.delenv would put it back for every test after)."""
     import time as _time
 
-    def timed(model, batches, s, device, precision, log=None, guard=None):
+    def timed(model, batches, s, device, precision, log=None, guard=None, **kw):
         calls.append(model.cfg.rank)
         if stop_after is not None and len(calls) == stop_after:
             monkeypatch.setenv("LRATTNRES_DEADLINE", str(_time.time() - 1))
@@ -524,3 +546,249 @@ def test_aggregate_merges_one_result_per_size(tmp_path):
     assert r["spec"]["presets"] == ["1B", "4B"] and set(r["gains"]) == {"1B", "4B"} and len(r["rows"]) == 8
     assert r["complete"] is False and r["notes"] == ["x"] and r["parts"] == paths
     assert any(c.startswith("table3.tokens_per_s.h100.4b") for c in r["claims"])
+
+
+# ------------------------------------------------------------------------------ compiled once, resolved, fits
+
+
+@pytest.fixture
+def eager_backend(monkeypatch):
+    """torch.compile with Dynamo's own tracing and guards but no code generation (seconds on a CPU):
+    whether a graph is compiled again is Dynamo's decision, the same under Inductor."""
+    import functools
+
+    import torch
+
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="eager"))
+
+
+def test_a_method_compiles_once_and_its_repeats_reuse_the_graph(eager_backend):
+    spec = dict(SMALL, methods=["fused-rd", "fused-rd4"], repeats=2, compile=True, max_updates=3)
+    r = tp.run(spec)
+    graphs = {(x["repeat"], x["name"]): x["graphs_compiled"] for x in r["runs"]}
+    assert graphs[(0, "fused-rd")] >= 1 and graphs[(0, "fused-rd4")] >= 1  # compiled in the first warm-up update
+    assert graphs[(1, "fused-rd")] == 0 and graphs[(1, "fused-rd4")] == 0  # the second repeat does not recompile
+    assert all(x["compile_s"] > 0 for x in r["runs"] if x["repeat"] == 0)
+    assert all(x["compile_s"] == 0 for x in r["runs"] if x["repeat"] == 1)
+    assert len({x["process"] for x in r["runs"]}) == 1
+    rep = next(row for row in r["protocol"] if row["aspect"] == "repeats")
+    assert rep["same"] is False and "share its compiled graph" in rep["here"]
+    comp = next(row for row in r["protocol"] if row["aspect"] == "compile")
+    assert comp["same"] is True and "one graph per method" in comp["here"]
+
+
+def test_a_repeat_reloads_the_weights_and_starts_a_fresh_optimiser(eager_backend):
+    """The same shared weights give the same losses in a second timed run on the same compiled graph:
+    no weights, gradients or optimiser state carry over; other weights give other losses."""
+    import torch
+
+    s = tp.resolve_spec(dict(SMALL, compile=True, warmup=1, min_updates=2, max_updates=2))
+    dev = torch.device("cpu")
+    batches = tp.synthetic_buffer(1, 2, 32, 97, 96, 16, 0)
+    slot = tp.MethodSlot("smoke", "fused-rd4", s, 97, dev, "fp32")
+    first = tp.shared_backbone("smoke", s, 97, 0, dev)
+    assert all(v.device.type == "cpu" for v in first.values())  # the shared weights stay on the host
+    recs, guarded = [], []
+    for shared in (first, tp.shared_backbone("smoke", s, 97, 0, dev), tp.shared_backbone("smoke", s, 97, 1, dev)):
+        slot.load(shared)
+        guarded.append([])
+        recs.append(tp.time_method(slot.model, batches, s, dev, "fp32", fwd=slot.fwd, lm=slot.lm,
+                                   guard=guarded[-1].append))
+        slot.release()
+        assert all(p.untyped_storage().nbytes() == 0 and p.grad is None for p in slot.model.parameters())
+    assert recs[0]["graphs_compiled"] >= 1 and recs[1]["graphs_compiled"] == 0 == recs[2]["graphs_compiled"]
+    # the deadline's guard is not told the compiling update's time, only the updates' after it
+    assert guarded[0][0] == 0.0 and guarded[1][0] > 0 and len(guarded[0]) == 2
+    assert recs[1]["final_ce"] == recs[0]["final_ce"]
+    assert recs[2]["final_ce"] != recs[0]["final_ce"]
+
+
+def _paced(calls: list, rates: dict):
+    """A stand-in for time_method: update times from ``rates[cfg.method]``, a function of how many runs of
+    that method came before; no model runs."""
+
+    def timed(model, batches, s, device, precision, log=None, guard=None, **kw):
+        t = rates[model.cfg.method](calls.count(model.cfg.method))
+        calls.append(model.cfg.method)
+        return {"times_s": [t] * 3, "warmup_s": 0.01, "stopped": "converged", "final_ce": 1.0, "peak_mem_gib": None,
+                "weights_dtype": "float32", "first_update_s": t, "graphs_compiled": 0, "compile_s": 0.0}
+
+    return timed
+
+
+def test_more_repeats_of_the_pair_until_the_gain_is_resolved(monkeypatch):
+    base = dict(SMALL, methods=["baseline", "fused-rd", "fused-rd4"], repeats=3, max_repeats=8)
+    steady = {"baseline": lambda k: 1.0, "attnres": lambda k: 1.02, "lr": lambda k: 1.0}
+    calls: list = []
+    monkeypatch.setattr(tp.measure, "time_method", _paced(calls, steady))
+    r = tp.run(dict(base, target_half_width=0.3))
+    assert r["resolution"]["smoke"]["stopped"] == "resolved" and len(calls) == 9  # the three repeats suffice
+    assert "resolved: at most the target 0.3" in __import__(
+        "lrattnres.report.sections.throughput", fromlist=["x"]).result_tables(r, "cpu")
+    # a noisy rank gain: repeats of fused-rd and fused-rd4 alone are added up to max_repeats
+    noisy = dict(steady, lr=lambda k: 1.0 + 0.02 * (k % 2))
+    calls.clear()
+    monkeypatch.setattr(tp.measure, "time_method", _paced(calls, noisy))
+    r = tp.run(dict(base, target_half_width=0.3))
+    res = r["resolution"]["smoke"]
+    assert res["stopped"] == "max_repeats" and res["n"] == 8 and res["half_width"] > 0.3
+    extra = [x for x in r["runs"] if x["repeat"] >= 3]
+    assert {x["name"] for x in extra} == {"fused-rd", "fused-rd4"} and len(extra) == 10
+    g = r["gains"]["smoke"]
+    assert g["rank"]["n"] == 8 and g["routing_rd4"]["n"] == 3 and g["routing_rd4"]["repeat_ids"] == [0, 1, 2]
+    by = {row["name"]: row for row in r["rows"]}
+    assert len(by["baseline"]["repeats"]) == 3 and len(by["fused-rd4"]["repeats"]) == 8
+    assert [x["name"] for x in extra if x["repeat"] == 3] == ["fused-rd4", "fused-rd"]  # rotation goes on
+    from lrattnres.report.sections import throughput as sec
+
+    html = sec.result_tables(r, "cpu")
+    assert "95% half-width" in html and "over 8 paired repeats; not resolved (target 0.3) within 8 repeats" in html
+    assert "the measurement protocol, the paper&#x27;s and this result&#x27;s" in html and "differs" in html
+    # the budget: no extra repeat that would take the size past it
+    calls.clear()
+    r = tp.run(dict(base, target_half_width=0.3, budget_s=1e-6))
+    assert r["resolution"]["smoke"]["stopped"] == "budget" and len(calls) == 9
+    # no target: the protocol's repeats only
+    calls.clear()
+    r = tp.run(base)
+    assert r["resolution"]["smoke"]["stopped"] == "not asked" and len(calls) == 9
+
+
+def test_more_repeats_rule():
+    hw = lambda x: {"half_width": x, "n": 5}  # noqa: E731
+    kw = dict(base=5, target=0.3, max_repeats=30)
+    assert tp.more_repeats(hw(9.0), done=3, **kw) == (True, "")  # the protocol's five always run
+    assert tp.more_repeats(hw(0.3), done=5, **kw) == (False, "resolved")
+    assert tp.more_repeats(hw(0.31), done=5, **kw) == (True, "")
+    assert tp.more_repeats(hw(0.5), done=30, **kw) == (False, "max_repeats")
+    assert tp.more_repeats(hw(0.5), done=9, spent_s=800, next_s=90, budget_s=900, **kw) == (True, "")
+    assert tp.more_repeats(hw(0.5), done=9, spent_s=800, next_s=120, budget_s=900, **kw) == (False, "budget")
+    assert tp.more_repeats(hw(0.5), done=5, base=5, target=None, max_repeats=30) == (False, "not asked")
+    assert tp.more_repeats(None, done=1, base=1, target=0.3, max_repeats=30) == (True, "")  # no interval yet
+
+
+def test_run_estimate_counts_compilation_once():
+    runs = [{"warmup_s": 100.0, "compile_s": 88.0, "times_s": [4.0] * 8},
+            {"warmup_s": 12.0, "compile_s": 0.0, "times_s": [4.0] * 10}]
+    assert tp.run_estimate(runs, compiled_here=True) == pytest.approx(52.0)
+    assert tp.run_estimate(runs, compiled_here=False) == pytest.approx(140.0)
+    assert tp.run_estimate([], compiled_here=False) is None
+
+
+def test_a_method_out_of_memory_fails_the_job_naming_it(tmp_path, monkeypatch, capsys):
+    import torch
+
+    errors = [torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")]
+
+    def oom(model, *a, **k):
+        if model.cfg.rank == 8:
+            raise errors[0]
+        return {"times_s": [0.01] * 3, "warmup_s": 0.0, "stopped": "converged", "final_ce": 1.0, "peak_mem_gib": None,
+                "weights_dtype": "float32", "first_update_s": 0.01, "graphs_compiled": 0, "compile_s": 0.0}
+
+    monkeypatch.delenv("LRATTNRES_DEADLINE", raising=False)
+    monkeypatch.setattr(tp.measure, "time_method", oom)
+    out = tmp_path / "smoke.json"
+    spec = dict(SMALL, methods=["fused-rd", "fused-rd4"], repeats=2)
+    assert tp.main(["--spec", json.dumps(spec), "--out", str(out)]) == 1
+    err = capsys.readouterr().err
+    assert "smoke repeat 0 method fused-rd4 ran out of GPU memory" in err and "Tried to allocate" in err
+    assert not out.exists()  # no result with an empty row
+    state = json.loads(tp.partial_path(out).read_text())
+    assert [x["name"] for x in state["runs"]] == ["fused-rd"] and not state["dropped"]
+    errors[0] = RuntimeError("CUDA error: out of memory")  # raised by a library, not the allocator
+    with pytest.raises(tp.MethodFailed, match="fused-rd4 ran out of GPU memory"):
+        tp.run(spec)
+    errors[0] = RuntimeError("shape not supported")  # any other failure: dropped, and listed
+    r = tp.run(spec)
+    assert [row["name"] for row in r["rows"]] == ["fused-rd"] and "shape not supported" in r["skipped"][-1]["why"]
+
+
+def test_a_plan_that_does_not_fit_the_gpu_is_refused_before_anything_is_built(tmp_path, monkeypatch, capsys):
+    from lrattnres.config import load_and_resolve
+
+    paper = load_and_resolve(ROOT / "config.yaml", {"scale": "paper"})["cluster"]
+
+    def nothing(*a, **k):
+        raise AssertionError("built a model")
+
+    monkeypatch.setattr(tp.measure, "MethodSlot", nothing)
+    monkeypatch.setattr(tp.measure, "shared_backbone", nothing)
+    tiny_gpu = dict(paper, gpu_memory_gib=0.5)
+    out = tmp_path / "smoke.json"
+    from lrattnres.throughput.cli import cluster_arg
+
+    arg = cluster_arg(tiny_gpu)  # as the workflow passes it: a resource printed without ", "
+    assert ", " not in arg and json.loads(arg)["memory_anchors"][0] == {"preset": "4B", "micro_batch": 2,
+                                                                        "peak_gib": 76.0, "method": "lr"}
+    assert tp.main(["--spec", json.dumps(SMALL), "--cluster", arg, "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "timing baseline at smoke needs an estimated" in err and "cluster.gpu_memory_gib 0.5 less the 10% margin" in err
+    assert not out.exists() and not tp.partial_path(out).exists()
+    # the 4B timing of the paper's protocol: 76 GiB of training step and the overhead, no copy of the weights
+    plan = [{"preset": "4B", "methods": ["fused-rd", "fused-rd4"], "vocab": 100277}]
+    s = tp.resolve_spec({"presets": ["4B"], "micro_batch": 2, "seq_len": 2048, "grad_accum": 64})
+    gpu = load_and_resolve(ROOT / "config.yaml", {"scale": "gpu"})["cluster"]
+    fits = tp.memory_plan(plan, s, gpu, __import__("torch").device("cpu"))
+    peaks = {row["method"]: row["peak_gib"] for row in fits["rows"]}
+    assert fits["checked"] and fits["shared_weights"] == "host" and 78.5 < peaks["fused-rd4"] < 79.5
+    from lrattnres import memory
+    from lrattnres.presets import get_preset
+
+    shape = dict(get_preset("4B"), vocab_size=100277)
+    copy = memory.throughput_estimate(shape, micro_batch=2, seq_len=2048, cluster=gpu, rank=640, shared_on_gpu=True)
+    assert copy["shared_weights_gib"] == pytest.approx(15.1, abs=0.1)  # the fp32 copy the stage no longer keeps
+    # an 80 GB GPU (74.5 GiB) with the 10% margin cannot hold micro-batch 2; micro-batch 1 fits it
+    with pytest.raises(memory.FitError, match=r"timing fused-rd at 4B needs an estimated 79.0 GiB .*at most 67.0 GiB"):
+        tp.memory_plan(plan, s, paper, __import__("torch").device("cpu"))
+    one = tp.resolve_spec({"presets": ["4B"], "micro_batch": 1, "seq_len": 2048, "grad_accum": 128})
+    assert tp.memory_plan(plan, one, paper, __import__("torch").device("cpu"))["checked"]
+    assert tp.memory_plan(plan, s, None, __import__("torch").device("cpu")) == {
+        "checked": False, "why": "no cluster.gpu_memory_gib and cluster.memory_anchors given"}
+
+
+def test_recorded_patterns_name_the_newest_recording(tmp_path):
+    from lrattnres import recorded
+
+    d = tmp_path / "benchmarks" / "results"
+    d.mkdir(parents=True)
+    for name in ("throughput_1b_h200_2026-11-29.json", "throughput_1b_h200_2026-12-11.json",
+                 "throughput_1b_h100_2026-12-02.json", "throughput_1b_h200_2026-12-12.partial.json"):
+        (d / name).write_text("{}")
+    pat = "benchmarks/results/throughput_1b_*_????-??-??.json"
+    assert recorded.resolve_path(pat, tmp_path) == "benchmarks/results/throughput_1b_h200_2026-12-11.json"
+    assert recorded.resolve_path("benchmarks/results/throughput_4b_*_????-??-??.json", tmp_path) is None
+    assert recorded.resolve_path("a/b.json", tmp_path) == "a/b.json"
+    listed = recorded.read_list(ROOT / recorded.RECORDED)
+    assert recorded.resolve_path(listed["throughput_gpu_1b"], ROOT).startswith("benchmarks/results/throughput_1b_")
+
+
+def test_a_resolving_size_continues_across_commands_and_counts_its_time(tmp_path, monkeypatch):
+    import time as _time
+
+    out = tmp_path / "smoke.json"
+    spec = json.dumps(dict(SMALL, methods=["fused-rd", "fused-rd4"], repeats=2, max_repeats=5, target_half_width=0.3))
+    noisy = {"attnres": lambda k: 1.0, "lr": lambda k: 1.0 + 0.02 * (k % 2)}  # never resolved
+    monkeypatch.delenv("LRATTNRES_DEADLINE", raising=False)
+    calls: list = []
+    paced = _paced(calls, noisy)
+
+    def stops(*a, **k):
+        rec = paced(*a, **k)
+        if len(calls) == 6:  # inside the extra repeats: the command's time is up
+            monkeypatch.setenv("LRATTNRES_DEADLINE", str(_time.time() - 1))
+        return rec
+
+    monkeypatch.setattr(tp.measure, "time_method", stops)
+    assert tp.main(["--spec", spec, "--out", str(out)]) == 75
+    state = json.loads(tp.partial_path(out).read_text())
+    assert len(state["runs"]) == 6 and state["spent_s"]["smoke"] > 0
+    monkeypatch.delenv("LRATTNRES_DEADLINE")
+    calls.clear()
+    monkeypatch.setattr(tp.measure, "time_method", _paced(calls, {"attnres": noisy["attnres"],
+                                                                  "lr": lambda k: noisy["lr"](k + 3)}))
+    assert tp.main(["--spec", spec, "--out", str(out)]) == 0 and len(calls) == 4
+    r = json.loads(out.read_text())
+    assert sorted({x["repeat"] for x in r["runs"]}) == [0, 1, 2, 3, 4] and r["runs"][:6] == state["runs"]
+    res = r["resolution"]["smoke"]
+    assert res["stopped"] == "max_repeats" and res["n"] == 5 and res["spent_s"] >= state["spent_s"]["smoke"]

@@ -43,6 +43,7 @@ from lrattnres.io import atomic_path, atomic_write_text, read_json
 from lrattnres.provenance import now, provenance
 from lrattnres.recorded import REPORT as RECORDED_REPORT
 from lrattnres.recorded import load as load_recorded_list
+from lrattnres.recorded import resolve_path as resolve_recorded_path
 from lrattnres.report.context import ReportContext
 
 log = logging.getLogger("lrattnres.report")
@@ -88,9 +89,10 @@ def load_recorded(recorded: dict[str, str], root: Path, problems: list[str] | No
     """Result files measured elsewhere (e.g. on a GPU); a missing one is skipped with a note.
     The recorded report (key ``gpu_report``) is not a result file: :func:`load_recorded_report`."""
     out = {}
-    for name, rel in recorded.items():
+    for name, listed in recorded.items():
         if name == RECORDED_REPORT:
             continue
+        rel = resolve_recorded_path(listed, root) or listed  # a pattern: its newest recording
         path = root / rel
         if not path.exists():
             _note(notes, f"recorded result {name!r}: {rel} does not exist; its section shows none")

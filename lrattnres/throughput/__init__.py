@@ -4,9 +4,16 @@
 
 Protocol (Appendix I, "Matched model comparison", "Measurement protocol", "Paired uncertainty"):
 
-* Matched weights: per repeat one shared initialisation of the backbone (seeded), copied into every
-  method's model; the routing queries (the only extra parameters of the timed methods) are zeros,
-  the production initialisation.  Same seed, same cached tokens for every method.
+* Matched weights: per repeat one shared initialisation of the backbone (seeded), kept on the host
+  (pinned on CUDA) and copied into every method's model; the routing queries (the only extra
+  parameters of the timed methods) are zeros, the production initialisation.  Same seed, same cached
+  tokens for every method.
+* Compiled once: each method's model and (with ``compile``) its compiled loss module are built once
+  per process and serve all of its repeats there: a run loads its repeat's shared weights into the
+  same parameters and starts a fresh optimiser, so Dynamo compiles nothing again (each run records
+  ``graphs_compiled`` and ``compile_s``). Between runs a model gives its device memory back: only the
+  timed model is on the GPU. The paper's repeats are fresh processes; the result's ``protocol`` lists
+  this and every other difference from Appendix I (:mod:`~lrattnres.throughput.comparison`).
 * Cached tokens: one fixed host buffer of ``grad_accum`` micro-batches with production document
   boundaries (the first training batches of ``--data``'s train split, or synthetic tokens with
   log-normal document lengths ended by the end-of-text id), read once, transferred to the device in
@@ -19,7 +26,11 @@ Protocol (Appendix I, "Matched model comparison", "Measurement protocol", "Paire
   warm-up updates).
 * ``warmup`` (3) updates, then ``min_updates``..``max_updates`` (8..30) measured updates, stopping
   by :func:`should_stop`; every measured update counts: v = tokens x n / sum(times).
-* ``repeats`` (5) fresh repeats per configuration, the method order rotated by one each repeat.
+* ``repeats`` (5) repeats per configuration, the method order rotated by one each repeat.
+* Resolution (beyond the paper): with ``target_half_width`` (percentage points), more repeats of the
+  ``resolve_gain`` gain's two methods (the rank gain: ``fused-rd4`` and ``fused-rd``) until its 95%
+  half-width is at most the target, ``max_repeats`` repeats are done, or ``budget_s`` (seconds per
+  size over all its commands) would be passed (:func:`more_repeats`); ``resolution`` says which.
 * Paired gains ``g_j = 100 (v_j^A / v_j^B - 1)`` over repeats j, reported as mean and a 95%
   interval ``mean +- t_{0.975, n-1} s_g / sqrt(n)`` (:func:`paired_gain`).  The paper prints the
   half-width as ``t_{0.975,4} s_g / 5``; the standard error of a mean of n = 5 is s / sqrt(5), and
@@ -56,6 +67,12 @@ the timed runs that did not converge); the value claims of Table 3 only when the
 paper's (H100, B200), under those ids.  Smaller scales produce no claims (the numbers are shown in
 the report beside the paper's, marked as a different scale and hardware).
 
+Memory and failures: before it builds anything the stage estimates its peak GPU memory per size and
+method (:func:`lrattnres.memory.throughput_estimate`) and refuses a plan that exceeds the scale's
+``cluster.gpu_memory_gib`` (``--cluster``) or this GPU's memory, less ``cluster.memory_margin``
+(exit 2). A method that runs out of GPU memory fails the job naming it (:class:`MethodFailed`, exit
+1); another failing method is dropped from the comparison and listed under ``skipped``.
+
 Resuming and deadlines: the workflow times one size per job (``{results}/throughput/<preset>.json``,
 merged by ``--aggregate``). After every timed run the stage rewrites a partial state beside its
 output (``<preset>.partial.json``: the finished runs, with the spec, device, data and code they were
@@ -83,16 +100,22 @@ from lrattnres.throughput.matched import (
     data_buffer,
     fla_available,
     fla_router,
+    build_method_model,
+    load_shared,
     matched_model,
     method_config,
+    release_weights,
     shared_backbone,
     synthetic_buffer,
 )
-from lrattnres.throughput.measure import _gains, gpu_name, rotation, run, time_method
+from lrattnres.throughput.comparison import compare, differences
+from lrattnres.throughput.measure import (MethodFailed, MethodSlot, _gains, gpu_name, graphs_compiled, memory_plan,
+                                          rotation, run, run_estimate, time_method)
 from lrattnres.throughput.partial import PARTIAL_FORMAT, load_partial, partial_key, partial_path
 from lrattnres.throughput.protocol import (
     T975,
     mean_ci95,
+    more_repeats,
     paired_gain,
     paired_gains,
     should_stop,
@@ -107,6 +130,7 @@ from lrattnres.throughput.spec import (
     PAPER_GPUS,
     PAPER_SIZES,
     SMALL_VOCAB,
+    for_preset,
     resolve_spec,
 )
 from lrattnres.throughput.summary import (
@@ -119,9 +143,11 @@ from lrattnres.throughput.summary import (
 )
 
 __all__ = [
-    "DEFAULTS", "GAINS", "GPU_STAND_INS", "METHOD_TABLE", "PAPER_GPUS", "PAPER_SIZES", "PARTIAL_FORMAT", "SMALL_VOCAB",
-    "SpecError", "T975", "_gains", "aggregate", "claims_for", "data_buffer", "direction_gpu", "fla_available",
-    "fla_router", "gpu_name", "load_partial", "main", "matched_model", "mean_ci95", "method_config", "paired_gain",
-    "paired_gains", "paper_gpu", "partial_key", "partial_path", "published_ids", "resolve_spec", "rotation", "run",
-    "shared_backbone", "should_stop", "synthetic_buffer", "t975", "time_method", "window_ok", "window_stats",
+    "DEFAULTS", "GAINS", "GPU_STAND_INS", "METHOD_TABLE", "MethodFailed", "MethodSlot", "PAPER_GPUS", "PAPER_SIZES",
+    "PARTIAL_FORMAT", "SMALL_VOCAB", "SpecError", "T975", "_gains", "aggregate", "build_method_model", "claims_for",
+    "compare", "data_buffer", "differences", "direction_gpu", "fla_available", "fla_router", "for_preset", "gpu_name",
+    "graphs_compiled", "load_partial", "load_shared", "main", "matched_model", "mean_ci95", "memory_plan",
+    "method_config", "more_repeats", "paired_gain", "paired_gains", "paper_gpu", "partial_key", "partial_path",
+    "published_ids", "release_weights", "resolve_spec", "rotation", "run", "run_estimate", "shared_backbone",
+    "should_stop", "synthetic_buffer", "t975", "time_method", "window_ok", "window_stats",
 ]

@@ -100,8 +100,13 @@ def method_config(preset: str, name: str, s: dict, vocab_size: int) -> dict:
     return cfg
 
 
-def shared_backbone(preset: str, s: dict, vocab_size: int, repeat: int, device) -> dict:
-    """One shared initialisation of the backbone for a repeat: the baseline model's weights, seeded."""
+def shared_backbone(preset: str, s: dict, vocab_size: int, repeat: int, device, into: dict | None = None) -> dict:
+    """One shared initialisation of the backbone for a repeat: the baseline model's weights, seeded.
+
+    Generated on ``device`` (the same random stream as a model built there) and kept on the host, in
+    fp32, pinned where ``device`` is CUDA: no copy of the weights stays on the GPU beside the timed
+    model (at 4B a second fp32 copy is 15 GiB). ``into``: the host tensors of an earlier repeat,
+    overwritten (a pinned buffer is allocated once per size)."""
     import torch
 
     from lrattnres.model import build_model
@@ -109,27 +114,71 @@ def shared_backbone(preset: str, s: dict, vocab_size: int, repeat: int, device) 
     torch.manual_seed(s["seed"] * 1_000_003 + repeat)
     with torch.device(device):
         model = build_model(method_config(preset, "baseline", s, vocab_size))
-    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    pin = getattr(device, "type", str(device)) == "cuda"
+    state = {}
+    for k, v in model.state_dict().items():
+        host = (into or {}).get(k)
+        if host is None or host.shape != v.shape or host.dtype != v.dtype:
+            host = torch.empty(v.shape, dtype=v.dtype, device="cpu", pin_memory=pin)
+        host.copy_(v.detach())
+        state[k] = host
     del model
     return state
 
 
-def matched_model(preset: str, name: str, s: dict, vocab_size: int, shared: dict, device):
-    """The method's model with the shared backbone copied in and the queries zero (deterministic)."""
+def build_method_model(preset: str, name: str, s: dict, vocab_size: int, device):
+    """The method's model on ``device`` (its own initialisation, overwritten by :func:`load_shared`),
+    with FLA's router wired in for ``fla-rd``."""
     import torch
 
     from lrattnres.model import build_model
 
     with torch.device(device):
         model = build_model(method_config(preset, name, s, vocab_size))
-    missing, unexpected = model.load_state_dict(shared, strict=False)
+    if METHOD_TABLE[name]["router"] == "fla":
+        route = fla_router(compile_safe=s["compile"])
+        model._fused_router = lambda dev: route  # the model's forward asks this for its router
+    return model
+
+
+def release_weights(model) -> None:
+    """Give back the device memory of the model's parameters and gradients, keeping every tensor
+    object (a compiled graph of the model stays valid: its guards see the same parameters, which
+    :func:`load_shared` fills again before the next use)."""
+    for p in model.parameters():
+        p.grad = None
+        st = p.untyped_storage()
+        if st.nbytes() and p.is_contiguous() and p.storage_offset() == 0:
+            st.resize_(0)
+
+
+def _restore(model) -> None:
+    for p in model.parameters():
+        need = p.numel() * p.element_size()
+        st = p.untyped_storage()
+        if st.nbytes() < need:
+            st.resize_(need)
+
+
+def load_shared(model, name: str, shared: dict) -> None:
+    """Copy the shared backbone (host tensors) into the model's own parameters, in place, and zero
+    the routing queries: the matched starting point of a repeat, without building or compiling anew."""
+    import torch
+
+    _restore(model)
+    missing, unexpected = model.load_state_dict(shared, strict=False)  # copies into the existing tensors
     extra_ok = {"queries"}
     if unexpected or set(missing) - extra_ok:
         raise RuntimeError(f"shared backbone does not fit method {name!r}: missing {missing}, unexpected {unexpected}")
     if hasattr(model, "queries"):
         with torch.no_grad():
             model.queries.zero_()
-    if METHOD_TABLE[name]["router"] == "fla":
-        route = fla_router(compile_safe=s["compile"])
-        model._fused_router = lambda dev: route  # the model's forward asks this for its router
+    for p in model.parameters():
+        p.grad = None
+
+
+def matched_model(preset: str, name: str, s: dict, vocab_size: int, shared: dict, device):
+    """The method's model with the shared backbone copied in and the queries zero (deterministic)."""
+    model = build_method_model(preset, name, s, vocab_size, device)
+    load_shared(model, name, shared)
     return model

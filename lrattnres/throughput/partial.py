@@ -17,15 +17,17 @@ def partial_path(out: str | Path) -> Path:
 
 
 def partial_key(s: dict, device_name: str, data_sha256: str | None) -> dict:
-    """What a partial state must share with the run that continues it: the resolved spec, the device,
-    the data and the code that is timed (the training stack and this package)."""
+    """What a partial state must share with the run that continues it: the resolved spec (less the keys
+    that bound how long it measures, not what a run measures), the device, the data and the code that
+    is timed (the training stack and this package)."""
     import hashlib
 
     from lrattnres.train.loop import code_fingerprint
 
     here = sorted(Path(__file__).resolve().parent.glob("*.py"))
     code = hashlib.sha256((code_fingerprint() + "".join(f.read_text(encoding="utf-8") for f in here)).encode()).hexdigest()
-    return {"spec": {k: v for k, v in s.items() if k not in ("deadline_s", "published")}, "device": device_name,
+    return {"spec": {k: v for k, v in s.items() if k not in ("deadline_s", "published", "budget_s", "target_half_width",
+                                                           "max_repeats")}, "device": device_name,
             "data_sha256": data_sha256, "code_sha256": code}
 
 

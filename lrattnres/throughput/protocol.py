@@ -1,5 +1,6 @@
-"""Appendix I's rules as pure functions: when to stop timing a run (two quiet windows), and the 95%
-interval of a mean and of paired gains over repeats."""
+"""Appendix I's rules as pure functions: when to stop timing a run (two quiet windows), the 95%
+interval of a mean and of paired gains over repeats, and when a gain is resolved (its interval narrow
+enough) or the measuring has to end without it."""
 
 from __future__ import annotations
 
@@ -104,3 +105,27 @@ def paired_gain(numerator: list[float], denominator: list[float], use_scipy: boo
     out = mean_ci95(g, use_scipy)
     out["per_repeat"] = g
     return out
+
+
+def more_repeats(gain: dict | None, *, done: int, base: int, target: float | None, max_repeats: int,
+                 spent_s: float = 0.0, next_s: float | None = None, budget_s: float | None = None) -> tuple[bool, str]:
+    """Whether to time another repeat, after ``done`` repeats, and why not.
+
+    The protocol's ``base`` repeats always run. After them, with a ``target`` half-width (percentage
+    points) of the 95% interval of ``gain`` (a :func:`paired_gain`), another repeat runs until the
+    half-width is at most the target (``"resolved"``), ``max_repeats`` repeats are done
+    (``"max_repeats"``), or the next repeat (``next_s`` seconds) would take the time spent (``spent_s``)
+    past ``budget_s`` (``"budget"``). Without a target: ``"not asked"``. Returns ``(True, "")`` to go on.
+    """
+    if done < base:
+        return True, ""
+    if target is None:
+        return False, "not asked"
+    hw = (gain or {}).get("half_width")
+    if hw is not None and hw <= target:
+        return False, "resolved"
+    if done >= max(max_repeats, base):
+        return False, "max_repeats"
+    if budget_s is not None and spent_s + (next_s or 0.0) > budget_s:
+        return False, "budget"
+    return True, ""

@@ -38,7 +38,7 @@ DEFAULTS: dict[str, Any] = {
     "repeats": 5,
     "repeats_by_preset": {},  # e.g. {"4B": 3}
     "methods_by_preset": {},  # e.g. {"4B": ["fla-rd", "fused-rd", "fused-rd4"]}
-    "warmup": 3,
+    "warmup": 3,  # updates before the measured ones in every timed run (compilation happens in the first)
     "min_updates": 8,
     "max_updates": 30,
     "window": 6,
@@ -58,6 +58,12 @@ DEFAULTS: dict[str, Any] = {
     "threads": "auto",  # torch.set_num_threads; auto: 1 on the CPU (steadier timing on a shared machine), untouched on CUDA
     "published": None,  # path of published.yaml (claim ids); default: reports/published.yaml of the repo
     "claims": True,  # false: produce no claims (a second recorded result of the same sizes)
+    # Resolution: after the `repeats`, more repeats of the resolved gain's two methods until its 95% interval's
+    # half-width (percentage points) is at most target_half_width, max_repeats are done, or budget_s is spent.
+    "target_half_width": None,  # null: the `repeats` only
+    "resolve_gain": "rank",  # a name of GAINS
+    "max_repeats": 30,  # repeats in all, the `repeats` included
+    "budget_s": None,  # seconds one size may take over all its commands (number or {preset: s}); null: no bound
 }
 
 SMALL_VOCAB = 512
@@ -124,7 +130,26 @@ def resolve_spec(spec: dict | None) -> dict:
            "'auto', null or an int >= 1", s["threads"])
     _check(s["published"] is None or isinstance(s["published"], str), "published", "null or a path", s["published"])
     _check(isinstance(s["claims"], bool), "claims", "a bool", s["claims"])
+    thw = s["target_half_width"]
+    _check(thw is None or (is_number(thw) and thw > 0), "target_half_width",
+           "null or a positive number of percentage points", thw)
+    _check(s["resolve_gain"] in [g[0] for g in GAINS], "resolve_gain", f"one of {[g[0] for g in GAINS]}",
+           s["resolve_gain"])
+    _check(is_int(s["max_repeats"]) and s["max_repeats"] >= 1, "max_repeats", "an int >= 1", s["max_repeats"])
+    bud = s["budget_s"]
+    _check(bud is None or (is_number(bud) and bud > 0) or (isinstance(bud, dict) and all(
+        p in s["presets"] and is_number(v) and v > 0 for p, v in bud.items())),
+           "budget_s", "null, a positive number of seconds, or {preset: seconds} (over all of a size's commands)", bud)
+    _check(not s["compile"] or s["warmup"] >= 1, "warmup",
+           "an int >= 1 with compile true (compilation happens in the first warm-up update, outside the timed "
+           "region)", s["warmup"])
     for p in s["presets"]:
         ml = PRESETS[p]["max_seq_len"]
         _check(s["seq_len"] <= ml, "seq_len", f"at most preset {p!r}'s max_seq_len={ml}", s["seq_len"])
     return s
+
+
+def for_preset(s: dict, key: str, preset: str):
+    """A key that is one value for every size or ``{preset: value}`` (``deadline_s``, ``budget_s``)."""
+    v = s[key]
+    return v.get(preset) if isinstance(v, dict) else v

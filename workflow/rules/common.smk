@@ -16,6 +16,7 @@ from lrattnres.deps import closure, package_files, package_modules
 from lrattnres.errors import UserError
 from lrattnres.recorded import RECORDED
 from lrattnres.recorded import load as load_recorded
+from lrattnres.recorded import resolve_path
 
 try:
     S = resolve(config, source="config.yaml (with --config/--configfile overrides)")
@@ -38,11 +39,13 @@ shell.prefix(f"{_bindir}export PYTHONPATH={workflow.basedir}:${{{{PYTHONPATH:-}}
 
 def recorded_files():
     """reports/recorded.yaml and the files it names that exist (results measured elsewhere): report
-    inputs. A missing or malformed list is never an error here: the report page notes it.
+    inputs; a pattern names its newest recording. A missing or malformed list is never an error
+    here: the report page notes it.
     """
     entries, _notes = load_recorded(RECORDED)
     listed = [RECORDED] if os.path.exists(RECORDED) else []
-    return listed + [p for p in entries.values() if os.path.exists(p)]
+    found = (resolve_path(p) for p in entries.values())
+    return listed + [p for p in found if p and os.path.exists(p)]
 
 
 def stage_sources(*modules):

@@ -2,8 +2,13 @@
 # one job per model size (throughput_size), merged into one result (throughput). A job keeps its
 # finished timed runs in <preset>.partial.json beside its output; a retry continues from them. Under
 # LRATTNRES_DEADLINE (epoch seconds; set here from the job's wall time unless the caller set it) the
-# stage stops before the deadline and exits 75, which Snakemake's retries continue.
+# stage stops before the deadline and exits 75, which Snakemake's retries continue. The stage refuses
+# a plan whose estimated GPU memory exceeds the scale's cluster.gpu_memory_gib less its margin before
+# it builds anything; the cluster section reaches it as a resource (an execution setting: no rerun).
+from lrattnres.throughput.cli import cluster_arg
+
 THROUGHPUT_PRESETS = list(S["throughput"].get("presets", []))
+THROUGHPUT_CLUSTER = cluster_arg(S.get("cluster"))
 
 
 rule throughput_size:
@@ -27,13 +32,14 @@ rule throughput_size:
         gpu=res("throughput", "gpu", 0),
         gpu_slots=gpu_slots("throughput"),
         cpus_per_gpu=res("throughput", "cpus_per_gpu", 1),
+        cluster_memory=THROUGHPUT_CLUSTER,
     params:
         spec=lambda wc, input: spec(
             {**S["throughput"], "presets": [wc.preset], "published": input.published}
         ),
     shell:
         stage(
-            "throughput --spec {params.spec:q} --data {input.data:q} "
+            "throughput --spec {params.spec:q} --cluster {resources.cluster_memory:q} --data {input.data:q} "
             "--out {output:q} > {log:q} 2>&1",
             gpu=True,
             launcher='LRATTNRES_DEADLINE="${{LRATTNRES_DEADLINE:-$(( $(date +%s) + {resources.runtime} * 60 - 120 ))}}" '

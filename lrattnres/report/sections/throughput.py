@@ -122,9 +122,56 @@ def _stopping_notes(res: dict) -> list[str]:
     return out
 
 
+def _accumulation(res: dict) -> str:
+    accum = sorted({r.get("grad_accum") for r in res.get("rows", []) if r.get("grad_accum") is not None})
+    return ", ".join(map(str, accum)) or str((res.get("spec") or {}).get("grad_accum", "?"))
+
+
+def resolution_lines(res: dict) -> list[str]:
+    """Per size: the resolved gain's 95% half-width, the repeats behind it, and why the measuring
+    stopped (resolved, the budget spent, the repeat cap, the deadline, or no target asked)."""
+    spec = res.get("spec") or {}
+    gname = spec.get("resolve_gain", "rank")
+    out = []
+    for p in _presets(res):
+        g = (res.get("gains", {}).get(p) or {}).get(gname) or {}
+        r = (res.get("resolution") or {}).get(p) or {}
+        hw, n, target = g.get("half_width"), g.get("n"), r.get("target_half_width", spec.get("target_half_width"))
+        line = f"{p}: {GAIN_LABELS.get(gname, gname)}: 95% half-width " + ("–" if hw is None else f"{hw:.3f} points")
+        line += f" over {n or 0} paired repeats"
+        why = r.get("stopped")
+        if target is None:
+            line += "; no target half-width asked (the protocol's repeats only)"
+        elif why == "resolved":
+            line += f"; resolved: at most the target {target:g}"
+        elif why == "budget":
+            line += (f"; not resolved (target {target:g}): the size's budget was spent "
+                     f"({r.get('spent_s', 0):.0f} of {r.get('budget_s')} s)")
+        elif why == "max_repeats":
+            line += f"; not resolved (target {target:g}) within {r.get('max_repeats')} repeats"
+        else:
+            line += f"; not resolved (target {target:g})" + (f": stopped ({why})" if why else ": measuring unfinished")
+        out.append(line)
+    return out
+
+
+def protocol_table(res: dict, label: str) -> str:
+    """Appendix I's protocol beside the result's: what is the same and what differs."""
+    from lrattnres.throughput.comparison import compare
+
+    rows = [[r["aspect"], r["paper"], r["here"], {True: "same", False: "differs", None: "–"}[r["same"]], r["note"]]
+            for r in (res.get("protocol") or compare(res))]
+    return table(["aspect", "Appendix I", "this result", "", "note"], rows,
+                 f"{label}: the measurement protocol, the paper's and this result's")
+
+
 def result_tables(res: dict, label: str) -> str:
     """Table 3 layout, every configuration, and the paired gains of one throughput result."""
     out = [_provenance_line(res, label)]
+    if not res.get("compile") or _accumulation(res) != "64":
+        out.append(f"<p><b>Not the paper's protocol:</b> {'compiled' if res.get('compile') else 'eager'}, accumulation "
+                   f"{esc(_accumulation(res))} (Appendix I: compiled, 64 accumulation steps). Its step times and "
+                   "intervals are not comparable with Table 3's.</p>")
     by = {(r["preset"], r["name"]): r for r in res.get("rows", [])}
     gains = res.get("gains", {})
     t3 = []
@@ -163,8 +210,10 @@ def result_tables(res: dict, label: str) -> str:
     if grows:
         out.append(table(["Preset", "paired gain", "mean (%)", "95% CI (%)", "SD (%)", "per repeat (%)"], grows,
                          f"{label}: paired gains g_j = 100 (v_j^A / v_j^B - 1), 95% CI mean ± t(0.975, n-1) s/sqrt(n)"))
+    out.append(protocol_table(res, label))
     skipped = res.get("skipped") or []
-    notes = list(res.get("notes") or []) + [f"{s['preset']}: {s['method']} skipped ({s['why']})" for s in skipped]
+    notes = resolution_lines(res)
+    notes += list(res.get("notes") or []) + [f"{s['preset']}: {s['method']} skipped ({s['why']})" for s in skipped]
     notes += _stopping_notes(res)
     if notes:
         out.append("<ul>" + "".join(f"<li>{esc(n)}</li>" for n in notes) + "</ul>")
@@ -177,7 +226,11 @@ def build(ctx) -> str:
         "repeat, one cached token buffer with document boundaries transferred every update, the production "
         "update (forward, backward, accumulation, clipping, Muon + AdamW) timed between device "
         "synchronisations, three warm-up updates, 8 to 30 measured updates with the paper's stopping rule, "
-        "fresh repeats with rotated method order, and paired gains with 95% intervals. The interval uses "
+        "repeats with rotated method order, and paired gains with 95% intervals; where a result asks for it, "
+        "more repeats of r = d/4 and r = d until the rank gain's interval is narrow enough or the size's time "
+        "budget is spent. Each method compiles once per process: its repeats there reload the shared weights "
+        "and start a fresh optimiser on the same compiled graph (the table under each result says what else "
+        "differs from Appendix I). The interval uses "
         "t(0.975, n-1) s/sqrt(n): the paper's formula prints s_g/5, which for five repeats would be "
         "narrower than a 95% interval by sqrt(5).  Beyond the paper, the plain backbone (no routing) and the "
         "reference router show the cost of routing and the kernel's gain.</p>",
@@ -197,8 +250,8 @@ def build(ctx) -> str:
         out.append(result_tables(res, f"scale {ctx.scale}"))
     for key, res in recorded:
         dev = res.get("device") or (res.get("provenance") or {}).get("device")
-        mode = "compiled" if res.get("compile") else "eager"
-        out.append(f"<h3>Recorded GPU result ({esc(dev)}, {mode})</h3>")
+        mode = f"{'compiled' if res.get('compile') else 'eager'}, accumulation {_accumulation(res)}"
+        out.append(f"<h3>Recorded GPU result ({esc(dev)}, {esc(mode)})</h3>")
         out.append(f"<p>Measured on another machine and included from its recorded file (<code>{esc(key)}</code>). "
                    "Different hardware from Table 3 unless the device is an H100 or B200; see the settings line "
                    "for the accumulation and compilation used.</p>")
@@ -253,4 +306,5 @@ def train_step_table(doc: dict) -> str:
                         "Training-step throughput, one H200") + tail
 
 
-__all__ = ["TITLE", "ORDER", "build", "published_table", "result_tables", "train_step_table"]
+__all__ = ["TITLE", "ORDER", "build", "protocol_table", "published_table", "resolution_lines", "result_tables",
+           "train_step_table"]
