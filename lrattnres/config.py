@@ -359,7 +359,8 @@ def _check_semantics(settings: dict, where: str) -> None:
 
 
 # Settings that say how and where a scale runs, not what it computes: changing them reruns nothing.
-EXECUTION_KEYS = (("resources",), ("results",), ("data", "num_threads"), ("data", "hf", "local_dir"), ("cluster",))
+EXECUTION_KEYS = (("resources",), ("results",), ("data", "num_threads"), ("data", "hf", "local_dir"), ("cluster",),
+                  ("train", "on_code_change"))
 TIMING_RULES = ("throughput", "kernel_check")  # timed: always alone on their GPU
 
 

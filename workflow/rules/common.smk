@@ -107,14 +107,46 @@ if workflow.global_resources["_nodes"].value is None:
         )
 
 
+def _slurm_partition(rule_name):
+    """The partition a rule's Slurm jobs go to: its slurm_partition resource (--set-resources, else
+    --default-resources), or None for the cluster's default partition."""
+    rs = workflow.resource_settings
+    for mapping in ((rs.overwrite_resources or {}).get(rule_name), rs.default_resources):
+        try:
+            value = mapping.get("slurm_partition") if mapping is not None else None
+        except (AttributeError, KeyError, TypeError):
+            value = None
+        value = str(getattr(value, "value", value) or "").strip("'\" ")
+        if value:
+            return value
+    return None
+
+
+_PARTITION_LIMITS = {}
+
+
+def partition_limit(rule_name):
+    """Under Snakemake's Slurm executor, the time limit (minutes) of the partition of the rule's jobs
+    (sinfo, asked once per partition), which caps an automatic wall time; None elsewhere or where the
+    partition has no limit."""
+    plugin = workflow.executor_plugin
+    if plugin is None or getattr(plugin, "name", None) != "slurm":
+        return None
+    part = _slurm_partition(rule_name)
+    if part not in _PARTITION_LIMITS:
+        _PARTITION_LIMITS[part] = jobplan.partition_limit_min(part)
+    return _PARTITION_LIMITS[part]
+
+
 def train_runtime(wc):
     """The wall time of a run's training job: config's minutes, or (auto) estimated from the run's
-    size and tokens (lrattnres/jobplan.py)."""
+    size and tokens, at most the longest job the cluster takes (lrattnres/jobplan.py); a longer run
+    continues in the next run of the same job."""
     given = res("train", "runtime", 60)
     if given != "auto":
         return given
     run = RUNS[wc.run]
-    return jobplan.runtime_min(S, train_spec(S, run), run.preset) or 60
+    return jobplan.runtime_min(S, train_spec(S, run), run.preset, partition_limit("train")) or 60
 
 
 def throughput_runtime(wc):
@@ -122,7 +154,7 @@ def throughput_runtime(wc):
     given = res("throughput", "runtime", 30)
     if given != "auto":
         return given
-    return jobplan.throughput_runtime_min(S, wc.preset) or 60
+    return jobplan.throughput_runtime_min(S, wc.preset, partition_limit("throughput_size")) or 60
 
 
 def stage(command, gpu=False, launcher="python -m lrattnres"):

@@ -43,6 +43,10 @@ rule train:
         slurm_extra=lambda wc: jobplan.slurm_resources(S, RUNS[wc.run].preset)[
             "slurm_extra"
         ],
+        # execution settings, which rerun nothing: what a checkpoint of other training code does, and
+        # how long before a Slurm job's end its trainer stops and requeues the job (lrattnres/slurmjob.py)
+        on_code_change=S["train"].get("on_code_change", "restart"),
+        deadline_lead=lambda wc: jobplan.deadline_lead_s(S, RUNS[wc.run].preset),
     params:
         spec=lambda wc: spec(train_spec(S, RUNS[wc.run])),
         out=lambda wc, output: os.path.dirname(output.result),
@@ -54,9 +58,12 @@ rule train:
     shell:
         stage(
             "train --spec {params.spec:q} --data {input.data:q} --out {params.out:q} "
+            "--on-code-change {resources.on_code_change} --requeue-at-deadline "
             "--threads {threads} --no-progress > {log:q} 2>&1",
             gpu=True,
-            launcher="{params.launcher}",
+            # inside a Slurm job: stop before the job's end and requeue it (a run longer than one job)
+            launcher='LRATTNRES_DEADLINE="${{LRATTNRES_DEADLINE:-$(python -m lrattnres.slurmjob deadline '
+            '--lead {resources.deadline_lead})}}" {params.launcher}',
         )
 
 
