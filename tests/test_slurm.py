@@ -214,6 +214,10 @@ def test_training_job_lands_on_one_node_with_its_gpus(local_data_stage, launcher
     assert "world 2" in log, log[-2000:]
     cmd = next(line for line in out.splitlines() if "--job-log results/smoke/logs/train/" in line)
     cmd = cmd.split("Shell command: ", 1)[-1]
+    # inside a Slurm job the trainer gets a deadline before the job's end (lrattnres/slurmjob.py)
+    prefix = 'LRATTNRES_DEADLINE="${LRATTNRES_DEADLINE:-$(python -m lrattnres.slurmjob deadline --lead 360)}" '
+    assert cmd.startswith(prefix), cmd
+    cmd = cmd[len(prefix):]
     if launcher == "srun":
         assert cmd.startswith("srun --overlap --nodes=1") and "--rdzv-backend=c10d" in cmd, cmd
     else:
