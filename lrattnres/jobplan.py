@@ -192,6 +192,24 @@ def partition_limit_min(partition: str | None = None, run=subprocess.run) -> int
     return limits.get(partition if partition else default)
 
 
+def slurm_partition(resource_settings, rule: str) -> str | None:
+    """The partition Snakemake's Slurm executor submits ``rule``'s jobs to: the ``slurm_partition`` of
+    ``--set-resources`` for the rule, else of ``--default-resources``; None for the cluster's default
+    partition. ``resource_settings``: Snakemake's (``workflow.resource_settings``)."""
+    for mapping in ((getattr(resource_settings, "overwrite_resources", None) or {}).get(rule),
+                    getattr(resource_settings, "default_resources", None)):
+        try:
+            value = mapping.get("slurm_partition") if mapping is not None else None
+        except (AttributeError, KeyError, TypeError):
+            value = None
+        if hasattr(value, "raw"):  # a snakemake.resources.Resource: the text given, unevaluated
+            value = value.raw
+        value = value.strip("'\" ") if isinstance(value, str) else None
+        if value:
+            return value
+    return None
+
+
 def runtime_cap_min(settings: dict, partition_min: int | None = None) -> int | None:
     """The longest job a training or timing job may ask for: ``cluster.runtime_max_min`` or the
     partition's limit ``partition_min``, the shorter; None where neither is known."""

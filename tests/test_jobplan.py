@@ -218,3 +218,21 @@ def test_torchruns_shutdown_timeout_only_where_torch_has_it(monkeypatch):
     with pytest.raises(jobplan.JobPlanError, match=r"resources.train: torchrun of torch .* has no --shutdown-timeout .* "
                                                    r"a 4B rank needs about \d+ s .* expected torch >= 2.11"):
         jobplan.launcher(slow, "4B")
+
+
+def test_the_partition_of_a_rules_jobs_comes_from_snakemakes_resources():
+    """--set-resources for the rule wins over --default-resources; neither: the default partition."""
+    from types import SimpleNamespace
+
+    from snakemake.resources import Resources
+
+    both = SimpleNamespace(overwrite_resources={"train": Resources.from_mapping({"slurm_partition": "gpu-long"})},
+                           default_resources=Resources.from_mapping({"slurm_partition": "gpu", "mem_mb": 1000}))
+    assert jobplan.slurm_partition(both, "train") == "gpu-long" and jobplan.slurm_partition(both, "report") == "gpu"
+    # as the command line gives them: expressions, evaluated only in a rule's context
+    cli = SimpleNamespace(overwrite_resources={"train": Resources.parse(["slurm_partition=gpu-long"], allow_expressions=True)},
+                          default_resources=Resources.parse(["slurm_partition=gpu"], allow_expressions=True, defaults="full"))
+    assert jobplan.slurm_partition(cli, "train") == "gpu-long" and jobplan.slurm_partition(cli, "report") == "gpu"
+    plain = SimpleNamespace(overwrite_resources={}, default_resources={"slurm_partition": "'gpu'"})
+    assert jobplan.slurm_partition(plain, "train") == "gpu"
+    assert jobplan.slurm_partition(SimpleNamespace(overwrite_resources={}, default_resources=None), "train") is None

@@ -107,21 +107,6 @@ if workflow.global_resources["_nodes"].value is None:
         )
 
 
-def _slurm_partition(rule_name):
-    """The partition a rule's Slurm jobs go to: its slurm_partition resource (--set-resources, else
-    --default-resources), or None for the cluster's default partition."""
-    rs = workflow.resource_settings
-    for mapping in ((rs.overwrite_resources or {}).get(rule_name), rs.default_resources):
-        try:
-            value = mapping.get("slurm_partition") if mapping is not None else None
-        except (AttributeError, KeyError, TypeError):
-            value = None
-        value = str(getattr(value, "value", value) or "").strip("'\" ")
-        if value:
-            return value
-    return None
-
-
 _PARTITION_LIMITS = {}
 
 
@@ -132,10 +117,15 @@ def partition_limit(rule_name):
     plugin = workflow.executor_plugin
     if plugin is None or getattr(plugin, "name", None) != "slurm":
         return None
-    part = _slurm_partition(rule_name)
+    part = jobplan.slurm_partition(workflow.resource_settings, rule_name)
     if part not in _PARTITION_LIMITS:
         _PARTITION_LIMITS[part] = jobplan.partition_limit_min(part)
     return _PARTITION_LIMITS[part]
+
+
+def _capped(minutes, rule_name):
+    cap = jobplan.runtime_cap_min(S, partition_limit(rule_name))
+    return min(minutes, cap) if cap else minutes
 
 
 def train_runtime(wc):
@@ -146,7 +136,7 @@ def train_runtime(wc):
     if given != "auto":
         return given
     run = RUNS[wc.run]
-    return jobplan.runtime_min(S, train_spec(S, run), run.preset, partition_limit("train")) or 60
+    return _capped(jobplan.runtime_min(S, train_spec(S, run), run.preset) or 60, "train")
 
 
 def throughput_runtime(wc):
@@ -154,7 +144,7 @@ def throughput_runtime(wc):
     given = res("throughput", "runtime", 30)
     if given != "auto":
         return given
-    return jobplan.throughput_runtime_min(S, wc.preset, partition_limit("throughput_size")) or 60
+    return _capped(jobplan.throughput_runtime_min(S, wc.preset) or 60, "throughput_size")
 
 
 def stage(command, gpu=False, launcher="python -m lrattnres"):
