@@ -136,7 +136,9 @@ def train_runtime(wc):
     if given != "auto":
         return given
     run = RUNS[wc.run]
-    return _capped(jobplan.runtime_min(S, train_spec(S, run), run.preset) or 60, "train")
+    return _capped(
+        jobplan.runtime_min(S, train_spec(S, run), run.preset) or 60, "train"
+    )
 
 
 def throughput_runtime(wc):
@@ -144,7 +146,9 @@ def throughput_runtime(wc):
     given = res("throughput", "runtime", 30)
     if given != "auto":
         return given
-    return _capped(jobplan.throughput_runtime_min(S, wc.preset) or 60, "throughput_size")
+    return _capped(
+        jobplan.throughput_runtime_min(S, wc.preset) or 60, "throughput_size"
+    )
 
 
 def stage(command, gpu=False, launcher="python -m lrattnres"):
