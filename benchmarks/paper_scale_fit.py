@@ -35,10 +35,11 @@ cluster settings, results), rewritten after every configuration, so a run cut sh
 finished. On one H200, in commands of under 10 minutes (each configuration compiles its model; the
 4B's compilation alone takes about 270 s):
 
-    python benchmarks/paper_scale_fit.py --out "$OUT" --parts memory --presets 0.5B 1B --configs lr  # ~5 min
-    python benchmarks/paper_scale_fit.py --out "$OUT" --parts memory --presets 4B --configs lr       # ~5 min
+    python benchmarks/paper_scale_fit.py --out "$OUT" --parts memory --presets 0.5B                 # ~5 min
     python benchmarks/paper_scale_fit.py --out "$OUT" --parts memory --presets 1B --configs lr \
-        --checkpointing off on --ddp                                                                 # ~5 min
+        --checkpointing off on                                                                       # ~5 min
+    python benchmarks/paper_scale_fit.py --out "$OUT" --parts memory --presets 1B --configs lr --ddp # ~4 min
+    python benchmarks/paper_scale_fit.py --out "$OUT" --parts memory --presets 4B --configs lr       # ~5 min
     python benchmarks/paper_scale_fit.py --out "$OUT" --parts memory --presets 4B --configs attnres  # ~5 min
     python benchmarks/paper_scale_fit.py --out "$OUT" --parts checkpoint appendix-i                 # ~5 min
     python benchmarks/paper_scale_fit.py --smoke --out /tmp/fit                                      # CPU check, every part
