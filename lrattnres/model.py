@@ -40,6 +40,11 @@ baseline's running sum; the routed methods' sources) is stored in the autocast d
 require), or in the embedding's dtype (``"param"``: fp32 sources, twice the bytes per routing read).
 Every write is cast to the stream's dtype, so all sources of a read share one dtype.
 
+Activation checkpointing (``model.activation_checkpointing``, set by the trainer from its spec): each
+layer's two writes and reads are recomputed in the backward (``torch.utils.checkpoint`` per layer,
+the non-reentrant form that torch.compile traces); the routing banks' states pass through the layer
+as its inputs and outputs, so only the layer boundaries are kept. The gradients are the same.
+
 Router: ``reference`` mixes with ``routing.route``; ``fused`` with ``kernels.attnres`` (imported on
 first use); ``auto`` = fused on CUDA when ``kernels`` imports, reference otherwise.  ``plr`` scores
 its projected keys in PyTorch (``routing.route_keys``); so does any forward that returns routing

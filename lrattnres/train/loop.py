@@ -308,10 +308,10 @@ def train(spec: dict, data: str | os.PathLike, out: str | os.PathLike, **kw) -> 
     :class:`CodeChanged`, naming the changed files) or ``continue`` (as ``force``); a run continued
     across a code change records both commits and the changed files in its result
     (``code_changes``).  A checkpoint whose files fail their sha256 check stops the run with
-    :class:`CheckpointError` in every mode but ``never``.  ``stop_after``: stop after that many total updates, writing a checkpoint as on
-    preemption (for tests and time-sliced jobs; raises :class:`Preempted`).  ``progress``: a live
-    tqdm bar when stderr is a terminal; otherwise (or without ``progress``) plain status lines every
-    ``log_every_s`` seconds of the spec.  SIGTERM/SIGINT are caught from the start (a signal during
+    :class:`CheckpointError` in every mode but ``never``.  ``stop_after``: stop after that many
+    total updates, writing a checkpoint as on preemption (for tests and time-sliced jobs; raises
+    :class:`Preempted`).  ``progress``: a live tqdm bar when stderr is a terminal; otherwise (or
+    without ``progress``) plain status lines every ``log_every_s`` seconds of the spec.  SIGTERM/SIGINT are caught from the start (a signal during
     start-up still stops at the first step boundary with a checkpoint).
     """
     stop = _StopFlag().install()
@@ -412,7 +412,7 @@ def _train(
                 problems.append(f"written in the earlier format {rec['format']}")
             change = _code_change(rec, files_now, commit_now) if code_differs else None
             keep_going = resume == "force" or (resume == "auto" and on_code_change == "continue")
-            if code_differs and not keep_going and not problems and resume == "auto" and on_code_change == "refuse":
+            if code_differs and not problems and resume == "auto" and on_code_change == "refuse":
                 raise CodeChanged(
                     f"{ck_path}: the checkpoint at step {rec['step']} was written by other training code "
                     f"({_describe_change(change)}); refusing to continue or discard it. Continue it with this code "
