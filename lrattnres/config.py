@@ -352,6 +352,8 @@ def _check_semantics(settings: dict, where: str) -> None:
         batch.check(settings, where)
         memory.check(settings, where)
         jobplan.placement(settings)
+        for preset in dict.fromkeys(settings["presets"].values()):  # the launch options torch has
+            jobplan.launcher(settings, preset)
     except (batch.BatchError, memory.FitError) as e:
         raise ConfigError(str(e)) from None
     except jobplan.JobPlanError as e:

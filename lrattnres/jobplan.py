@@ -318,11 +318,22 @@ def shutdown_option(settings: dict, preset: str) -> str:
         "'.[slurm]' pins it)")
 
 
+# torchrun options every multi-GPU launch needs, by launcher (lrattnres/jobplan.py's commands)
+TORCHRUN_OPTIONS = {"torchrun": ("--standalone", "--nproc-per-node"),
+                    "srun": ("--nnodes", "--nproc-per-node", "--rdzv-backend", "--rdzv-endpoint", "--rdzv-id")}
+
+
 def launcher(settings: dict, preset: str, gpus_per_node: int | None = None) -> str:
-    """The command that starts ``python -m lrattnres`` on every rank of a training job."""
+    """The command that starts ``python -m lrattnres`` on every rank of a training job (each torchrun
+    option only where the installed torch has it: :class:`JobPlanError` names one that is missing)."""
     p = placement(settings, gpus_per_node)
     if p["launcher"] == "python":
         return "python -m lrattnres"
+    missing = [o for o in TORCHRUN_OPTIONS[p["launcher"]] if not torchrun_supports(o)]
+    if missing:
+        raise JobPlanError(f"resources.train: torchrun of torch {_torch_version()} has no {', '.join(missing)}, which the "
+                           f"{p['launcher']} launch of a job of {p['world']} ranks needs; expected a torch that has them "
+                           "(pip install -e '.[slurm]')")
     shutdown = shutdown_option(settings, preset)
     if p["launcher"] == "torchrun":
         return f"torchrun --standalone --nproc-per-node {p['gpus_per_node']}{shutdown} -m lrattnres"

@@ -210,14 +210,18 @@ def test_torchruns_shutdown_timeout_only_where_torch_has_it(monkeypatch):
     installed = Version(metadata.version("torch").split("+")[0])
     assert jobplan.torchrun_supports("--shutdown-timeout") == (installed >= Version("2.11"))
     assert jobplan.torchrun_supports("--no-such-option") is False
-    monkeypatch.setattr(jobplan, "torchrun_supports", lambda option: False)
+    assert all(jobplan.torchrun_supports(o) for opts in jobplan.TORCHRUN_OPTIONS.values() for o in opts)
+    two_nodes = paper(resources={"train": {"nodes": 2}})
+    monkeypatch.setattr(jobplan, "torchrun_supports", lambda option: option != "--rdzv-endpoint")
+    with pytest.raises(jobplan.JobPlanError, match=r"has no --rdzv-endpoint, which the srun launch of a job of 16 ranks"):
+        jobplan.launcher(two_nodes, "1B")
+    monkeypatch.setattr(jobplan, "torchrun_supports", lambda option: option != "--shutdown-timeout")
     s = paper()
     cmd = jobplan.launcher(s, "1B")
     assert "--shutdown-timeout" not in cmd and torchrun_args(cmd)[1].shutdown_timeout is None
-    slow = paper(cluster={"checkpoint_write_gbps": 0.1})
-    with pytest.raises(jobplan.JobPlanError, match=r"resources.train: torchrun of torch .* has no --shutdown-timeout .* "
-                                                   r"a 4B rank needs about \d+ s .* expected torch >= 2.11"):
-        jobplan.launcher(slow, "4B")
+    with pytest.raises(ConfigError, match=r"scales.paper.resources.train: torchrun of torch .* has no --shutdown-timeout "
+                                          r".* a 4B rank needs about \d+ s .* expected torch >= 2.11"):
+        paper(cluster={"checkpoint_write_gbps": 0.1})  # refused when the workflow starts
 
 
 def test_the_partition_of_a_rules_jobs_comes_from_snakemakes_resources():
