@@ -11,10 +11,16 @@ Parts (``--parts``, any of them, in this order):
                parameters the rank owns (all of them replicated; rank 0's share of
                ZeroRedundancyOptimizer's partition over the job's GPUs where the size shards its optimiser
                state), two micro-batches per update (the peak does not grow with more), then a validation
-               batch of the size's validation batch size. Records the peak allocated and reserved memory,
-               the CUDA context, the update time, and lrattnres/memory.py's estimate for the same rank;
-               ``fits`` says whether the peak (reserved + context) leaves the configured margin of an
-               80 GB GPU (cluster.gpu_memory_gib).
+               batch of the size's validation batch size. ``--checkpointing off on`` measures each
+               configuration without and with activation checkpointing (its memory and its cost per
+               update); ``--ddp`` wraps the model in DistributedDataParallel on a one-rank process group,
+               as the job does (its gradient buckets stay allocated through validation). Records the peak
+               allocated and reserved memory, the CUDA context, the time of a micro-batch and of the
+               optimiser step, the speed one GPU of the plan trains at (its accumulation of micro-batches
+               and one optimiser step, communication left out), and lrattnres/memory.py's estimate for the
+               same rank; ``fits`` says whether the peak (reserved + context) leaves the configured margin
+               of an 80 GB GPU (cluster.gpu_memory_gib). ``check`` holds ``python -m lrattnres memory
+               --check``'s comparison: each peak's error against the estimate.
 ``checkpoint`` The 4B checkpoint (weights and optimiser state, random values): rank 0's share of an
                8-rank job written with lrattnres/train/checkpoint.py (safetensors + sha256), the time to
                write and the time to hash, and the resulting signal lead (lrattnres/jobplan.py) with those
@@ -29,11 +35,15 @@ cluster settings, results), rewritten after every configuration, so a run cut sh
 finished. On one H200, in commands of under 10 minutes (each configuration compiles its model; the
 4B's compilation alone takes about 270 s):
 
-    python benchmarks/paper_scale_fit.py --out "$OUT" --parts memory --presets 0.5B 1B              # ~8 min
+    python benchmarks/paper_scale_fit.py --out "$OUT" --parts memory --presets 0.5B                 # ~5 min
+    python benchmarks/paper_scale_fit.py --out "$OUT" --parts memory --presets 1B --configs lr \
+        --checkpointing off on                                                                       # ~5 min
+    python benchmarks/paper_scale_fit.py --out "$OUT" --parts memory --presets 1B --configs lr --ddp # ~4 min
     python benchmarks/paper_scale_fit.py --out "$OUT" --parts memory --presets 4B --configs lr       # ~5 min
     python benchmarks/paper_scale_fit.py --out "$OUT" --parts memory --presets 4B --configs attnres  # ~5 min
     python benchmarks/paper_scale_fit.py --out "$OUT" --parts checkpoint appendix-i                 # ~5 min
     python benchmarks/paper_scale_fit.py --smoke --out /tmp/fit                                      # CPU check, every part
+    python -m lrattnres memory --check "$OUT"/paper_scale_fit_memory_*.json                         # the model's errors
 """
 
 from __future__ import annotations
@@ -61,6 +71,11 @@ def _args(argv=None):
     p.add_argument("--parts", nargs="+", default=list(PARTS), choices=PARTS)
     p.add_argument("--presets", nargs="+", default=["0.5B", "1B", "4B"])
     p.add_argument("--configs", nargs="+", default=["attnres", "lr"], choices=["attnres", "lr"])
+    p.add_argument("--checkpointing", nargs="+", default=["off"], choices=["off", "on"],
+                   help="memory part: without and/or with activation checkpointing")
+    p.add_argument("--ddp", action="store_true",
+                   help="memory part: wrap the model in DistributedDataParallel on a one-rank process group, as the "
+                        "job's ranks are (where the plan is data-parallel)")
     p.add_argument("--ckpt-dir", default=None, help="where the checkpoint part writes (default: a temporary folder)")
     p.add_argument("--whole", action="store_true", help="checkpoint part: also write the whole 4B state from one rank")
     p.add_argument("--steps", type=int, default=300, help="appendix-i: updates of each gpu-scale training")
@@ -113,7 +128,23 @@ def _owned_only(optimizers: dict, owner: dict, names: dict, rank: int = 0) -> No
             g["params"] = [p for p in g["params"] if owner[names[id(p)]] == rank]
 
 
-def measure_memory(settings: dict, preset: str, cfg: dict, device, smoke: bool) -> dict:
+def _one_rank_group(device) -> None:
+    """A process group of this process alone (what DistributedDataParallel needs to wrap a model)."""
+    import socket
+
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}",
+                            rank=0, world_size=1)
+
+
+def measure_memory(settings: dict, preset: str, cfg: dict, device, smoke: bool, checkpointing: bool = False,
+                   ddp: bool = False) -> dict:
     import torch
 
     from lrattnres import batch, memory
@@ -142,6 +173,7 @@ def measure_memory(settings: dict, preset: str, cfg: dict, device, smoke: bool) 
                        "rank": cfg["rank"], "max_seq_len": max(seq, shape["max_seq_len"])})
     with torch.device(device):
         model = build_model(mc)
+    model.activation_checkpointing = checkpointing
     names = {id(p): n for n, p in model.named_parameters()}
     optim = {k: dict(v) for k, v in DEFAULTS["optim"].items()}
     opts = build_optimizers(model, optim, device.type)
@@ -150,22 +182,39 @@ def measure_memory(settings: dict, preset: str, cfg: dict, device, smoke: bool) 
         _owned_only(opts, owner, names, 0)
     params = [p for p in model.parameters() if p.requires_grad]
     lm = LossModule(model, precision)
+    ddp = ddp and b["world"] > 1
+    if ddp:  # as in the job (lrattnres/train/loop.py): the gradients are views into DDP's buckets
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        _one_rank_group(device)
+        lm = DDP(lm, device_ids=[device.index or 0] if cuda else None, gradient_as_bucket_view=True)
     fwd = torch.compile(lm, dynamic=False) if (cuda and not smoke) else lm
     eot = 100257 if vocab == PAPER_VOCAB else vocab - 1
     batches = synthetic_buffer(accum, mb, seq, vocab, eot, 512, 0)
-    times = []
+    times, grads_s, opt_s = [], [], []
     for _ in range(3):
         t0 = time.perf_counter()
         accumulate_gradients(fwd, lm, batches, params, device, 1e-5, 1.0)
+        if cuda:
+            torch.cuda.synchronize(device)
+        t1 = time.perf_counter()
         apply_update(opts, device)
-        times.append(time.perf_counter() - t0)
+        t2 = time.perf_counter()
+        times.append(t2 - t0)
+        grads_s.append(t1 - t0)
+        opt_s.append(t2 - t1)
+    best = min(range(1, 3), key=lambda i: times[i])
+    micro_s, step_s = grads_s[best] / accum, opt_s[best]
     row = {"preset": paper_preset, "shape": preset, "config": cfg["name"], "method": cfg["method"], "blocks": cfg["blocks"],
-           "rank": cfg["rank"], "micro_batch": mb, "seq_len": seq, "grad_accum_measured": accum,
+           "rank": cfg["rank"], "vocab": vocab, "micro_batch": mb, "seq_len": seq, "grad_accum_measured": accum,
            "grad_accum_planned": b["grad_accum"], "world_planned": b["world"], "shard_optimizer": b["shard_optimizer"],
+           "ddp": ddp, "activation_checkpointing": checkpointing,
            "optimizer_params": sum(p.numel() for o in opts.values() for g in o.param_groups for p in g["params"]),
            "parameters": sum(p.numel() for p in params), "val_batch_size": val_bs, "compiled": fwd is not lm,
-           "first_update_s": times[0], "update_s": min(times[1:]),
-           "tokens_per_s": accum * mb * seq / min(times[1:])}
+           "first_update_s": times[0], "update_s": times[best], "tokens_per_s": accum * mb * seq / times[best],
+           "micro_batch_s": micro_s, "optimizer_s": step_s,
+           # one GPU of the plan: its accumulation of micro-batches and one optimiser step (no communication)
+           "tokens_per_s_planned": b["grad_accum"] * mb * seq / (b["grad_accum"] * micro_s + step_s)}
     if cuda:
         row["train_peak_allocated_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
         row["train_peak_reserved_gib"] = torch.cuda.max_memory_reserved(device) / 2**30
@@ -186,7 +235,7 @@ def measure_memory(settings: dict, preset: str, cfg: dict, device, smoke: bool) 
     if not smoke:
         est = memory.estimate(dict(shape, vocab_size=vocab), micro_batch=mb, seq_len=seq, world=b["world"],
                               shard=b["shard_optimizer"], val_batch_size=val_bs, cluster=settings["cluster"],
-                              method=cfg["method"], rank=cfg["rank"])
+                              method=cfg["method"], rank=cfg["rank"], ddp=ddp, checkpointing=checkpointing)
         row["estimate"] = est
     del opts, fwd, lm, model, params, batches
     gc.collect()
@@ -335,6 +384,8 @@ def main(argv=None) -> int:
     name = "paper_scale_fit" + ("_smoke" if smoke else "") + "_" + "_".join(p.replace("-", "") for p in args.parts)
     if "memory" in args.parts and (args.presets != ["0.5B", "1B", "4B"] or args.configs != ["attnres", "lr"]):
         name += "_" + "-".join(args.presets) + "_" + "-".join(args.configs)  # one file per command
+    if "memory" in args.parts and (args.checkpointing != ["off"] or args.ddp):
+        name += ("_ckpt-" + "-".join(args.checkpointing) if args.checkpointing != ["off"] else "") + ("_ddp" if args.ddp else "")
     path = outdir / f"{name}.json"
     result = {"benchmark": "paper_scale_fit", "date": now(), "device": torch.cuda.get_device_name(device) if device.type == "cuda"
               else "cpu", "versions": _versions(), "git": git_state(), "smoke": smoke, "args": vars(args),
@@ -350,23 +401,34 @@ def main(argv=None) -> int:
     t_start = time.perf_counter()
     if "memory" in args.parts:
         rows = result["results"]["memory"] = []
+        from lrattnres import memory
+
         for paper_preset in args.presets:
             preset = SMOKE_PRESETS.get(paper_preset, paper_preset) if smoke else paper_preset
             for cfg in _configs(preset, args.configs):
-                t0 = time.perf_counter()
-                try:
-                    row = measure_memory(settings, preset, cfg, device, smoke)
-                except Exception as e:  # an out-of-memory is a result too
-                    row = {"preset": paper_preset, "config": cfg["name"], "error": f"{type(e).__name__}: {str(e)[:400]}"}
-                    gc.collect()
-                    if device.type == "cuda":
-                        torch.cuda.empty_cache()
-                row["wall_s"] = time.perf_counter() - t0
-                rows.append(row)
-                print(f"[fit] memory {paper_preset} {cfg['name']}: " + json.dumps(
-                    {k: row.get(k) for k in ("train_peak_allocated_gib", "val_peak_allocated_gib", "peak_process_gib",
-                                             "fits", "update_s", "error")}, default=str), file=sys.stderr, flush=True)
-                save()
+                for ac in args.checkpointing:
+                    t0 = time.perf_counter()
+                    try:
+                        row = measure_memory(settings, preset, cfg, device, smoke, checkpointing=ac == "on", ddp=args.ddp)
+                    except Exception as e:  # an out-of-memory is a result too
+                        row = {"preset": paper_preset, "config": cfg["name"], "activation_checkpointing": ac == "on",
+                               "error": f"{type(e).__name__}: {str(e)[:400]}"}
+                        gc.collect()
+                        if device.type == "cuda":
+                            torch.cuda.empty_cache()
+                    row["wall_s"] = time.perf_counter() - t0
+                    rows.append(row)
+                    print(f"[fit] memory {paper_preset} {cfg['name']} checkpointing {ac}: " + json.dumps(
+                        {k: row.get(k) for k in ("train_peak_allocated_gib", "val_peak_allocated_gib", "peak_process_gib",
+                                                 "fits", "update_s", "tokens_per_s_planned", "error")}, default=str),
+                          file=sys.stderr, flush=True)
+                    if not smoke:  # the estimate against this measurement (python -m lrattnres memory --check)
+                        result["check"] = memory.compare(rows, settings["cluster"])
+                    save()
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
     if "checkpoint" in args.parts:
         folder = Path(args.ckpt_dir) if args.ckpt_dir else Path(tempfile.mkdtemp(prefix="lrattnres-ckpt-"))
         try:

@@ -16,7 +16,8 @@ A first attempt always runs: a new Snakemake invocation after a fix starts at at
 Snakemake removes a job's log before each attempt. So that every attempt's output is kept, the
 stage links its log to ``<log folder>/attempts/<log stem>.<n>.log`` as it starts (a hard link: the
 same file under a second name, complete even if the process is killed; a copy at exit where links
-are not supported).
+are not supported). A Slurm job that is requeued runs the same attempt again
+(lrattnres/slurmjob.py); its k-th restart keeps its log as ``<log stem>.<n>.r<k>.log``.
 """
 
 from __future__ import annotations
@@ -43,14 +44,18 @@ def status_path(log: str | os.PathLike) -> Path:
     return _attempts_dir(log) / f"{Path(log).stem}.status.json"
 
 
-def attempt_log(log: str | os.PathLike, attempt: int) -> Path:
+def attempt_log(log: str | os.PathLike, attempt: int, restart: int = 0) -> Path:
     log = Path(log)
-    return _attempts_dir(log) / f"{log.stem}.{attempt}{log.suffix or '.log'}"
+    again = f".r{restart}" if restart else ""
+    return _attempts_dir(log) / f"{log.stem}.{attempt}{again}{log.suffix or '.log'}"
 
 
 def keep_log(log: str | os.PathLike, attempt: int) -> None:
-    """Give the log of this attempt a second name that outlives Snakemake's removal of ``log``."""
-    log, keep = Path(log), attempt_log(log, attempt)
+    """Give the log of this attempt a second name that outlives Snakemake's removal of ``log`` (and,
+    in a requeued Slurm job, the next run's)."""
+    from lrattnres.slurmjob import restart_count
+
+    log, keep = Path(log), attempt_log(log, attempt, restart_count())
     if not log.is_file():
         return
     try:

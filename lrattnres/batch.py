@@ -25,7 +25,8 @@ from lrattnres.errors import UserError
 PAPER_TOKENS_PER_UPDATE = 262_144  # Section 4.1
 PAPER_SCALE = "paper"
 SIZE_ROLES = ("small", "large")  # grid.pair.<role>: the size pair's presets
-BATCH_KEYS = ("micro_batch", "grad_accum", "shard_optimizer", "val_batch_size")
+BATCH_KEYS = ("micro_batch", "grad_accum", "shard_optimizer", "val_batch_size", "activation_checkpointing")
+CHECKPOINTING = ("auto", True, False)
 
 
 class BatchError(UserError, ValueError):
@@ -49,7 +50,8 @@ def _preset_role(settings: dict, preset: str) -> str | None:
 
 def split(settings: dict, preset: str) -> dict[str, Any]:
     """The batch split of runs of ``preset``: ``micro_batch``, ``grad_accum`` (an int),
-    ``shard_optimizer``, ``val_batch_size`` (None: the trainer's default), ``world``,
+    ``shard_optimizer``, ``val_batch_size`` (None: the trainer's default), ``activation_checkpointing``
+    (auto, true or false as configured; lrattnres/memory.py resolves auto), ``world``,
     ``tokens_per_update`` and ``where`` (the config field that sets it)."""
     train = settings["train"]
     role = _preset_role(settings, preset)
@@ -57,13 +59,16 @@ def split(settings: dict, preset: str) -> dict[str, Any]:
         block, where = train, "train"
         out = {"micro_batch": train["micro_batch"], "grad_accum": train.get("grad_accum", 1),
                "shard_optimizer": bool(train.get("shard_optimizer", False)),
-               "val_batch_size": (train.get("val") or {}).get("batch_size")}
+               "val_batch_size": (train.get("val") or {}).get("batch_size"),
+               "activation_checkpointing": train.get("activation_checkpointing", "auto")}
     else:
         block, where = settings["grid"]["pair"][role], f"grid.pair.{role}"
         out = {"micro_batch": block.get("micro_batch", train["micro_batch"]),
                "grad_accum": block.get("grad_accum", train.get("grad_accum", 1)),
                "shard_optimizer": bool(block.get("shard_optimizer", train.get("shard_optimizer", False))),
-               "val_batch_size": block.get("val_batch_size", (train.get("val") or {}).get("batch_size"))}
+               "val_batch_size": block.get("val_batch_size", (train.get("val") or {}).get("batch_size")),
+               "activation_checkpointing": block.get("activation_checkpointing",
+                                                     train.get("activation_checkpointing", "auto"))}
     world = world_size(settings)
     seq = train["seq_len"]
     target = train.get("tokens_per_update")

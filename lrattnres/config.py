@@ -352,6 +352,8 @@ def _check_semantics(settings: dict, where: str) -> None:
         batch.check(settings, where)
         memory.check(settings, where)
         jobplan.placement(settings)
+        for preset in dict.fromkeys(settings["presets"].values()):  # the launch options torch has
+            jobplan.launcher(settings, preset)
     except (batch.BatchError, memory.FitError) as e:
         raise ConfigError(str(e)) from None
     except jobplan.JobPlanError as e:
@@ -360,7 +362,7 @@ def _check_semantics(settings: dict, where: str) -> None:
 
 # Settings that say how and where a scale runs, not what it computes: changing them reruns nothing.
 EXECUTION_KEYS = (("resources",), ("results",), ("data", "num_threads"), ("data", "hf", "local_dir"), ("cluster",),
-                  ("train", "log_every_s"), ("train", "grad_guard"))
+                  ("train", "log_every_s"), ("train", "grad_guard"), ("train", "on_code_change"))
 TIMING_RULES = ("throughput", "kernel_check")  # timed: always alone on their GPU
 
 

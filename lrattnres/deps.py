@@ -17,7 +17,8 @@ PACKAGES = ("lrattnres", "kernels")
 # Modules that decide how a job runs (which GPU, whether a retry may run, where its ranks start, how
 # long it may take, whether it fits its GPU's memory), never what it computes: not inputs of any rule,
 # so that a change to them reruns nothing.
-EXECUTION_MODULES = ("lrattnres.attempts", "lrattnres.gpus", "lrattnres.jobplan", "lrattnres.memory")
+EXECUTION_MODULES = ("lrattnres.attempts", "lrattnres.gpus", "lrattnres.jobplan", "lrattnres.memory",
+                     "lrattnres.slurmjob")
 
 
 def module_file(name: str) -> Path | None:

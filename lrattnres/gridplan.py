@@ -23,7 +23,7 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from lrattnres import batch
+from lrattnres import batch, memory
 from lrattnres.config import deep_merge, resolve_rank
 from lrattnres.presets import get_preset
 
@@ -126,6 +126,12 @@ def plan(settings: dict) -> list[Run]:
     return list(merged.values())
 
 
+# Keys of a scale's ``train`` settings that the train rule gives the trainer as command-line options,
+# not in its spec: execution settings. ``on_code_change``: what a checkpoint written by other training
+# code does (``python -m lrattnres train --on-code-change``).
+TRAIN_CLI_KEYS = ("on_code_change",)
+
+
 def train_spec(settings: dict, run: Run) -> dict:
     """The training spec of one run: the recipe, the scale's training settings with the batch split
     of the run's size (lrattnres/batch.py), the run's model.
@@ -146,11 +152,16 @@ def train_spec(settings: dict, run: Run) -> dict:
         if key in recipe:
             model[key] = recipe.pop(key)
     spec = deep_merge(recipe, settings["train"])
+    for key in TRAIN_CLI_KEYS:  # given to the trainer on its command line
+        spec.pop(key, None)
     b = batch.split(settings, run.preset)  # the size's micro-batch, accumulation (auto resolved) ...
     spec["micro_batch"], spec["grad_accum"] = b["micro_batch"], b["grad_accum"]
-    spec.pop("shard_optimizer", None)
+    for key in ("shard_optimizer", "activation_checkpointing"):
+        spec.pop(key, None)
     if b["shard_optimizer"]:
         spec["shard_optimizer"] = True
+    if memory.checkpointing(settings, run.preset):  # auto: where the size would not fit without it
+        spec["activation_checkpointing"] = True
     if b["val_batch_size"] is not None:
         spec["val"] = {**spec.get("val", {}), "batch_size": b["val_batch_size"]}
     spec["model"] = model

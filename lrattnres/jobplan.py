@@ -21,16 +21,27 @@ preempted or timed-out rank first finishes its update (or a periodic validation)
 signal lead (``sbatch --signal=TERM@<lead>``) and torchrun's ``--shutdown-timeout`` both cover
 that plus ``signal_margin_s`` (Slurm may signal up to a minute off). A job's wall time
 (``resources.train.runtime: auto``) is the run's tokens at that speed, its checkpoints and
-validations, the start-up, times ``1 + job_margin``, at most ``runtime_max_min``; a run longer than
-that continues in the next job (Snakemake's retries; :func:`plan_rows` says how many jobs).
-``python -m lrattnres jobs [--scale paper]`` prints the plan.
+validations, the start-up, times ``1 + job_margin``, at most the longest job the cluster takes:
+``runtime_max_min``, or the partition's own limit (``sinfo``) where that is shorter
+(:func:`runtime_cap_min`). A run longer than that is a chain of runs of the same Slurm job: its
+trainer stops at a deadline before the job's end and requeues the job, which resumes from the
+checkpoint (lrattnres/slurmjob.py; :func:`jobs_needed` says how many runs).
+``python -m lrattnres jobs [--scale paper] [--partition P]`` prints the plan.
+
+Launch options are used only where the installed torch has them (:func:`torchrun_supports`): torchrun's
+``--shutdown-timeout`` (PyTorch 2.11 and later) sets how long torchrun waits for its workers after
+forwarding a SIGTERM; before it, torchrun kills them :data:`TORCHRUN_DEFAULT_SHUTDOWN_S` seconds
+later, so a job whose update and checkpoint write take longer is refused (:func:`launcher`).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import math
+import re
 import shlex
+import subprocess
 from typing import Any
 
 from lrattnres import batch, memory
@@ -41,6 +52,7 @@ RDZV_PORT_SPAN = 20000
 VAL_SPEEDUP = 3.0  # a forward pass costs about a third of a training step
 LAUNCHERS = ("auto", "torchrun", "srun")
 DEFAULT_LEAD_S = 300  # the signal lead and shutdown timeout where the scale gives no estimates
+TORCHRUN_DEFAULT_SHUTDOWN_S = 30  # torchrun's wait between forwarding SIGTERM and SIGKILL without the option
 
 
 class JobPlanError(UserError, ValueError):
@@ -140,29 +152,111 @@ def run_estimate_s(settings: dict, spec: dict, preset: str) -> float | None:
             + n_val * periodic + final)
 
 
-def runtime_min(settings: dict, spec: dict, preset: str) -> int | None:
+def parse_slurm_minutes(text: str) -> int | None:
+    """Minutes of a Slurm time limit as ``sinfo`` prints it (``30``, ``2:00:00``, ``1-00:00:00``,
+    ``2-12``), or None for ``infinite``, ``UNLIMITED``, ``n/a`` and anything unreadable."""
+    m = re.fullmatch(r"(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?", text.strip())
+    if not m:
+        return None
+    days, a, b, c = m.groups()
+    if days is not None:  # days-hours[:minutes[:seconds]]
+        h, mi, sec = int(a), int(b or 0), int(c or 0)
+        return int(days) * 1440 + h * 60 + mi + math.ceil(sec / 60) if sec else int(days) * 1440 + h * 60 + mi
+    if c is not None:  # hours:minutes:seconds
+        return int(a) * 60 + int(b) + (1 if int(c) else 0)
+    if b is not None:  # minutes:seconds
+        return int(a) + (1 if int(b) else 0)
+    return int(a)  # minutes
+
+
+def partition_limit_min(partition: str | None = None, run=subprocess.run) -> int | None:
+    """The time limit (minutes) of Slurm partition ``partition``, or of the default partition (the
+    one ``sinfo`` marks with ``*``), as ``sinfo`` reports it; None where it is unlimited or unknown
+    (no ``sinfo``, no answer, no such partition)."""
+    try:
+        proc = run(["sinfo", "-h", "-o", "%P|%l"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if proc.returncode != 0:
+        return None
+    limits = {}
+    default = None
+    for line in proc.stdout.splitlines():
+        name, _, limit = line.strip().partition("|")
+        if not name:
+            continue
+        if name.endswith("*"):
+            name = name[:-1]
+            default = name
+        limits[name] = parse_slurm_minutes(limit)
+    return limits.get(partition if partition else default)
+
+
+def slurm_partition(resource_settings, rule: str) -> str | None:
+    """The partition Snakemake's Slurm executor submits ``rule``'s jobs to: the ``slurm_partition`` of
+    ``--set-resources`` for the rule, else of ``--default-resources``; None for the cluster's default
+    partition. ``resource_settings``: Snakemake's (``workflow.resource_settings``)."""
+    for mapping in ((getattr(resource_settings, "overwrite_resources", None) or {}).get(rule),
+                    getattr(resource_settings, "default_resources", None)):
+        try:
+            value = mapping.get("slurm_partition") if mapping is not None else None
+        except (AttributeError, KeyError, TypeError):
+            value = None
+        if hasattr(value, "raw"):  # a snakemake.resources.Resource: the text given, unevaluated
+            value = value.raw
+        value = value.strip("'\" ") if isinstance(value, str) else None
+        if value:
+            return value
+    return None
+
+
+def runtime_cap_min(settings: dict, partition_min: int | None = None) -> int | None:
+    """The longest job a training or timing job may ask for: ``cluster.runtime_max_min`` or the
+    partition's limit ``partition_min``, the shorter; None where neither is known."""
+    caps = [x for x in (_cluster(settings).get("runtime_max_min"), partition_min) if x]
+    return min(caps) if caps else None
+
+
+def deadline_lead_s(settings: dict, preset: str) -> int:
+    """Seconds before a job's end at which its trainer stops on its own to continue in the job's next
+    run: the signal lead and ``signal_margin_s`` (Slurm may signal up to a minute early), so that the
+    trainer's own checkpoint comes before Slurm's signal."""
+    return int(lead_s(settings, preset) or DEFAULT_LEAD_S) + int(_cluster(settings).get("signal_margin_s", 60))
+
+
+def runtime_min(settings: dict, spec: dict, preset: str, partition_min: int | None = None) -> int | None:
     """Minutes a training job of ``spec`` asks for: the estimate with the margin, at most the
-    cluster's longest job; None without the estimates."""
+    longest job the cluster takes (:func:`runtime_cap_min`); None without the estimates."""
     est = run_estimate_s(settings, spec, preset)
     if est is None:
         return None
     c = _cluster(settings)
     want = math.ceil(est * (1 + c.get("job_margin", 0.0)) / 60)
-    cap = c.get("runtime_max_min")
+    cap = runtime_cap_min(settings, partition_min)
     return min(want, cap) if cap else want
 
 
-def jobs_needed(settings: dict, spec: dict, preset: str) -> int | None:
-    """How many jobs of at most ``runtime_max_min`` a run takes (each loses the lead and a start-up)."""
+def jobs_needed(settings: dict, spec: dict, preset: str, partition_min: int | None = None) -> int | None:
+    """How many runs of a job of at most :func:`runtime_cap_min` a training run takes: each trains
+    from its start-up to its deadline (:func:`deadline_lead_s` before the end), less the update and
+    checkpoint it finishes there."""
     est = run_estimate_s(settings, spec, preset)
     c = _cluster(settings)
-    if est is None or not c.get("runtime_max_min"):
+    cap = runtime_cap_min(settings, partition_min)
+    if est is None or not cap:
         return None if est is None else 1
-    per_job = c["runtime_max_min"] * 60 - (lead_s(settings, preset) or 0) - c.get("job_startup_s", 0)
-    return max(1, math.ceil(est * (1 + c.get("job_margin", 0.0)) / per_job))
+    want = est * (1 + c.get("job_margin", 0.0))
+    if want <= cap * 60:
+        return 1
+    per_job = (cap * 60 - deadline_lead_s(settings, preset) - c.get("job_startup_s", 0)
+               - (update_s(settings, preset) or 0) - (checkpoint_write_s(settings, preset) or 0))
+    if per_job <= 0:
+        raise JobPlanError(f"cluster.runtime_max_min: a job of {cap} min leaves no time to train after the start-up "
+                           f"and the signal lead ({deadline_lead_s(settings, preset)} s); expected a longer job")
+    return max(1, math.ceil((want - c.get("job_startup_s", 0)) / per_job))
 
 
-def throughput_runtime_min(settings: dict, preset: str) -> int | None:
+def throughput_runtime_min(settings: dict, preset: str, partition_min: int | None = None) -> int | None:
     """Minutes the throughput job of ``preset`` asks for, from the timing protocol (lrattnres/throughput/):
     every method compiles once in the job, then every repeat of every method warms up and times at most
     ``max_updates`` updates at the size's speed; with ``target_half_width``, the extra repeats of the
@@ -187,16 +281,70 @@ def throughput_runtime_min(settings: dict, preset: str) -> int | None:
     compile_s = methods * c.get("compile_s", 0) if t["compile"] else 0
     want = math.ceil((c.get("job_startup_s", 0) + compile_s + methods * repeats * per_run + extra)
                      * (1 + c.get("job_margin", 0.0)) / 60)
-    cap = c.get("runtime_max_min")
+    cap = runtime_cap_min(settings, partition_min)
     return min(want, cap) if cap else want
 
 
+@functools.cache
+def torchrun_supports(option: str) -> bool:
+    """Whether the installed torch's torchrun takes ``option``: read from its argument parser's source
+    (torch/distributed/run.py) without importing torch."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.find_spec("torch")
+    if spec is None or not spec.submodule_search_locations:
+        return False
+    for root in spec.submodule_search_locations:
+        src = Path(root) / "distributed" / "run.py"
+        if src.is_file():
+            return f'"{option}"' in src.read_text(encoding="utf-8", errors="replace")
+    return False
+
+
+def _torch_version() -> str:
+    from importlib import metadata
+
+    try:
+        return metadata.version("torch")
+    except metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def shutdown_option(settings: dict, preset: str) -> str:
+    """torchrun's ``--shutdown-timeout <lead>`` where the installed torch has it; without it, nothing,
+    where its fixed wait covers the update and the checkpoint write, else :class:`JobPlanError`."""
+    lead = lead_s(settings, preset)
+    if torchrun_supports("--shutdown-timeout"):
+        return f" --shutdown-timeout {lead}"
+    up, write = update_s(settings, preset), checkpoint_write_s(settings, preset)
+    needed = (up or 0) + (write or 0)
+    if up is None or write is None or needed < TORCHRUN_DEFAULT_SHUTDOWN_S:
+        return ""
+    raise JobPlanError(
+        f"resources.train: torchrun of torch {_torch_version()} has no --shutdown-timeout (PyTorch 2.11 and later): it "
+        f"kills its workers {TORCHRUN_DEFAULT_SHUTDOWN_S} s after forwarding SIGTERM, and a {preset} rank needs about "
+        f"{needed:.0f} s to finish its update and write its checkpoint; expected torch >= 2.11 (pip install -e "
+        "'.[slurm]' pins it)")
+
+
+# torchrun options every multi-GPU launch needs, by launcher (lrattnres/jobplan.py's commands)
+TORCHRUN_OPTIONS = {"torchrun": ("--standalone", "--nproc-per-node"),
+                    "srun": ("--nnodes", "--nproc-per-node", "--rdzv-backend", "--rdzv-endpoint", "--rdzv-id")}
+
+
 def launcher(settings: dict, preset: str, gpus_per_node: int | None = None) -> str:
-    """The command that starts ``python -m lrattnres`` on every rank of a training job."""
+    """The command that starts ``python -m lrattnres`` on every rank of a training job (each torchrun
+    option only where the installed torch has it: :class:`JobPlanError` names one that is missing)."""
     p = placement(settings, gpus_per_node)
-    shutdown = f" --shutdown-timeout {lead_s(settings, preset)}"
     if p["launcher"] == "python":
         return "python -m lrattnres"
+    missing = [o for o in TORCHRUN_OPTIONS[p["launcher"]] if not torchrun_supports(o)]
+    if missing:
+        raise JobPlanError(f"resources.train: torchrun of torch {_torch_version()} has no {', '.join(missing)}, which the "
+                           f"{p['launcher']} launch of a job of {p['world']} ranks needs; expected a torch that has them "
+                           "(pip install -e '.[slurm]')")
+    shutdown = shutdown_option(settings, preset)
     if p["launcher"] == "torchrun":
         return f"torchrun --standalone --nproc-per-node {p['gpus_per_node']}{shutdown} -m lrattnres"
     train = settings.get("resources", {}).get("train", {})
@@ -228,8 +376,9 @@ def slurm_resources(settings: dict, preset: str) -> dict[str, Any]:
     return out
 
 
-def plan_rows(settings: dict) -> list[dict[str, Any]]:
-    """Per size of the scale's training runs: the placement, launcher, lead, wall time and jobs."""
+def plan_rows(settings: dict, partition_min: int | None = None) -> list[dict[str, Any]]:
+    """Per size of the scale's training runs: the placement, launcher, lead, wall time and jobs
+    (``partition_min``: the partition's time limit, where known)."""
     from lrattnres.gridplan import plan, train_spec
 
     rows, seen = [], set()
@@ -244,7 +393,9 @@ def plan_rows(settings: dict) -> list[dict[str, Any]]:
                      if spec.get("steps") else spec.get("tokens"), **placement(settings),
                      "update_s": update_s(settings, run.preset), "checkpoint_s": checkpoint_write_s(settings, run.preset),
                      "lead_s": lead_s(settings, run.preset), "estimate_h": (run_estimate_s(settings, spec, run.preset) or 0) / 3600,
-                     "runtime_min": runtime_min(settings, spec, run.preset), "jobs": jobs_needed(settings, spec, run.preset),
+                     "runtime_min": runtime_min(settings, spec, run.preset, partition_min),
+                     "jobs": jobs_needed(settings, spec, run.preset, partition_min),
+                     "deadline_lead_s": deadline_lead_s(settings, run.preset),
                      "command": launcher(settings, run.preset), "slurm": slurm_resources(settings, run.preset)})
     return rows
 
@@ -255,8 +406,17 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m lrattnres jobs", description=__doc__.splitlines()[0])
     p.add_argument("--config", default="config.yaml")
     p.add_argument("--scale", default="paper")
+    p.add_argument("--partition", default=None, metavar="NAME",
+                   help="cap the jobs at this Slurm partition's time limit (sinfo); '' for the default partition")
     args = p.parse_args(argv)
-    rows = plan_rows(load_and_resolve(args.config, {"scale": args.scale}))
+    settings = load_and_resolve(args.config, {"scale": args.scale})
+    part = partition_limit_min(args.partition or None) if args.partition is not None else None
+    if args.partition is not None:
+        print(f"partition {args.partition or '(default)'}: time limit "
+              + (f"{part:,} min" if part else "unlimited or unknown (sinfo)"))
+    rows = plan_rows(settings, part)
+    cap = runtime_cap_min(settings, part)
+    print(f"longest job: {cap:,} min" if cap else "longest job: no limit")
     print("| size | updates | tokens | GPUs | update | checkpoint | signal lead | estimate | wall time per job | jobs |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:

@@ -3,7 +3,9 @@ every size of a scale fits its GPUs.
 
 One rank of a data-parallel training job holds (bytes, fp32 master weights as the trainer keeps them):
 
-* weights 4 P and gradients 4 P (DDP's buckets are the gradients: ``gradient_as_bucket_view``);
+* weights 4 P and gradients 4 P. In a data-parallel job the gradients are views into DDP's
+  gradient buckets (``gradient_as_bucket_view``), which DDP allocates once and keeps: the training
+  peak counts them once, and the validation peak keeps them although the gradients are freed;
 * optimiser state: Muon's momentum (4 bytes per Muon parameter) and AdamW's two moments (8 bytes per
   AdamW parameter); with ``shard_optimizer`` each rank keeps the state of the parameters it owns under
   ZeroRedundancyOptimizer's partition (largest parameter first, each to the least-loaded rank; one
@@ -12,15 +14,23 @@ One rank of a data-parallel training job holds (bytes, fp32 master weights as th
   the scale's anchors (peaks measured on one GPU: ``cluster.memory_anchors``) after their weights,
   gradients and full optimiser state are taken off; ``a L d`` grows with the layers and the width,
   ``c`` (the logits of 2,048 tokens over the vocabulary) does not;
+  with activation checkpointing (the model recomputes each layer in the backward) the layers keep only
+  their boundary tensors, :data:`CHECKPOINT_BYTES` per token and model dimension per layer (the read
+  entering the layer and its two writes' partial sums, in bf16; the baseline keeps only the read), plus
+  one layer's activations ``a d`` while it is recomputed, and ``c``;
 * ``cluster.memory_overhead_gib``: what an allocator's peak leaves out (CUDA context, NCCL buffers,
   fragmentation).
 
-Validation keeps the weights and the optimiser state and adds ``val_batch_size`` sequences of logits
-(bf16, their fp32 copy and the fp32 log-softmax: 10 bytes per vocabulary entry and token).
+Validation keeps the weights, the optimiser state and DDP's buckets and adds ``val_batch_size``
+sequences of logits (bf16, their fp32 copy and the fp32 log-softmax: 10 bytes per vocabulary entry
+and token).
 
-:func:`check` refuses a scale whose estimated peak of any size exceeds ``cluster.gpu_memory_gib x
-(1 - cluster.memory_margin)``. ``python -m lrattnres memory [--scale paper]`` prints the estimates.
-``benchmarks/paper_scale_fit.py`` measures one rank's exact configuration on a GPU to confirm them.
+:func:`checkpointing` resolves each size's ``activation_checkpointing`` (``auto``: on where the size
+would not fit without it and does with it). :func:`check` refuses a scale whose estimated peak of any
+size exceeds ``cluster.gpu_memory_gib x (1 - cluster.memory_margin)``. ``python -m lrattnres memory
+[--scale paper]`` prints the estimates; ``--check <result.json> ...`` compares them with measurements
+of ``benchmarks/paper_scale_fit.py`` (:func:`compare`: each measurement's error, a failure above
+:data:`CHECK_TOLERANCE`), leaving out the anchors the model is fitted to.
 """
 
 from __future__ import annotations
@@ -34,6 +44,10 @@ from lrattnres.errors import UserError
 
 GIB = 2**30
 VAL_BYTES_PER_LOGIT = 10  # bf16 logits, their fp32 copy, fp32 log-softmax
+# bytes per token and model dimension that a checkpointed layer keeps (bf16): the read entering it and
+# its two writes' partial sums (routed methods), the residual sum alone (baseline)
+CHECKPOINT_BYTES = {"routed": 6, "baseline": 2}
+CHECK_TOLERANCE = 0.10  # the largest relative error of an estimate against a measurement it was not fitted to
 
 
 class FitError(UserError, ValueError):
@@ -100,42 +114,90 @@ def activation_model(anchors: list[dict]) -> tuple[float, float]:
 
 
 def estimate(shape: dict, *, micro_batch: int, seq_len: int, world: int, shard: bool, val_batch_size: int,
-             cluster: dict, method: str = "lr", rank: int | None = None) -> dict[str, Any]:
-    """The estimated training and validation peaks of one rank, in GiB, with their parts."""
+             cluster: dict, method: str = "lr", rank: int | None = None, ddp: bool | None = None,
+             checkpointing: bool = False) -> dict[str, Any]:
+    """The estimated training and validation peaks of one rank, in GiB, with their parts. ``ddp``: the
+    rank's model is wrapped in DistributedDataParallel (default: ``world > 1``), whose gradient buckets
+    stay allocated through validation; ``checkpointing``: activation checkpointing."""
     a, c = activation_model(cluster.get("memory_anchors", []))
     scale = seq_len / 2048  # the anchors are measured at 2,048 tokens per sequence
     st = static_bytes(shape, world=world, shard=shard, method=method, rank=rank)
-    act = micro_batch * (a * shape["n_layers"] * shape["d_model"] + c) * scale
+    L, d = shape["n_layers"], shape["d_model"]
+    if checkpointing:
+        kept = CHECKPOINT_BYTES["baseline" if method == "baseline" else "routed"] * L * d * seq_len / GIB
+        act = micro_batch * (kept + (a * d + c) * scale)
+    else:
+        act = micro_batch * (a * L * d + c) * scale
     over = float(cluster.get("memory_overhead_gib", 0.0))
+    ddp = world > 1 if ddp is None else ddp
+    buckets = st["grads"] if ddp else 0  # the gradients are bucket views: counted once in training
     train = (st["weights"] + st["grads"] + st["optimizer"]) / GIB + act + over
     val_logits = val_batch_size * seq_len * shape["vocab_size"] * VAL_BYTES_PER_LOGIT / GIB
-    val = (st["weights"] + st["optimizer"]) / GIB + val_logits + over
+    val = (st["weights"] + st["optimizer"] + buckets) / GIB + val_logits + over
     return {"weights_gib": st["weights"] / GIB, "grads_gib": st["grads"] / GIB, "optimizer_gib": st["optimizer"] / GIB,
-            "activations_gib": act, "overhead_gib": over, "train_peak_gib": train, "val_peak_gib": val,
+            "buckets_gib": buckets / GIB, "activations_gib": act, "overhead_gib": over,
+            "activation_checkpointing": bool(checkpointing), "train_peak_gib": train, "val_peak_gib": val,
             "peak_gib": max(train, val)}
+
+
+def _limit(cluster: dict) -> float:
+    return cluster["gpu_memory_gib"] * (1 - cluster.get("memory_margin", 0.0))
+
+
+def _size_estimate(settings: dict, preset: str, checkpointing: bool) -> dict[str, Any]:
+    from lrattnres import batch
+    from lrattnres.presets import PAPER_VOCAB, get_preset
+
+    shape = get_preset(preset)
+    shape["vocab_size"] = shape["vocab_size"] or PAPER_VOCAB
+    b = batch.split(settings, preset)
+    # AttnRes (r = d), the widest routing of the scale's runs, stands for every method of the size
+    return estimate(shape, micro_batch=b["micro_batch"], seq_len=settings["train"]["seq_len"], world=b["world"],
+                    shard=b["shard_optimizer"], val_batch_size=b["val_batch_size"] or b["micro_batch"],
+                    cluster=settings.get("cluster") or {}, method="attnres", rank=shape["d_model"],
+                    checkpointing=checkpointing)
+
+
+def _planned(settings: dict) -> bool:
+    """Whether the scale's training runs on GPUs whose memory the scale's cluster settings describe."""
+    cluster = settings.get("cluster") or {}
+    gpus = int(settings.get("resources", {}).get("train", {}).get("gpu", 0) or 0)
+    return bool(cluster.get("memory_anchors") and cluster.get("gpu_memory_gib")) and gpus >= 1
+
+
+def checkpointing(settings: dict, preset: str) -> bool:
+    """Whether runs of ``preset`` checkpoint their activations: the size's ``activation_checkpointing``
+    (lrattnres/batch.py), with ``auto`` on only where the estimated peak without it would exceed the
+    GPU less the margin (never where the scale plans no GPU memory; :func:`check` then refuses a size
+    that does not fit even so)."""
+    from lrattnres import batch
+
+    want = batch.split(settings, preset).get("activation_checkpointing", "auto")
+    if want != "auto":
+        return bool(want)
+    if not _planned(settings):
+        return False
+    return _size_estimate(settings, preset, False)["peak_gib"] > _limit(settings["cluster"])
 
 
 def plan(settings: dict) -> list[dict[str, Any]]:
     """The estimate of every size of the scale's training runs (empty without ``cluster`` anchors)."""
     from lrattnres import batch
-    from lrattnres.presets import PAPER_VOCAB, get_preset
 
     cluster = settings.get("cluster") or {}
     if not cluster.get("memory_anchors") or not cluster.get("gpu_memory_gib"):
         return []
     presets = settings["presets"]
-    limit = cluster["gpu_memory_gib"] * (1 - cluster.get("memory_margin", 0.0))
+    limit = _limit(cluster)
     out = []
     for preset in dict.fromkeys(p for p in (presets.get("main"), presets.get("small"), presets.get("large")) if p):
-        shape = get_preset(preset)
-        shape["vocab_size"] = shape["vocab_size"] or PAPER_VOCAB
         b = batch.split(settings, preset)
-        est = estimate(shape, micro_batch=b["micro_batch"], seq_len=settings["train"]["seq_len"], world=b["world"],
-                       shard=b["shard_optimizer"], val_batch_size=b["val_batch_size"] or b["micro_batch"],
-                       cluster=cluster, method="attnres", rank=shape["d_model"])
+        ac = checkpointing(settings, preset)
+        est = _size_estimate(settings, preset, ac)
         out.append({"preset": preset, "where": b["where"], "micro_batch": b["micro_batch"],
                     "grad_accum": b["grad_accum"], "world": b["world"], "shard_optimizer": b["shard_optimizer"],
-                    "val_batch_size": b["val_batch_size"] or b["micro_batch"], **est,
+                    "val_batch_size": b["val_batch_size"] or b["micro_batch"],
+                    "activation_checkpointing_setting": b.get("activation_checkpointing", "auto"), **est,
                     "limit_gib": limit, "gpu_memory_gib": cluster["gpu_memory_gib"],
                     "margin": 1 - est["peak_gib"] / cluster["gpu_memory_gib"]})
     return out
@@ -153,9 +215,97 @@ def check(settings: dict, where: str) -> None:
                 f"({what} peak: micro_batch {row['micro_batch']}, validation batch {row['val_batch_size']}, optimiser "
                 f"state {'sharded over' if row['shard_optimizer'] else 'replicated on'} {row['world']} GPUs); "
                 f"expected at most {row['limit_gib']:.1f} GiB (cluster.gpu_memory_gib {row['gpu_memory_gib']} less the "
-                f"{100 * settings['cluster'].get('memory_margin', 0):.0f}% margin): "
-                + ("lower micro_batch (grad_accum auto raises the accumulation) or set shard_optimizer: true"
+                f"{100 * settings['cluster'].get('memory_margin', 0):.0f}% margin"
+                + (", with activation checkpointing" if row["activation_checkpointing"] else "") + "): "
+                + ("lower micro_batch (grad_accum auto raises the accumulation), set shard_optimizer: true"
+                   + ("" if row["activation_checkpointing"] else " or activation_checkpointing: true (or auto)")
                    if what == "training" else "lower the validation batch size"))
+
+
+def _is_anchor(m: dict, anchors: list[dict]) -> bool:
+    """Whether measurement ``m`` is the configuration of one of the anchors the model is fitted to."""
+    return any(a["preset"] == m["preset"] and a["micro_batch"] == m["micro_batch"]
+               and a.get("method", "lr") == m["method"] and not (m.get("shard_optimizer") and m.get("world_planned", 1) > 1)
+               and not m.get("activation_checkpointing") for a in anchors)
+
+
+def compare(measurements: list[dict], cluster: dict, tolerance: float = CHECK_TOLERANCE) -> list[dict[str, Any]]:
+    """The estimate beside each measurement of ``benchmarks/paper_scale_fit.py``'s memory part (its
+    ``results.memory`` rows): for the training and the validation peak of one rank, the measured
+    allocator peak (``torch.cuda.max_memory_allocated``), the estimate for the same configuration less
+    the overhead (which the allocator's peak leaves out), and the relative error. A row of an anchor's
+    configuration is marked ``fitted`` and is no check of the model; any other row fails (``ok``
+    False) when the error exceeds ``tolerance``."""
+    from lrattnres.presets import PAPER_VOCAB, get_preset
+
+    anchors = cluster.get("memory_anchors", [])
+    out = []
+    for m in measurements:
+        if "train_peak_allocated_gib" not in m:
+            out.append({"preset": m.get("preset"), "config": m.get("config"), "part": "-", "measured": None,
+                        "note": m.get("error") or "no GPU peak measured"})
+            continue
+        shape = dict(get_preset(m.get("shape") or m["preset"]))
+        shape["vocab_size"] = m.get("vocab") or shape["vocab_size"] or PAPER_VOCAB
+        est = estimate(shape, micro_batch=m["micro_batch"], seq_len=m["seq_len"], world=m.get("world_planned", 1),
+                       shard=bool(m.get("shard_optimizer")), val_batch_size=m["val_batch_size"], cluster=cluster,
+                       method=m["method"], rank=m.get("rank"), ddp=bool(m.get("ddp")),
+                       checkpointing=bool(m.get("activation_checkpointing")))
+        fitted = _is_anchor(m, anchors)
+        for part in ("train", "val"):
+            measured = m.get(f"{part}_peak_allocated_gib")
+            if measured is None:
+                continue
+            estimated = est[f"{part}_peak_gib"] - est["overhead_gib"]
+            err = (estimated - measured) / measured
+            out.append({"preset": m["preset"], "config": m.get("config"), "method": m["method"],
+                        "micro_batch": m["micro_batch"], "shard_optimizer": bool(m.get("shard_optimizer")),
+                        "ddp": bool(m.get("ddp")), "activation_checkpointing": bool(m.get("activation_checkpointing")),
+                        "part": part, "measured_gib": measured, "estimated_gib": estimated, "error": err,
+                        "fitted": fitted, "ok": fitted or abs(err) <= tolerance})
+    return out
+
+
+def _check_files(paths: list[str], cluster: dict) -> int:
+    from lrattnres.io import read_json
+
+    rows = []
+    for path in paths:
+        try:
+            rec = read_json(path)
+        except (OSError, ValueError) as e:
+            print(f"memory: {path}: not a readable result file ({e})", file=sys.stderr)
+            return 2
+        measured = (rec.get("results") or {}).get("memory") if isinstance(rec, dict) else None
+        if not measured:
+            print(f"memory: {path}: field 'results.memory' missing or empty; expected the memory part of "
+                  "benchmarks/paper_scale_fit.py", file=sys.stderr)
+            return 2
+        for r in compare(measured, cluster):
+            rows.append({"file": path, **r})
+    print("| size | configuration | micro-batch | optimiser | checkpointing | peak | measured | estimated | error | |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        if r.get("measured_gib") is None:
+            print(f"| {r['preset']} | {r['config']} | - | - | - | - | - | - | - | not measured: {r['note']} |")
+            continue
+        verdict = "fitted (an anchor)" if r["fitted"] else "ok" if r["ok"] else f"over {100 * CHECK_TOLERANCE:.0f}%"
+        print(f"| {r['preset']} | {r['config']} | {r['micro_batch']} | {'sharded' if r['shard_optimizer'] else 'replicated'}"
+              f"{' + DDP' if r['ddp'] else ''} | {'yes' if r['activation_checkpointing'] else 'no'} | {r['part']} | "
+              f"{r['measured_gib']:.2f} GiB | {r['estimated_gib']:.2f} GiB | {100 * r['error']:+.1f}% | {verdict} |")
+    checked = [r for r in rows if r.get("measured_gib") is not None and not r["fitted"]]
+    if not checked:
+        print("memory: no measurement outside the anchors to check the model against", file=sys.stderr)
+        return 2
+    bad = [r for r in checked if not r["ok"]]
+    if bad:
+        worst = max(bad, key=lambda r: abs(r["error"]))
+        print(f"memory: {len(bad)} of {len(checked)} estimates are off by more than {100 * CHECK_TOLERANCE:.0f}% "
+              f"(worst: {worst['preset']} {worst['config']} {worst['part']} {100 * worst['error']:+.1f}%): refit "
+              "cluster.memory_anchors and state the error", file=sys.stderr)
+        return 1
+    print(f"memory: {len(checked)} estimates within {100 * CHECK_TOLERANCE:.0f}% of measurements they were not fitted to")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -165,20 +315,28 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--config", default="config.yaml")
     p.add_argument("--scale", default="paper")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.add_argument("--check", nargs="+", metavar="RESULT", default=None,
+                   help="compare the estimates with these results of benchmarks/paper_scale_fit.py (memory part); "
+                        f"exit 1 where one is off by more than {100 * CHECK_TOLERANCE:.0f}%")
     args = p.parse_args(argv)
-    rows = plan(load_and_resolve(args.config, {"scale": args.scale}))
+    settings = load_and_resolve(args.config, {"scale": args.scale})
+    if args.check:
+        return _check_files(args.check, settings.get("cluster") or {})
+    rows = plan(settings)
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0
     if not rows:
         print(f"scale {args.scale!r} has no cluster.memory_anchors: nothing to estimate", file=sys.stderr)
         return 0
-    print("| size | micro-batch x accumulation x GPUs | optimiser | weights+grads | optimiser state | activations "
-          "| training peak | validation peak | of the GPU |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| size | micro-batch x accumulation x GPUs | optimiser | activation checkpointing | weights+grads "
+          "| optimiser state | activations | training peak | validation peak | of the GPU |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
+        ac = ("yes" if r["activation_checkpointing"] else "no") + (
+            " (auto)" if r["activation_checkpointing_setting"] == "auto" else "")
         print(f"| {r['preset']} | {r['micro_batch']} x {r['grad_accum']} x {r['world']} | "
-              f"{'sharded' if r['shard_optimizer'] else 'replicated'} | {r['weights_gib'] + r['grads_gib']:.1f} GiB | "
+              f"{'sharded' if r['shard_optimizer'] else 'replicated'} | {ac} | {r['weights_gib'] + r['grads_gib']:.1f} GiB | "
               f"{r['optimizer_gib']:.1f} GiB | {r['activations_gib']:.1f} GiB | {r['train_peak_gib']:.1f} GiB | "
               f"{r['val_peak_gib']:.1f} GiB | {100 * r['peak_gib'] / r['gpu_memory_gib']:.0f}% |")
     return 0

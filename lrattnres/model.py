@@ -40,6 +40,11 @@ baseline's running sum; the routed methods' sources) is stored in the autocast d
 require), or in the embedding's dtype (``"param"``: fp32 sources, twice the bytes per routing read).
 Every write is cast to the stream's dtype, so all sources of a read share one dtype.
 
+Activation checkpointing (``model.activation_checkpointing``, set by the trainer from its spec): each
+layer's two writes and reads are recomputed in the backward (``torch.utils.checkpoint`` per layer,
+the non-reentrant form that torch.compile traces); the routing banks' states pass through the layer
+as its inputs and outputs, so only the layer boundaries are kept. The gradients are the same.
+
 Router: ``reference`` mixes with ``routing.route``; ``fused`` with ``kernels.attnres`` (imported on
 first use); ``auto`` = fused on CUDA when ``kernels`` imports, reference otherwise.  ``plr`` scores
 its projected keys in PyTorch (``routing.route_keys``); so does any forward that returns routing
@@ -224,6 +229,14 @@ class Layer(nn.Module):
         self.mlp = MLP(cfg)
 
 
+def _checkpointed(fn, *args):
+    """``fn(*args)`` with its activations recomputed in the backward (torch.utils.checkpoint, the
+    non-reentrant form, which torch.compile traces and which takes the banks' states as arguments)."""
+    from torch.utils.checkpoint import checkpoint
+
+    return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=False)
+
+
 @functools.cache
 def _kernels():
     """The ``kernels`` package, or None where it does not import."""
@@ -249,6 +262,9 @@ class LRAttnResLM(nn.Module):
             self.queries = nn.Parameter(torch.zeros(n_writes, r))
         if cfg.method == "plr":
             self.embed_route_key = nn.Linear(d, r, bias=False)
+        # recompute each layer's activations in the backward instead of keeping them (set by the
+        # trainer from its spec; an execution setting: the gradients are the same)
+        self.activation_checkpointing = False
         cos, sin = rope_tables(d // cfg.n_heads, cfg.max_seq_len, cfg.rope_base)
         self.register_buffer("rope_cos", cos.to(self.embed.weight.device), persistent=False)
         self.register_buffer("rope_sin", sin.to(self.embed.weight.device), persistent=False)
@@ -283,10 +299,18 @@ class LRAttnResLM(nn.Module):
                                 segments=segments)
         sub_args = (self.rope_cos[:T], self.rope_sin[:T], attend)
 
+        subs = self.sublayers()
+        ckpt = self.activation_checkpointing and torch.is_grad_enabled() and not return_routing
+
         if cfg.method == "baseline":
+            def layer(i, h):
+                for sub in subs[2 * i:2 * i + 2]:
+                    h = h + sub(norm(h), *sub_args)[0]
+                return h
+
             h = x
-            for sub in self.sublayers():
-                h = h + sub(norm(h), *sub_args)[0]
+            for i in range(cfg.n_layers):
+                h = _checkpointed(layer, i, h) if ckpt else layer(i, h)
             logits = self.head(norm(h))
             return (logits, []) if return_routing else logits
 
@@ -294,23 +318,42 @@ class LRAttnResLM(nn.Module):
         values = SourceBank(x, n_writes, cfg.blocks)
         keys = SourceBank(self.embed_route_key(x), n_writes, cfg.blocks) if cfg.method == "plr" else None
         fused = None if return_routing or keys is not None else self._fused_router(x.device)
-        h, routing = x, []
-        for t, sub in enumerate(self.sublayers()):
-            o, k = sub(norm(h), *sub_args)
+
+        def write_and_read(t, h, values, keys):
+            """Sub-layer t+1 writes, then the read after it: the next state h (and its weights)."""
+            o, k = subs[t](norm(h), *sub_args)
             values.write(o.to(x.dtype))  # under autocast: every source in the stream's dtype
             query = self.queries[t]
             if keys is not None:
                 keys.write(k)
-                out = route_keys(values.sources(), keys.sources(), query, eps=cfg.norm_eps, return_weights=return_routing)
-            elif fused is not None:
-                out = fused(values.sources(), query, norm=KEY_NORM[cfg.method], eps=cfg.norm_eps)
-            else:
-                out = route(values.sources(), query, norm=KEY_NORM[cfg.method], eps=cfg.norm_eps, return_weights=return_routing)
-            if return_routing:
-                h, weights = out
-                routing.append(weights.movedim(0, -1))
-            else:
-                h = out
+                return route_keys(values.sources(), keys.sources(), query, eps=cfg.norm_eps, return_weights=return_routing)
+            if fused is not None:
+                return fused(values.sources(), query, norm=KEY_NORM[cfg.method], eps=cfg.norm_eps)
+            return route(values.sources(), query, norm=KEY_NORM[cfg.method], eps=cfg.norm_eps, return_weights=return_routing)
+
+        def layer(i, h, vstate, kstate):
+            """Layer i's two writes and reads as a function of tensors (the banks' states in and out)."""
+            vb = SourceBank(x, n_writes, cfg.blocks).resume(*vstate)
+            kb = None if kstate is None else SourceBank(x, n_writes, cfg.blocks).resume(*kstate)
+            for t in (2 * i, 2 * i + 1):
+                h = write_and_read(t, h, vb, kb)
+            return h, vb.state(), None if kb is None else kb.state()
+
+        h, routing = x, []
+        for i in range(cfg.n_layers):
+            if ckpt:
+                h, vstate, kstate = _checkpointed(layer, i, h, values.state(), None if keys is None else keys.state())
+                values.resume(*vstate)
+                if keys is not None:
+                    keys.resume(*kstate)
+                continue
+            for t in (2 * i, 2 * i + 1):
+                out = write_and_read(t, h, values, keys)
+                if return_routing:
+                    h, weights = out
+                    routing.append(weights.movedim(0, -1))
+                else:
+                    h = out
         logits = self.head(norm(h))
         return (logits, routing) if return_routing else logits
 

@@ -164,3 +164,13 @@ class SourceBank:
 
     def sources(self) -> list[torch.Tensor]:
         return self._done + ([] if self._partial is None else [self._partial])
+
+    def state(self) -> tuple[list[torch.Tensor], torch.Tensor | None, int]:
+        """(completed sources, partial sum or None, writes so far): what :meth:`resume` takes back, so
+        that a function of tensors (an activation-checkpointed layer) can carry the bank."""
+        return list(self._done), self._partial, self._t
+
+    def resume(self, done: list[torch.Tensor], partial: torch.Tensor | None, t: int) -> "SourceBank":
+        """Set the bank to a :meth:`state` (of a bank of the same writes and blocks); returns it."""
+        self._done, self._partial, self._t = list(done), partial, t
+        return self

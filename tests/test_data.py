@@ -521,3 +521,67 @@ def test_a_pre_staged_copy_is_read_offline_as_the_hub_would_stream_it(tmp_path, 
                   tmp_path / "ref", progress=False)
     for split in ("val", "train"):
         assert [s["sha256"] for s in m["splits"][split]["shards"]] == [s["sha256"] for s in ref["splits"][split]["shards"]]
+
+
+PIN = "02c85641e3d19a854be2e09139c25adaa9518063"
+
+
+def _record_download(root, commit):
+    """What `huggingface-cli download --local-dir` leaves beside each file: its commit on line 1."""
+    meta = root / ".cache" / "huggingface" / "download" / "data" / "ultrafineweb_en"
+    meta.mkdir(parents=True)
+    for f in (root / "data" / "ultrafineweb_en").iterdir():
+        (meta / f"{f.name}.metadata").write_text(f"{commit}\n\"etag\"\n1764000000.0\n")
+
+
+def test_the_manifest_records_the_commit_a_copy_was_downloaded_from(tmp_path, monkeypatch):
+    """A pinned revision and a copy of that commit: read offline, the commit in the manifest; a copy of
+    another commit is refused in one line before anything is read."""
+    docs = make_docs(60, seed=12)
+    staged = _staged_copy(tmp_path / "Ultra-FineWeb", docs)
+    _record_download(staged, PIN)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    spec = {"source": "hf", "hf": dict(HUB, revision=PIN, local_dir=str(staged)), "val_tokens": 800,
+            "shard_tokens": 700}
+    m = prepare(spec, tmp_path / "d", progress=False)
+    assert m["source"]["revision"] == m["source"]["resolved_revision"] == PIN
+    assert m["source"]["revision_source"] == "the copy's download records"
+    other = "1" * 40
+    spec["hf"]["revision"] = other
+    with pytest.raises(sources.StagingError, match=rf"was downloaded from commit\(s\) {PIN[:12]} of openbmb/Ultra-FineWeb, "
+                                                   rf"not data.hf.revision {other[:12]}; .* --revision {other}"):
+        prepare(spec, tmp_path / "e", progress=False)
+    assert not (tmp_path / "e").exists()
+
+
+def test_a_hub_stream_reads_and_records_one_commit(tmp_path, monkeypatch):
+    """Pinned: the stream opens at that commit. At a branch: the branch is resolved to its commit when
+    the stream opens, the stream reads that commit and the manifest records it; where the Hub cannot
+    say, the stage refuses, naming the key."""
+    docs, files = _standin(tmp_path, n=60)
+    opened = []
+
+    def fake_load(where, **kw):  # the Hub stream, stood in for by the local parquet files
+        opened.append(kw.get("revision"))
+        import datasets
+
+        return datasets.load_dataset("parquet", data_files={"en": files}, split="en", streaming=True)
+
+    monkeypatch.setattr(sources.HFSource, "load_dataset", staticmethod(fake_load))
+    monkeypatch.setattr(sources, "_hub_commit", lambda dataset, revision: "a" * 40)
+    for revision, want in ((PIN, PIN), (None, "a" * 40), ("main", "a" * 40)):
+        spec = {"source": "hf", "hf": dict(HUB, revision=revision), "val_tokens": 800, "shard_tokens": 700}
+        m = prepare(spec, tmp_path / f"d-{revision}", progress=False)
+        assert opened[-1] == want and m["source"]["resolved_revision"] == want, revision
+    assert "pin it" in m["source"]["revision_source"]
+    assert sources.HFSource(**HUB).fingerprint() == "a" * 40  # a half-built corpus never changes commit
+    assert sources.HFSource(**HUB, revision=PIN).fingerprint() is None  # the spec says it
+
+    def unreachable(dataset, revision):
+        raise OSError("Network is unreachable")
+
+    monkeypatch.setattr(sources, "_hub_commit", unreachable)
+    with pytest.raises(sources.StagingError, match=r"data.hf.revision: cannot resolve 'main' of openbmb/Ultra-FineWeb "
+                                                   r"to a commit \(OSError: Network is unreachable\); .* pinned commit"):
+        sources.HFSource(**HUB).open()

@@ -425,3 +425,87 @@ def test_flash_plumbing_from_the_loader_batch_to_the_kernel(monkeypatch):
     # without the loader's segments the flash model refuses rather than computing them on the device
     with pytest.raises(ValueError, match="Segments"):
         build_model(smoke("lr", blocks=3, attention="flash"))(batch.inputs, batch.doc_ids)
+
+
+# ---- activation checkpointing -----------------------------------------------------------------------
+
+
+def _loss_and_grads(cfg: dict, checkpointing: bool, compile_backend: str | None = None):
+    torch.manual_seed(0)
+    model = build_model(cfg)
+    if hasattr(model, "queries"):
+        with torch.no_grad():
+            model.queries.normal_(0, 0.5)  # routing that is not uniform
+    model.activation_checkpointing = checkpointing
+    x = tokens()
+    doc = torch.zeros_like(x, dtype=torch.int32)
+    doc[:, x.shape[1] // 2:] = 1  # two documents per row: the attention mask goes through the recompute
+    saved = {"bytes": 0}
+
+    def pack(t):
+        saved["bytes"] += t.numel() * t.element_size()
+        return t
+
+    fwd = torch.compile(model, backend=compile_backend) if compile_backend else model
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = fwd(x, doc).float().logsumexp(-1).mean()
+    loss.backward()
+    return loss.detach(), {n: p.grad for n, p in model.named_parameters()}, saved["bytes"]
+
+
+@pytest.mark.parametrize("method, blocks, router", [("baseline", 2, "reference"), ("attnres", 2, "reference"),
+                                                    ("lr", "full", "reference"), ("lr-fullrms", 3, "reference"),
+                                                    ("plr", 2, "reference"), ("lr", 2, "fused")])
+def test_activation_checkpointing_gives_the_same_gradients(method, blocks, router):
+    """Each layer recomputed in the backward (torch.utils.checkpoint per layer, the routing sources
+    passed through as its inputs and outputs): the loss and every gradient are those without it, bit
+    for bit, and autograd keeps only what lies outside the layers (the head, the logits)."""
+    cfg = smoke(method, blocks=blocks, router=router)
+    loss0, g0, kept0 = _loss_and_grads(cfg, False)
+    loss1, g1, kept1 = _loss_and_grads(cfg, True)
+    assert torch.equal(loss0, loss1) and g0.keys() == g1.keys()
+    assert all(g0[k] is not None and torch.equal(g0[k], g1[k]) for k in g0), [k for k in g0 if not torch.equal(g0[k], g1[k])]
+    assert kept1 < kept0 / 4, (kept0, kept1)
+
+
+def test_activation_checkpointing_under_torch_compile():
+    """torch.compile traces the checkpointed layers (dynamo and AOT autograd; aot_eager on the CPU) with
+    the fused router's op; the gradients are the eager ones without checkpointing. (The GPU suite runs
+    the same with Inductor.)"""
+    cfg = smoke("lr", blocks=2, router="fused")
+    loss0, g0, _ = _loss_and_grads(cfg, False)
+    loss1, g1, _ = _loss_and_grads(cfg, True, compile_backend="aot_eager")
+    torch.testing.assert_close(loss1, loss0)
+    for k in g0:
+        torch.testing.assert_close(g1[k], g0[k], rtol=1e-5, atol=1e-6, msg=k)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_activation_checkpointing_compiled_on_the_gpu():
+    """On CUDA, compiled (Inductor) with the fused router under bf16 autocast: the gradients with
+    activation checkpointing match those without it, and the peak memory of the step falls."""
+    def run(checkpointing):
+        torch.manual_seed(0)
+        model = build_model({"preset": "gpu-small", "vocab_size": 512, "method": "lr", "blocks": 8, "rank": 48,
+                             "router": "fused"}).cuda()
+        with torch.no_grad():
+            model.queries.normal_(0, 0.5)
+        model.activation_checkpointing = checkpointing
+        fwd = torch.compile(model)
+        x = torch.randint(0, 512, (8, 512), device="cuda", generator=torch.Generator("cuda").manual_seed(1))
+        for _ in range(2):  # the first step compiles and tunes; the second is measured
+            model.zero_grad(set_to_none=True)
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                loss = fwd(x).float().logsumexp(-1).mean()
+            loss.backward()
+            torch.cuda.synchronize()
+        return {n: p.grad.float() for n, p in model.named_parameters()}, torch.cuda.max_memory_allocated()
+
+    g0, peak0 = run(False)
+    g1, peak1 = run(True)
+    for k in g0:
+        torch.testing.assert_close(g1[k], g0[k], rtol=2e-2, atol=1e-4, msg=k)
+    assert peak1 < peak0

@@ -115,6 +115,57 @@ def test_preempted_sharded_run_resumes_bit_for_bit_either_way(manifest, ddp_and_
         assert json.loads((out / "result.json").read_text())["resumed"] is True
 
 
+def _close(a: dict, b: dict) -> list[str]:
+    """Weights that differ beyond float rounding (another world size sums the gradients in another order)."""
+    return [k for k in a if not torch.allclose(a[k], b[k], rtol=1e-4, atol=1e-6)]
+
+
+def test_another_world_size_resumes_by_resharding(manifest, ddp_and_sharded, tmp_path):
+    """2 -> 1 and 1 -> 2 ranks with the same tokens per update (grad_accum follows the GPU count): the
+    optimiser state, sharded on 2 ranks, is read back by parameter name and resharded, the data position
+    is carried over, and the run ends on the weights of the uninterrupted runs (on 1 rank, unsharded,
+    and on 2) up to the order of float sums."""
+    one = spec(grad_accum=4, tokens_per_update=256)  # 1 rank x 2 x 32 x 4 = 256 tokens per update
+    two = spec(shard_optimizer=True, tokens_per_update=256)  # 2 ranks x 2 x 32 x 2
+    ref = train(one, manifest, tmp_path / "one", progress=False)
+    want1, want2 = weights(tmp_path / "one"), weights(ddp_and_sharded / "ddp")
+    assert not _close(want1, want2)  # the same updates on either world size
+    assert any(not torch.equal(want1[k], want2[k]) for k in want1)  # though not bit for bit
+
+    out = tmp_path / "2to1"
+    run2(two, manifest, out, stop_after=3)
+    assert ckpt.read_record(out)["world_size"] == 2 and ckpt.read_record(out)["step"] == 3
+    res = train(one, manifest, out, progress=False)
+    assert res["resumed"] and res["steps"] == 6 and res["world_size"] == 1 and not (out / "stale").exists()
+    got = weights(out)
+    assert not _close(got, want1) and not _close(got, want2)
+    assert [r["loss"] for r in _losses(out)] == pytest.approx([r["loss"] for r in _losses(tmp_path / "one")], rel=1e-4)
+
+    out = tmp_path / "1to2"
+    with pytest.raises(Preempted):
+        train(one, manifest, out, progress=False, stop_after=3)
+    run2(two, manifest, out)
+    assert json.loads((out / "result.json").read_text())["world_size"] == 2 and not (out / "stale").exists()
+    got = weights(out)
+    assert not _close(got, want1) and not _close(got, want2)
+    assert ref["steps"] == 6
+
+
+def _losses(out):
+    return [r for r in map(json.loads, (Path(out) / "metrics.jsonl").read_text().splitlines()) if r["kind"] == "train"]
+
+
+def test_another_split_of_other_tokens_per_update_starts_over(manifest, tmp_path):
+    """A world size whose tokens per update differ is another experiment: moved aside, started over."""
+    with pytest.raises(Preempted):
+        train(spec(grad_accum=4), manifest, tmp_path, progress=False, stop_after=2)
+    res = train(spec(grad_accum=2, steps=3), manifest, tmp_path, progress=False)
+    assert not res["resumed"]
+    (stale,) = (tmp_path / "stale").iterdir()
+    assert "tokens per update differ: checkpoint 2 x 32 x 4 x 1 ranks = 256 != now 2 x 32 x 2 x 1 ranks = 128" in (
+        stale / "reason.txt").read_text()
+
+
 def test_a_corrupt_share_stops_every_rank_naming_the_file(manifest, ddp_and_sharded, tmp_path):
     import shutil
 

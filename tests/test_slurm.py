@@ -214,6 +214,10 @@ def test_training_job_lands_on_one_node_with_its_gpus(local_data_stage, launcher
     assert "world 2" in log, log[-2000:]
     cmd = next(line for line in out.splitlines() if "--job-log results/smoke/logs/train/" in line)
     cmd = cmd.split("Shell command: ", 1)[-1]
+    # inside a Slurm job the trainer gets a deadline before the job's end (lrattnres/slurmjob.py)
+    prefix = 'LRATTNRES_DEADLINE="${LRATTNRES_DEADLINE:-$(python -m lrattnres.slurmjob deadline --lead 360)}" '
+    assert cmd.startswith(prefix), cmd
+    cmd = cmd[len(prefix):]
     if launcher == "srun":
         assert cmd.startswith("srun --overlap --nodes=1") and "--rdzv-backend=c10d" in cmd, cmd
     else:
@@ -319,3 +323,54 @@ def _slurm_job_of(run: str) -> str | None:
         if comment.startswith("rule_train_") and comment.endswith(run) and state == "RUNNING":
             return jid
     return None
+
+
+# ====================================================================== a run longer than its job: requeued runs
+
+
+def test_a_run_longer_than_its_job_requeues_itself_until_done(slurm_cluster, tmp_path):
+    """A training job of one minute whose run needs several (lrattnres/slurmjob.py, as the train rule
+    runs it): each run of the job stops at the deadline before the job's end (squeue's end time less
+    the lead), writes its checkpoint and requeues the job; Slurm starts the same job again and it
+    resumes. The job completes under one job id after several runs, with the weights of an
+    uninterrupted run, bit for bit."""
+    from conftest import word_corpus
+
+    from lrattnres.train.checkpoint import read_model
+
+    (tmp_path / "data").mkdir()
+    manifest = word_corpus(tmp_path / "data", seed=0)
+    spec = {"model": {"preset": "smoke", "method": "lr", "blocks": 2, "rank": 8}, "seed": 1, "steps": 2000,
+            "micro_batch": 2, "grad_accum": 1, "seq_len": 32, "schedule": {"warmup_steps": 10},
+            "val": {"every": 0, "final": False}, "checkpoint": {"every": 0}, "device": "cpu", "log_every_s": 5}
+    train = (f"python -m lrattnres train --spec '{json.dumps(spec)}' --data {manifest} --out OUT --threads 1 "
+             "--no-progress")
+    script = tmp_path / "job.sh"
+    script.write_text(
+        "#!/bin/bash\n"
+        f"export PATH={Path(sys.executable).parent}:$PATH PYTHONPATH={REPO} OMP_NUM_THREADS=1\n"
+        f"cd {tmp_path}\n"
+        'LRATTNRES_DEADLINE="${LRATTNRES_DEADLINE:-$(python -m lrattnres.slurmjob deadline --lead 48)}" '
+        + train.replace("OUT", str(tmp_path / "run")) + " --requeue-at-deadline\n")
+    log = tmp_path / "slurm.log"
+    jid = subprocess.run(["sbatch", "--parsable", "-t", "1", "--requeue", "--open-mode=append", "-o", str(log), "-c", "1",
+                          str(script)], capture_output=True, text=True, check=True).stdout.strip().split(";")[0]
+    t0 = time.time()
+    state = ""
+    while time.time() - t0 < 900:
+        shown = subprocess.run(["scontrol", "show", "job", jid], capture_output=True, text=True).stdout
+        state = re.search(r"JobState=(\w+)", shown).group(1) if "JobState=" in shown else ""
+        if state in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"):
+            break
+        time.sleep(3)
+    text = log.read_text(errors="replace") if log.exists() else ""
+    assert state == "COMPLETED", f"job {jid}: {state}\n{text[-4000:]}"
+    restarts = int(re.search(r"Restarts=(\d+)", shown).group(1))
+    assert restarts >= 1 and text.count(f"requeued Slurm job {jid}") == restarts, text[-4000:]
+    assert len(re.findall(r"resumed at step \d+", text)) == restarts
+    subprocess.run(train.replace("OUT", str(tmp_path / "ref")), shell=True, cwd=tmp_path, check=True, capture_output=True,
+                   env=dict(os.environ, PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}", PYTHONPATH=str(REPO),
+                            OMP_NUM_THREADS="1"), timeout=900)
+    (a, ma), (b, mb) = read_model(tmp_path / "run" / "model.safetensors"), read_model(tmp_path / "ref" / "model.safetensors")
+    assert ma["step"] == mb["step"] == 2000 and all(bool((a[k] == b[k]).all()) for k in a)
+    print(f"one job of 1 min, {restarts + 1} runs, {time.time() - t0:.0f} s")

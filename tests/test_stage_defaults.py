@@ -18,6 +18,7 @@ from conftest import REPO
 
 from lrattnres.config import SCHEMA_PATH
 from lrattnres.data.spec import DEFAULTS as DATA_DEFAULTS
+from lrattnres.gridplan import TRAIN_CLI_KEYS
 from lrattnres.model import ModelConfig
 from lrattnres.train import spec as train_spec
 
@@ -79,7 +80,8 @@ def test_the_data_stages_defaults_are_values_the_schema_allows(key):
 
 def _train_keys() -> set[str]:
     """Every dotted key the training spec reads: its defaults, the keys a scale must give, the optional ones."""
-    given = {"steps", "tokens", "micro_batch", "seq_len", *train_spec.OPTIONAL_FLAGS, *train_spec.OPTIONAL_INTS}
+    given = {"steps", "tokens", "micro_batch", "seq_len", *train_spec.OPTIONAL_FLAGS, *train_spec.OPTIONAL_INTS,
+             *TRAIN_CLI_KEYS}
     return set(_value_leaves(train_spec.DEFAULTS)) | given
 
 

@@ -379,6 +379,41 @@ def test_code_change_starts_over(manifest, tmp_path, monkeypatch):
     assert "other training code" in (stale / "reason.txt").read_text()
 
 
+def test_code_change_refused_or_continued_as_the_policy_says(manifest, tmp_path, monkeypatch, capsys):
+    """on_code_change: refuse stops with exit 2 naming the changed file and leaves the checkpoint where
+    it is; continue (or --resume force) resumes it, and the result records both commits and the file."""
+    from lrattnres.train import cli
+    from lrattnres.train.loop import CodeChanged
+
+    with pytest.raises(Preempted):
+        train(make_spec(steps=3), manifest, tmp_path, progress=False, stop_after=1)
+    files = loop.code_files()
+    edited = "lrattnres/train/loop.py"
+    monkeypatch.setattr(loop, "code_fingerprint", lambda: "other")
+    monkeypatch.setattr(loop, "code_files", lambda: {**files, edited: "0" * 64})
+    with pytest.raises(CodeChanged, match=rf"step 1 was written by other training code \(changed: {edited};"):
+        train(make_spec(steps=3), manifest, tmp_path, progress=False, on_code_change="refuse")
+    argv = ["--spec", json.dumps(make_spec(steps=3)), "--data", str(manifest), "--out", str(tmp_path), "--no-progress"]
+    capsys.readouterr()
+    assert cli.main(argv + ["--on-code-change", "refuse"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and edited in err and "--resume force" in err and "--resume never" in err
+    assert load(tmp_path)["step"] == 1 and not (tmp_path / "stale").exists()  # nothing moved, nothing lost
+    res = train(make_spec(steps=3, val={"final": False}), manifest, tmp_path, progress=False, on_code_change="continue")
+    assert res["resumed"] and [r["step"] for r in records(tmp_path)] == [1, 2, 3]
+    (change,) = res["code_changes"]
+    assert change["step"] == 1 and change["changed_files"] == [edited]
+    assert change["checkpoint_commit"] == change["commit"] == res["provenance"]["commit"]  # both commits recorded
+    assert json.loads((tmp_path / "result.json").read_text())["code_changes"] == res["code_changes"]
+    # --resume force continues as well, and the earlier change stays on record
+    with pytest.raises(Preempted):
+        train(make_spec(steps=5), manifest, tmp_path / "b", progress=False, stop_after=2)
+    monkeypatch.setattr(loop, "code_fingerprint", lambda: "third")
+    res = train(make_spec(steps=5, val={"final": False}), manifest, tmp_path / "b", progress=False, resume="force",
+                on_code_change="refuse")
+    assert res["resumed"] and len(res["code_changes"]) == 1 and res["code_changes"][0]["step"] == 2
+
+
 def test_plain_status_lines_where_stderr_is_not_a_terminal(manifest, tmp_path, monkeypatch):
     """In a log file (a non-terminal stderr) training prints whole lines, no carriage returns: step,
     loss, tokens/s, elapsed and ETA, here after every update (log_every_s tiny); with 0, none."""

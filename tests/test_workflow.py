@@ -127,6 +127,9 @@ def test_multi_gpu_training_command_passes_through_torchrun(shared_copy):
     out = snakemake(shared_copy, "-n", "-p", "--config", "scale=smoke", "--set-resources", "train:gpu=2").stdout
     cmd = _shell_commands(out, "train")[0]
     args = shlex.split(cmd.split(" > ")[0])
+    # inside a Slurm job the trainer's deadline comes first (lrattnres/slurmjob.py); elsewhere it is empty
+    assert args[0].startswith("LRATTNRES_DEADLINE=${LRATTNRES_DEADLINE:-$(python -m lrattnres.slurmjob deadline --lead ")
+    args = args[1:]
     assert args[0] == "torchrun"
     parsed = get_args_parser().parse_args(args[1:])
     assert parsed.module and parsed.training_script == "lrattnres" and parsed.nproc_per_node == "2"

@@ -186,14 +186,27 @@ class TokenLoader:
             "manifest_sha256": self.manifest_sha256,
         }
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        for key in ("seed", "split", "seq_len", "global_batch", "n_windows"):
+    def load_state_dict(self, state: dict[str, Any], reshard: bool = False) -> None:
+        """Continue where ``state`` stopped. ``reshard``: the state may come from a loader of another
+        global batch (another world size or micro-batch, the same tokens per update): its position,
+        counted in windows, is converted to this loader's batches; it must fall on a batch boundary."""
+        keys = ("seed", "split", "seq_len", "n_windows") if reshard else ("seed", "split", "seq_len", "global_batch",
+                                                                          "n_windows")
+        for key in keys:
             if key in state and state[key] != getattr(self, key):
                 raise ValueError(
                     f"TokenLoader.load_state_dict: field {key!r} is {state[key]!r} in the stored state, "
                     f"{getattr(self, key)!r} in this loader"
                 )
         epoch, index = int(state["epoch"]), int(state["index"])
+        if reshard and int(state.get("global_batch", self.global_batch)) != self.global_batch:
+            windows = index * int(state["global_batch"])
+            if windows % self.global_batch or windows // self.global_batch > self.batches_per_epoch:
+                raise ValueError(
+                    f"TokenLoader.load_state_dict: the stored position ({index} batches of {state['global_batch']} "
+                    f"windows in epoch {epoch}) is not a whole number of this loader's batches of {self.global_batch} "
+                    "windows within the epoch; expected a split of the same tokens per update")
+            index = windows // self.global_batch
         if epoch < 0 or not 0 <= index <= self.batches_per_epoch:
             raise ValueError(f"TokenLoader.load_state_dict: bad position epoch={epoch} index={index}")
         self.epoch, self.index = epoch, index

@@ -5,7 +5,11 @@
   order, files by sorted relative path, docstrings in source order (module, then classes/functions
   depth-first). Exact duplicate docstrings are dropped (counted), so that no text is both in the
   validation and the training split.
-- ``HFSource``: a Hugging Face dataset streamed with ``datasets`` (Ultra-FineWeb by default).
+- ``HFSource``: a Hugging Face dataset streamed with ``datasets`` (Ultra-FineWeb by default), at one
+  commit of its Hub repository: ``revision`` when it is a commit hash (pinned), else the commit the
+  branch or tag points to when the stream opens; the manifest records it (``resolved_revision``). A
+  pre-staged copy is checked against the pinned commit where ``huggingface-cli download`` recorded
+  its own (``.cache/huggingface/download/*.metadata``).
 - ``LocalSource``: the user's txt (one document per file), jsonl (one per line, ``field``) or parquet
   (one per row, ``field``) files matched by a glob, in sorted path order.
 - ``PackSource``: a pack of extracted documentation (:mod:`lrattnres.data.docs`), in pack order.
@@ -273,6 +277,34 @@ def _is_hub_id(name: str) -> bool:
     return "/" in name and not os.path.exists(name)
 
 
+def is_commit(revision: Any) -> bool:
+    """Whether ``revision`` names one commit (40 hex digits), not a branch or tag that moves."""
+    return isinstance(revision, str) and len(revision) == 40 and all(c in "0123456789abcdef" for c in revision.lower())
+
+
+def _hub_commit(dataset: str, revision: str | None) -> str:
+    """The commit a branch or tag (default: main) of a Hub dataset points to now (network)."""
+    from huggingface_hub import HfApi
+
+    return HfApi().dataset_info(dataset, revision=revision).sha
+
+
+def copy_commits(local_dir: str | os.PathLike) -> set[str]:
+    """The commits a copy made by ``huggingface-cli download --local-dir`` was downloaded from (its
+    ``.cache/huggingface/download/*.metadata`` files, commit on the first line); empty where none
+    are recorded."""
+    root = Path(local_dir) / ".cache" / "huggingface" / "download"
+    out = set()
+    for meta in root.rglob("*.metadata") if root.is_dir() else ():
+        try:
+            first = meta.read_text(encoding="utf-8").splitlines()[:1]
+        except (OSError, UnicodeDecodeError):
+            continue
+        if first and is_commit(first[0].strip()):
+            out.add(first[0].strip().lower())
+    return out
+
+
 class HFSource:
     kind = "hf"
     #: the function that opens the stream; tests may replace it, the default is datasets.load_dataset
@@ -290,7 +322,44 @@ class HFSource:
         self.stats: dict[str, Any] = {}
 
     def fingerprint(self) -> Any:
-        return None  # the spec (dataset, revision, data_files) identifies the stream
+        """None where the spec identifies the stream (a pinned commit, local files); for a Hub dataset at
+        a branch or tag, the commit it points to now, so that a half-built corpus never continues on
+        another commit (None where the Hub cannot be asked: the build's preflight says why)."""
+        if self.local_dir or not _is_hub_id(self.dataset) or is_commit(self.revision):
+            return None
+        try:
+            return self.resolved_revision()
+        except Exception:  # noqa: BLE001 - no network: reported by preflight
+            return None
+
+    def resolved_revision(self) -> str | None:
+        """The commit the stream reads: the pinned one, the one a pre-staged copy was downloaded from,
+        or the one the Hub's branch or tag points to; None for local files and an unrecorded copy."""
+        if getattr(self, "_resolved", None) is not None:
+            return self._resolved
+        if self.local_dir:
+            commits = copy_commits(self.local_dir)
+            found = commits.pop() if len(commits) == 1 else None
+            self.stats["revision_source"] = ("the copy's download records" if found else
+                                             "unknown: the copy records no single commit")
+        elif not _is_hub_id(self.dataset):
+            return None
+        elif is_commit(self.revision):
+            found = self.revision.lower()
+            self.stats["revision_source"] = "pinned (data.hf.revision)"
+        else:
+            try:
+                found = _hub_commit(self.dataset, self.revision)
+            except Exception as e:  # noqa: BLE001 - any failure to ask the Hub is the same refusal
+                raise StagingError(
+                    f"data.hf.revision: cannot resolve {self.revision or 'main'!r} of {self.dataset} to a commit "
+                    f"({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}); expected a reachable Hub "
+                    "or a pinned commit hash (the dataset page's 'History', or huggingface_hub.HfApi()"
+                    f".dataset_info({self.dataset!r}).sha)") from None
+            self.stats["revision_source"] = (f"the Hub's {self.revision or 'main'} when the stream opened; pin it "
+                                             "(data.hf.revision) for a stream that cannot change")
+        self._resolved = found
+        return found
 
     def describe(self) -> dict[str, Any]:
         d = {
@@ -300,6 +369,7 @@ class HFSource:
             "split": self.split,
             "column": self.column,
             "revision": self.revision,
+            "resolved_revision": getattr(self, "_resolved", None),
             "data_files": self.data_files,
             "datasets_version": _version("datasets"),
             "order": "the dataset's streaming order",
@@ -315,6 +385,13 @@ class HFSource:
             if not os.path.isdir(self.local_dir):
                 raise StagingError(f"data.hf.local_dir: {self.local_dir}: no such folder; expected a pre-staged copy "
                                    f"of {self.dataset} (docs/slurm.md, 'The paper's data')")
+            commits = copy_commits(self.local_dir)
+            if is_commit(self.revision) and commits and commits != {self.revision.lower()}:
+                raise StagingError(
+                    f"data.hf.local_dir: {self.local_dir} was downloaded from commit(s) "
+                    f"{', '.join(sorted(c[:12] for c in commits))} of {self.dataset}, not data.hf.revision "
+                    f"{self.revision[:12]}; expected a copy of that commit (huggingface-cli download ... --revision "
+                    f"{self.revision}; docs/slurm.md, 'The paper's data')")
             return self.local_dir
         if self.load_dataset is _default_load_dataset and _is_hub_id(self.dataset):
             why = hub_unreachable()
@@ -330,11 +407,15 @@ class HFSource:
         kwargs: dict[str, Any] = {"split": self.split, "streaming": True}
         if self.name is not None:
             kwargs["name"] = self.name
-        if self.revision is not None and not self.local_dir:  # a copy is of one revision already
-            kwargs["revision"] = self.revision
         if self.data_files is not None:
             kwargs["data_files"] = self.data_files
         where = self.preflight()
+        commit = self.resolved_revision()
+        if not self.local_dir:  # a copy is of one revision already
+            if commit is not None:
+                kwargs["revision"] = commit  # the commit recorded in the manifest is the one read
+            elif self.revision is not None:
+                kwargs["revision"] = self.revision
         try:
             return self.load_dataset(where, **kwargs)
         except Exception as e:

@@ -18,7 +18,9 @@ every rank of a data-parallel run at once, each its share::
 
     checkpoint.json                              {"format": FORMAT, "step", "tokens", "spec",
                                                   "model_config", "manifest_sha256", "code_sha256",
-                                                  "world_size", "wall_s", "cpu_s", "train_s",
+                                                  "code_files" ({path: sha256} of the training code),
+                                                  "commit", "code_changes", "world_size", "wall_s",
+                                                  "cpu_s", "train_s",
                                                   "files": {"tensors": [{"rank", "file", "sha256", "bytes"}, ...],
                                                             "state": [{"rank", "file", "sha256", "bytes"}, ...]}}
     checkpoint-<step>-<token>.r<rank>.safetensors  the rank's share of the tensors: "model.<name>" (the

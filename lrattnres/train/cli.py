@@ -2,10 +2,15 @@
 
 Exit codes: 0 done (``result.json`` written); 2 bad spec, bad input, a checkpoint that fails its
 sha256 check or a refused resume (one line naming the file and the key); 3 non-finite loss (the
-last good checkpoint is kept); 75 (EX_TEMPFAIL) stopped by SIGTERM/SIGINT or ``--stop-after``
-after writing ``checkpoint.json``: rerun the same command to resume (Slurm: ``--requeue``;
-Snakemake: ``--retries``).  A checkpoint written for another spec, data manifest, world size or
-training code is moved aside into ``<out>/stale/`` and the run starts over (the log says so).
+last good checkpoint is kept); 75 (EX_TEMPFAIL) stopped by SIGTERM/SIGINT, ``LRATTNRES_DEADLINE`` or
+``--stop-after`` after writing ``checkpoint.json``: rerun the same command to resume (Slurm:
+``--requeue``; Snakemake: ``--retries``).  A checkpoint written for another spec or data manifest is
+moved aside into ``<out>/stale/`` and the run starts over (the log says so); one written on another
+world size with the same tokens per update resumes, its optimiser state resharded; one written by
+other training code follows ``--on-code-change`` (restart, the default: moved aside; refuse: exit 2
+naming the changed files; continue: resumed, both commits recorded in the result).
+``--requeue-at-deadline``: inside a Slurm job, a run stopped at its deadline requeues its job
+(lrattnres/slurmjob.py), so that the next run of the same job continues it.
 
 Data-parallel: ``torchrun --nproc-per-node K -m lrattnres train ...`` (NCCL on GPUs, gloo on CPUs);
 the global batch is ``micro_batch x seq_len x grad_accum x K`` tokens.  torchrun forwards SIGTERM to
@@ -32,6 +37,13 @@ def _parser() -> argparse.ArgumentParser:
                         "spec, data and training code, else move it aside to <out>/stale/ and start over; never: "
                         "move it aside and start over; must: fail unless it can continue; force: continue even "
                         "if the training code changed")
+    p.add_argument("--on-code-change", choices=("restart", "refuse", "continue"), default="restart",
+                   help="with --resume auto, a checkpoint written by other training code: restart (default: move it "
+                        "aside, start over), refuse (exit 2, naming the changed files) or continue (as --resume "
+                        "force; the result records both commits)")
+    p.add_argument("--requeue-at-deadline", action="store_true",
+                   help="inside a Slurm job: after a stop at LRATTNRES_DEADLINE, requeue the job (scontrol requeue) "
+                        "so that its next run continues the training")
     p.add_argument("--stop-after", type=int, default=None, help="checkpoint and exit 75 after this many updates")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (CPU)")
     p.add_argument("--no-progress", action="store_true",
@@ -62,6 +74,24 @@ def _keep_freed_memory() -> bool:
         return False
 
 
+def _requeue(stopped) -> None:
+    """Requeue this Slurm job after a stop at its deadline (rank 0 only; lrattnres/slurmjob.py)."""
+    import os
+
+    from lrattnres import slurmjob
+
+    if slurmjob.job_id() is None or int(os.environ.get("RANK", "0")) != 0:
+        return
+    if stopped.updates < 1:
+        print("train: not requeueing: this run of the job reached its deadline before one update; its wall time "
+              "leaves no time to train after start-up and the signal lead (raise resources.train.runtime or "
+              "cluster.runtime_max_min)", file=sys.stderr)
+        return
+    done, what = slurmjob.requeue()
+    print(f"train: {what}" + ("; its next run resumes from the checkpoint" if done else
+                              "; exiting 75 instead, so that a retry continues the run in a new job"), file=sys.stderr)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
@@ -83,9 +113,12 @@ def main(argv: list[str] | None = None) -> int:
     from lrattnres.train.spec import SpecError
 
     try:
-        train(spec, args.data, args.out, resume=args.resume, stop_after=args.stop_after, progress=not args.no_progress)
+        train(spec, args.data, args.out, resume=args.resume, on_code_change=args.on_code_change,
+              stop_after=args.stop_after, progress=not args.no_progress)
     except Preempted as e:
         print(f"train: {e}", file=sys.stderr)
+        if args.requeue_at_deadline and e.reason == "deadline":
+            _requeue(e)
         return EXIT_PREEMPTED
     except NonFiniteLoss as e:
         print(f"train: {e}", file=sys.stderr)

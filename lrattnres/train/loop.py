@@ -64,11 +64,25 @@ class NonFiniteLoss(RuntimeError):
 
 
 class Preempted(Exception):
-    pass
+    """The run stopped at a step boundary with its checkpoint written. ``reason``: ``signal``
+    (SIGTERM/SIGINT), ``deadline`` (LRATTNRES_DEADLINE) or ``stop_after``; ``updates``: the updates
+    this process made (a job that stops at its deadline before any update cannot continue itself)."""
+
+    def __init__(self, message: str, reason: str = "signal", updates: int = 0):
+        super().__init__(message)
+        self.reason = reason
+        self.updates = updates
 
 
 class ResumeMismatch(UserError, ValueError):
     pass
+
+
+class CodeChanged(ResumeMismatch):
+    """A checkpoint written by other training code, with ``on_code_change: refuse`` (exit 2)."""
+
+
+ON_CODE_CHANGE = ("restart", "refuse", "continue")
 
 
 class LossModule(nn.Module):
@@ -155,21 +169,57 @@ CODE_FILES = ("lrattnres/train/*.py", "lrattnres/model.py", "lrattnres/routing.p
               "lrattnres/presets.py", "lrattnres/data/loader.py", "kernels/*.py")
 
 
+def _code_sources():
+    for pattern in CODE_FILES:
+        for f in sorted(_REPO.glob(pattern)):
+            yield f.relative_to(_REPO).as_posix(), f.read_bytes()
+
+
 def code_fingerprint() -> str:
     """sha256 over the source of the training stack (a resumed run must not mix two versions)."""
     h = hashlib.sha256()
-    for pattern in CODE_FILES:
-        for f in sorted(_REPO.glob(pattern)):
-            h.update(f.relative_to(_REPO).as_posix().encode() + b"\0" + f.read_bytes() + b"\0")
+    for rel, data in _code_sources():
+        h.update(rel.encode() + b"\0" + data + b"\0")
     return h.hexdigest()
+
+
+def code_files() -> dict[str, str]:
+    """The sha256 of each source file of the training stack, by its path in the repository: what a
+    checkpoint records, so that a refusal can name the files that changed."""
+    return {rel: hashlib.sha256(data).hexdigest() for rel, data in _code_sources()}
+
+
+def changed_code_files(old: dict | None, new: dict[str, str]) -> list[str] | None:
+    """The files whose source differs between two :func:`code_files` records (added and removed ones
+    too); None where the checkpoint records no per-file hashes."""
+    if not isinstance(old, dict):
+        return None
+    return sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
+
+
+def tokens_per_update(spec: dict, world: int) -> int:
+    return spec["micro_batch"] * spec["seq_len"] * spec["grad_accum"] * world
+
+
+# The batch split of an update: another split of the same tokens per update (another GPU count, with
+# grad_accum auto) makes the same update, so a run resumes across it.
+BATCH_SPLIT = ("micro_batch", "grad_accum")
 
 
 def resume_problems(rec: dict, s: dict, mcfg_dict: dict, manifest_sha: str, world: int,
                     fingerprint: str) -> tuple[list[str], bool]:
-    """Why checkpoint record ``rec`` cannot continue this run (spec, architecture, data or world size
-    differ), and whether it was written by other training code."""
+    """Why checkpoint record ``rec`` cannot continue this run (spec, architecture, data or the tokens
+    of an update differ), and whether it was written by other training code. Another world size with
+    the same tokens per update is no obstacle: the state is kept by parameter name and resharded."""
     problems = []
     keys = spec_mod.diff_keys(rec["spec"], s)
+    then, now_ = tokens_per_update(rec["spec"], int(rec["world_size"])), tokens_per_update(s, world)
+    if then == now_:
+        keys = [k for k in keys if k not in BATCH_SPLIT]
+    else:
+        problems.append(f"tokens per update differ: checkpoint {rec['spec']['micro_batch']} x {rec['spec']['seq_len']} x "
+                        f"{rec['spec']['grad_accum']} x {rec['world_size']} ranks = {then:,} != now {s['micro_batch']} x "
+                        f"{s['seq_len']} x {s['grad_accum']} x {world} ranks = {now_:,}")
     if keys:
         problems.append("spec differs: " + spec_mod.describe_diff(rec["spec"], s, keys))
     mkeys = spec_mod.diff_keys(rec["model_config"], mcfg_dict, ignore=("router", "attention"))
@@ -177,9 +227,24 @@ def resume_problems(rec: dict, s: dict, mcfg_dict: dict, manifest_sha: str, worl
         problems.append("model architecture differs: " + spec_mod.describe_diff(rec["model_config"], mcfg_dict, mkeys))
     if rec["manifest_sha256"] != manifest_sha:
         problems.append(f"data manifest differs (sha256 {str(rec['manifest_sha256'])[:12]} != {manifest_sha[:12]})")
-    if rec["world_size"] != world:
-        problems.append(f"world_size differs: checkpoint {rec['world_size']} != now {world}")
     return problems, rec.get("code_sha256") != fingerprint
+
+
+def _code_change(rec: dict, files_now: dict[str, str], commit_now: dict) -> dict:
+    """The record of a run continued across a code change: both commits, the files that differ."""
+    return {"step": rec["step"], "checkpoint_commit": (rec.get("commit") or {}).get("commit"),
+            "checkpoint_dirty": (rec.get("commit") or {}).get("dirty"), "commit": commit_now.get("commit"),
+            "dirty": commit_now.get("dirty"), "checkpoint_code_sha256": rec.get("code_sha256"),
+            "changed_files": changed_code_files(rec.get("code_files"), files_now)}
+
+
+def _describe_change(change: dict) -> str:
+    files = change["changed_files"]
+    what = ("the checkpoint records no per-file hashes" if files is None
+            else ", ".join(files) if files else "no file differs by content (the fingerprint does)")
+    return (f"changed: {what}; checkpoint commit {str(change['checkpoint_commit'])[:12]}"
+            + (" (dirty)" if change["checkpoint_dirty"] else "")
+            + f", now {str(change['commit'])[:12]}" + (" (dirty)" if change["dirty"] else ""))
 
 
 def resolve_model_config(model_spec: dict, vocab_size: int, seq_len: int):
@@ -238,15 +303,20 @@ def train(spec: dict, data: str | os.PathLike, out: str | os.PathLike, **kw) -> 
     """Train one run; returns the result dict (also written to ``<out>/result.json`` by rank 0).
 
     Keywords: ``resume``: ``auto`` (continue from ``<out>/checkpoint.json`` when it was written for
-    the same spec, architecture, data manifest, world size and training code; otherwise move it
-    aside into ``<out>/stale/`` and start over), ``never`` (move any checkpoint aside and start
-    over), ``must`` (fail unless the checkpoint continues this run), ``force`` (continue even if the
-    training code changed; spec, architecture, data and world size must still match).  A checkpoint
-    whose files fail their sha256 check stops the run with :class:`CheckpointError` in every mode
-    but ``never``.  ``stop_after``: stop after that many total updates, writing a checkpoint as on
-    preemption (for tests and time-sliced jobs; raises :class:`Preempted`).  ``progress``: a live
-    tqdm bar when stderr is a terminal; otherwise (or without ``progress``) plain status lines every
-    ``log_every_s`` seconds of the spec.  SIGTERM/SIGINT are caught from the start (a signal during
+    the same spec, architecture, data manifest and tokens per update, on any world size, and by the
+    same training code; a checkpoint of another spec, architecture or data is moved aside into
+    ``<out>/stale/`` and the run starts over; one of other training code is handled as
+    ``on_code_change`` says), ``never`` (move any checkpoint aside and start over), ``must`` (fail
+    unless the checkpoint continues this run, code included), ``force`` (continue even if the
+    training code changed; the rest must still match).  ``on_code_change`` (with ``auto``):
+    ``restart`` (move the checkpoint aside and start over), ``refuse`` (stop with
+    :class:`CodeChanged`, naming the changed files) or ``continue`` (as ``force``); a run continued
+    across a code change records both commits and the changed files in its result
+    (``code_changes``).  A checkpoint whose files fail their sha256 check stops the run with
+    :class:`CheckpointError` in every mode but ``never``.  ``stop_after``: stop after that many
+    total updates, writing a checkpoint as on preemption (for tests and time-sliced jobs; raises
+    :class:`Preempted`).  ``progress``: a live tqdm bar when stderr is a terminal; otherwise (or
+    without ``progress``) plain status lines every ``log_every_s`` seconds of the spec.  SIGTERM/SIGINT are caught from the start (a signal during
     start-up still stops at the first step boundary with a checkpoint).
     """
     stop = _StopFlag().install()
@@ -262,6 +332,7 @@ def _train(
     out: str | os.PathLike,
     *,
     resume: str = "auto",
+    on_code_change: str = "restart",
     stop_after: int | None = None,
     progress: bool = True,
     log=None,
@@ -304,6 +375,7 @@ def _train(
             model = build_model(mcfg)
     else:
         model = build_model(mcfg)
+    model.activation_checkpointing = bool(s.get("activation_checkpointing"))
     from lrattnres.attention import describe as describe_attention
 
     attention = describe_attention(mcfg.attention, device)  # what the forward runs (auto resolved), recorded
@@ -326,8 +398,12 @@ def _train(
     say = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
     if resume not in ("auto", "never", "must", "force"):
         raise ValueError(f"resume must be auto, never, must or force, got {resume!r}")
-    fingerprint = code_fingerprint()
-    st, stale, stale_step = None, None, None
+    if on_code_change not in ON_CODE_CHANGE:
+        raise ValueError(f"on_code_change must be one of {', '.join(ON_CODE_CHANGE)}, got {on_code_change!r}")
+    from lrattnres.provenance import git_state
+
+    fingerprint, files_now, commit_now = code_fingerprint(), code_files(), git_state()
+    st, stale, stale_step, code_changes = None, None, None, []
     if ckpt.has_checkpoint(out):
         if resume == "never":
             stale = "--resume never"
@@ -339,9 +415,17 @@ def _train(
             problems, code_differs = resume_problems(rec, s, mcfg_dict, manifest_sha, world, fingerprint)
             if rec["format"] != ckpt.FORMAT:
                 problems.append(f"written in the earlier format {rec['format']}")
-            if code_differs and resume != "force":
-                problems.append(f"written by other training code (code sha256 {str(rec.get('code_sha256'))[:12]} "
-                                f"!= {fingerprint[:12]}; a run must not mix two code versions)")
+            change = _code_change(rec, files_now, commit_now) if code_differs else None
+            keep_going = resume == "force" or (resume == "auto" and on_code_change == "continue")
+            if code_differs and not problems and resume == "auto" and on_code_change == "refuse":
+                raise CodeChanged(
+                    f"{ck_path}: the checkpoint at step {rec['step']} was written by other training code "
+                    f"({_describe_change(change)}); refusing to continue or discard it. Continue it with this code "
+                    "(--resume force; in the workflow train.on_code_change: continue) or start over (--resume "
+                    "never; train.on_code_change: restart); docs/slurm.md, 'After a code edit'")
+            if code_differs and not keep_going:
+                problems.append(f"written by other training code ({_describe_change(change)}; a run must not mix two "
+                                "code versions unless told to)")
             if problems and resume in ("must", "force"):
                 raise ResumeMismatch(f"{ck_path}: refusing to resume: " + "; ".join(problems)
                                      + " (--resume auto or never starts over)")
@@ -349,6 +433,10 @@ def _train(
                 stale = "; ".join(problems)
             else:
                 st = rec
+                code_changes = list(rec.get("code_changes") or []) + ([change] if change else [])
+                if change and master:
+                    say(f"[train] {out.name}: continuing the checkpoint at step {rec['step']} with other training code "
+                        f"({_describe_change(change)}); recorded in the result")
     if resume in ("must", "force") and st is None:
         raise FileNotFoundError(f"{ck_path}: --resume {resume}, but there is no checkpoint to continue")
     if stale is not None:
@@ -366,18 +454,24 @@ def _train(
         say(f"[train] warning: {steps_total} updates of {tokens_per_step:,} tokens read the {train_split_tokens:,}-token "
             f"training split {planned_epochs:.1f} times; past one epoch the validation loss measures memorisation "
             "as well as modelling (point the scale's data stage at a larger corpus)")
-    resumed = False
+    resumed, world_then = False, world
     guard = GradGuard(**s["grad_guard"])
     if st is not None:
-        ckpt.restore_training(out, st, model, local_opts)  # weights, and this rank's optimiser state
-        mine = ckpt.read_state(out, st, rank)
+        # weights, and the optimiser state of the parameters this rank owns now, read by name from
+        # whichever rank's file holds them: another world size reshards the state
+        ckpt.restore_training(out, st, model, local_opts)
+        world_then = int(st["world_size"])
+        mine = ckpt.read_state(out, st, rank if rank < world_then else 0)
         step, tokens, train_s = st["step"], st["tokens"], st["train_s"]
         wall_prev, cpu_prev = st["wall_s"], st["cpu_s"]
         grad_norms = list(mine["grad_norms"] if rank == 0 else ckpt.read_state(out, st, 0)["grad_norms"])
-        loader.load_state_dict(mine["loader"])
-        ckpt.set_rng_state(mine["rng"])
+        loader.load_state_dict(mine["loader"], reshard=world_then != world)
+        ckpt.set_rng_state(mine["rng"])  # a rank the checkpoint did not have starts from rank 0's states
         guard.replay(grad_norms)  # the guard's history and outliers, as the uninterrupted run has them
         resumed = True
+        if master and world_then != world:
+            say(f"[train] {out.name}: the checkpoint at step {step} was written by {world_then} ranks; resharded "
+                f"onto {world} (micro_batch {s['micro_batch']} x grad_accum {s['grad_accum']} per rank)")
         del st, mine
 
     # ---- wrap ---------------------------------------------------------------------------------
@@ -422,7 +516,8 @@ def _train(
                   "wall_s": wall_prev + time.perf_counter() - t_process,
                   "cpu_s": cpu_prev + time.process_time() - cpu_process,
                   "world_size": world, "spec": s, "model_config": mcfg_dict,
-                  "manifest_sha256": manifest_sha, "code_sha256": fingerprint},
+                  "manifest_sha256": manifest_sha, "code_sha256": fingerprint, "code_files": files_now,
+                  "commit": commit_now, "code_changes": code_changes},
             rank=rank, world=world,
         )
         return time.perf_counter() - t0
@@ -439,6 +534,7 @@ def _train(
     ddp = world > 1
     last_step_s, last_save_s = 0.0, 0.0
     stopped = None  # a non-finite loss recorded as the result (spec record_nonfinite)
+    first_step = step
     try:
         while step < steps_total:
             # preemption, a deadline (LRATTNRES_DEADLINE: the next update and a checkpoint would end after
@@ -453,7 +549,9 @@ def _train(
                 save_checkpoint()
                 why = ("signal" + (f" {stop.signum}" if stop.signum is not None else " on another rank")
                        if flag.item() >= 2 else deadline_mod.ENV if flag.item() > 0 else f"stop_after={stop_after}")
-                raise Preempted(f"stopped at step {step} ({why}); checkpoint {ck_path} written; rerun to resume")
+                reason = "signal" if flag.item() >= 2 else "deadline" if flag.item() > 0 else "stop_after"
+                raise Preempted(f"stopped at step {step} ({why}); checkpoint {ck_path} written; rerun to resume",
+                                reason=reason, updates=step - first_step)
 
             t0 = time.perf_counter()
             mult = lr_multiplier(step, steps_total, s["schedule"]["warmup_steps"], s["schedule"]["warmdown_frac"],
@@ -537,6 +635,8 @@ def _train(
         "train_s": train_s,  # time inside optimiser steps (no start-up, validation or checkpoints)
         "cpu_s": cpu_prev + time.process_time() - cpu_process,  # process CPU time (rank 0)
         "resumed": resumed,
+        # runs continued across a change of the training code: both commits and the changed files
+        "code_changes": code_changes,
         "tokens_per_s": tokens / train_s if train_s > 0 else None,
         "steps_per_s": step / train_s if train_s > 0 else None,
         "grad_norm": grad_norm_summary(grad_norms, clip, guard),

@@ -45,12 +45,15 @@ DEFAULTS: dict[str, Any] = {
 # Keys that may change between a run and its resumption (they do not change the trajectory).
 # ``shard_optimizer`` (ZeroRedundancyOptimizer over the data-parallel ranks) makes the same update;
 # the checkpoint keeps the optimiser state by parameter name, so either kind of run resumes the other.
-RESUMABLE_CHANGES = ("device", "compile", "val", "checkpoint", "shard_optimizer", "log_every_s", "grad_guard")
+# ``activation_checkpointing`` (recompute each layer's activations in the backward) gives the same
+# gradients with less memory.
+RESUMABLE_CHANGES = ("device", "compile", "val", "checkpoint", "shard_optimizer", "log_every_s", "grad_guard",
+                     "activation_checkpointing")
 # Keys without a default: absent is the same as false, so that specs written before them still match.
 # ``record_nonfinite``: a non-finite loss or gradient norm ends the run with a result that says so
 # (``stopped``, no final validation) instead of failing it; the learning-rate check's runs set it,
 # since a diverged learning rate is one of the check's outcomes (lrattnres/lrcheck.py).
-OPTIONAL_FLAGS = ("shard_optimizer", "record_nonfinite")
+OPTIONAL_FLAGS = ("shard_optimizer", "record_nonfinite", "activation_checkpointing")
 # Keys without a default that a scale gives where it fixes its global batch: the trainer refuses a
 # world size whose micro_batch x seq_len x grad_accum x ranks differs from it.
 OPTIONAL_INTS = ("tokens_per_update",)

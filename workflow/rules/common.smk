@@ -111,14 +111,38 @@ if workflow.global_resources["_nodes"].value is None:
         )
 
 
+_PARTITION_LIMITS = {}
+
+
+def partition_limit(rule_name):
+    """Under Snakemake's Slurm executor, the time limit (minutes) of the partition of the rule's jobs
+    (sinfo, asked once per partition), which caps an automatic wall time; None elsewhere or where the
+    partition has no limit."""
+    plugin = workflow.executor_plugin
+    if plugin is None or getattr(plugin, "name", None) != "slurm":
+        return None
+    part = jobplan.slurm_partition(workflow.resource_settings, rule_name)
+    if part not in _PARTITION_LIMITS:
+        _PARTITION_LIMITS[part] = jobplan.partition_limit_min(part)
+    return _PARTITION_LIMITS[part]
+
+
+def _capped(minutes, rule_name):
+    cap = jobplan.runtime_cap_min(S, partition_limit(rule_name))
+    return min(minutes, cap) if cap else minutes
+
+
 def train_runtime(wc):
     """The wall time of a run's training job: config's minutes, or (auto) estimated from the run's
-    size and tokens (lrattnres/jobplan.py)."""
+    size and tokens, at most the longest job the cluster takes (lrattnres/jobplan.py); a longer run
+    continues in the next run of the same job."""
     given = res("train", "runtime", 60)
     if given != "auto":
         return given
     run = RUNS[wc.run]
-    return jobplan.runtime_min(S, train_spec(S, run), run.preset) or 60
+    return _capped(
+        jobplan.runtime_min(S, train_spec(S, run), run.preset) or 60, "train"
+    )
 
 
 def throughput_runtime(wc):
@@ -126,7 +150,9 @@ def throughput_runtime(wc):
     given = res("throughput", "runtime", 30)
     if given != "auto":
         return given
-    return jobplan.throughput_runtime_min(S, wc.preset) or 60
+    return _capped(
+        jobplan.throughput_runtime_min(S, wc.preset) or 60, "throughput_size"
+    )
 
 
 def stage(command, gpu=False, launcher="python -m lrattnres"):

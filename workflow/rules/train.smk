@@ -44,6 +44,10 @@ rule train:
         slurm_extra=lambda wc: jobplan.slurm_resources(S, RUNS[wc.run].preset)[
             "slurm_extra"
         ],
+        # execution settings, which rerun nothing: what a checkpoint of other training code does, and
+        # how long before a Slurm job's end its trainer stops and requeues the job (lrattnres/slurmjob.py)
+        on_code_change=S["train"].get("on_code_change", "restart"),
+        deadline_lead=lambda wc: jobplan.deadline_lead_s(S, RUNS[wc.run].preset),
     params:
         # what the run computes: a change of it reruns the job (Snakemake's params trigger)
         science=lambda wc: spec(
@@ -67,9 +71,12 @@ rule train:
     shell:
         stage(
             "train --spec {params.spec:q} --data {input.data:q} --out {params.out:q} "
+            "--on-code-change {resources.on_code_change} --requeue-at-deadline "
             "--threads {threads} --no-progress > {log:q} 2>&1",
             gpu=True,
-            launcher="{params.launcher}",
+            # inside a Slurm job: stop before the job's end and requeue it (a run longer than one job)
+            launcher='LRATTNRES_DEADLINE="${{LRATTNRES_DEADLINE:-$(python -m lrattnres.slurmjob deadline '
+            '--lead {resources.deadline_lead})}}" {params.launcher}',
         )
 
 
