@@ -5,7 +5,8 @@
 
 Compiles each kernel with triton.compile for a Hopper target (GPUTarget("cuda", 90, 128)) and reads
 the cubin with the cuobjdump that Triton's wheel ships: registers, instructions in the whole kernel
-and in its innermost loop (the source loop), cp.async copies.  Why: GPU time costs more than CPU time, and a change
+and in its innermost loop (the source loop), cp.async copies, the stack and the local-memory loads
+and stores (spills).  With --against, each row also holds that revision's counts ("against").  Why: GPU time costs more than CPU time, and a change
 meant to leave the measured kernels alone (a refactor, a new launch option at its default) can be
 shown to leave their machine code byte for byte the same; a change meant to alter them (a layout,
 a pipelined loop) shows its instruction and register counts before any GPU run.  Run it without
@@ -191,7 +192,8 @@ def build(fn, sig: dict, const: dict, warps: int) -> dict:
     lines = [re.sub(r"/\*[0-9a-f]+\*/", "", x).strip() for x in sass.splitlines() if re.match(r"\s+/\*[0-9a-f]{4}\*/", x)]
     return {"registers": int(re.search(r"REG:(\d+)", res).group(1)), "instructions": len(lines),
             "loop_instructions": inner_loop_size(sass), "ldgsts": sum("LDGSTS" in x for x in lines),
-            "code": "\n".join(lines)}
+            "stack": int(re.search(r"STACK:(\d+)", res).group(1)),
+            "spills": sum(bool(re.match(r"(@!?U?P\w+\s+)?(LDL|STL)\b", x)) for x in lines), "code": "\n".join(lines)}
 
 
 def inner_loop_size(sass: str) -> int | None:
@@ -245,7 +247,9 @@ def report(configs, against: str | None = None) -> list[dict]:
                 here = build(fn, sig, const, warps)
                 row = {"config": cname, "kernel": kname, **{k: v for k, v in here.items() if k != "code"}}
                 if there is not None:
-                    row["same_code_as_" + against] = build(there[1], sig, const, warps)["code"] == here["code"]
+                    before = build(there[1], sig, const, warps)
+                    row["same_code_as_" + against] = before["code"] == here["code"]
+                    row["against"] = {k: v for k, v in before.items() if k != "code"}
                 rows.append(row)
                 print(json.dumps(row), flush=True)
     return rows
@@ -255,12 +259,16 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated names from CONFIGS")
     p.add_argument("--against", help="a git revision whose kernels to compare machine code with")
+    p.add_argument("--json", help="also write the rows to this file")
     a = p.parse_args(argv)
     names = [c for c in a.configs.split(",") if c]
     unknown = [c for c in names if c not in CONFIGS]
     if unknown:
         raise SystemExit(f"offline_sass: unknown --configs {unknown}; expected names from {sorted(CONFIGS)}")
     rows = report(names, a.against)
+    if a.json:
+        with open(a.json, "w", encoding="utf-8") as f:
+            json.dump({"triton": __import__("triton").__version__, "against": a.against, "rows": rows}, f, indent=1)
     key = "same_code_as_" + a.against if a.against else None
     return 0 if key is None or all(r[key] for r in rows) else 1
 
