@@ -161,8 +161,9 @@ def _src(src, js, S, ALIGN: tl.constexpr):
         p = _select(jj, src[0]) + jj * 0  # [SB] even with one slot
         st = _select(jj, src[1]) + jj * 0
     else:
-        p = src[0] + tl.multiple_of(tl.load(src[1] + jj), ALIGN)
+        off = tl.multiple_of(tl.load(src[1] + jj), ALIGN)
         st = tl.multiple_of(tl.load(src[2] + jj), ALIGN)
+        p = src[0] + off
     return p, st
 
 
@@ -300,11 +301,13 @@ def _g_terms(g_ptr, h_ptr, res_ptr, g_row, h_row, off, mask, HAS_RES: tl.constex
 @triton.jit
 def _go_terms(t, g):
     """A source's tiles in fp32 and the terms of g.o over its chunks (added up for one row sum)."""
-    t = _to_f32(t)
-    go = g[0] * t[0]
+    x = (t[0].to(tl.float32),)
+    go = g[0] * x[0]
     for c in tl.static_range(1, len(t)):
-        go = go + g[c] * t[c]
-    return t, go
+        x = x + (t[c].to(tl.float32),)
+    for c in tl.static_range(1, len(t)):
+        go = go + g[c] * x[c]
+    return x, go
 
 
 @triton.jit

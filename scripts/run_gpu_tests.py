@@ -13,7 +13,9 @@ from (default: tests).
 
 With N GPUs (default: every visible one) the cases are dealt round-robin into N parts that run side
 by side, one per GPU.  ``--workers W`` runs W pytest-xdist workers on each GPU (the suite is bound
-by compiling kernels, which W processes do at once; 8 on a 16-core H200 host).  Cases marked
+by compiling kernels, which W processes do at once; 8 on a 16-core H200 host).  Every part and worker
+shares one Triton and one Inductor cache (--cache DIR to keep it between runs), and autotuning is
+off (KERNELS_AUTOTUNE=0) but in the tuner's own cases, which turn it on in their settings.  Cases marked
 ``gpu_alone`` (they time GPU work, or start processes of their own that share the GPU) run after
 the others in each part, one at a time.
 
@@ -250,6 +252,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--all", action="store_true", help="the whole test suite, not only the GPU suite")
     p.add_argument("--allow-cpu", action="store_true", help="run without a CUDA device (the GPU cases skip)")
     p.add_argument("--tests", nargs="+", default=["tests"], help="test files or folders to select from (default: tests)")
+    p.add_argument("--cache", type=Path, default=None,
+                   help="the Triton and Inductor cache folder every worker shares (default: a fresh one)")
     args = p.parse_args(argv[: argv.index("--")] if "--" in argv else argv)
     if args.merge:
         if args.log is None:
@@ -300,6 +304,13 @@ def main(argv: list[str] | None = None) -> int:
     env = {k: v for k, v in os.environ.items()
            if k != "TRITON_INTERPRET" and not k.startswith(("PYTEST_XDIST_", "PYTEST_CURRENT_TEST"))}
     env["PYTHONUNBUFFERED"] = "1"
+    # one Triton and one Inductor cache for every part and worker, so that a kernel one worker built
+    # is loaded, not built again, by the others; and no autotuning (each shape class would build and
+    # time every candidate) except in the tuner's own cases, which ask for it in their settings
+    cache = args.cache or Path(tempfile.mkdtemp(prefix="gpu-tests-cache-"))
+    env.setdefault("TRITON_CACHE_DIR", str(cache / "triton"))
+    env.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache / "inductor"))
+    env.setdefault("KERNELS_AUTOTUNE", "0")
     # the GPU each part sees: the k-th of those this process sees (CUDA_VISIBLE_DEVICES may name some)
     shown = [x.strip() for x in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if x.strip()]
     visible = shown[:ngpu] if len(shown) >= ngpu else [str(i) for i in range(ngpu)]
