@@ -27,8 +27,8 @@ import triton
 import triton.language as tl
 
 from .tiles import (
-    _add2, _chunks, _queries, _dq_store, _dst, _g_terms, _go_terms, _inv_key_width, _row_tiles, _src, _store_grads,
-    _tiles, _to_f32, _token_rows, _weights, _zeros,
+    _add2, _chunks, _dq_store, _dst, _g_rows, _go_terms, _inv_key_width, _queries, _row_tiles, _rows2d, _src,
+    _store_grads, _store_rows, _tiles, _token_rows, _weights, _zeros,
 )
 
 
@@ -67,14 +67,15 @@ def _tile_step(i, t, rows, row_ok, rows64, N, S, d, g, gh, lse, st_ptr, inv_n, o
         zb = tl.load(st_ptr + tl.cast(2 + i, tl.int64) * N + rows, mask=live[1], other=0.0)
         gh = tl.exp(za - lse) * s[0] + tl.exp(zb - lse) * s[1]
     wts = ()
-    bases = ()
+    gps = ()
     for p in tl.static_range(P):
         wts = wts + (_weights(s[p], gh, lse, i + p, S, N, rows, live[p], st_ptr, inv_n),)
     for p in tl.static_range(P):
-        bases = bases + (_dst(dst, i + p, S, GALIGN) + rows64[:, None] * d,)
+        gps = gps + (_dst(dst, i + p, S, GALIGN),)
     for p in tl.static_range(P):
         w, cq, coef = wts[p]
-        dq = _store_grads(bases[p], live[p], offs, ok, xs[p], g, q, tail, w, cq, coef, dq, SLICE, KEY0)
+        dq = _store_grads(gps[p], rows64[:, None], d, live[p], offs, ok, xs[p], g, q, tail, w, cq, coef, dq, SLICE,
+                          KEY0)
     return dq
 
 
@@ -103,15 +104,14 @@ def _tile_loop(src, ALIGN: tl.constexpr, dst, GALIGN: tl.constexpr, rows, row_ok
             w = tl.exp(z - lse)
             gh += w * go
             tl.store(go_ptr + tl.cast(i, tl.int64) * N + rows, go, mask=row_ok)
-            base = _dst(dst, i, S, GALIGN) + rows64[:, None] * d
+            gp = _dst(dst, i, S, GALIGN)
             for c in tl.static_range(KEY0):
-                tl.store(base + offs[c][None, :], (w[:, None] * g[c]).to(base.dtype.element_ty),
-                         mask=row_ok[:, None] & ok[c][None, :])
+                _store_rows(gp, rows64[:, None], d, offs[c], row_ok, ok[c], w[:, None] * g[c])
         else:
             go = tl.load(go_ptr + tl.cast(i, tl.int64) * N + rows, mask=row_ok, other=0.0)
             w, cq, coef = _weights(go, gh, lse, i, S, N, rows, row_ok, st_ptr, inv_n)
-            base = _dst(dst, i, S, GALIGN) + rows64[:, None] * d
-            dq = _store_grads(base, row_ok, offs, ok, _to_f32(t[0]), g, q, tail, w, cq, coef, dq, SLICE, KEY0, FIRST)
+            dq = _store_grads(_dst(dst, i, S, GALIGN), rows64[:, None], d, row_ok, offs, ok, t[0], g, q, tail,
+                              w, cq, coef, dq, SLICE, KEY0, FIRST)
     return gh, dq
 
 
@@ -124,15 +124,7 @@ def _tile_block(
 ):
     """Token block ``blk``: its g (and g.h), then the source loop; the accumulators dq returned."""
     rows, row_ok, rows64 = _token_rows(blk, N, BLOCK_T)
-    g = ()
-    for c in tl.static_range(len(offs)):
-        gc, ghc = _g_terms(g_ptr, h_ptr, res_ptr, rows64[:, None] * stride_g, rows64[:, None] * d, offs[c][None, :],
-                           row_ok[:, None] & ok[c][None, :], HAS_RES, RES_STEP, not DEFER)
-        g = g + (gc,)
-        if c == 0:
-            gh = ghc
-        else:
-            gh = gh + ghc
+    g, gh = _g_rows(g_ptr, h_ptr, res_ptr, row_ok, rows64, offs, ok, stride_g, d, HAS_RES, RES_STEP, not DEFER)
     if not DEFER:
         gh = tl.sum(gh, axis=1)
     lse = tl.load(st_ptr + rows, mask=row_ok, other=0.0)
@@ -204,15 +196,7 @@ def _bwd_persistent(
     dq = _zeros([BLOCK_D], NCH)
     for row in range(pid, N, nprog):
         row64 = tl.cast(row, tl.int64)
-        g = ()
-        for c in tl.static_range(NCH):
-            gc, ghc = _g_terms(g_ptr, h_ptr, res_ptr, row64 * stride_g, row64 * d, offs[c], ok[c], HAS_RES, RES_STEP,
-                               True)
-            g = g + (gc[None, :],)
-            if c == 0:
-                gh = ghc
-            else:
-                gh = gh + ghc
+        g, gh = _g_rows(g_ptr, h_ptr, res_ptr, None, row64, offs, ok, stride_g, d, HAS_RES, RES_STEP, True)
         gh = tl.sum(gh, axis=0)
         lse = tl.load(st_ptr + row)
         if PREFETCH:
@@ -225,10 +209,11 @@ def _bwd_persistent(
             t = _row_tiles(p, st, row64, jl, S, offs, ok, EVICT)
             if PREFETCH:
                 t, nxt = nxt, t
-            x, go = _go_terms(t, g)
+            g2 = _rows2d(g)  # [1, BLOCK_D] against the [SB, BLOCK_D] tiles (hoisted out of the loop)
+            x, go = _go_terms(t, g2)
             w, cq, coef = _weights(tl.sum(go, axis=1), gh, lse, js, S, N, row, js < S, st_ptr, inv_n)
-            base = _dst(dst, js, S, GALIGN)[:, None] + row64 * d
-            dq = _store_grads(base, js < S, offs, ok, x, g, q, tail, w, cq, coef, dq, SLICE, KEY0)
+            dq = _store_grads(_dst(dst, js, S, GALIGN)[:, None], row64, d, js < S, offs, ok, x, g2, q, tail, w, cq,
+                              coef, dq, SLICE, KEY0)
     _dq_store(dq, dq_part_ptr, pid, r, d, offs, tail, KEY0)
 
 

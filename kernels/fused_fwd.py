@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from .tiles import (
-    _chunks, _queries, _inv_key_width, _key_sums, _res_code, _score, _scores, _tiles, _token_rows, _zeros,
+    _cols, _inv_key_width, _query, _key_sums, _res_code, _score, _scores, _tiles, _token_rows, _zeros,
 )
 
 # The lazy online softmax's threshold: the reference maximum m moves (and the mix is rescaled) only
@@ -70,8 +70,14 @@ def _fwd_body(
     tl.static_assert(PREFETCH <= 1, "the forward prefetches at most one step")
     lazy: tl.constexpr = (LAZY == 2) | ((LAZY == 1) & (BLOCK_T == 1))
     rows, row_ok, rows64 = _token_rows(tl.program_id(0), N, BLOCK_T)
-    offs, ok, tail = _chunks(d, r, BLOCK_D, NCH)
-    q = _queries(q_ptr, d, r, offs, tail)
+    offs = ()
+    ok = ()
+    tail = ()
+    q = ()
+    for c in tl.static_range(NCH):  # each chunk's columns, then its query (the order the forward was measured in)
+        c_offs, c_ok, c_tail = _cols(d, r, c * BLOCK_D, BLOCK_D)
+        offs, ok, tail = offs + (c_offs,), ok + (c_ok,), tail + (c_tail,)
+        q = q + (_query(q_ptr, c_offs, d, r, c_tail),)
     if PAIR:  # two sources (the host checks S = 2): both loaded at once, the exact two-way softmax
         a = _tiles(src, ALIGN, 0, S, rows, rows64, row_ok, offs, ok, EVICT)
         b = _tiles(src, ALIGN, 1, S, rows, rows64, row_ok, offs, ok, EVICT)

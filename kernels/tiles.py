@@ -190,12 +190,18 @@ def _load(addr, mask, EVICT: tl.constexpr):
 @triton.jit
 def _tiles(src, ALIGN: tl.constexpr, j, S, rows, rows64, row_ok, offs, ok, EVICT: tl.constexpr, FIRST: tl.constexpr = 0):
     """Source j's raw tiles [BLOCK_T, BLOCK_D] of tokens ``rows``, chunks FIRST to NCH - 1 (zeros
-    where j >= S): one step of the token-tile loops."""
+    where j >= S): one step of the token-tile loops.  From FIRST > 0 (the two-pass form's second
+    pass) the last chunk is loaded first, the order its kernels were measured in."""
     p, st = _src(src, j, S, ALIGN)
     live = row_ok & ((rows * 0 + j) < S)
+    NCH: tl.constexpr = len(offs)
+    if FIRST > 0:
+        last = _load(p + rows64[:, None] * st + offs[NCH - 1][None, :], live[:, None] & ok[NCH - 1][None, :], EVICT)
     out = ()
-    for c in tl.static_range(FIRST, len(offs)):
+    for c in tl.static_range(FIRST, NCH - (FIRST > 0)):
         out = out + (_load(p + rows64[:, None] * st + offs[c][None, :], live[:, None] & ok[c][None, :], EVICT),)
+    if FIRST > 0:
+        out = out + (last,)
     return out
 
 
@@ -211,10 +217,11 @@ def _row_tiles(p, st, row64, js, S, offs, ok, EVICT: tl.constexpr):
 
 
 @triton.jit
-def _to_f32(t):
+def _rows2d(v):
+    """Each [BLOCK_D] vector of a chunk tuple as a [1, BLOCK_D] row."""
     out = ()
-    for c in tl.static_range(len(t)):
-        out = out + (t[c].to(tl.float32),)
+    for c in tl.static_range(len(v)):
+        out = out + (v[c][None, :],)
     return out
 
 
@@ -246,8 +253,9 @@ def _key_sums(t, q, tail, KEY0: tl.constexpr, SLICE: tl.constexpr):
         terms = ()
         for c in tl.static_range(1, NCH):
             terms = terms + (_key_terms(x[c], q[c], tail[c], SLICE),)
-        for c in tl.static_range(1, NCH):
+        for c in tl.static_range(1, NCH):  # every |k|^2 term, then every q.k term
             kk = kk + terms[c - 1][0]
+        for c in tl.static_range(1, NCH):
             kq = kq + terms[c - 1][1]
     else:
         kk, kq = _key_terms(x[NCH - 1], q[NCH - 1], tail[NCH - 1], SLICE)
@@ -284,17 +292,33 @@ def _scores(kk, kq, inv_n, eps, FUSED: tl.constexpr):
 
 
 @triton.jit
-def _g_terms(g_ptr, h_ptr, res_ptr, g_row, h_row, off, mask, HAS_RES: tl.constexpr, RES_STEP: tl.constexpr,
-             WITH_H: tl.constexpr):
-    """g (fp32) at ``g_ptr + g_row + off`` and the terms of g.h at fp32 accuracy (h rebuilt from its
-    residual); without WITH_H (the deferred forms) h is not read and g stands in for the terms."""
-    g = tl.load(g_ptr + g_row + off, mask=mask, other=0.0).to(tl.float32)
-    gh = g
-    if WITH_H:
-        hh = tl.load(h_ptr + h_row + off, mask=mask, other=0.0).to(tl.float32)
-        if HAS_RES:
-            hh = _res_h(hh, tl.load(res_ptr + h_row + off, mask=mask, other=0), RES_STEP)
-        gh = g * hh
+def _g_rows(g_ptr, h_ptr, res_ptr, live, rows64, offs, ok, stride_g, d, HAS_RES: tl.constexpr, RES_STEP: tl.constexpr,
+            WITH_H: tl.constexpr):
+    """g (fp32) per chunk, of one token (``live`` None, ``rows64`` its index) or of a token block
+    (rows where ``live``), and the terms of g.h at fp32 accuracy (h rebuilt from its residual)
+    added over the chunks after all are read; without WITH_H (the deferred forms) h is not read and
+    g stands in for the terms."""
+    g = ()
+    ghs = ()
+    for c in tl.static_range(len(offs)):
+        if live is None:
+            mask = ok[c]
+            row = rows64
+        else:
+            mask = live[:, None] & ok[c][None, :]
+            row = rows64[:, None]
+        gc = tl.load(g_ptr + row * stride_g + offs[c], mask=mask, other=0.0).to(tl.float32)
+        ghc = gc
+        if WITH_H:
+            hh = tl.load(h_ptr + row * d + offs[c], mask=mask, other=0.0).to(tl.float32)
+            if HAS_RES:
+                hh = _res_h(hh, tl.load(res_ptr + row * d + offs[c], mask=mask, other=0), RES_STEP)
+            ghc = gc * hh
+        g = g + (gc,)
+        ghs = ghs + (ghc,)
+    gh = ghs[0]
+    for c in tl.static_range(1, len(offs)):
+        gh = gh + ghs[c]
     return g, gh
 
 
@@ -335,19 +359,27 @@ def _grad(x, g, q, tail, w, cq, coef, SLICE: tl.constexpr, KEYLESS: tl.constexpr
 
 
 @triton.jit
-def _store_grads(base, live, offs, ok, t, g, q, tail, w, cq, coef, dq, SLICE: tl.constexpr, KEY0: tl.constexpr,
-                 FIRST: tl.constexpr = 0):
-    """One step's gradient rows stored at ``base + column`` for chunks FIRST to NCH - 1 (``t`` holds
-    those chunks' fp32 tiles), and each key chunk's share added to the query-gradient accumulators
-    dq (returned).  ``base``: the gradient rows' pointers [rows, 1]; ``live``: which rows exist."""
+def _store_rows(gp, row, d, off, live, ok, x):
+    """x stored in the gradient rows at ``gp + row * d`` (gp: one pointer with a token block's rows
+    [BLOCK_T, 1], or the sources' pointers [SB, 1] with one token's row), columns ``off``; rows where
+    ``live``.  The value comes before its address: the order the kernels were measured in."""
+    tl.store(gp + row * d + off[None, :], x.to(gp.dtype.element_ty), mask=live[:, None] & ok[None, :])
+
+
+@triton.jit
+def _store_grads(gp, row, d, live, offs, ok, t, g, q, tail, w, cq, coef, dq, SLICE: tl.constexpr,
+                 KEY0: tl.constexpr, FIRST: tl.constexpr = 0):
+    """One step's gradient rows (_store_rows) for chunks FIRST to NCH - 1 (``t`` holds those chunks'
+    tiles, each taken to fp32 where it is used), and each key chunk's share added to the
+    query-gradient accumulators dq (returned)."""
     out = ()
     for ch in tl.static_range(len(offs)):
         if ch < FIRST:
             out = out + (dq[ch],)
         else:
-            x = t[ch - FIRST]
-            grad = _grad(x, g[ch], q[ch], tail[ch], w, cq, coef, SLICE, KEY0 > ch)
-            tl.store(base + offs[ch][None, :], grad.to(base.dtype.element_ty), mask=live[:, None] & ok[ch][None, :])
+            x = t[ch - FIRST].to(tl.float32)
+            _store_rows(gp, row, d, offs[ch], live, ok[ch], _grad(x, g[ch], q[ch], tail[ch], w, cq, coef, SLICE,
+                                                                  KEY0 > ch))
             if KEY0 > ch:
                 out = out + (dq[ch],)
             else:
