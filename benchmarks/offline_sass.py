@@ -6,11 +6,13 @@
 Compiles each kernel with triton.compile for a Hopper target (GPUTarget("cuda", 90, 128)) and reads
 the cubin with the cuobjdump that Triton's wheel ships: registers, instructions in the whole kernel
 and in its innermost loop (the source loop), cp.async copies, the stack and the local-memory loads
-and stores (spills).  With --against, each row also holds that revision's counts ("against").  Why: GPU time costs more than CPU time, and a change
-meant to leave the measured kernels alone (a refactor, a new launch option at its default) can be
-shown to leave their machine code byte for byte the same; a change meant to alter them (a layout,
-a pipelined loop) shows its instruction and register counts before any GPU run.  Run it without
-TRITON_INTERPRET (the interpreter builds nothing).
+and stores (spills), and the seconds the build took (``build_s``, from an empty Triton cache unless
+TRITON_CACHE_DIR is set).  With --against, each row also holds that revision's counts ("against").
+Why: GPU time costs more than CPU time, and a change meant to leave the measured kernels alone (a
+refactor, a new launch option at its default) can be shown to leave their machine code byte for
+byte the same; a change meant to alter them (a layout, a pipelined loop) shows its instruction and
+register counts before any GPU run.  Run it without TRITON_INTERPRET (the interpreter builds
+nothing).
 
 Configurations: --configs NAME[,NAME...] from CONFIGS (default: all), each one launch setting of the
 four kernels in bf16 (mostly d = 1536's layouts: three column chunks of 512, the one padded chunk of
@@ -28,6 +30,7 @@ import re
 import subprocess
 import sys
 import tempfile
+import time
 import types
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -181,8 +184,10 @@ def build(fn, sig: dict, const: dict, warps: int) -> dict:
         consts[(names.index(k),)] = v
     attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in names
              if sig[a] not in ("constexpr", "fp32") and a not in ("N", "S", "r")}
+    t0 = time.perf_counter()
     compiled = triton.compile(ASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 128),
                               options={"num_warps": warps})
+    build_s = time.perf_counter() - t0
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "k.cubin")
         with open(path, "wb") as f:
@@ -193,7 +198,8 @@ def build(fn, sig: dict, const: dict, warps: int) -> dict:
     return {"registers": int(re.search(r"REG:(\d+)", res).group(1)), "instructions": len(lines),
             "loop_instructions": inner_loop_size(sass), "ldgsts": sum("LDGSTS" in x for x in lines),
             "stack": int(re.search(r"STACK:(\d+)", res).group(1)),
-            "spills": sum(bool(re.match(r"(@!?U?P\w+\s+)?(LDL|STL)\b", x)) for x in lines), "code": "\n".join(lines)}
+            "spills": sum(bool(re.match(r"(@!?U?P\w+\s+)?(LDL|STL)\b", x)) for x in lines),
+            "build_s": round(build_s, 2), "code": "\n".join(lines)}
 
 
 def inner_loop_size(sass: str) -> int | None:
@@ -238,7 +244,10 @@ def report(configs, against: str | None = None) -> list[dict]:
         raise SystemExit("offline_sass: unset TRITON_INTERPRET (the interpreter compiles nothing)")
     current = _kernel_modules(ROOT, "kernels_here")
     rows = []
+    fresh = "TRITON_CACHE_DIR" not in os.environ
     with tempfile.TemporaryDirectory() as tmp:
+        if fresh:  # an empty cache: build_s times real builds
+            os.environ["TRITON_CACHE_DIR"] = os.path.join(tmp, "triton-cache")
         other = _revision_module(against, tmp) if against else None
         for cname in configs:
             kernels_here = _kernels(current, CONFIGS[cname])
@@ -252,6 +261,8 @@ def report(configs, against: str | None = None) -> list[dict]:
                     row["against"] = {k: v for k, v in before.items() if k != "code"}
                 rows.append(row)
                 print(json.dumps(row), flush=True)
+        if fresh:
+            del os.environ["TRITON_CACHE_DIR"]
     return rows
 
 

@@ -57,8 +57,9 @@ needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 
 
 def _settings(**changes) -> Settings:
-    """The tests' settings: fresh outputs poisoned, CPU tensors through the interpreter, no tuning."""
-    return Settings(poison=True, cpu_triton=not HAS_CUDA, autotune=False, **changes)
+    """The tests' settings: fresh outputs poisoned, CPU tensors through the interpreter, no tuning
+    (``changes`` may turn it on)."""
+    return Settings(**{"poison": True, "cpu_triton": not HAS_CUDA, "autotune": False, **changes})
 
 
 def _with(fn, s: Settings):
@@ -1115,15 +1116,20 @@ def _fwd_pair(block_d, nch):
     return configs.configs("FWD_PAIR", block_d)
 
 
-def _forward_candidates(table, shapes, extra=()):
-    """(shape..., candidate index) of every distinct forward candidate of ``table`` (_fwd_loop or
-    _fwd_pair) at each shape's column layout: narrow chunks merge some lines of a table, so a shape
-    has as many cases as it has distinct candidates."""
+def _forward_candidates(table, shapes, family):
+    """(shape..., candidate index, family) of every distinct forward candidate of ``table`` (_fwd_loop
+    or _fwd_pair) at each shape's column layout (narrow chunks merge some lines of a table, so a
+    shape has as many cases as it has distinct candidates).  The per-argument family ("args") runs
+    the ARGS line alone: its kernel shares the body with the table kernel and differs only in how
+    it addresses the sources, which no launch option touches, so each other candidate is held by
+    the table family's case and the addressing by the ARGS line's; compiled calls run that line."""
+    forms = ("pair",) if table is _fwd_pair else ()
     out = []
     for shape in shapes:
-        d, r = shape[0], shape[1]
-        for cand in range(len(table(*dispatch.layout("fwd", d, r, DEFAULT)))):
-            out.append(pytest.param(*shape, cand, *extra, id="-".join(map(str, (*shape, cand, *extra)))))
+        layout = dispatch.layout("fwd", shape[0], shape[1], DEFAULT)
+        cands = table(*layout)
+        keep = [cands.index(configs.args_config("fwd", *layout, forms))] if family == "args" else range(len(cands))
+        out += [pytest.param(*shape, cand, family, id="-".join(map(str, (*shape, cand, family)))) for cand in keep]
     return out
 
 
@@ -1132,11 +1138,11 @@ def _forward_candidates(table, shapes, extra=()):
 @pytest.mark.parametrize("d,r,norm,cand,family", [
     p for family in ("table", "args")
     for p in _forward_candidates(_fwd_pair, [(1536, 384, "slice"), (2560, 2560, "full"), (2560, 320, "slice"),
-                                                        (1024, 256, "slice"), (513, 7, "full")], (family,))])
+                                             (1024, 256, "slice"), (513, 7, "full")], family)])
 def test_gpu_bf16_pair_forward(d, r, norm, cand, family, monkeypatch):
     """Every candidate of the pair forward (S = 2, both sources at once) under the paper's bf16
-    criterion, before the backward the tuner picks, in both kernel families: the key in the last chunk
-    or chunks, in every chunk, an unaligned width."""
+    criterion, before the default backward, in the table kernel (the per-argument one: its ARGS line,
+    _forward_candidates): the key in the last chunk or chunks, in every chunk, an unaligned width."""
     cands = _fwd_pair(*dispatch.layout("fwd", d, r, DEFAULT))
     errs = bf16_check(d, r, 2, norm, layout="mixed", seed=d + r + cand, fn=_attnres_args if family == "args" else None,
                       s=_settings(fwd=cands[cand]))
@@ -1148,12 +1154,13 @@ def test_gpu_bf16_pair_forward(d, r, norm, cand, family, monkeypatch):
 @pytest.mark.parametrize("d,r,S,norm,cand,family", [
     p for family in ("table", "args")
     for p in _forward_candidates(_fwd_loop, [(1024, 1024, 9, "slice"), (1536, 384, 9, "slice"),
-                                                   (2560, 2560, 5, "full")], (family,))])
+                                             (2560, 2560, 5, "full")], family)])
 def test_gpu_bf16_loop_forward(d, r, S, norm, cand, family, monkeypatch):
-    """Every candidate of the loop forward under the paper's bf16 criterion, before the backward the
-    tuner picks, in both kernel families: one chunk of 1024 with the key over the whole row (1 warp
-    for 1024 columns among them), three chunks with the key in the last, five chunks under "full"
-    (Triton's pipelining with 2 warps per chunk among them)."""
+    """Every candidate of the loop forward under the paper's bf16 criterion, before the default
+    backward, in the table kernel (the per-argument one: its ARGS line, _forward_candidates): one
+    chunk of 1024 with the key over the whole row (1 warp for 1024 columns among them), three chunks
+    with the key in the last, five chunks under "full" (Triton's pipelining with 2 warps per chunk
+    among them)."""
     cands = _fwd_loop(*dispatch.layout("fwd", d, r, DEFAULT))
     errs = bf16_check(d, r, S, norm, layout="mixed", seed=d + r + cand, fn=_attnres_args if family == "args" else None,
                       s=_settings(fwd=cands[cand]))
@@ -1201,15 +1208,14 @@ t0 = time.time()
 while sum(f.startswith("ready.") for f in os.listdir(folder)) < n and time.time() - t0 < 300:
     time.sleep(0.01)  # every process reaches its first call together
 gen = torch.Generator(device="cuda").manual_seed(me)
-d = 384
-for r in (48, 384):
-    q = (torch.randn(r, device="cuda", generator=gen) * 0.5).requires_grad_()
-    for S in range(1, 10):
-        srcs = [torch.randn(32, 512, d, device="cuda", generator=gen).to(torch.bfloat16).requires_grad_()
-                for _ in range(S)]
-        with torch.no_grad():  # a validation read: the forward alone
-            kernels.attnres(srcs, q)
-        kernels.attnres(srcs, q).float().square().mean().backward()
+d, r = 384, 48
+q = (torch.randn(r, device="cuda", generator=gen) * 0.5).requires_grad_()
+for S in (2, 9):  # S = 2: the pair forms, the deferred backward; S = 9: the loop forward, the residual one
+    srcs = [torch.randn(32, 512, d, device="cuda", generator=gen).to(torch.bfloat16).requires_grad_()
+            for _ in range(S)]
+    with torch.no_grad():  # a validation read: the forward alone
+        kernels.attnres(srcs, q)
+    kernels.attnres(srcs, q).float().square().mean().backward()
 torch.cuda.synchronize()
 print("tuned", len(kernels.tuned_configs()), flush=True)
 """
@@ -1221,9 +1227,12 @@ print("tuned", len(kernels.tuned_configs()), flush=True)
 @pytest.mark.parametrize("threads", ["8", "1"], ids=["parallel-compile", "serial-compile"])
 def test_gpu_tuner_side_by_side_processes(threads, tmp_path):
     """Seven processes on one GPU reach their first eager calls together and autotune the gpu
-    scale's reads (forward alone, then forward and backward; S = 1 to 9, r = 48 and d) with one
-    fresh Triton cache between them: every one finishes.  With the candidates compiled in threads and
-    one after another (KERNELS_COMPILE_THREADS)."""
+    scale's reads (forward alone, then forward and backward) with one fresh Triton cache between
+    them: every one finishes.  With the candidates compiled in threads and one after another
+    (KERNELS_COMPILE_THREADS).  Two shape classes of each kind (d = 384, r = 48; S = 2 and 9: the
+    pair forms and the deferred backward, the loop forward and the residual backward) are enough
+    for what this holds, the processes' concurrency; every candidate at the gpu scale's shapes is
+    held by test_gpu_every_candidate_at_the_gpu_scale_shapes."""
     import subprocess
 
     n = 7
