@@ -75,7 +75,7 @@ def extract(rev: str, dest: Path) -> Path:
 
 @contextlib.contextmanager
 def _ops_renamed(old: str, new: str):
-    """torch.library.custom_op / triton_op register ``old::name`` as ``new::name`` meanwhile."""
+    """torch.library.custom_op / triton_op register ``old::name`` as ``new::name`` inside the block."""
     import torch
 
     real = {k: getattr(torch.library, k) for k in ("custom_op", "triton_op")}
@@ -105,7 +105,8 @@ def import_before(root: Path):
 
 
 def tuned(pkg) -> dict:
-    """A tree's tuned choices (kernels.tuned_configs, or kernels.op.tuned_configs in older trees)."""
+    """A tree's tuned choices (kernels.tuned_configs; kernels.op.tuned_configs in a tree whose kernels/
+    keeps its launchers in op.py, such as 63bb3a0)."""
     fn = getattr(pkg, "tuned_configs", None)
     if fn is None:
         fn = importlib.import_module(pkg.__name__ + ".op").tuned_configs

@@ -93,10 +93,9 @@ def _quick(kind: str, block_d: int, nch: int, default: bool = True) -> list[dict
 
 
 def _layouts(d: int, r: int | None = None) -> list[tuple[int, int]]:
-    """The column layouts to compare at width d (key width r): its own (kernels.op._col_layout), one
-    chunk, the least-padded layout nearest 512-column chunks (its own where the key allows the
-    specialisation), and three chunks where those pad less than one (the layout every multi-chunk
-    width once used)."""
+    """The column layouts to compare at width d (key width r): its own (kernels.configs.col_layout),
+    one chunk, the least-padded layout nearest 512-column chunks (its own where the key allows the
+    specialisation), and three chunks where those pad less than one."""
     out = [configs.col_layout(d, True, r), configs.col_layout(d, False), configs.col_layout(d, True)]
     three = configs.col_layout(d, 3)
     if three[0] * 3 < out[1][0]:

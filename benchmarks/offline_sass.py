@@ -1,7 +1,7 @@
 """Offline sm_90 builds of this project's four Triton kernels, on a machine without a GPU.
 
     python benchmarks/offline_sass.py                       # registers, instructions, cp.async copies
-    python benchmarks/offline_sass.py --against 7476a53     # same machine code as that revision?
+    python benchmarks/offline_sass.py --against 63bb3a0     # same machine code as that revision?
 
 Compiles each kernel with triton.compile for a Hopper target (GPUTarget("cuda", 90, 128)) and reads
 the cubin with the cuobjdump that Triton's wheel ships: registers, instructions in the whole kernel
@@ -39,7 +39,7 @@ sys.path.insert(0, ROOT)
 _COMMON = dict(SLICE=True, HAS_RES=True, RES_STEP=2.0**-15, EVICT=False, LAZY=0)
 # name: (column chunk width, chunks, tokens or sources per step, warps, PREFETCH, STAGES[, backward grid[,
 # KEY0[, further backward constexprs]]]).  The backward's grid: "persistent" (n = SB sources per step) or "tile" (n = BLOCK_T tokens per
-# program); KEY0 the first column chunk holding key columns (kernels.op._key_pos; 0 = no specialisation).
+# program); KEY0 the first column chunk holding key columns (kernels.configs.key_pos; 0 = no specialisation).
 CONFIGS = {
     "split": (512, 3, 1, 4, 0, 1),
     "split-prefetch": (512, 3, 1, 4, 1, 1),
@@ -170,7 +170,7 @@ def _cuobjdump() -> str:
 
 def build(fn, sig: dict, const: dict, warps: int) -> dict:
     """Compile for sm_90: registers, the instruction listing without addresses, and op counts.  A
-    constexpr the kernel does not take (STAGES for a revision that predates it) is left out."""
+    constexpr the kernel does not take (STAGES in a revision without it) is left out."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -217,7 +217,7 @@ def inner_loop_size(sass: str) -> int | None:
 def _kernel_modules(root: str, name: str):
     """The four kernels of the ``kernels/`` folder under ``root``, imported as package ``name`` without
     running its __init__ (which registers the torch.library ops): from fused_fwd.py and fused_bwd.py,
-    or from _triton.py in revisions that kept every kernel in one file."""
+    or from _triton.py in revisions that keep every kernel in one file."""
     folder = os.path.join(root, "kernels")
     package = types.ModuleType(name)
     package.__path__ = [folder]
