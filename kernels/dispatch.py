@@ -188,12 +188,6 @@ def sum_method(part: torch.Tensor, dtype: torch.dtype, run, s: Settings) -> str:
     return method
 
 
-def forget_tuned() -> None:
-    """Drop every tuned choice (the next call of each shape class and sum size tunes again)."""
-    _TUNED.clear()
-    _SUM_CHOSEN.clear()
-
-
 def tuned_configs() -> dict:
     """The choices tuning made so far, by shape class ("fwd/512x3/key2/S9/N8192": chunk width x
     chunks, the key's first chunk, the forms tuned among, S, tokens rounded up), and the partial sum's
