@@ -98,11 +98,15 @@ CONFIGS = {
                              {"FWD_PAIR": True, "DEFER": True, "PAIR": True, "HAS_RES": False}),
     "two-key-fwd-pair-1w": (512, 2, 1, 1, 0, 1, "tile", 1,
                             {"FWD_PAIR": True, "DEFER": True, "PAIR": True, "HAS_RES": False}),
-    # d = 1024 with r = d as one chunk of 1024: the backward the tuner takes at S = 25
-    # (persistent grid, 4 warps, prefetch; table kernel 69 registers, 166 loop instructions) and the token
-    # tile beside it (72, 173)
+    # d = 1024 with r = d as one chunk of 1024: the backward the tuner takes at S = 25 (persistent grid,
+    # 4 warps, prefetch) and the token tile beside it
     "one-rd-bits": (1024, 1, 1, 4, 1, 1, "persistent", 0, {"RES_STEP": 0.0}),
     "one-tile-rd-bits": (1024, 1, 1, 4, 1, 1, "tile", 0, {"RES_STEP": 0.0}),
+    # the r = d backward as the launchers build it ("slice" at r = d as "full") on the grid the tuner takes:
+    # persistent, prefetch; 1 warp at d = 1536 (3 x 512), 2 warps at d = 2560 (5 x 512), 4 warps at d = 1024
+    "split-rd-unmasked-1w": (512, 3, 1, 1, 1, 1, "persistent", 0, {"RES_STEP": 0.0, "SLICE": False}),
+    "five-rd-unmasked-2w": (512, 5, 1, 2, 1, 1, "persistent", 0, {"RES_STEP": 0.0, "SLICE": False}),
+    "one-rd-unmasked": (1024, 1, 1, 4, 1, 1, "persistent", 0, {"RES_STEP": 0.0, "SLICE": False}),
 }
 _NSLOT = 9
 
