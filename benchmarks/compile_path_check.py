@@ -20,7 +20,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-import kernels.op as kop  # noqa: E402
+import kernels.autograd as autograd  # noqa: E402
 from lrattnres.io import atomic_write_json, atomic_write_text  # noqa: E402
 
 
@@ -35,7 +35,7 @@ def one_read(S, N, d, r, norm, dtype, seed=0):
     q = (torch.randn(r, device="cuda", generator=gen) * 0.5).to(dtype)
 
     def f(srcs, q):
-        h, stats, res = kop.attnres_fwd_args(list(srcs), q, norm, 1e-6)
+        h, stats, res = autograd.attnres_fwd_args(list(srcs), q, norm, 1e-6, "")
         return h, stats
 
     h0, st0 = f(srcs, q)

@@ -2,14 +2,14 @@
 
     python benchmarks/flex_mask_check.py --out DIR
 
-Why: the 1B training step compiled with flex attention (block mask built inside the graph) reached
-NaN losses on an H200 within 8 updates, and its first loss was 1.3e-3 off masked SDPA's
-(train_step_bench_flex.md, 2026-11-29, in the git history of benchmarks/results).  This times
+Why: the 1B training step compiled with flex attention (block mask built inside the graph) reaches
+NaN losses on an H200 within 8 updates, its first loss 1.3e-3 off masked SDPA's (measured
+2026-11-29 with benchmarks/train_step_bench.py --attention flex).  This times
 nothing; for bf16 q, k, v [2, 16, 2048, 128] with synthetic documents it compares output and q/k/v
 gradients with masked SDPA for:
   in-graph        lrattnres.attention.document_block_mask (sort-free index lists), inside torch.compile
   in-graph-sort   the same blocks through BlockMask.from_kv_blocks (torch.argsort orders the index lists,
-                  compiled by Inductor): the construction the NaN runs used
+                  compiled by Inductor): the construction that reaches the NaN losses
   outside         create_block_mask evaluated eagerly, passed into the compiled flex_attention
 Writes flex_mask_check.json (relative L2 errors, finiteness, device, versions, date).
 """

@@ -11,7 +11,7 @@ It times, per forward+backward (and per forward), a loop of calls at a token cou
 GPU work is negligible:
   op        the torch.library custom op with its registered autograd (what torch.compile traces)
   function  the eager path of ``kernels.attnres``: a plain autograd.Function over the same kernels
-  launchers ``kernels.op._fwd_triton`` + ``_bwd_triton`` alone (no autograd)
+  launchers ``kernels.launch.fwd`` + ``bwd`` alone (no autograd)
 On a CUDA machine the kernels launch for real; on a CPU the two Triton launches are replaced by
 no-ops (the Triton interpreter would time the interpreter), so the CPU numbers are the Python and
 dispatch cost only, without Triton's own launch cost.  With --cprofile it also lists, for the launchers
@@ -35,7 +35,8 @@ sys.path.insert(0, ROOT)
 import torch  # noqa: E402
 
 import kernels  # noqa: E402
-import kernels.op as kop  # noqa: E402
+import kernels.autograd as autograd  # noqa: E402
+import kernels.launch as launch  # noqa: E402
 
 
 class _NoLaunch:
@@ -46,10 +47,8 @@ class _NoLaunch:
 
 
 def _stub_launches() -> None:
-    fwd = kop._fwd_configs(2048)[0]
-    bwd = kop._bwd_configs(2048)[0]
-    kop._launcher = lambda kind, block_d, nch, key_pos, dev, key=(): (_NoLaunch(), dict(fwd if kind == "fwd" else bwd))
-    kop.set_cpu_triton(True)
+    """On a CPU: the launchers' host work, every kernel launch a no-op."""
+    launch._run = lambda kernel, grid, warm, *args, **kwargs: _NoLaunch()
 
 
 def _time_per_call(fn, sync, n: int, rounds: int) -> dict:
@@ -106,11 +105,13 @@ def main(argv=None) -> int:
     g = torch.randn(a.tokens, a.d, device=dev, generator=gen).to(torch.bfloat16)
     leaves = srcs + [q]
 
+    s = kernels.DEFAULT if cuda else kernels.DEFAULT.replace(cpu_triton=True, dq_sum="torch")
+
     def op_fwd():
-        return kop.attnres_fwd(srcs, q, "slice", 1e-6)[0]
+        return kernels.attnres_fwd(srcs, q, "slice", 1e-6, s.key)[0]
 
     def fn_fwd():
-        return kop._AttnResTriton.apply(q, "slice", 1e-6, *srcs)
+        return autograd._AttnResTriton.apply(q, "slice", 1e-6, s, *srcs)
 
     def op_fb():
         return torch.autograd.grad(op_fwd(), leaves, g)
@@ -119,8 +120,8 @@ def main(argv=None) -> int:
         return torch.autograd.grad(fn_fwd(), leaves, g)
 
     def launch_fb():
-        h, lse, res = kop._fwd_triton(srcs, q, "slice", 1e-6)
-        return kop._bwd_triton(srcs, q, h, lse, res, g, "slice", 1e-6)
+        h, lse, res = launch.fwd(srcs, q, "slice", 1e-6, s)
+        return launch.bwd(srcs, q, h, lse, res, g, "slice", 1e-6, s)
 
     rows = {}
     for name, fn in (("op fwd", op_fwd), ("function fwd", fn_fwd), ("op fwd+bwd", op_fb),

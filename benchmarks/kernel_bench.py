@@ -23,14 +23,12 @@ it measured.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime as _dt
 import json
 import os
 import sys
 import time
 import traceback
-from unittest import mock
 
 import torch
 
@@ -40,8 +38,11 @@ sys.path.insert(0, ROOT)
 import triton  # noqa: E402
 from triton.testing import do_bench, do_bench_cudagraph  # noqa: E402
 
+import dataclasses  # noqa: E402
+
 import kernels  # noqa: E402
-import kernels.op as kop  # noqa: E402
+import kernels.launch as launch  # noqa: E402
+from kernels import DEFAULT, dispatch  # noqa: E402
 from lrattnres.routing import route  # noqa: E402
 
 DTYPE = torch.bfloat16
@@ -148,41 +149,40 @@ def time_kernels_only(srcs, q, g):
 
     The difference from the "ours" row is host-side dispatch that do_bench counts whenever it exceeds
     the L2 flush that precedes each timed call."""
-    h, lse, res = kop._fwd_triton(srcs, q, "slice", EPS)
-    t_f = _bench(lambda: kop._fwd_triton(srcs, q, "slice", EPS))
+    h, lse, res = launch.fwd(srcs, q, "slice", EPS, DEFAULT)
+    t_f = _bench(lambda: launch.fwd(srcs, q, "slice", EPS, DEFAULT))
 
     def fb():
-        h, lse, res = kop._fwd_triton(srcs, q, "slice", EPS)
-        return kop._bwd_triton(srcs, q, h, lse, res, g, "slice", EPS)
+        h, lse, res = launch.fwd(srcs, q, "slice", EPS, DEFAULT)
+        return launch.bwd(srcs, q, h, lse, res, g, "slice", EPS, DEFAULT)
 
     fb()
-    fwd = lambda: kop._fwd_triton(srcs, q, "slice", EPS)  # noqa: E731
+    fwd = lambda: launch.fwd(srcs, q, "slice", EPS, DEFAULT)  # noqa: E731
     return t_f, _bench(fb), _bench_graph(fwd), _bench_graph(fb), _bench_graph_cold(fwd), _bench_graph_cold(fb)
 
 
 def _variant(spec: str) -> tuple[str, dict]:
-    """--variant LABEL:ATTR=VALUE[;ATTR=VALUE]: a row "ours[LABEL]" timed with these kernels.op
-    settings (VALUE as JSON: 0, 9, false), e.g. ``scaled:RES_BITS=false`` or ``defer9:DEFER_MAX_S=9``."""
+    """--variant LABEL:FIELD=VALUE[;FIELD=VALUE]: a row "ours[LABEL]" timed with these kernels.Settings
+    fields (VALUE as JSON: 0, 9, false), e.g. ``scaled:res_bits=false`` or ``defer9:defer_max_s=9``."""
     label, sep, body = spec.partition(":")
     if not label or not sep or not body:
-        raise argparse.ArgumentTypeError(f"--variant: {spec!r} is not LABEL:ATTR=VALUE[;ATTR=VALUE]")
+        raise argparse.ArgumentTypeError(f"--variant: {spec!r} is not LABEL:FIELD=VALUE[;FIELD=VALUE]")
+    fields = {f.name for f in dataclasses.fields(kernels.Settings) if f.init}
     settings = {}
     for item in body.split(";"):
         attr, eq, value = item.partition("=")
-        if not eq or not hasattr(kop, attr) or not attr.isupper():
-            raise argparse.ArgumentTypeError(f"--variant {label}: {attr!r} is not an upper-case kernels.op setting "
-                                             "(RES_BITS, DEFER, DEFER_MAX_S, AUTOTUNE, LAZY_RESCALE, ...)")
+        if not eq or attr not in fields:
+            raise argparse.ArgumentTypeError(f"--variant {label}: {attr!r} is not a kernels.Settings field "
+                                             f"({', '.join(sorted(fields))})")
         try:
             settings[attr] = json.loads(value)
         except json.JSONDecodeError:
             raise argparse.ArgumentTypeError(f"--variant {label}: {attr}={value!r} is not a JSON value") from None
+    try:
+        DEFAULT.replace(**settings)
+    except (TypeError, ValueError) as e:
+        raise argparse.ArgumentTypeError(f"--variant {label}: {e}") from None
     return label, settings
-
-
-def _settings(settings: dict):
-    """kernels.op attributes set for the time of a block (a variant's forward and backward both) and
-    restored after."""
-    return mock.patch.multiple(kop, **settings) if settings else contextlib.nullcontext()
 
 
 def _fwdbwd(fn, srcs, q, g, d):
@@ -244,6 +244,9 @@ def _rel(a, b):
 
 
 def bf16_check(shapes, N=4096):
+    """Ours against the reference in bf16 at ``shapes`` with the default (untuned) configurations, fresh
+    outputs poisoned so that an unwritten element fails."""
+    checked = DEFAULT.replace(autotune=False, poison=True)
     rows = []
     for d, r, S, norm in shapes:
         srcs, q, g = _inputs(S, N, d, r, seed=d + r + S)
@@ -252,17 +255,17 @@ def bf16_check(shapes, N=4096):
         for name, fn in (("ours", kernels.attnres), ("ref", route)):
             ss = [s.detach().requires_grad_() for s in srcs]
             qq = q.detach().requires_grad_()
-            kop.POISON = name == "ours"
-            h = fn(ss, qq, norm=norm, eps=EPS)
             if name == "ours":
-                res = kernels.attnres_fwd(ss, qq, norm, EPS)[2]
-                if kop._res_kept(ss[0].dtype, d, r, norm, S):
+                h = fn(ss, qq, norm=norm, eps=EPS, settings=checked)
+                res = kernels.attnres_fwd(ss, qq, norm, EPS, checked.key)[2]
+                if dispatch.res_kept(ss[0].dtype, d, r, norm, S, checked):
                     res_written = res.shape == h.shape and bool((res > -128).all())
                 else:  # the deferred backward: no residual kept
                     res_written = res.numel() == 0
+            else:
+                h = fn(ss, qq, norm=norm, eps=EPS)
             gr = torch.autograd.grad(h, ss + [qq], g)
             out[name] = (h, gr[:-1], gr[-1])
-        kop.POISON = False
         (h, gs, gq), (hr, gsr, gqr) = out["ours"], out["ref"]
 
         def ok(x, ref):
@@ -429,12 +432,10 @@ def run_grid(args):
     payload["copy_bw_TBps"] = bw / 1e12
     print(f"copy bandwidth {bw / 1e12:.3f} TB/s", flush=True)
     if not args.no_check:
-        kop.AUTOTUNE = False  # check the default configuration; tuning every check shape costs compiles
         payload["check"] = bf16_check([
             (1536, 1536, 9, "slice"), (1536, 384, 9, "slice"), (1536, 192, 9, "full"), (2560, 640, 25, "slice"),
             (1024, 128, 49, "slice"), (513, 7, 2, "full"), (1536, 384, 5, "slice"),  # the last: deferred
         ], N=2048)
-        kop.AUTOTUNE = True
         print(f"check done at {time.time() - t0:.0f}s", flush=True)
     compile_at = {(8192, 1536, 9, 384)}  # the shapes that time torch.compile of the reference
     if args.quick:
@@ -450,7 +451,12 @@ def run_grid(args):
     variants = dict(args.variant or [])
     if variants:  # right after "ours", so that each variant's row sits beside it
         ours = impls.pop("ours")
-        impls = {"ours": ours, **{f"ours[{label}]": ours for label in variants}, **impls}
+
+        def with_settings(s):
+            return lambda srcs, q, d: kernels.attnres(srcs, q, norm="slice", eps=EPS, settings=s)
+
+        impls = {"ours": ours, **{f"ours[{label}]": with_settings(DEFAULT.replace(**v)) for label, v in variants.items()},
+                 **impls}
         payload["variants"] = variants
     longest = 0.0  # the longest shape so far (s): a shape is started only if one that long still fits
     for N, d, S, r in grid:
@@ -468,9 +474,7 @@ def run_grid(args):
             if name == "eager" and not args.eager_all and (N == 4096 or r != d // 4):
                 continue
             try:
-                label = name[5:-1] if name.startswith("ours[") else None
-                with _settings(variants.get(label, {})):
-                    times = time_impl(fn, S, N, d, r, srcs, q, g)
+                times = time_impl(fn, S, N, d, r, srcs, q, g)
                 t_f = times[0]
             except Exception as e:
                 print(f"{name} failed at N={N} d={d} S={S} r={r}: {e!r}", flush=True)
@@ -513,12 +517,12 @@ def run_grid(args):
             o = payload["rows"][-len(res)]
             line += f"  ours {us(o['fwd_pct'])}%/{us(o['fwdbwd_pct'])}% (graph {us(o['fwd_graph_pct'])}%/{us(o['fwdbwd_graph_pct'])}%)"
         print(f"[{time.time() - t0:.0f}s] N={N} d={d} S={S} r={r}: {line}", flush=True)
-        payload["tuned_configs"] = kop.tuned_configs()
+        payload["tuned_configs"] = kernels.tuned_configs()
         _write(args.out, args.stem, payload, _md(payload))
         del srcs, q, g
         longest = max(longest, time.time() - t_shape)
     payload["elapsed_s"] = time.time() - t0
-    payload["tuned_configs"] = kop.tuned_configs()
+    payload["tuned_configs"] = kernels.tuned_configs()
     _write(args.out, args.stem, payload, _md(payload))
 
 
@@ -608,7 +612,7 @@ def main(argv=None):
                    help="comma-separated widths d to measure again even where --skip-measured has them")
     p.add_argument("--shapes", type=_shape_list, help="comma-separated NxdxSxr: measure these instead of the grid")
     p.add_argument("--variant", type=_variant, action="append",
-                   help="LABEL:ATTR=VALUE[;ATTR=VALUE]: also time ours with these kernels.op settings (repeatable)")
+                   help="LABEL:FIELD=VALUE[;FIELD=VALUE]: also time ours with these kernels.Settings fields (repeatable)")
     p.add_argument("--no-kernel-times", dest="kernel_times", action="store_false",
                    help="leave out the per-kernel GPU times (torch.profiler) of ours and the peers")
     p.add_argument("--merge", nargs="+", metavar="JSON", help="merge these runs' results into --out/--stem (no GPU)")

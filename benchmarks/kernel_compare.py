@@ -1,40 +1,38 @@
-"""Two trees of the routing kernels side by side in one run: before (a git revision) and after (the
-working tree), timed the same way on the same GPU, with the ratio after / before per shape.
+"""The routing kernels before (a git revision) and after (the working tree), in one process, shape by
+shape, with a pass/fail per shape.
 
-    python benchmarks/kernel_compare.py --before 01fce22 --out DIR              # grid shapes, then the 1B step
-    python benchmarks/kernel_compare.py --before main --only shapes --tokens 8192 --out DIR
-    python benchmarks/kernel_compare.py --before main --only step --out DIR
-    python benchmarks/kernel_compare.py --smoke --before HEAD --out /tmp/x       # CPU: interpreter, tiny shapes
+    python benchmarks/kernel_compare.py --before 63bb3a0 --out DIR            # the 12 shapes, GPU
+    python benchmarks/kernel_compare.py --before 63bb3a0 --shapes grid --out DIR   # all 90 shapes
+    python benchmarks/kernel_compare.py --smoke --before HEAD --out DIR        # CPU: outputs compared
 
-The before tree is the revision's kernels/ folder extracted with ``git archive`` into a temporary
-folder (or --before-dir: a folder that holds a kernels/ package); everything else (lrattnres, these
-scripts) is the working tree's, so only the kernels differ.  Each tree runs in its own process
-(two copies of the package cannot register the same torch.library ops in one), and the rounds
-alternate the order (before, after; after, before; ...) so that drift in the GPU's clocks falls on
-both.
+The before tree is the revision's kernels/ folder (``git archive``, or --before-dir: a folder that
+holds a kernels/ package), imported beside the working tree's as the package ``kernels_before``, its
+torch.library ops under the namespace ``lrattnres_kernels_before``.  Both run on the same inputs in
+the same process.
 
-Shapes: the kernel grid's S = 9 shapes (benchmarks/kernel_bench.py: tokens 4096 and 8192, d 1024,
-1536 and 2560, r = d, d/4 and d/8), bf16, each timed as kernel_bench times ours: the forward and the
-forward+backward of ``kernels.attnres`` (autotuned on the first call) as CUDA-graph replays
-(triton.testing.do_bench_cudagraph, median microseconds).  Per tree and shape the median over the
-rounds is kept.  The step: benchmarks/train_step_bench.py's 1B configuration lr-fused (LR-AttnRes,
-r = d/4, compiled; --step-configs adds attnres-fused, r = d), tokens/s per tree.
+GPU (bf16): per shape, the before tree's first forward+backward tunes; the after tree runs the
+configurations the before tree chose (pinned through kernels.Settings, the query-gradient sum's
+method too), so that the code, not the tuner's noise, is compared (--tune-both: each tree tunes).
+Then --rounds rounds, the trees' order alternating, each timing the forward and the forward+backward
+as CUDA-graph replays (triton.testing.do_bench_cudagraph, median us).  Per tree the median over the
+rounds; the ratio after / before; a shape fails when either ratio exceeds 1 + --tolerance (2%).
+Exit status 1 when a shape fails.
 
-Writes kernel_compare.json and kernel_compare.md (kernel_compare_smoke.* with --smoke) to --out:
-every round's times, the medians, the ratio after / before (time; for the step, before's tokens/s
-over after's), and a flag on every shape more than --tolerance (3%) slower.  Exit status 0 whether or
-not a shape is flagged; the table says which.
+CPU (--smoke, fp32): both trees' CPU fallback (bitwise equal expected) and their Triton kernels
+through the interpreter (equal to within 1e-5 expected) on small unaligned shapes; a shape fails
+otherwise.
 
-Duration on one H200 (estimate): a tree's first pass over the 18 shapes 4-6 minutes (it compiles and
-tunes every shape class), later passes 2-3 minutes (Triton's cache); the step about 2.5 minutes per
-tree (compile 2 minutes).  Two rounds of shapes and the step: about 20 minutes; --only and --tokens
-split it into runs of under 10 minutes.
+Writes kernel_compare.json and kernel_compare.md (kernel_compare_smoke.* with --smoke) to --out.
+Duration on one H200 (estimate from the grid's tuning, 10-40 s per shape class): the 12 shapes with
+5 rounds in about 5 minutes.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as _dt
+import importlib.util
 import json
 import os
 import statistics
@@ -46,126 +44,25 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 
-GRID_TOKENS = (4096, 8192)
-GRID_WIDTHS = (1024, 1536, 2560)
-GRID_RANKS = (1, 4, 8)  # r = d / k
-GRID_S = 9
-SMOKE_SHAPES = [(21, 64, 3, 16), (21, 96, 2, 96)]  # (tokens, d, S, r): unaligned, the pair at S = 2
+# (tokens, d, S, r) from the 90-shape grid: small and large S, r = d and r < d, every width, both token
+# counts; the deferred backward (S <= 8, r < d), the resident pair (S = 2) and the residual one.
+SUBSET = [
+    (8192, 1536, 9, 384), (8192, 1536, 9, 1536), (8192, 2560, 9, 640), (8192, 2560, 49, 2560),
+    (8192, 1024, 49, 256), (8192, 1024, 2, 1024), (8192, 2560, 2, 320), (4096, 1536, 5, 192),
+    (4096, 1024, 25, 1024), (4096, 2560, 25, 640), (4096, 1536, 49, 1536), (4096, 1024, 9, 128),
+]
+# (tokens, d, S, r): the deferred two passes and the resident pair in bf16, the residual at S = 9
+SMOKE_SHAPES = [(9, 64, 3, 16), (9, 96, 2, 96), (9, 300, 5, 40), (9, 513, 9, 513), (9, 1536, 9, 384)]
+EPS = 1e-6
 
 
-def grid_shapes(tokens=GRID_TOKENS) -> list[tuple[int, int, int, int]]:
-    """(tokens, d, S, r) of the kernel grid at S = 9."""
-    return [(n, d, GRID_S, d // k) for n in tokens for d in GRID_WIDTHS for k in GRID_RANKS]
+def grid_shapes() -> list[tuple[int, int, int, int]]:
+    """The 90-shape grid (benchmarks/kernel_bench.py)."""
+    return [(n, d, S, d // k) for n in (8192, 4096) for S in (2, 5, 9, 25, 49) for d in (1024, 1536, 2560)
+            for k in (1, 4, 8)]
 
 
-# ---------------------------------------------------------------------------------------------- worker
-
-
-def _import_kernels(root: str):
-    """``kernels`` from ``root`` (before anything else imports it), the working tree for the rest."""
-    sys.path[:0] = [root, str(REPO), str(REPO / "benchmarks")]
-    import kernels
-
-    where = Path(kernels.__file__).resolve()
-    if Path(root).resolve() not in where.parents:
-        raise SystemExit(f"kernel_compare: kernels imported from {where}, not from {root}")
-    return kernels
-
-
-def _time_shapes_gpu(kernels, shapes) -> list[dict]:
-    import torch
-
-    import kernel_bench as kb  # benchmarks/kernel_bench.py: its inputs and its graph timing
-
-    rows = []
-    for n, d, S, r in shapes:
-        srcs, q, g = kb._inputs(S, n, d, r)
-
-        def ours(s, qq, dd):
-            return kernels.attnres(s, qq, norm="slice", eps=kb.EPS)
-
-        fwd = lambda: ours(srcs, q, d)  # noqa: E731
-        fb = kb._fwdbwd(ours, srcs, q, g, d)
-        fwd()
-        fb()  # the first calls tune; the timings below replay the chosen configurations
-        torch.cuda.synchronize()
-        rows.append({"tokens": n, "d": d, "S": S, "r": r, "fwd_us": kb._bench_graph(fwd),
-                     "fwdbwd_us": kb._bench_graph(fb)})
-        print(f"  {n}x{d}x{S}x{r}: fwd {rows[-1]['fwd_us']} us, fwd+bwd {rows[-1]['fwdbwd_us']} us", flush=True)
-        del srcs, q, g
-    return rows
-
-
-def _time_shapes_smoke(kernels, shapes) -> list[dict]:
-    """The interpreter on the CPU, fp32: wall-clock medians (the numbers mean nothing)."""
-    import torch
-
-    import kernels.op as kop
-
-    kop.set_cpu_triton(True)
-    rows = []
-    for n, d, S, r in shapes:
-        gen = torch.Generator().manual_seed(n + d + S + r)
-        srcs = [torch.randn(n, d, generator=gen).requires_grad_() for _ in range(S)]
-        q = torch.randn(r, generator=gen).requires_grad_()
-        g = torch.randn(n, d, generator=gen)
-
-        def fwd():
-            return kernels.attnres_triton(srcs, q)
-
-        def fb():
-            return torch.autograd.grad(fwd(), [*srcs, q], g)
-
-        times = {}
-        for name, fn in (("fwd_us", fwd), ("fwdbwd_us", fb)):
-            fn()
-            ts = []
-            for _ in range(3):
-                t = time.perf_counter()
-                fn()
-                ts.append((time.perf_counter() - t) * 1e6)
-            times[name] = statistics.median(ts)
-        rows.append({"tokens": n, "d": d, "S": S, "r": r, **times})
-    return rows
-
-
-def _step(configs: list[str], smoke: bool) -> list[dict]:
-    import torch
-
-    import train_step_bench as tsb  # benchmarks/train_step_bench.py
-
-    argv = ["--smoke"] if smoke else ["--grad-accum", "16", "--warmup", "2", "--updates", "5"]
-    a = tsb._args(argv + ["--profile", ""])
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device.type == "cuda":
-        torch.backends.cuda.matmul.allow_tf32 = True
-        torch.backends.cudnn.allow_tf32 = True
-    rows = []
-    for name in configs:
-        row = tsb.run_config(name, a, device)
-        rows.append({k: row.get(k) for k in ("config", "rank", "blocks", "tokens_per_s", "update_s_mean",
-                                             "update_s_cv", "first_update_s", "compiled_path",
-                                             "args_kernel_configs")})
-        print(f"  step {name}: {row['tokens_per_s']:,.0f} tokens/s", flush=True)
-    return rows
-
-
-def worker(a) -> int:
-    kernels = _import_kernels(a.kernels_root)
-    import kernels.op as kop
-
-    out = {"kernels": str(Path(kernels.__file__).resolve().parent)}
-    if a.what == "shapes":
-        shapes = [tuple(s) for s in json.loads(a.shapes)]
-        out["rows"] = (_time_shapes_smoke if a.smoke else _time_shapes_gpu)(kernels, shapes)
-        out["tuned_configs"] = kop.tuned_configs()
-    else:
-        out["step"] = _step(a.step_configs.split(","), a.smoke)
-    Path(a.result).write_text(json.dumps(out, indent=1, default=str))
-    return 0
-
-
-# ---------------------------------------------------------------------------------------------- parent
+# ---------------------------------------------------------------------------------------------- the two trees
 
 
 def extract(rev: str, dest: Path) -> Path:
@@ -176,25 +73,176 @@ def extract(rev: str, dest: Path) -> Path:
     return dest
 
 
-def _run_worker(root: Path, what: str, a, tmp: Path, tag: str) -> dict:
-    result = tmp / f"{tag}.json"
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", "--kernels-root", str(root), "--what", what,
-           "--result", str(result), "--step-configs", a.step_configs]
-    if what == "shapes":
-        cmd += ["--shapes", json.dumps(a.shape_list)]
-    if a.smoke:
-        cmd.append("--smoke")
-    env = dict(os.environ)
-    if a.smoke:
-        env["TRITON_INTERPRET"] = "1"
-    print(f"[{tag}] {what} with kernels from {root}", flush=True)
-    t = time.time()
-    proc = subprocess.run(cmd, env=env, cwd=str(REPO))
-    if proc.returncode != 0:
-        raise SystemExit(f"kernel_compare: the {tag} worker failed ({proc.returncode})")
-    out = json.loads(result.read_text())
-    out["wall_s"] = time.time() - t
-    return out
+@contextlib.contextmanager
+def _ops_renamed(old: str, new: str):
+    """torch.library.custom_op / triton_op register ``old::name`` as ``new::name`` inside the block."""
+    import torch
+
+    real = {k: getattr(torch.library, k) for k in ("custom_op", "triton_op")}
+
+    def renamed(fn):
+        return lambda name, *a, **k: fn(name.replace(old + "::", new + "::"), *a, **k)
+
+    for k, fn in real.items():
+        setattr(torch.library, k, renamed(fn))
+    try:
+        yield
+    finally:
+        for k, fn in real.items():
+            setattr(torch.library, k, fn)
+
+
+def import_before(root: Path):
+    """The kernels/ package under ``root`` as ``kernels_before``."""
+    folder = root / "kernels"
+    spec = importlib.util.spec_from_file_location("kernels_before", folder / "__init__.py",
+                                                  submodule_search_locations=[str(folder)])
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["kernels_before"] = module
+    with _ops_renamed("lrattnres_kernels", "lrattnres_kernels_before"):
+        spec.loader.exec_module(module)
+    return module
+
+
+def tuned(pkg) -> dict:
+    """A tree's tuned choices (kernels.tuned_configs; kernels.op.tuned_configs in a tree whose kernels/
+    keeps its launchers in op.py, such as 63bb3a0)."""
+    fn = getattr(pkg, "tuned_configs", None)
+    if fn is None:
+        fn = importlib.import_module(pkg.__name__ + ".op").tuned_configs
+    return fn()
+
+
+def pinned_like(before_tuned: dict, N: int, d: int, S: int, r: int, device):
+    """Settings that run the configurations the before tree chose for this shape (None if it chose
+    none, e.g. without tuning)."""
+    import torch
+
+    from kernels import DEFAULT, configs, dispatch, launch
+
+    def name(kind, forms):
+        bd, nch = dispatch.layout(kind, d, r, DEFAULT)
+        return dispatch.class_name(kind, bd, nch, configs.key_pos(d, r, bd, nch), forms, S, configs.next_pow2(N))
+
+    fwd = before_tuned.get(name("fwd", dispatch.fwd_forms(S, DEFAULT)))
+    bwd = before_tuned.get(name("bwd", dispatch.defer_kinds(torch.bfloat16, d, r, "slice", S, DEFAULT)))
+    if fwd is None or bwd is None:
+        return None
+    s = DEFAULT.replace(fwd=fwd, bwd=bwd)
+    bd, nch = dispatch.layout("bwd", d, r, s)
+    kw = dispatch.launch_kwargs(bwd, "bwd", configs.key_pos(d, r, bd, nch))
+    programs = launch._bwd_scratch(kw, N, S, r, device, s)[0].shape[0]
+    method = before_tuned.get(f"sum/{programs}x{r}/bfloat16", {}).get("method")
+    return s.replace(dq_sum=method) if method else s
+
+
+# ---------------------------------------------------------------------------------------------- timing
+
+
+def compare_gpu(before, shapes, rounds: int, tune_both: bool) -> list[dict]:
+    import torch
+    from triton.testing import do_bench_cudagraph
+
+    import kernels
+
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import kernel_bench as kb  # its inputs and its forward+backward callable
+
+    def graph_us(fn):
+        fn()
+        torch.cuda.synchronize()
+        return do_bench_cudagraph(fn, rep=25, return_mode="median") * 1e3
+
+    rows = []
+    for N, d, S, r in shapes:
+        srcs, q, g = kb._inputs(S, N, d, r)
+        b_fn = lambda s, qq, dd: before.attnres(s, qq, norm="slice", eps=EPS)  # noqa: E731
+        kb._fwdbwd(b_fn, srcs, q, g, d)()  # the before tree tunes this shape's classes
+        torch.cuda.synchronize()
+        s = None if tune_both else pinned_like(tuned(before), N, d, S, r, srcs[0].device)
+        a_fn = lambda x, qq, dd: kernels.attnres(x, qq, norm="slice", eps=EPS, settings=s or kernels.DEFAULT)  # noqa: E731
+        calls = {"before": (lambda: b_fn(srcs, q, d), kb._fwdbwd(b_fn, srcs, q, g, d)),
+                 "after": (lambda: a_fn(srcs, q, d), kb._fwdbwd(a_fn, srcs, q, g, d))}
+        times = {(t, k): [] for t in calls for k in ("fwd", "fwdbwd")}
+        for rnd in range(rounds):
+            for tree in (("before", "after") if rnd % 2 == 0 else ("after", "before")):
+                fwd, fb = calls[tree]
+                times[(tree, "fwd")].append(graph_us(fwd))
+                times[(tree, "fwdbwd")].append(graph_us(fb))
+        row = {"tokens": N, "d": d, "S": S, "r": r, "pinned": s is not None,
+               "configs": {k: dict(v) for k, v in (("fwd", s.fwd), ("bwd", s.bwd)) if s is not None and v},
+               "times": {f"{t}_{k}": v for (t, k), v in times.items()}}
+        for k in ("fwd", "fwdbwd"):
+            row[f"before_{k}_us"] = statistics.median(times[("before", k)])
+            row[f"after_{k}_us"] = statistics.median(times[("after", k)])
+            row[f"ratio_{k}"] = row[f"after_{k}_us"] / row[f"before_{k}_us"]
+        rows.append(row)
+        print(f"{N}x{d}x{S}x{r}: fwd {row['before_fwd_us']:.1f} -> {row['after_fwd_us']:.1f} us "
+              f"({row['ratio_fwd']:.3f}), fwd+bwd {row['before_fwdbwd_us']:.1f} -> {row['after_fwdbwd_us']:.1f} us "
+              f"({row['ratio_fwdbwd']:.3f})", flush=True)
+        del srcs, q, g
+    return rows
+
+
+def compare_cpu(before, shapes) -> list[dict]:
+    """Both trees' CPU fallback and interpreted kernels on the same fp32 inputs."""
+    import torch
+
+    import kernels
+
+    rows = []
+    for N, d, S, r in shapes:
+        gen = torch.Generator().manual_seed(N + d + S + r)
+        srcs = [torch.randn(N, d, generator=gen) for _ in range(S)]
+        q = torch.randn(r, generator=gen)
+        g = torch.randn(N, d, generator=gen)
+        row = {"tokens": N, "d": d, "S": S, "r": r}
+        for path in ("fallback", "fallback_bf16", "interpreter"):  # bf16: the residual's code, the deferred form
+            outs = {}
+            dt = torch.bfloat16 if path == "fallback_bf16" else torch.float32
+            for tree, pkg in (("before", before), ("after", kernels)):
+                fn = pkg.attnres_triton if path == "interpreter" else pkg.attnres
+                xs = [x.to(dt).requires_grad_() for x in srcs]
+                qq = q.to(dt).requires_grad_()
+                t = time.perf_counter()
+                h = fn(xs, qq, norm="slice", eps=EPS)
+                outs[tree] = [h.detach(), *torch.autograd.grad(h, xs + [qq], g.to(dt))]
+                row[f"{tree}_{path}_s"] = time.perf_counter() - t
+            pairs = list(zip(outs["before"], outs["after"]))
+            row[f"{path}_bitwise"] = all(torch.equal(a, b) for a, b in pairs)
+            row[f"{path}_max_abs"] = max(float((a.float() - b.float()).abs().max()) for a, b in pairs)
+        row["pass"] = row["fallback_bitwise"] and row["fallback_bf16_bitwise"] and row["interpreter_max_abs"] <= 1e-5
+        rows.append(row)
+        print(f"{N}x{d}x{S}x{r}: fallback bitwise {row['fallback_bitwise']} (bf16 {row['fallback_bf16_bitwise']}), "
+              f"interpreter max |diff| "
+              f"{row['interpreter_max_abs']:.1e}", flush=True)
+    return rows
+
+
+def markdown(doc: dict) -> str:
+    lines = [f"# Routing kernels before and after ({doc['device']}, {doc['date']})", "",
+             f"Before: {doc['before']['name']} ({doc['before'].get('commit')}); after: the working tree at "
+             f"{doc['after']['commit']}{' (dirty)' if doc['after']['dirty'] else ''}. One process."]
+    if doc["smoke"]:
+        lines += ["CPU, fp32: the CPU fallback (bitwise equal expected) and the interpreted kernels (within 1e-5).",
+                  "", "| tokens | d | S | r | fallback bitwise | bf16 fallback bitwise | interpreter max abs | pass |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for r in doc["shapes"]:
+            lines.append(f"| {r['tokens']} | {r['d']} | {r['S']} | {r['r']} | {r['fallback_bitwise']} | "
+                         f"{r['fallback_bf16_bitwise']} | {r['interpreter_max_abs']:.1e} | {'pass' if r['pass'] else 'FAIL'} |")
+    else:
+        lines += [f"{doc['rounds']} rounds, order alternating, CUDA-graph replays, median per tree; "
+                  f"{'each tree tuned' if doc['tune_both'] else 'after pinned to the configurations before chose'}; "
+                  f"fail: more than {100 * doc['tolerance']:.0f}% slower after.", "",
+                  "| tokens | d | S | r | fwd before us | fwd after us | ratio | fwd+bwd before us | fwd+bwd after us "
+                  "| ratio | pass |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+        for r in doc["shapes"]:
+            lines.append(f"| {r['tokens']} | {r['d']} | {r['S']} | {r['r']} | {r['before_fwd_us']:.1f} | "
+                         f"{r['after_fwd_us']:.1f} | {r['ratio_fwd']:.3f} | {r['before_fwdbwd_us']:.1f} | "
+                         f"{r['after_fwdbwd_us']:.1f} | {r['ratio_fwdbwd']:.3f} | {'pass' if r['pass'] else 'FAIL'} |")
+    failed = sum(not r["pass"] for r in doc["shapes"])
+    lines += ["", f"{len(doc['shapes']) - failed} of {len(doc['shapes'])} shapes pass."]
+    return "\n".join(lines) + "\n"
 
 
 def _git(*args) -> str | None:
@@ -204,130 +252,56 @@ def _git(*args) -> str | None:
         return None
 
 
-def compare(runs: dict, tolerance: float) -> tuple[list[dict], list[dict]]:
-    """Per shape: each tree's median over the rounds, the ratio after / before, the flag; per step
-    config: tokens/s and the ratio before / after (time)."""
-    shapes = []
-    first = runs["before"]["shapes"][0]["rows"] if runs["before"].get("shapes") else []
-    for i, base in enumerate(first):
-        row = {k: base[k] for k in ("tokens", "d", "S", "r")}
-        for t in ("fwd_us", "fwdbwd_us"):
-            for tree in ("before", "after"):
-                vals = [rnd["rows"][i][t] for rnd in runs[tree]["shapes"] if rnd["rows"][i][t] is not None]
-                row[f"{tree}_{t}"] = statistics.median(vals) if vals else None
-            b, a = row[f"before_{t}"], row[f"after_{t}"]
-            row[f"ratio_{t}"] = a / b if (a and b) else None
-        row["slower"] = any(row[f"ratio_{t}"] is not None and row[f"ratio_{t}"] > 1 + tolerance
-                            for t in ("fwd_us", "fwdbwd_us"))
-        shapes.append(row)
-    steps = []
-    for i, base in enumerate(runs["before"].get("step", [])):
-        after = runs["after"]["step"][i]
-        row = {"config": base["config"], "before_tokens_per_s": base["tokens_per_s"],
-               "after_tokens_per_s": after["tokens_per_s"]}
-        row["ratio_time"] = base["tokens_per_s"] / after["tokens_per_s"]
-        row["slower"] = row["ratio_time"] > 1 + tolerance
-        steps.append(row)
-    return shapes, steps
-
-
-def markdown(doc: dict) -> str:
-    def f(x, p=1):
-        return "-" if x is None else f"{x:.{p}f}"
-
-    lines = [f"# Routing kernels before and after ({doc['device']}, {doc['date']})", ""]
-    if doc.get("smoke"):
-        lines += ["Smoke run (CPU, Triton's interpreter, fp32, wall-clock): checks the script; the numbers mean "
-                  "nothing.", ""]
-    lines += [f"Before: {doc['before']['name']}; after: {doc['after']['name']}. {doc['rounds']} round(s), order "
-              f"alternating; per tree the median over the rounds. Flagged: more than {100 * doc['tolerance']:.0f}% "
-              "slower after.", ""]
-    if doc["shapes"]:
-        lines += ["| tokens | d | S | r | fwd before us | fwd after us | fwd ratio | fwd+bwd before us | "
-                  "fwd+bwd after us | fwd+bwd ratio | flag |", "|---|---|---|---|---|---|---|---|---|---|---|"]
-        for r in doc["shapes"]:
-            lines.append(f"| {r['tokens']} | {r['d']} | {r['S']} | {r['r']} | {f(r['before_fwd_us'])} | "
-                         f"{f(r['after_fwd_us'])} | {f(r['ratio_fwd_us'], 3)} | {f(r['before_fwdbwd_us'])} | "
-                         f"{f(r['after_fwdbwd_us'])} | {f(r['ratio_fwdbwd_us'], 3)} | {'SLOWER' if r['slower'] else ''} |")
-        lines.append("")
-    if doc["steps"]:
-        lines += ["| step config | before tokens/s | after tokens/s | time ratio after / before | flag |",
-                  "|---|---|---|---|---|"]
-        for r in doc["steps"]:
-            lines.append(f"| {r['config']} | {r['before_tokens_per_s']:,.0f} | {r['after_tokens_per_s']:,.0f} | "
-                         f"{r['ratio_time']:.3f} | {'SLOWER' if r['slower'] else ''} |")
-        lines.append("")
-    flagged = [r for r in doc["shapes"] + doc["steps"] if r["slower"]]
-    lines.append(f"Shapes or steps more than {100 * doc['tolerance']:.0f}% slower after: {len(flagged)}.")
-    return "\n".join(lines) + "\n"
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--before", help="the git revision whose kernels/ is 'before'")
     p.add_argument("--before-dir", help="a folder holding the 'before' kernels/ package (instead of --before)")
     p.add_argument("--out", default=os.environ.get("OUT", str(REPO / "benchmarks" / "results")))
     p.add_argument("--stem", default="kernel_compare")
-    p.add_argument("--rounds", type=int, default=2, help="passes over the shapes per tree, order alternating")
-    p.add_argument("--only", choices=("shapes", "step"), help="time only the grid shapes or only the step")
-    p.add_argument("--tokens", type=lambda x: tuple(int(v) for v in x.split(",")), default=GRID_TOKENS,
-                   help="token counts of the grid shapes (e.g. 8192)")
-    p.add_argument("--step-configs", default="lr-fused", help="train_step_bench configurations (comma-separated)")
-    p.add_argument("--tolerance", type=float, default=0.03, help="flag a ratio after / before above 1 + this")
-    p.add_argument("--smoke", action="store_true", help="CPU: the interpreter on tiny shapes, one round")
-    # a worker: one tree, one kind of timing (run by the parent)
-    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--kernels-root", help=argparse.SUPPRESS)
-    p.add_argument("--what", choices=("shapes", "step"), help=argparse.SUPPRESS)
-    p.add_argument("--shapes", help=argparse.SUPPRESS)
-    p.add_argument("--result", help=argparse.SUPPRESS)
+    p.add_argument("--shapes", default="subset", help="'subset' (12 shapes), 'grid' (90) or NxDxSxR,...")
+    p.add_argument("--rounds", type=int, default=5, help="timing rounds per shape, the trees' order alternating")
+    p.add_argument("--tolerance", type=float, default=0.02, help="fail a shape whose ratio after / before exceeds 1 + this")
+    p.add_argument("--tune-both", action="store_true", help="each tree tunes (default: after runs before's choices)")
+    p.add_argument("--smoke", action="store_true", help="CPU: compare the trees' outputs (fallback and interpreter)")
     a = p.parse_args(argv)
-    if a.worker:
-        return worker(a)
     if bool(a.before) == bool(a.before_dir):
         p.error("name the 'before' kernels with exactly one of --before REV and --before-dir DIR")
     if a.smoke:
-        a.rounds = 1
-    else:
-        import torch
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    import torch
 
-        if not torch.cuda.is_available():
-            print("kernel_compare needs a CUDA GPU (or --smoke)", file=sys.stderr)
-            return 1
-    a.shape_list = SMOKE_SHAPES if a.smoke else grid_shapes(a.tokens)
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
+    if not a.smoke and not torch.cuda.is_available():
+        print("kernel_compare needs a CUDA GPU (or --smoke)", file=sys.stderr)
+        return 1
+    if a.shapes in ("subset", "grid"):
+        shapes = SMOKE_SHAPES if a.smoke else (SUBSET if a.shapes == "subset" else grid_shapes())
+    else:
+        shapes = [tuple(int(v) for v in x.split("x")) for x in a.shapes.split(",") if x]
     t0 = time.time()
     with tempfile.TemporaryDirectory(prefix="kernel_compare_") as tmp:
-        tmp = Path(tmp)
-        roots = {"before": Path(a.before_dir).resolve() if a.before_dir else extract(a.before, tmp / "before"),
-                 "after": REPO}
-        runs = {"before": {"shapes": [], "step": []}, "after": {"shapes": [], "step": []}}
-        if a.only != "step":
-            for rnd in range(a.rounds):
-                for tree in (("before", "after") if rnd % 2 == 0 else ("after", "before")):
-                    runs[tree]["shapes"].append(_run_worker(roots[tree], "shapes", a, tmp, f"{tree}-{rnd}"))
-        if a.only != "shapes":
-            for tree in ("before", "after"):
-                runs[tree]["step"] = _run_worker(roots[tree], "step", a, tmp, f"{tree}-step")["step"]
-    shapes, steps = compare(runs, a.tolerance)
-    device = "cpu (interpreter)" if a.smoke else __import__("torch").cuda.get_device_name()
-    doc = {
-        "benchmark": "kernel_compare", "smoke": a.smoke, "device": device,
-        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "before": {"name": a.before or a.before_dir, "commit": _git("rev-parse", a.before) if a.before else None},
-        "after": {"name": "working tree", "commit": _git("rev-parse", "HEAD"),
-                  "dirty": bool(_git("status", "--porcelain", "--untracked-files=no"))},
-        "rounds": a.rounds, "tolerance": a.tolerance, "shapes": shapes, "steps": steps, "runs": runs,
-        "wall_s": time.time() - t0,
-    }
+        root = Path(a.before_dir).resolve() if a.before_dir else extract(a.before, Path(tmp) / "before")
+        before = import_before(root)
+        rows = compare_cpu(before, shapes) if a.smoke else compare_gpu(before, shapes, a.rounds, a.tune_both)
+    for r in rows:
+        if not a.smoke:
+            r["pass"] = max(r["ratio_fwd"], r["ratio_fwdbwd"]) <= 1 + a.tolerance
+    doc = {"benchmark": "kernel_compare", "smoke": a.smoke,
+           "device": "cpu (interpreter)" if a.smoke else torch.cuda.get_device_name(),
+           "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+           "before": {"name": a.before or a.before_dir, "commit": _git("rev-parse", a.before) if a.before else None},
+           "after": {"commit": _git("rev-parse", "HEAD"), "dirty": bool(_git("status", "--porcelain", "--untracked-files=no"))},
+           "versions": {"torch": torch.__version__, "triton": __import__("triton").__version__},
+           "rounds": a.rounds, "tolerance": a.tolerance, "tune_both": a.tune_both, "shapes": rows,
+           "wall_s": time.time() - t0}
     from lrattnres.io import atomic_write_text
 
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
     stem = a.stem + ("_smoke" if a.smoke else "")
     atomic_write_text(out / f"{stem}.json", json.dumps(doc, indent=1, default=str) + "\n")
     atomic_write_text(out / f"{stem}.md", markdown(doc))
     print(markdown(doc))
-    return 0
+    return 0 if all(r["pass"] for r in rows) else 1
 
 
 if __name__ == "__main__":

@@ -6,12 +6,12 @@ For a few shapes (default: 8192 tokens, d in {1024, 1536, 2560}, S = 9, r = d/4;
 times the forward kernel and the backward kernel separately under every candidate launch
 configuration (forward: tokens per program BLOCK_T; backward: sources per step SB on the persistent
 grid, or BLOCK_T tokens per program on the token-tile grid; num_warps, PREFETCH), under each column
-layout compared (_layouts: the width's own from kernels.op._col_layout, one power-of-two chunk, and three
+layout compared (_layouts: the width's own from kernels.configs.col_layout, one power-of-two chunk, and three
 equal chunks where they pad less); then, for the two best of each kernel, the evict-first hint, Triton's
 software pipelining of the source loop (STAGES 2 and 3, without the hand-written prefetch), the
 key-chunk specialisation KEYCH (where the key starts past the first chunk), two sources per step in the
 token-tile backward (PAIR) and the persistent grid's programs per SM; all
-through ``kernels.op.CONFIG_OVERRIDE``, for either kernel pair (``:table``, ``:args`` after a shape;
+pinned through kernels.Settings (fwd, bwd), for either kernel pair (``:table``, ``:args`` after a shape;
 see PATHS).  Each timing replays
 a CUDA graph of the launch (no host-side dispatch in the number; the inputs are several times the L2,
 so the cache helps little), median of ``triton.testing.do_bench_cudagraph``.  Every row also gives
@@ -41,7 +41,8 @@ sys.path.insert(0, ROOT)
 import triton  # noqa: E402
 from triton.testing import do_bench_cudagraph  # noqa: E402
 
-import kernels.op as kop  # noqa: E402
+import kernels.launch as launch  # noqa: E402
+from kernels import DEFAULT, configs, dispatch  # noqa: E402
 from lrattnres.io import atomic_write_text  # noqa: E402
 from kernel_bench import copy_bandwidth  # noqa: E402  (the same ceiling as the side-by-side benchmark)
 
@@ -82,7 +83,7 @@ def _quick(kind: str, block_d: int, nch: int, default: bool = True) -> list[dict
     """The candidates worth timing on a short budget (--quick): the shipped ones; for the width's own
     layout (``default``) with several chunks also 2-8 warps (smaller tiles per chunk) and the
     backward's token-tile grid; for another layout only the shipped ones (the comparison)."""
-    shipped = [dict(c, SPLIT=nch) for c in kop._candidates(kind, block_d, nch)]
+    shipped = [dict(c, SPLIT=nch) for c in configs.candidates(kind, block_d, nch)]
     if not default:
         return shipped
     tiles = _tile_candidates(block_d, nch) if kind == "bwd" else []
@@ -92,12 +93,11 @@ def _quick(kind: str, block_d: int, nch: int, default: bool = True) -> list[dict
 
 
 def _layouts(d: int, r: int | None = None) -> list[tuple[int, int]]:
-    """The column layouts to compare at width d (key width r): its own (kernels.op._col_layout), one
-    chunk, the least-padded layout nearest 512-column chunks (its own where the key allows the
-    specialisation), and three chunks where those pad less than one (the layout every multi-chunk
-    width once used)."""
-    out = [kop._col_layout(d, True, r), kop._col_layout(d, False), kop._col_layout(d, True)]
-    three = kop._col_layout(d, 3)
+    """The column layouts to compare at width d (key width r): its own (kernels.configs.col_layout),
+    one chunk, the least-padded layout nearest 512-column chunks (its own where the key allows the
+    specialisation), and three chunks where those pad less than one."""
+    out = [configs.col_layout(d, True, r), configs.col_layout(d, False), configs.col_layout(d, True)]
+    three = configs.col_layout(d, 3)
     if three[0] * 3 < out[1][0]:
         out.append(three)
     return list(dict.fromkeys(out))
@@ -105,22 +105,22 @@ def _layouts(d: int, r: int | None = None) -> list[tuple[int, int]]:
 
 def _deferred_candidates(d: int, r: int, S: int, layouts) -> list[dict]:
     """The deferred backward's candidates (no residual) for each layout: the resident pair's at
-    S <= kernels.op.PAIR_MAX_S (any key position), the two-pass form's where the key starts past the
+    S <= kernels.configs.PAIR_MAX_S (any key position), the two-pass form's where the key starts past the
     layout's first chunk."""
     out = []
     for lay in layouts:
-        forms = (("pair",) if S <= kop.PAIR_MAX_S else ()) + (("passes",) if kop._key_pos(d, r, *lay) > 0 else ())
-        out += [dict(c, SPLIT=lay[1]) for c in kop._candidates("bwd", *lay, forms)] if forms else []
+        forms = (("pair",) if S <= configs.PAIR_MAX_S else ()) + (("passes",) if configs.key_pos(d, r, *lay) > 0 else ())
+        out += [dict(c, SPLIT=lay[1]) for c in configs.candidates("bwd", *lay, forms)] if forms else []
     return out
 
 
 def _fwd_pair_candidates(S: int, layouts) -> list[dict]:
-    """The pair forward's candidates at S = 2 (kernels.op._fwd_forms) for each layout: the shipped ones,
+    """The pair forward's candidates at S = 2 (kernels.dispatch.fwd_forms) for each layout: the shipped ones,
     then one and two tokens with 1 to 16 warps (2 to 64 elements per thread and chunk), keyed, with the
     evict-first hint."""
-    if "pair" not in kop._fwd_forms(S):
+    if "pair" not in dispatch.fwd_forms(S, DEFAULT):
         return []
-    out = [dict(c, SPLIT=lay[1]) for lay in layouts for c in kop._fwd_pair_configs(*lay)]
+    out = [dict(c, SPLIT=lay[1]) for lay in layouts for c in configs.configs("FWD_PAIR", lay[0])]
     for block_d, nch in layouts:
         for n in (1, 2):
             for nw in (1, 2, 4, 8, 16):
@@ -142,7 +142,7 @@ def _time(fn) -> float:
 
 # The two kernel pairs: "table" (sources through a device table; eager calls and S > 16) and "args" (one
 # pointer argument per source, S unrolled at compile time; what torch.compile launches, S <= 16).
-PATHS = {"table": (kop._fwd_triton, kop._bwd_triton), "args": (kop._fwd_args, kop._bwd_args)}
+PATHS = {"table": (launch.fwd, launch.bwd), "args": (launch.fwd_args, launch.bwd_args)}
 
 
 def sweep_shape(N, d, S, r, bw, budget_end, path="table", quick=False, only=None, shape_s=None, extra=None):
@@ -168,11 +168,12 @@ def sweep_shape(N, d, S, r, bw, budget_end, path="table", quick=False, only=None
         if not quick:
             out = [c for lay in layouts for c in _candidates(kind, *lay)] + deferred(kind)
         else:
-            out = [dict(c, SPLIT=lay[1]) for lay in layouts for c in kop._candidates(kind, *lay)] + deferred(kind)
+            out = [dict(c, SPLIT=lay[1]) for lay in layouts for c in configs.candidates(kind, *lay)] + deferred(kind)
             out += [c for lay in layouts for c in _quick(kind, *lay, lay == layouts[0]) if c not in out]
         more = [{"SPLIT": layouts[0][1], **c} for c in (extra or {}).get(kind, ())]
         return out + [c for c in more if c not in out]
     rows = []
+    cur = [DEFAULT.replace(autotune=False)]  # the settings the timed calls run with
 
     def pct(kind, t, res):  # res: the forward writes, the backward reads h and the rounding residual
         if kind == "fwd":
@@ -182,16 +183,16 @@ def sweep_shape(N, d, S, r, bw, budget_end, path="table", quick=False, only=None
         return {"pct_design": 100 * design * unit / (t * 1e-6 * bw), "pct_formula": 100 * formula * unit / (t * 1e-6 * bw)}
 
     def run(kind, cfg, fn, ppsm=None, also=None):
-        kop.CONFIG_OVERRIDE.clear()
-        kop.CONFIG_OVERRIDE.update(also or {})  # e.g. a backward without DEFER: the forward keeps the residual
-        kop.CONFIG_OVERRIDE[kind] = cfg
-        res = kop._res_kept(torch.bfloat16, d, r, "slice", S) if kind == "fwd" else not cfg.get("DEFER")
+        # ``also``: e.g. a backward without DEFER, so that the forward keeps the residual
+        cur[0] = DEFAULT.replace(autotune=False, bwd_programs_per_sm=ppsm or DEFAULT.bwd_programs_per_sm,
+                                 **{**(also or {}), kind: cfg})
+        res = dispatch.res_kept(torch.bfloat16, d, r, "slice", S, cur[0]) if kind == "fwd" else not cfg.get("DEFER")
         try:
             t = _time(fn)
         except Exception as e:  # a configuration that does not compile (registers, shared memory)
             rows.append({"kernel": kind, **cfg, "error": repr(e)[:200]})
             return
-        row = {"kernel": kind, **cfg, "layout": "%dx%d" % kop._layout(kind, d, r), "us": t, "res": res,
+        row = {"kernel": kind, **cfg, "layout": "%dx%d" % dispatch.layout(kind, d, r, cur[0]), "us": t, "res": res,
                **pct(kind, t, res)}
         if ppsm is not None and not cfg.get("BLOCK_T"):
             row["programs_per_sm"] = ppsm
@@ -206,8 +207,8 @@ def sweep_shape(N, d, S, r, bw, budget_end, path="table", quick=False, only=None
 
     def keyed(kind, fn, ppsm=None):  # the best two multi-chunk configurations with KEYCH
         for b in best(kind, 2):
-            block_d, nch = kop._col_layout(d, b.get("SPLIT"))
-            if nch == 1 or kop._key_pos(d, r, block_d, nch) == 0:
+            block_d, nch = configs.col_layout(d, b.get("SPLIT"))
+            if nch == 1 or configs.key_pos(d, r, block_d, nch) == 0:
                 continue  # the key starts in the first chunk: nothing to leave out
             if not b.get("KEYCH") and time.time() < budget_end:
                 run(kind, dict(cfg_of(b), KEYCH=True), fn, ppsm)
@@ -225,7 +226,7 @@ def sweep_shape(N, d, S, r, bw, budget_end, path="table", quick=False, only=None
                 if time.time() < budget_end:
                     run(kind, dict(cfg_of(b), PREFETCH=0, STAGES=stages), fn, ppsm)
 
-    fwd = lambda: fwd_fn(srcs, q, "slice", EPS)  # noqa: E731
+    fwd = lambda: fwd_fn(srcs, q, "slice", EPS, cur[0])  # noqa: E731
     for cfg in pick("fwd") if only != "bwd" else ():
         if time.time() > budget_end:
             break
@@ -240,12 +241,10 @@ def sweep_shape(N, d, S, r, bw, budget_end, path="table", quick=False, only=None
             run("fwd", cfg_of(b), fwd, also={"bwd": {"BLOCK_T": 1, "KEYCH": True, "DEFER": b["res"]}})
     if only == "fwd":
         return {"tokens": N, "d": d, "S": S, "r": r, "kernels": path, "rows": rows}
-    kop.CONFIG_OVERRIDE.clear()
-    kop.CONFIG_OVERRIDE["bwd"] = {"BLOCK_T": 1}  # a backward without DEFER: the forward keeps the residual, so
-    h, stats, res = kop._fwd_triton(srcs, q, "slice", EPS)  # that every backward can run (DEFER ignores it)
-    kop.CONFIG_OVERRIDE.clear()
-    bwd = lambda: bwd_fn(srcs, q, h, stats, res, g, "slice", EPS)  # noqa: E731
-    default_ppsm = kop.BWD_PROGRAMS_PER_SM
+    # a backward without DEFER: the forward keeps the residual, so that every backward can run
+    h, stats, res = launch.fwd(srcs, q, "slice", EPS, DEFAULT.replace(autotune=False, bwd={"BLOCK_T": 1}))
+    bwd = lambda: bwd_fn(srcs, q, h, stats, res, g, "slice", EPS, cur[0])  # noqa: E731
+    default_ppsm = DEFAULT.bwd_programs_per_sm
     if shape_s:
         budget_end = bwd_end
     for cfg in pick("bwd"):
@@ -255,19 +254,13 @@ def sweep_shape(N, d, S, r, bw, budget_end, path="table", quick=False, only=None
     pipelined("bwd", bwd, default_ppsm)
     keyed("bwd", bwd, default_ppsm)
     paired(bwd, default_ppsm)
-    try:
-        for b in best("bwd", 2):
-            if time.time() < budget_end:
-                run("bwd", dict(cfg_of(b), EVICT=True), bwd, default_ppsm)
-            for ppsm in PROGRAMS_PER_SM:  # the persistent grid
-                if ppsm == default_ppsm or time.time() > budget_end or b.get("BLOCK_T"):
-                    continue
-                kop.BWD_PROGRAMS_PER_SM = ppsm
-                run("bwd", cfg_of(b), bwd, ppsm)
-            kop.BWD_PROGRAMS_PER_SM = default_ppsm
-    finally:
-        kop.BWD_PROGRAMS_PER_SM = default_ppsm
-        kop.CONFIG_OVERRIDE.clear()
+    for b in best("bwd", 2):
+        if time.time() < budget_end:
+            run("bwd", dict(cfg_of(b), EVICT=True), bwd, default_ppsm)
+        for ppsm in PROGRAMS_PER_SM:  # the persistent grid
+            if ppsm == default_ppsm or time.time() > budget_end or b.get("BLOCK_T"):
+                continue
+            run("bwd", cfg_of(b), bwd, ppsm)
     return {"tokens": N, "d": d, "S": S, "r": r, "kernels": path, "rows": rows}
 
 

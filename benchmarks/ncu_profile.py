@@ -58,16 +58,25 @@ _STALL = re.compile(r"^smsp__average_warps_issue_stalled_(\w+?)_per_issue_active
 # ---------------------------------------------------------------------------------------------- run (GPU)
 
 
-def _step(impl: str, srcs, q, g):
+def _settings(override: str):
+    """Our settings: the defaults, with --override's pinned configurations."""
+    from kernels import DEFAULT
+
+    return DEFAULT.replace(**json.loads(override)) if override else DEFAULT
+
+
+def _step(impl: str, srcs, q, g, override: str = ""):
     """One forward+backward of ``impl`` as a callable (kernels only for ours, as in kernel_sweep)."""
     import torch
 
     if impl == "ours":
-        import kernels.op as kop
+        import kernels.launch as launch
+
+        s = _settings(override)
 
         def fb():
-            h, st, res = kop._fwd_triton(srcs, q, "slice", EPS)
-            return kop._bwd_triton(srcs, q, h, st, res, g, "slice", EPS)
+            h, st, res = launch.fwd(srcs, q, "slice", EPS, s)
+            return launch.bwd(srcs, q, h, st, res, g, "slice", EPS, s)
 
         return fb
     if impl == "fast-attnres":
@@ -84,12 +93,12 @@ def _step(impl: str, srcs, q, g):
     raise ValueError(f"--impl: expected ours or fast-attnres, got {impl!r}")
 
 
-def _chosen(impl: str) -> dict:
+def _chosen(impl: str, override: str = "") -> dict:
     """The launch configurations autotuning chose (or the override), to read beside the counters."""
     if impl == "ours":
-        import kernels.op as kop
+        import kernels
 
-        return {"override": kop.CONFIG_OVERRIDE, "tuned": kop.tuned_configs()}
+        return {"override": json.loads(override) if override else {}, "tuned": kernels.tuned_configs()}
     from attnres._kernels import fla_full_sources as fs
 
     out = {}
@@ -103,18 +112,14 @@ def _chosen(impl: str) -> dict:
 def run(a) -> int:
     import torch
 
-    if a.override:  # a launch configuration of ours to profile instead of the autotuned one
-        import kernels.op as kop
-
-        kop.CONFIG_OVERRIDE.update(json.loads(a.override))
     from kernel_bench import _inputs  # the side-by-side benchmark's inputs (bf16, the same seed)
 
     srcs, q, g = _inputs(a.S, a.tokens, a.d, a.r)
-    fb = _step(a.impl, srcs, q, g)
+    fb = _step(a.impl, srcs, q, g, a.override)  # --override: pinned configurations instead of tuned ones
     for _ in range(3):  # autotuning and compilation happen here, outside the profiled window
         fb()
     torch.cuda.synchronize()
-    print(f"launch configurations: {json.dumps(_chosen(a.impl), default=str)}", flush=True)
+    print(f"launch configurations: {json.dumps(_chosen(a.impl, a.override), default=str)}", flush=True)
     torch.cuda.cudart().cudaProfilerStart()
     fb()
     torch.cuda.synchronize()
@@ -229,7 +234,7 @@ def main(argv=None) -> int:
     r.add_argument("--tokens", type=int, default=8192)
     r.add_argument("--d", type=int, default=1536)
     r.add_argument("--r", type=int, default=384)
-    r.add_argument("--override", default="", help='ours only: kernels.op.CONFIG_OVERRIDE as JSON, e.g. {"fwd": {...}}')
+    r.add_argument("--override", default="", help='ours only: pinned configurations as JSON kernels.Settings fields, e.g. {"fwd": {...}}')
     s = sub.add_parser("summarize", help="per-kernel table of the raw CSVs in a folder")
     s.add_argument("dir")
     s.add_argument("--out", default=None)

@@ -1,15 +1,18 @@
 """Offline sm_90 builds of this project's four Triton kernels, on a machine without a GPU.
 
     python benchmarks/offline_sass.py                       # registers, instructions, cp.async copies
-    python benchmarks/offline_sass.py --against 7476a53     # same machine code as that revision?
+    python benchmarks/offline_sass.py --against 63bb3a0     # same machine code as that revision?
 
 Compiles each kernel with triton.compile for a Hopper target (GPUTarget("cuda", 90, 128)) and reads
 the cubin with the cuobjdump that Triton's wheel ships: registers, instructions in the whole kernel
-and in its innermost loop (the source loop), cp.async copies.  Why: GPU time costs more than CPU time, and a change
-meant to leave the measured kernels alone (a refactor, a new launch option at its default) can be
-shown to leave their machine code byte for byte the same; a change meant to alter them (a layout,
-a pipelined loop) shows its instruction and register counts before any GPU run.  Run it without
-TRITON_INTERPRET (the interpreter builds nothing).
+and in its innermost loop (the source loop), cp.async copies, the stack and the local-memory loads
+and stores (spills), and the seconds the build took (``build_s``, from an empty Triton cache unless
+TRITON_CACHE_DIR is set).  With --against, each row also holds that revision's counts ("against").
+Why: GPU time costs more than CPU time, and a change meant to leave the measured kernels alone (a
+refactor, a new launch option at its default) can be shown to leave their machine code byte for
+byte the same; a change meant to alter them (a layout, a pipelined loop) shows its instruction and
+register counts before any GPU run.  Run it without TRITON_INTERPRET (the interpreter builds
+nothing).
 
 Configurations: --configs NAME[,NAME...] from CONFIGS (default: all), each one launch setting of the
 four kernels in bf16 (mostly d = 1536's layouts: three column chunks of 512, the one padded chunk of
@@ -27,6 +30,7 @@ import re
 import subprocess
 import sys
 import tempfile
+import time
 import types
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -35,7 +39,7 @@ sys.path.insert(0, ROOT)
 _COMMON = dict(SLICE=True, HAS_RES=True, RES_STEP=2.0**-15, EVICT=False, LAZY=0)
 # name: (column chunk width, chunks, tokens or sources per step, warps, PREFETCH, STAGES[, backward grid[,
 # KEY0[, further backward constexprs]]]).  The backward's grid: "persistent" (n = SB sources per step) or "tile" (n = BLOCK_T tokens per
-# program); KEY0 the first column chunk holding key columns (kernels.op._key_pos; 0 = no specialisation).
+# program); KEY0 the first column chunk holding key columns (kernels.configs.key_pos; 0 = no specialisation).
 CONFIGS = {
     "split": (512, 3, 1, 4, 0, 1),
     "split-prefetch": (512, 3, 1, 4, 1, 1),
@@ -94,11 +98,15 @@ CONFIGS = {
                              {"FWD_PAIR": True, "DEFER": True, "PAIR": True, "HAS_RES": False}),
     "two-key-fwd-pair-1w": (512, 2, 1, 1, 0, 1, "tile", 1,
                             {"FWD_PAIR": True, "DEFER": True, "PAIR": True, "HAS_RES": False}),
-    # d = 1024 with r = d as one chunk of 1024: the backward the tuner takes at S = 25
-    # (persistent grid, 4 warps, prefetch; table kernel 69 registers, 166 loop instructions) and the token
-    # tile beside it (72, 173)
+    # d = 1024 with r = d as one chunk of 1024: the backward the tuner takes at S = 25 (persistent grid,
+    # 4 warps, prefetch) and the token tile beside it
     "one-rd-bits": (1024, 1, 1, 4, 1, 1, "persistent", 0, {"RES_STEP": 0.0}),
     "one-tile-rd-bits": (1024, 1, 1, 4, 1, 1, "tile", 0, {"RES_STEP": 0.0}),
+    # the r = d backward as the launchers build it ("slice" at r = d as "full") on the grid the tuner takes:
+    # persistent, prefetch; 1 warp at d = 1536 (3 x 512), 2 warps at d = 2560 (5 x 512), 4 warps at d = 1024
+    "split-rd-unmasked-1w": (512, 3, 1, 1, 1, 1, "persistent", 0, {"RES_STEP": 0.0, "SLICE": False}),
+    "five-rd-unmasked-2w": (512, 5, 1, 2, 1, 1, "persistent", 0, {"RES_STEP": 0.0, "SLICE": False}),
+    "one-rd-unmasked": (1024, 1, 1, 4, 1, 1, "persistent", 0, {"RES_STEP": 0.0, "SLICE": False}),
 }
 _NSLOT = 9
 
@@ -166,7 +174,7 @@ def _cuobjdump() -> str:
 
 def build(fn, sig: dict, const: dict, warps: int) -> dict:
     """Compile for sm_90: registers, the instruction listing without addresses, and op counts.  A
-    constexpr the kernel does not take (STAGES for a revision that predates it) is left out."""
+    constexpr the kernel does not take (STAGES in a revision without it) is left out."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -180,8 +188,10 @@ def build(fn, sig: dict, const: dict, warps: int) -> dict:
         consts[(names.index(k),)] = v
     attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in names
              if sig[a] not in ("constexpr", "fp32") and a not in ("N", "S", "r")}
+    t0 = time.perf_counter()
     compiled = triton.compile(ASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 128),
                               options={"num_warps": warps})
+    build_s = time.perf_counter() - t0
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "k.cubin")
         with open(path, "wb") as f:
@@ -191,7 +201,9 @@ def build(fn, sig: dict, const: dict, warps: int) -> dict:
     lines = [re.sub(r"/\*[0-9a-f]+\*/", "", x).strip() for x in sass.splitlines() if re.match(r"\s+/\*[0-9a-f]{4}\*/", x)]
     return {"registers": int(re.search(r"REG:(\d+)", res).group(1)), "instructions": len(lines),
             "loop_instructions": inner_loop_size(sass), "ldgsts": sum("LDGSTS" in x for x in lines),
-            "code": "\n".join(lines)}
+            "stack": int(re.search(r"STACK:(\d+)", res).group(1)),
+            "spills": sum(bool(re.match(r"(@!?U?P\w+\s+)?(LDL|STL)\b", x)) for x in lines),
+            "build_s": round(build_s, 2), "code": "\n".join(lines)}
 
 
 def inner_loop_size(sass: str) -> int | None:
@@ -209,7 +221,7 @@ def inner_loop_size(sass: str) -> int | None:
 def _kernel_modules(root: str, name: str):
     """The four kernels of the ``kernels/`` folder under ``root``, imported as package ``name`` without
     running its __init__ (which registers the torch.library ops): from fused_fwd.py and fused_bwd.py,
-    or from _triton.py in revisions that kept every kernel in one file."""
+    or from _triton.py in revisions that keep every kernel in one file."""
     folder = os.path.join(root, "kernels")
     package = types.ModuleType(name)
     package.__path__ = [folder]
@@ -236,7 +248,10 @@ def report(configs, against: str | None = None) -> list[dict]:
         raise SystemExit("offline_sass: unset TRITON_INTERPRET (the interpreter compiles nothing)")
     current = _kernel_modules(ROOT, "kernels_here")
     rows = []
+    fresh = "TRITON_CACHE_DIR" not in os.environ
     with tempfile.TemporaryDirectory() as tmp:
+        if fresh:  # an empty cache: build_s times real builds
+            os.environ["TRITON_CACHE_DIR"] = os.path.join(tmp, "triton-cache")
         other = _revision_module(against, tmp) if against else None
         for cname in configs:
             kernels_here = _kernels(current, CONFIGS[cname])
@@ -245,9 +260,13 @@ def report(configs, against: str | None = None) -> list[dict]:
                 here = build(fn, sig, const, warps)
                 row = {"config": cname, "kernel": kname, **{k: v for k, v in here.items() if k != "code"}}
                 if there is not None:
-                    row["same_code_as_" + against] = build(there[1], sig, const, warps)["code"] == here["code"]
+                    before = build(there[1], sig, const, warps)
+                    row["same_code_as_" + against] = before["code"] == here["code"]
+                    row["against"] = {k: v for k, v in before.items() if k != "code"}
                 rows.append(row)
                 print(json.dumps(row), flush=True)
+        if fresh:
+            del os.environ["TRITON_CACHE_DIR"]
     return rows
 
 
@@ -255,12 +274,16 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated names from CONFIGS")
     p.add_argument("--against", help="a git revision whose kernels to compare machine code with")
+    p.add_argument("--json", help="also write the rows to this file")
     a = p.parse_args(argv)
     names = [c for c in a.configs.split(",") if c]
     unknown = [c for c in names if c not in CONFIGS]
     if unknown:
         raise SystemExit(f"offline_sass: unknown --configs {unknown}; expected names from {sorted(CONFIGS)}")
     rows = report(names, a.against)
+    if a.json:
+        with open(a.json, "w", encoding="utf-8") as f:
+            json.dump({"triton": __import__("triton").__version__, "against": a.against, "rows": rows}, f, indent=1)
     key = "same_code_as_" + a.against if a.against else None
     return 0 if key is None or all(r[key] for r in rows) else 1
 

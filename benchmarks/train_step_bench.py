@@ -15,7 +15,7 @@ Configs (``--configs``, in this order by default):
   attnres-fused    AttnRes, N = --blocks, r = d, kernels.attnres
   lr-ref           LR-AttnRes with the reference router (lrattnres.routing.route)
   attnres-ref      AttnRes with the reference router
-  lr-fused-op, attnres-fused-op   the fused kernels behind the opaque custom op (kernels.op.COMPILED_PATH "op")
+  lr-fused-op, attnres-fused-op   the fused kernels behind the opaque custom op (kernels.Settings compiled_path "op")
 
 Goal: on one H200 with the 1B preset, lr-fused >= 90% of baseline tokens/s and >= 62,000
 tokens/s.
@@ -160,19 +160,14 @@ def _profile(update, device, top: int) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
     try:
-        import kernels.op as kop
+        import kernels.launch as launch
     except ImportError:  # pragma: no cover
-        kop = None
+        launch = None
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    if kop is not None:
-        kop.STATS = Counter()
-    try:
-        with profile(activities=acts) as prof:
-            update()
-    finally:
-        stats = kop.STATS if kop is not None else None
-        if kop is not None:
-            kop.STATS = None
+    seen = Counter(launch.CALLS) if launch is not None else None
+    with profile(activities=acts) as prof:
+        update()
+    stats = (Counter(launch.CALLS) - seen) if launch is not None else None
     attr = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
     events = [e for e in prof.key_averages() if getattr(e, attr, 0) > 0]
     if device.type == "cuda":
@@ -223,11 +218,15 @@ def run_config(name, a, device):
     params = [p for p in model.parameters() if p.requires_grad]
     lm = LossModule(model, spec["precision"])
     compile_ = (device.type == "cuda" or a.force_compile) and not a.no_compile
-    kop = None
+    kernel_settings = None
     if c["router"] == "fused":
-        import kernels.op as kop
+        import functools
 
-        kop.COMPILED_PATH = c.get("compiled_path", "triton_op")
+        import kernels
+
+        kernel_settings = kernels.DEFAULT.replace(compiled_path=c.get("compiled_path", "triton_op"))
+        router = functools.partial(kernels.attnres, settings=kernel_settings)
+        model._fused_router = lambda device: router  # this configuration's settings in every read
     fwd = torch.compile(lm, dynamic=False, fullgraph=a.fullgraph) if compile_ else lm
     from lrattnres.attention import warn_compiled_flex
 
@@ -280,12 +279,14 @@ def run_config(name, a, device):
         row["profile"] = profile
     if host_profile is not None:
         row["host_profile"] = host_profile
-    if kop is not None:
-        row["compiled_path"] = kop.COMPILED_PATH if compile_ else None
-        row["kernel_configs"] = kop.tuned_configs()  # the table kernels' autotuned choices
-        lay = {k: kop._layout(k, d, m.get("rank")) for k in ("fwd", "bwd")}
-        row["args_kernel_configs"] = {k: dict(kop._args_config(k, *lay[k]), layout=lay[k]) for k in ("fwd", "bwd")}
-        kop.COMPILED_PATH = "triton_op"
+    if kernel_settings is not None:
+        from kernels import dispatch
+
+        row["compiled_path"] = kernel_settings.compiled_path if compile_ else None
+        row["kernel_configs"] = dispatch.tuned_configs()  # the table kernels' autotuned choices
+        lay = {k: dispatch.layout(k, d, m.get("rank"), kernel_settings) for k in ("fwd", "bwd")}
+        row["args_kernel_configs"] = {k: dict(dispatch.args_config(k, *lay[k], (), kernel_settings), layout=lay[k])
+                                      for k in ("fwd", "bwd")}
     if device.type == "cuda":
         row["peak_allocated_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
         row["peak_reserved_gib"] = torch.cuda.max_memory_reserved(device) / 2**30

@@ -1,10 +1,12 @@
-"""Fused Triton depth routing behind a torch.library op.
+"""Fused Triton depth routing behind torch.library ops.
 
-``attnres(sources, query, *, norm="slice", eps=1e-6)`` has the semantics of
-``lrattnres.routing.route``; ``kernels.naive`` writes the kernels' math out in torch.  See the
-``kernels.op`` module docstring for where the code is, and docs/kernel.md.
+``attnres(sources, query, *, norm="slice", eps=1e-6, settings=DEFAULT)`` has the semantics of
+``lrattnres.routing.route``; ``kernels.naive`` writes the kernels' math out in torch.  docs/kernel.md
+says where each part is, how to change it and how to measure it.
 """
 
-from .op import attnres, attnres_triton, attnres_fwd, attnres_bwd, set_cpu_triton
+from .autograd import attnres, attnres_bwd, attnres_fwd, attnres_triton
+from .dispatch import tuned_configs
+from .settings import DEFAULT, Settings
 
-__all__ = ["attnres", "attnres_triton", "attnres_fwd", "attnres_bwd", "set_cpu_triton"]
+__all__ = ["attnres", "attnres_triton", "attnres_fwd", "attnres_bwd", "Settings", "DEFAULT", "tuned_configs"]

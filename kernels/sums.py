@@ -1,8 +1,8 @@
 """The sum of the query-gradient partial rows [programs, r] fp32 over its rows, in a fixed order.
 
-The backward writes one partial row per program; kernels.op sums them with _sum_rows_kernel in two
-launches (slabs of rows, then the slabs), with _sum_rows_once_kernel in one (the last program to
-finish a column block sums the slabs), or with torch, whichever it timed fastest at that size.  Both
+The backward writes one partial row per program; kernels.launch sums them with _sum_rows_kernel in
+two launches (slabs of rows, then the slabs), with _sum_rows_once_kernel in one (the last program
+to finish a column block sums the slabs), or with torch, whichever timed fastest at that size.  Both
 Triton sums take the same slabs in the same order, so they give the same bits.
 """
 
@@ -10,9 +10,6 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
-
-
-# ---------------------------------------------------------------------------------------------- partial sums
 
 
 @triton.jit
@@ -39,10 +36,9 @@ def _slab_sum(x_ptr, s, P, r, rows_per, cols, col_ok, BLOCK_P: tl.constexpr, BLO
 def _sum_rows_kernel(x_ptr, y_ptr, P, r, rows_per, BLOCK_P: tl.constexpr, BLOCK_R: tl.constexpr):
     """y[s, c] = sum of x[s * rows_per : (s + 1) * rows_per, c] (rows past P left out): program (s, b)
     sums one slab of rows for BLOCK_R columns, in a fixed order, and stores in y's element type.  The
-    query gradient's partial rows [programs, r] fp32 go through it twice (kernels.op._sum_partials):
-    slabs into an fp32 [splits, r], then the splits into the query dtype.  Why: torch's sum over the
-    rows of a [1056, 384] matrix runs on 51 blocks (10.8 us under ncu), a tenth of the
-    backward at S = 2; two launches over a few hundred programs keep the sum deterministic."""
+    partial rows go through it twice (kernels.launch.sum_rows): slabs into an fp32 [splits, r], then
+    the splits into the query's dtype.  torch's sum over the rows of a [1056, 384] matrix runs on 51
+    blocks (10.8 us under ncu), a tenth of the backward at S = 2."""
     s = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
     col_ok = cols < r
@@ -57,9 +53,9 @@ def _sum_rows_once_kernel(x_ptr, slab_ptr, y_ptr, count_ptr, P, r, rows_per, spl
     for BLOCK_R columns into slab[s] (fp32), then counts itself in at count[b]; the program that
     arrives last for column block b sums the ``splits`` slabs in a fixed order into y (y's element
     type) and sets count[b] back to 0 for the next sum.  Deterministic (fixed orders; the atomic
-    decides only who adds, not the order).  Why: the second launch costs a kernel boundary (about
-    1-2 us at S = 2, where the whole backward is 40-60 us); the count must be 0 on entry
-    (kernels.op._sum_counts keeps a zeroed ring of them)."""
+    decides only who adds, not the order).  It saves the second launch's boundary (about 1-2 us at
+    S = 2, where the whole backward is 40-60 us); the count must be 0 on entry (kernels.launch.sum_counts
+    keeps a zeroed ring of them)."""
     s = tl.program_id(0)
     b = tl.program_id(1)
     cols = b * BLOCK_R + tl.arange(0, BLOCK_R)

@@ -1,11 +1,11 @@
 """The eager autotuner: the fastest of a shape class's candidate launch configurations, in GPU time.
 
-kernels.op asks for a choice once per shape class (kernels.op._config) and passes ``launch(cfg)``,
+kernels.dispatch asks for a choice once per shape class (dispatch.choose) and passes ``launch(cfg)``,
 which runs the whole launch (for the backward: the kernel and the sum of its query-gradient
 partials, so that a grid's extra work counts).  Here:
 
-1. Build every candidate before any is launched (:func:`precompile`): compiled in COMPILE_THREADS
-   threads under Triton's AsyncCompileMode (the compiler releases the GIL), waited for, then each
+1. Build every candidate before any is launched (:func:`precompile`): compiled in ``threads``
+   threads (the settings' compile_threads) under Triton's AsyncCompileMode (the compiler releases the GIL), waited for, then each
    one's module loaded in this thread, one after another.  A candidate that does not build or load
    for lack of resources (registers, shared memory, threads) is left out.
 2. Time each built candidate (:func:`fastest`): one warm-up launch, a device synchronisation (so that
@@ -24,15 +24,10 @@ device (a resource error at compile, load or launch) passes over the candidate. 
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 TUNE_WARMUP_MS = 10  # triton.testing.do_bench per candidate, the fallback where capture fails
 TUNE_REP_MS = 40  # milliseconds of replays (or of runs) per candidate
-# Threads that compile a shape class's candidates at once before they are timed (1: one after
-# another, in this thread).  A backward has up to nine candidates.  KERNELS_COMPILE_THREADS.
-COMPILE_THREADS = int(os.environ.get("KERNELS_COMPILE_THREADS", str(min(8, os.cpu_count() or 1))))
 
 
 class TuningFault(RuntimeError):
@@ -83,11 +78,11 @@ def _load(kernel) -> None:
             init()
 
 
-def _compile_all(cands: list, launch) -> None:
-    """Compile every candidate with ``launch(cfg, warm=True)`` in COMPILE_THREADS threads (Triton's
+def _compile_all(cands: list, launch, threads: int) -> None:
+    """Compile every candidate with ``launch(cfg, warm=True)`` in ``threads`` threads (Triton's
     AsyncCompileMode; nothing is loaded or launched there) and wait for all of them.  A build that
     fails here is built again, and fails with its own error, in :func:`precompile`."""
-    if COMPILE_THREADS <= 1 or len(cands) < 2:
+    if threads <= 1 or len(cands) < 2:
         return
     try:
         from concurrent.futures import ThreadPoolExecutor
@@ -96,7 +91,7 @@ def _compile_all(cands: list, launch) -> None:
     except ImportError:
         return
     try:
-        with ThreadPoolExecutor(min(COMPILE_THREADS, len(cands))) as pool:
+        with ThreadPoolExecutor(min(threads, len(cands))) as pool:
             try:
                 mode = AsyncCompileMode(pool, ignore_errors=True)
             except TypeError:  # a Triton whose AsyncCompileMode has no ignore_errors
@@ -112,12 +107,12 @@ def _compile_all(cands: list, launch) -> None:
         return
 
 
-def precompile(cands: list, launch, device=None, tag: str = "") -> tuple[list, dict]:
+def precompile(cands: list, launch, device=None, tag: str = "", threads: int = 1) -> tuple[list, dict]:
     """Build every candidate before any is launched: compiled (in threads, :func:`_compile_all`),
     then, in this thread and one after another, built again from Triton's cache and its module
     loaded.  Returns (the candidates that built, {index of a candidate left out: its error}).  A
     failure with the device broken raises TuningFault."""
-    _compile_all(cands, launch)
+    _compile_all(cands, launch, threads)
     built, failed = [], {}
     for i, cfg in enumerate(cands):
         try:
@@ -142,13 +137,13 @@ def gpu_time(fn) -> float:
         return do_bench(fn, warmup=TUNE_WARMUP_MS, rep=TUNE_REP_MS, return_mode="median")
 
 
-def fastest(cands: list, launch, device=None, tag: str = ""):
+def fastest(cands: list, launch, device=None, tag: str = "", threads: int = 1):
     """The candidate with the least GPU time of ``launch(cfg)`` (:func:`gpu_time`), every candidate
     built first (:func:`precompile`).  A candidate that does not build, load or launch on a healthy
     device is passed over; a broken device raises TuningFault; if no candidate runs, RuntimeError
     lists why each failed.  ``tag`` names the shape class in messages."""
     _fault(device, "before tuning started", None, None, tag)
-    built, failed = precompile(cands, launch, device, tag)
+    built, failed = precompile(cands, launch, device, tag, threads)
     failed = {str(cands[i]): e for i, e in failed.items()}
     best, best_t = None, float("inf")
     for cfg in built:

@@ -13,19 +13,24 @@ from (default: tests).
 
 With N GPUs (default: every visible one) the cases are dealt round-robin into N parts that run side
 by side, one per GPU.  ``--workers W`` runs W pytest-xdist workers on each GPU (the suite is bound
-by compiling kernels, which W processes do at once; 8 on a 16-core H200 host).  Cases marked
+by compiling kernels, which W processes do at once; 8 on a 16-core H200 host).  Every part and worker
+shares one Triton and one Inductor cache (--cache DIR to keep it between runs), and autotuning is
+off (KERNELS_AUTOTUNE=0) but in the tuner's own cases, which turn it on in their settings.  Cases marked
 ``gpu_alone`` (they time GPU work, or start processes of their own that share the GPU) run after
 the others in each part, one at a time.
 
-The whole suite takes longer than some machines are lent for at once.  ``--shard K/N`` runs the
-K-th of N round-robin shares of the selected cases; each shard writes its own log and a JSON
-summary beside it (``LOG.json``), and ``--merge`` joins the N shard logs of one commit into one
-log, refusing shards of another commit, another selection, or a missing or repeated share.
+What the suite costs (its cases, the kernel builds they ask for, the estimate of its time on one
+H200): docs/kernel.md, "Checking a change", counted by scripts/gpu_suite_census.py.  A machine lent
+for less time than that runs it in parts: ``--shard K/N`` runs the K-th of N round-robin shares of
+the selected cases; each shard writes its own log and a JSON summary beside it (``LOG.json``), and
+``--merge`` joins the N shard logs of one commit into one log, refusing shards of another commit,
+another selection, or a missing or repeated share.
 
 The log (default benchmarks/results/gpu_tests_<device>_<date>.log) starts with the commit, the
 device and the versions, holds pytest's report of every case (one line per case as it finishes,
 each skip with its reason, each failure with its traceback) part by part, and ends with the
-counts, every skipped case and the wall time.  While the suite runs, each part's report grows in
+counts, the SLOWEST cases with their seconds, every skipped case and the wall time; the JSON
+summary holds every case's seconds (``durations``).  While the suite runs, each part's report grows in
 ``LOG.part<k>`` beside the log, so a run stopped from outside still leaves every finished case's
 result.  Exit status: 0 when no case failed, 1 when one did, 2 without a CUDA device
 (``--allow-cpu`` runs anyway, the GPU cases then skip: for checking this script).
@@ -54,6 +59,7 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+SLOWEST = 20  # the slowest cases the summary names, with their seconds (the JSON summary holds every case's)
 
 
 def header(argv: list[str]) -> list[str]:
@@ -131,11 +137,12 @@ def collect(selection: list[str], extra: list[str]) -> list[tuple[str, bool]]:
 
 
 def junit_summary(path: Path) -> dict:
-    out = {"passed": 0, "failed": 0, "errors": 0, "skipped": 0, "skips": [], "failures": []}
+    out = {"passed": 0, "failed": 0, "errors": 0, "skipped": 0, "skips": [], "failures": [], "durations": {}}
     if not path.exists():
         return out
     for case in ET.parse(path).getroot().iter("testcase"):
         name = f"{case.get('classname', '').replace('.', '/')}.py::{case.get('name')}"
+        out["durations"][name] = round(float(case.get("time") or 0), 2)
         kinds = {child.tag: child for child in case}
         if "skipped" in kinds:
             out["skipped"] += 1
@@ -154,12 +161,15 @@ def junit_summary(path: Path) -> dict:
 def add_counts(total: dict, s: dict) -> None:
     for key in ("passed", "failed", "errors", "skipped", "skips", "failures"):
         total[key] += s[key]
+    total["durations"].update(s.get("durations", {}))
 
 
 def summary_lines(total: dict, selected: int, wall: float) -> list[str]:
     lines = ["===== summary",
              f"{total['passed']} passed, {total['failed']} failed, {total['errors']} errors, {total['skipped']} skipped "
              f"of {selected} selected, in {wall:.0f} s"]
+    slowest = sorted(total["durations"].items(), key=lambda kv: -kv[1])[:SLOWEST]
+    lines += [f"SLOWEST {t:.1f} s {name}" for name, t in slowest]
     lines += [f"FAILED {name}" for name in total["failures"]]
     lines += [f"SKIPPED {skip}" for skip in total["skips"]]
     ran = total["passed"] + total["failed"] + total["errors"] + total["skipped"]
@@ -214,7 +224,7 @@ def merge(logs: list[Path], into: Path) -> int:
     if shards != list(range(1, first["shards"] + 1)):
         raise SystemExit(f"--merge: shards {shards} given, expected each of 1..{first['shards']} once")
     parts.sort(key=lambda p: p[1]["shard"])
-    total = {"passed": 0, "failed": 0, "errors": 0, "skipped": 0, "skips": [], "failures": []}
+    total = {"passed": 0, "failed": 0, "errors": 0, "skipped": 0, "skips": [], "failures": [], "durations": {}}
     for _, m in parts:
         add_counts(total, m)
     wall = sum(m["wall_s"] for _, m in parts)
@@ -250,6 +260,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--all", action="store_true", help="the whole test suite, not only the GPU suite")
     p.add_argument("--allow-cpu", action="store_true", help="run without a CUDA device (the GPU cases skip)")
     p.add_argument("--tests", nargs="+", default=["tests"], help="test files or folders to select from (default: tests)")
+    p.add_argument("--cache", type=Path, default=None,
+                   help="the Triton and Inductor cache folder every worker shares (default: a fresh one)")
     args = p.parse_args(argv[: argv.index("--")] if "--" in argv else argv)
     if args.merge:
         if args.log is None:
@@ -300,6 +312,13 @@ def main(argv: list[str] | None = None) -> int:
     env = {k: v for k, v in os.environ.items()
            if k != "TRITON_INTERPRET" and not k.startswith(("PYTEST_XDIST_", "PYTEST_CURRENT_TEST"))}
     env["PYTHONUNBUFFERED"] = "1"
+    # one Triton and one Inductor cache for every part and worker, so that a kernel one worker built
+    # is loaded, not built again, by the others; and no autotuning (each shape class would build and
+    # time every candidate) except in the tuner's own cases, which ask for it in their settings
+    cache = args.cache or Path(tempfile.mkdtemp(prefix="gpu-tests-cache-"))
+    env.setdefault("TRITON_CACHE_DIR", str(cache / "triton"))
+    env.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache / "inductor"))
+    env.setdefault("KERNELS_AUTOTUNE", "0")
     # the GPU each part sees: the k-th of those this process sees (CUDA_VISIBLE_DEVICES may name some)
     shown = [x.strip() for x in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if x.strip()]
     visible = shown[:ngpu] if len(shown) >= ngpu else [str(i) for i in range(ngpu)]
@@ -334,7 +353,7 @@ def main(argv: list[str] | None = None) -> int:
         log.write(reports[k].read_text(encoding="utf-8", errors="replace"))
         say()
 
-    total = {"passed": 0, "failed": 0, "errors": 0, "skipped": 0, "skips": [], "failures": []}
+    total = {"passed": 0, "failed": 0, "errors": 0, "skipped": 0, "skips": [], "failures": [], "durations": {}}
     for xml in sorted(tmp.glob("part*.xml")):
         add_counts(total, junit_summary(xml))
     wall = time.time() - t0

@@ -126,13 +126,13 @@ def test_sweep_times_the_deferred_forms_that_serve_a_shape():
     """The sweep's deferred candidates: the resident pair at S <= 2 in every layout, the two passes in
     the layouts whose key starts past the first chunk; neither where they cannot run."""
     import kernel_sweep as ks
-    import kernels.op as kop
+    from kernels import configs
 
     two = ks._deferred_candidates(2560, 640, 2, [(512, 5), (4096, 1)])
     pairs = [c for c in two if c.get("PAIR")]
     assert pairs and all(c["DEFER"] for c in two)
     assert {c["SPLIT"] for c in pairs} == {5, 1} and {c["SPLIT"] for c in two if not c.get("PAIR")} == {5}
-    assert len(pairs) == len(kop._pair_configs(512, 5)) + len(kop._pair_configs(4096, 1))
+    assert len(pairs) == len(configs.configs("BWD_RESIDENT_PAIR", 512)) + len(configs.configs("BWD_RESIDENT_PAIR", 4096))
     nine = ks._deferred_candidates(2560, 640, 9, [(512, 5), (4096, 1)])
     assert nine and not any(c.get("PAIR") for c in nine)
     assert ks._deferred_candidates(1536, 1536, 9, [(512, 3)]) == []  # the key in every chunk: no deferral
@@ -140,19 +140,19 @@ def test_sweep_times_the_deferred_forms_that_serve_a_shape():
 
 def test_sweep_times_the_pair_forward_at_two_sources(monkeypatch):
     """The sweep's pair-forward candidates: at S = 2 only, in every layout, the shipped ones first, each
-    once, never a prefetch; none with KERNELS_PAIR_FWD=0."""
+    once, never a prefetch; none where the default settings leave the pair forward out."""
     import kernel_sweep as ks
-    import kernels.op as kop
+    from kernels import configs
 
+    pairs = {bd: configs.configs("FWD_PAIR", bd) for bd in (512, 4096)}
     two = ks._fwd_pair_candidates(2, [(512, 5), (4096, 1)])
-    shipped = len(kop._fwd_pair_configs(512, 5)) + len(kop._fwd_pair_configs(4096, 1))
-    assert two[:shipped] == [dict(c, SPLIT=5) for c in kop._fwd_pair_configs(512, 5)] + [
-        dict(c, SPLIT=1) for c in kop._fwd_pair_configs(4096, 1)]
+    shipped = len(pairs[512]) + len(pairs[4096])
+    assert two[:shipped] == [dict(c, SPLIT=5) for c in pairs[512]] + [dict(c, SPLIT=1) for c in pairs[4096]]
     assert len(two) > shipped and all(c["PAIR"] and not c["PREFETCH"] for c in two)
     assert {c["SPLIT"] for c in two} == {5, 1} and len({str(c) for c in two}) == len(two)
     assert {"BLOCK_T": 1, "num_warps": 16, "PREFETCH": 0, "KEYCH": True, "PAIR": True, "EVICT": True, "SPLIT": 1} in two
     assert ks._fwd_pair_candidates(3, [(512, 5)]) == [] == ks._fwd_pair_candidates(1, [(512, 5)])
-    monkeypatch.setattr(kop, "PAIR_FWD", False)
+    monkeypatch.setattr(ks, "DEFAULT", ks.DEFAULT.replace(pair_fwd=False))
     assert ks._fwd_pair_candidates(2, [(512, 5)]) == []
 
 
@@ -177,21 +177,14 @@ def test_shapes_option_parses_and_names_a_bad_shape():
         kb._shape_list("8192x512x9x1024")
 
 
-def test_variant_option_sets_kernels_op_settings_for_its_rows_only():
-    """--variant LABEL:ATTR=VALUE;...: JSON values on upper-case kernels.op settings, set for the time of
-    the variant's timings and restored after (an exception inside too); a bad spec names what is wrong."""
-    import kernels.op as kop
-
-    label, settings = kb._variant("defer9:DEFER_MAX_S=9;RES_BITS=false")
-    assert label == "defer9" and settings == {"DEFER_MAX_S": 9, "RES_BITS": False}
-    before = (kop.DEFER_MAX_S, kop.RES_BITS)
-    with pytest.raises(RuntimeError):
-        with kb._settings(settings):
-            assert (kop.DEFER_MAX_S, kop.RES_BITS) == (9, False)
-            raise RuntimeError("inside")
-    assert (kop.DEFER_MAX_S, kop.RES_BITS) == before
-    for bad, named in (("nolabel", "LABEL:ATTR=VALUE"), ("x:NOT_A_SETTING=1", "NOT_A_SETTING"),
-                       ("x:_defers=1", "_defers"), ("x:DEFER_MAX_S=nine", "nine")):
+def test_variant_option_names_settings_fields():
+    """--variant LABEL:FIELD=VALUE;...: JSON values on kernels.Settings fields, which the variant's row
+    passes to kernels.attnres; a bad spec names what is wrong."""
+    label, settings = kb._variant("defer9:defer_max_s=9;res_bits=false")
+    assert label == "defer9" and settings == {"defer_max_s": 9, "res_bits": False}
+    assert kb.DEFAULT.replace(**settings).defer_max_s == 9 and kb.DEFAULT.defer_max_s == 8
+    for bad, named in (("nolabel", "LABEL:FIELD=VALUE"), ("x:not_a_setting=1", "not_a_setting"),
+                       ("x:key=1", "'key'"), ("x:defer_max_s=nine", "nine"), ("x:dq_sum=\"atomic\"", "dq_sum")):
         with pytest.raises(argparse.ArgumentTypeError, match=named):
             kb._variant(bad)
 

@@ -5,7 +5,9 @@ token count and a subsampled grid that still covers every value of each axis (d,
 strided inputs).  GPU (marked ``gpu``, skipped without CUDA): bf16 with the paper's elementwise
 criterion |x - ref| <= 0.05 + 0.05 |ref|, relative L2 errors printed for the output, the source
 gradients and the query gradient.  Outputs and gradient buffers are filled with NaN before each
-kernel runs (kernels.op.POISON), so an element the kernels never write fails the test.
+kernel runs (the settings' poison), so an element the kernels never write fails the test.  Each case
+passes its settings (``_settings``): autotuning off, so that every case compiles only what it pins
+or the first candidate; the tuner's own cases turn it on.
 """
 
 from __future__ import annotations
@@ -31,9 +33,12 @@ except Exception:  # pragma: no cover - triton missing
     HAS_TRITON = False
 
 import kernels  # noqa: E402
+import kernels.autograd as autograd  # noqa: E402
 import kernels.configs as configs  # noqa: E402
-import kernels.op as op  # noqa: E402
+import kernels.dispatch as dispatch  # noqa: E402
+import kernels.launch as launch  # noqa: E402
 import kernels.tuner as tuner  # noqa: E402
+from kernels import DEFAULT, Settings  # noqa: E402
 from lrattnres.routing import route  # noqa: E402
 
 if HAS_TRITON and not HAS_CUDA:
@@ -51,9 +56,15 @@ gpu = pytest.mark.gpu
 needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 
 
-@pytest.fixture(autouse=True)
-def _poison(monkeypatch):
-    monkeypatch.setattr(op, "POISON", True)
+def _settings(**changes) -> Settings:
+    """The tests' settings: fresh outputs poisoned, CPU tensors through the interpreter, no tuning
+    (``changes`` may turn it on)."""
+    return Settings(**{"poison": True, "cpu_triton": not HAS_CUDA, "autotune": False, **changes})
+
+
+def _with(fn, s: Settings):
+    """``fn`` (an attnres-like callable) with these settings."""
+    return lambda sources, query, norm="slice": fn(sources, query, norm=norm, settings=s)
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -122,19 +133,14 @@ CPU_CASES = [
 
 @needs_triton
 @pytest.mark.parametrize("d,r,S,norm,layout", CPU_CASES)
-def test_triton_matches_reference_fp32(d, r, S, norm, layout):
+def test_triton_matches_reference_fp32(d, r, S, norm, layout, s=None):
     device = "cuda" if HAS_CUDA else "cpu"
-    if not HAS_CUDA:
-        op.set_cpu_triton(True)
     gen = torch.Generator(device=device).manual_seed(1000 * d + 10 * r + S)
     lead = LEAD
     sources = _make_sources(S, lead, d, torch.float32, device, layout, gen)
     query = torch.randn(r, generator=gen, device=device).requires_grad_()
     g = torch.randn(*lead, d, generator=gen, device=device)
-    try:
-        h, gs, gq = _run(kernels.attnres_triton, sources, query, g, norm)
-    finally:
-        op.set_cpu_triton(False)
+    h, gs, gq = _run(_with(kernels.attnres_triton, s or _settings()), sources, query, g, norm)
     h_ref, gs_ref, gq_ref = _run(route, sources, query, g, norm)
     assert h.dtype == h_ref.dtype and h.shape == h_ref.shape
     assert torch.isfinite(h).all()
@@ -152,11 +158,11 @@ def test_triton_matches_reference_fp32(d, r, S, norm, layout):
 
 
 @needs_triton
-def test_triton_fused_reductions(monkeypatch):
+def test_triton_fused_reductions():
     """The GPU's multi-operand row reductions (the interpreter defaults to separate sums)."""
-    monkeypatch.setattr(op, "FUSED_REDUCTIONS", True)
-    test_triton_matches_reference_fp32(64, 7, 5, "slice", "mixed")
-    test_triton_matches_reference_fp32(48, 48, 3, "full", "contig")
+    s = _settings(fused_reductions=True)
+    test_triton_matches_reference_fp32(64, 7, 5, "slice", "mixed", s)
+    test_triton_matches_reference_fp32(48, 48, 3, "full", "contig", s)
 
 
 # Launch configurations the default may not pick: every sources-per-step count, prefetch on and off,
@@ -257,27 +263,22 @@ CONFIG_CASES = [
 @needs_triton
 @pytest.mark.parametrize("fwd_cfg,bwd_cfg,case", CONFIG_CASES, ids=lambda v: str(v))
 @pytest.mark.parametrize("family", ["table", "args"])
-def test_launch_configs_match_reference(fwd_cfg, bwd_cfg, case, family, monkeypatch):
+def test_launch_configs_match_reference(fwd_cfg, bwd_cfg, case, family):
     """Launch configurations of both kernel families against the reference (unaligned d and r,
     strided sources, S smaller and larger than the backward's sources per step)."""
-    monkeypatch.setattr(op, "CONFIG_OVERRIDE", {"fwd": dict(fwd_cfg), "bwd": dict(bwd_cfg)})
     fn = _attnres_args if family == "args" else kernels.attnres_triton
-    _fp32_against_reference(fn, *case, seed=case[0] + 3 * case[1] + case[2])
+    _fp32_against_reference(fn, *case, seed=case[0] + 3 * case[1] + case[2], s=_settings(fwd=fwd_cfg, bwd=bwd_cfg))
 
 
-def _fp32_against_reference(fn, d, r, S, norm, layout, seed, lead=LEAD):
-    """``fn``'s output and gradients against the reference's on fresh fp32 data, LEAD tokens (the Triton
-    interpreter on the CPU, the kernels themselves on a GPU)."""
+def _fp32_against_reference(fn, d, r, S, norm, layout, seed, lead=LEAD, s=None):
+    """``fn``'s output and gradients with settings ``s`` against the reference's on fresh fp32 data,
+    LEAD tokens (the Triton interpreter on the CPU, the kernels themselves on a GPU)."""
     device = "cuda" if HAS_CUDA else "cpu"
     gen = torch.Generator(device=device).manual_seed(seed)
     sources = _make_sources(S, lead, d, torch.float32, device, layout, gen)
     query = torch.randn(r, generator=gen, device=device).requires_grad_()
     g = torch.randn(*lead, d, generator=gen, device=device)
-    op.set_cpu_triton(not HAS_CUDA)
-    try:
-        h, gs, gq = _run(fn, sources, query, g, norm)
-    finally:
-        op.set_cpu_triton(False)
+    h, gs, gq = _run(_with(fn, s or _settings()), sources, query, g, norm)
     h_ref, gs_ref, gq_ref = _run(route, sources, query, g, norm)
     torch.testing.assert_close(h, h_ref, rtol=1e-4, atol=1e-4)
     for a, b in zip(gs, gs_ref):
@@ -301,15 +302,13 @@ CANDIDATE_FAMILIES = {
 
 def test_candidate_families_are_all_run_on_the_cpu():
     """A family added to kernels/configs.py is added to CANDIDATE_FAMILIES too."""
-    tables = {name for name, v in vars(configs).items() if name.startswith(("FWD_", "BWD_")) and isinstance(v, tuple)}
-    assert tables == set(CANDIDATE_FAMILIES)
+    assert set(configs.FAMILIES) == set(CANDIDATE_FAMILIES)
 
 
 def _family_table(family: str) -> list[dict]:
     """The built candidates of ``family`` at the column layout of its shape."""
     kind, _, d, r, *_ = CANDIDATE_FAMILIES[family]
-    return configs.build(configs.col_layout(d, None, r)[0], "BLOCK_T" if kind == "fwd" else "SB",
-                         getattr(configs, family))
+    return configs.configs(family, configs.col_layout(d, None, r)[0])
 
 
 def _family_cases():
@@ -328,40 +327,40 @@ def _family_cases():
 
 @needs_triton
 @pytest.mark.parametrize("family,cand", _family_cases())
-def test_every_candidate_family_matches_reference(family, cand, monkeypatch):
+def test_every_candidate_family_matches_reference(family, cand):
     """A representative subset of every candidate family, pinned as the only configuration of its
     kernel, against the reference in fp32 (the interpreter on the CPU): the shape is one whose calls
     tune among the family's candidates."""
     kind, forms, d, r, S, norm, layout = CANDIDATE_FAMILIES[family]
     cfg = _family_table(family)[cand]
-    layout_d = op._layout(kind, d, r)
-    assert cfg in op._candidates(kind, *layout_d, forms)  # the shape tunes among this family's candidates
-    monkeypatch.setattr(op, "CONFIG_OVERRIDE", {kind: dict(cfg)})
-    _fp32_against_reference(kernels.attnres_triton, d, r, S, norm, layout, seed=d + r + S + cand)
+    layout_d = dispatch.layout(kind, d, r, DEFAULT)
+    assert cfg in configs.candidates(kind, *layout_d, forms)  # the shape tunes among this family's candidates
+    s = _settings(**{kind: cfg})
+    _fp32_against_reference(kernels.attnres_triton, d, r, S, norm, layout, seed=d + r + S + cand, s=s)
     if cfg == configs.args_config(kind, *layout_d, forms):  # the per-argument kernels' line: their path too
-        _fp32_against_reference(_attnres_args, d, r, S, norm, layout, seed=d + r + S + cand)
+        _fp32_against_reference(_attnres_args, d, r, S, norm, layout, seed=d + r + S + cand, s=s)
 
 
 def test_key_chunk(monkeypatch):
     """KEY0: the first column chunk that holds a key column, where a configuration asks for it
     (KEYCH); 0 otherwise or with one chunk."""
-    assert op._key_pos(1536, 384, 512, 3) == 2
-    assert op._key_pos(1536, 600, 512, 3) == 1
-    assert op._key_pos(1536, 1536, 512, 3) == 0
-    assert op._key_pos(2560, 640, 512, 5) == 3 and op._key_pos(2560, 320, 512, 5) == 4
-    assert op._key_pos(1024, 256, 512, 2) == 1
-    assert op._key_pos(1024, 1, 1024, 1) == 0  # one chunk: nothing to skip
+    assert configs.key_pos(1536, 384, 512, 3) == 2
+    assert configs.key_pos(1536, 600, 512, 3) == 1
+    assert configs.key_pos(1536, 1536, 512, 3) == 0
+    assert configs.key_pos(2560, 640, 512, 5) == 3 and configs.key_pos(2560, 320, 512, 5) == 4
+    assert configs.key_pos(1024, 256, 512, 2) == 1
+    assert configs.key_pos(1024, 1, 1024, 1) == 0  # one chunk: nothing to skip
     for d in range(130, 5000, 7):  # the last chunk always holds column d - 1
-        block_d, nch = op._col_layout(d, True)
+        block_d, nch = configs.col_layout(d, True)
         if nch > 1:
             assert (nch - 1) * block_d < d <= nch * block_d
-            assert op._key_pos(d, 1, block_d, nch) == nch - 1
-    assert op._launch_kwargs({"BLOCK_T": 1, "KEYCH": True, "SPLIT": True}, "fwd", 2) == {
+            assert configs.key_pos(d, 1, block_d, nch) == nch - 1
+    assert dispatch.launch_kwargs({"BLOCK_T": 1, "KEYCH": True, "SPLIT": True}, "fwd", 2) == {
         "BLOCK_T": 1, "EVICT": False, "STAGES": 1, "KEY0": 2, "PAIR": False}
-    assert op._launch_kwargs({"BLOCK_T": 1}, "bwd", 2) == {"SB": 1, "BLOCK_T": 1, "PAIR": False, "DEFER": False, "EVICT": False,
+    assert dispatch.launch_kwargs({"BLOCK_T": 1}, "bwd", 2) == {"SB": 1, "BLOCK_T": 1, "PAIR": False, "DEFER": False, "EVICT": False,
                                                           "STAGES": 1, "KEY0": 0, "PERSIST": 0}
-    assert op._launch_kwargs({"SB": 1, "KEY0": 1}, "bwd", 2)["KEY0"] == 1  # a remembered choice keeps its own
-    assert op._launch_kwargs({"BLOCK_T": 1}, "fwd", 2)["KEY0"] == 0  # no KEYCH: no specialisation
+    assert dispatch.launch_kwargs({"SB": 1, "KEY0": 1}, "bwd", 2)["KEY0"] == 1  # a remembered choice keeps its own
+    assert dispatch.launch_kwargs({"BLOCK_T": 1}, "fwd", 2)["KEY0"] == 0  # no KEYCH: no specialisation
 
 
 @pytest.mark.parametrize("kind", ["fwd", "bwd"])
@@ -372,12 +371,11 @@ def test_tuner_times_each_shape_class(kind, monkeypatch):
     backward's grid); a choice is reused for the same class, not for another S, token class or key
     chunk; nothing is timed or remembered during a CUDA graph capture; a candidate that fails is
     passed over."""
-    monkeypatch.setattr(op, "_CHOSEN", {})
-    monkeypatch.setattr(op, "AUTOTUNE", True)
+    monkeypatch.setattr(dispatch, "_TUNED", {})
+    s = Settings(autotune=True, compile_threads=4)
     capturing = [False]
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
     launched, failing, warmed = [], [], []
-    monkeypatch.setattr(tuner, "COMPILE_THREADS", 4)
     monkeypatch.setattr(tuner, "cuda_fault", lambda device: None)  # a healthy device (no CUDA here)
 
     def launch(cfg, warm=False):
@@ -392,16 +390,19 @@ def test_tuner_times_each_shape_class(kind, monkeypatch):
         fn()
         return 100.0 - len(launched)
 
+    def choose(key_pos, key, forms=()):
+        return dispatch.choose(kind, 512, 3, key_pos, cuda, key, launch, forms, s)
+
     monkeypatch.setattr(tuner, "gpu_time", fake_bench)
     cuda = torch.device("cuda")
-    cands = op._candidates(kind, 512, 3)
+    cands = configs.candidates(kind, 512, 3)
     for key_pos in (2, 0):
         launched.clear()
         warmed.clear()
-        distinct = op._distinct(cands, kind, key_pos)
+        distinct = dispatch.distinct(cands, kind, key_pos)
         failing[:] = [distinct[-1]]  # the last would be the fastest, but does not run
-        key = ("k",) + op._tune_class(9, 8000)
-        cfg = op._config(kind, 512, 3, key_pos, cuda, key, launch)
+        key = ("k",) + dispatch.tune_class(9, 8000)
+        cfg = choose(key_pos, key)
         assert all({"EVICT", "STAGES", "KEY0", "num_warps"} <= set(c) for c in distinct)
         if kind == "bwd":
             assert all({"SB", "BLOCK_T", "PAIR"} <= set(c) for c in distinct) and any(c["BLOCK_T"] for c in distinct)
@@ -413,44 +414,46 @@ def test_tuner_times_each_shape_class(kind, monkeypatch):
         # compiled in threads, then built again (from the cache) and loaded one after another
         assert warmed == distinct + distinct
         assert cfg == distinct[-2]
-        assert op._CHOSEN[(kind, 512, 3, key_pos, ()) + key] == cfg
+        assert dispatch._TUNED[(kind, 512, 3, key_pos, ()) + key] == cfg
     twins = [c for c in cands if not c.get("KEYCH") and dict(c, KEYCH=True) in cands]
-    assert len(op._distinct(cands, kind, 0)) == len(cands) - len(twins)  # at key chunk 0 a keyed one is its twin
+    assert len(dispatch.distinct(cands, kind, 0)) == len(cands) - len(twins)  # at key chunk 0 a keyed one is its twin
     launched.clear()
-    assert op._config(kind, 512, 3, 2, cuda, ("k",) + op._tune_class(9, 5000), launch) == op._CHOSEN[
+    assert choose(2, ("k",) + dispatch.tune_class(9, 5000)) == dispatch._TUNED[
         (kind, 512, 3, 2, (), "k", 9, 8192)] and not launched  # same class: 5000 and 8000 tokens round to 8192
-    op._config(kind, 512, 3, 2, cuda, ("k",) + op._tune_class(2, 8000), launch)
+    choose(2, ("k",) + dispatch.tune_class(2, 8000))
     assert launched  # another S is tuned again
+    pairs, defer = configs.configs("BWD_RESIDENT_PAIR", 512), configs.configs("BWD_DEFERRED", 512)
     if kind == "bwd":  # a forward without residual: only the deferred forms' candidates are timed
-        for forms, want in ((("passes",), op._defer_configs(512, 3)), (("pair",), op._pair_configs(512, 3)),
-                            (("pair", "passes"), op._pair_configs(512, 3) + op._defer_configs(512, 3))):
+        for forms, want in ((("passes",), defer), (("pair",), pairs), (("pair", "passes"), pairs + defer)):
             launched.clear()
             failing.clear()
-            cfg = op._config(kind, 512, 3, 2, cuda, ("k",) + op._tune_class(2, 8000), launch, forms)
+            cfg = choose(2, ("k",) + dispatch.tune_class(2, 8000), forms)
             assert cfg["DEFER"] and all(c["DEFER"] for c in launched)
-            assert launched[::2] == op._distinct(want, kind, 2)
-            assert all(c["PAIR"] == ("pair" in forms and i < len(op._pair_configs(512, 3)))
-                       for i, c in enumerate(launched[::2]))
-        assert "bwd/512x3/key2/deferred-pair+passes/S2/N8192" in op.tuned_configs()
+            assert launched[::2] == dispatch.distinct(want, kind, 2)
+            assert all(c["PAIR"] == ("pair" in forms and i < len(pairs)) for i, c in enumerate(launched[::2]))
+        assert "bwd/512x3/key2/deferred-pair+passes/S2/N8192" in dispatch.tuned_configs()
     else:  # at two sources the pair forward's candidates too, before the loop's
         launched.clear()
         failing.clear()
-        cfg = op._config(kind, 512, 3, 2, cuda, ("k",) + op._tune_class(2, 8000), launch, op._fwd_forms(2))
-        want = op._distinct(op._fwd_pair_configs(512, 3) + op._fwd_configs(512, 3), kind, 2)
+        cfg = choose(2, ("k",) + dispatch.tune_class(2, 8000), dispatch.fwd_forms(2, s))
+        fwd_pairs = configs.configs("FWD_PAIR", 512)
+        want = dispatch.distinct(fwd_pairs + configs.configs("FWD_CHUNKS", 512), kind, 2)
         assert launched[::2] == want and cfg == want[-1] and not cfg["PAIR"]
-        n_pair = len(op._fwd_pair_configs(512, 3))
-        assert [c["PAIR"] for c in want] == [True] * n_pair + [False] * (len(want) - n_pair)
-        assert op._first(kind, 512, 3, 2, op._fwd_forms(2))["PAIR"]  # the default at S = 2 without tuning
-        assert "fwd/512x3/key2/pair/S2/N8192" in op.tuned_configs()
+        assert [c["PAIR"] for c in want] == [True] * len(fwd_pairs) + [False] * (len(want) - len(fwd_pairs))
+        assert dispatch.first(kind, 512, 3, 2, dispatch.fwd_forms(2, s))["PAIR"]  # the default at S = 2 untuned
+        assert "fwd/512x3/key2/pair/S2/N8192" in dispatch.tuned_configs()
     capturing[0] = True
     launched.clear()
-    n = len(op._CHOSEN)
-    assert op._config(kind, 512, 3, 2, cuda, ("k",) + op._tune_class(5, 8000), launch) == op._launch_kwargs(
-        cands[0], kind, 2) and not launched and len(op._CHOSEN) == n
-    assert "%s/512x3/key2/S9/N8192" % kind in op.tuned_configs()
+    n = len(dispatch._TUNED)
+    assert choose(2, ("k",) + dispatch.tune_class(5, 8000)) == dispatch.launch_kwargs(
+        cands[0], kind, 2) and not launched and len(dispatch._TUNED) == n
+    assert "%s/512x3/key2/S9/N8192" % kind in dispatch.tuned_configs()
     capturing[0] = False
     with pytest.raises(RuntimeError, match="no launch configuration ran"):
         tuner.fastest([{"num_warps": 4}], lambda cfg, warm=False: None if warm else 1 / 0)
+    pinned = Settings(**{kind: {"BLOCK_T": 2, "num_warps": 1, "PREFETCH": 0}})
+    launched.clear()
+    assert dispatch.choose(kind, 512, 3, 2, cuda, ("k", 9, 64), launch, (), pinned)["BLOCK_T"] == 2 and not launched
 
 
 def test_launch_config_candidates():
@@ -458,7 +461,7 @@ def test_launch_config_candidates():
     unless 16 warps cannot spread it further."""
     for block_d in (1, 64, 1024, 2048, 8192):
         for nch in (1, 2, 3, 5):
-            for cfg in op._fwd_configs(block_d, nch) + op._bwd_configs(block_d, nch):
+            for cfg in configs.candidates("fwd", block_d, nch) + configs.candidates("bwd", block_d, nch):
                 tile = cfg.get("BLOCK_T", cfg.get("SB")) * block_d
                 assert tile >= 512 and 1 <= cfg["num_warps"] <= 16
                 assert tile // (32 * cfg["num_warps"]) <= 32 or cfg["num_warps"] == 16
@@ -467,49 +470,43 @@ def test_launch_config_candidates():
 def test_column_layout():
     """Rows are read as the fewest columns (padding included) of 1 to 5 equal power-of-two chunks;
     among equals, chunks nearest 512 columns."""
-    assert op._col_layout(1536) == (512, 3)  # the 1B model: no padded columns
-    assert op._col_layout(2560) == (512, 5)  # 2560 columns instead of 3072 (3 x 1024) or 4096
-    assert op._col_layout(1024) == (512, 2)  # as few columns as one chunk, and a key chunk to specialise
-    assert op._col_layout(513) == (128, 5)
-    assert op._col_layout(64) == (64, 1)
-    assert op._col_layout(200) == (256, 1)  # chunks under MIN_CHUNK columns are not worth it
-    assert op._col_layout(2048) == (512, 4) and op._col_layout(4096) == (1024, 4)
-    assert op._col_layout(1536, split=False) == (2048, 1)
+    assert configs.col_layout(1536) == (512, 3)  # the 1B model: no padded columns
+    assert configs.col_layout(2560) == (512, 5)  # 2560 columns instead of 3072 (3 x 1024) or 4096
+    assert configs.col_layout(1024) == (512, 2)  # as few columns as one chunk, and a key chunk to specialise
+    assert configs.col_layout(513) == (128, 5)
+    assert configs.col_layout(64) == (64, 1)
+    assert configs.col_layout(200) == (256, 1)  # chunks under MIN_CHUNK columns are not worth it
+    assert configs.col_layout(2048) == (512, 4) and configs.col_layout(4096) == (1024, 4)
+    assert configs.col_layout(1536, split=False) == (2048, 1)
     # given the key width: where no layout of the fewest columns can specialise the key, the fewest chunks
-    assert op._col_layout(1024, r=1024) == (1024, 1) and op._col_layout(1024, r=256) == (512, 2)
-    assert op._col_layout(2048, r=2048) == (2048, 1) and op._col_layout(2048, r=512) == (512, 4)
-    assert op._col_layout(1536, r=1536) == (512, 3) and op._col_layout(2560, r=2560) == (512, 5)  # least padding first
-    assert op._col_layout(2560, split=3) == (1024, 3)  # a configuration's SPLIT forces a chunk count
+    assert configs.col_layout(1024, r=1024) == (1024, 1) and configs.col_layout(1024, r=256) == (512, 2)
+    assert configs.col_layout(2048, r=2048) == (2048, 1) and configs.col_layout(2048, r=512) == (512, 4)
+    assert configs.col_layout(1536, r=1536) == (512, 3) and configs.col_layout(2560, r=2560) == (512, 5)  # least padding first
+    assert configs.col_layout(2560, split=3) == (1024, 3)  # a configuration's SPLIT forces a chunk count
     with pytest.raises(ValueError, match="SPLIT"):
-        op._col_layout(2560, split=6)
+        configs.col_layout(2560, split=6)
     for d in range(1, 5000, 7):
-        block, nch = op._col_layout(d)
-        assert block * nch >= d and block & (block - 1) == 0 and 1 <= nch <= op.MAX_CHUNKS
-        assert nch == 1 or block >= op.MIN_CHUNK
-        assert block * nch <= op._next_pow2(d)  # never more columns than one chunk
+        block, nch = configs.col_layout(d)
+        assert block * nch >= d and block & (block - 1) == 0 and 1 <= nch <= configs.MAX_CHUNKS
+        assert nch == 1 or block >= configs.MIN_CHUNK
+        assert block * nch <= configs.next_pow2(d)  # never more columns than one chunk
 
 
 @pytest.mark.parametrize("eager_function", [False, True], ids=["custom-op", "function"])
 @pytest.mark.parametrize("S", [1, 2])
 def test_custom_op_triton_path(S, eager_function, monkeypatch):
     """``kernels.attnres`` on the Triton path (CPU: the interpreter), through the custom op with its
-    registered autograd and through the eager autograd.Function.  S = 1 takes a host-side backward
-    whose output once aliased the upstream gradient, which torch.library refuses (seen on the H200,
-    2026-11-29)."""
-    monkeypatch.setattr(op, "EAGER_FUNCTION", eager_function)
+    registered autograd and through the eager autograd.Function.  S = 1 takes a host-side backward,
+    whose output must not alias the upstream gradient (torch.library refuses it)."""
     calls = []
-    real = op._AttnResTriton.apply
-    monkeypatch.setattr(op._AttnResTriton, "apply", lambda *a: calls.append(1) or real(*a))
+    real = autograd._AttnResTriton.apply
+    monkeypatch.setattr(autograd._AttnResTriton, "apply", lambda *a: calls.append(1) or real(*a))
     device = "cuda" if HAS_CUDA else "cpu"
     gen = torch.Generator(device=device).manual_seed(11 + S)
     sources = _make_sources(S, (2, 5), 40, torch.float32, device, "contig", gen)
     query = torch.randn(9, generator=gen, device=device).requires_grad_()
     g = torch.randn(2, 5, 40, generator=gen, device=device)
-    op.set_cpu_triton(not HAS_CUDA)
-    try:
-        h, gs, gq = _run(kernels.attnres, sources, query, g, "slice")
-    finally:
-        op.set_cpu_triton(False)
+    h, gs, gq = _run(_with(kernels.attnres, _settings(eager_function=eager_function)), sources, query, g, "slice")
     assert bool(calls) == eager_function  # the path asked for was taken
     h_ref, gs_ref, gq_ref = _run(route, sources, query, g, "slice")
     torch.testing.assert_close(h, h_ref, rtol=1e-4, atol=1e-4)
@@ -537,17 +534,14 @@ def test_cpu_fallback_matches_reference(norm):
 @needs_triton
 @pytest.mark.parametrize("lazy,block_t", [(1, 1), (2, 4), (0, 1)])
 @pytest.mark.parametrize("order", ["rising", "falling", "shuffled"])
-def test_lazy_softmax_with_steep_scores(lazy, block_t, order, monkeypatch):
+def test_lazy_softmax_with_steep_scores(lazy, block_t, order):
     """The forward's lazy online softmax (kernels.fused_fwd._lazy_rescale; LAZY 1: one-token programs, 2:
     every program, the branch then taken for the whole token block) against the reference where the
     scores span about +-60 and move by more than LAZY_TAU from source to source: rising (a rescale at
     every source), falling (only at the first) and shuffled, in fp32 with both families of kernels;
     LAZY 0 (the plain online softmax) as the control."""
     device = "cuda" if HAS_CUDA else "cpu"
-    if not HAS_CUDA:
-        op.set_cpu_triton(True)
-    monkeypatch.setattr(op, "LAZY_RESCALE", lazy)
-    monkeypatch.setattr(op, "CONFIG_OVERRIDE", {"fwd": {"BLOCK_T": block_t, "num_warps": 2, "PREFETCH": 1}})
+    st = _settings(lazy_rescale=lazy, fwd={"BLOCK_T": block_t, "num_warps": 2, "PREFETCH": 1})
     gen = torch.Generator(device=device).manual_seed(17)
     d, r, S, lead = 64, 16, 9, LEAD
     query = torch.randn(r, generator=gen, device=device) * 4
@@ -567,13 +561,10 @@ def test_lazy_softmax_with_steep_scores(lazy, block_t, order, monkeypatch):
         sources.append(x.requires_grad_())
     query.requires_grad_()
     g = torch.randn(*lead, d, generator=gen, device=device)
-    z = op._scores_torch([s.detach() for s in sources], query.detach(), "slice", 1e-6)[0]
+    z = autograd.scores_torch([s.detach() for s in sources], query.detach(), "slice", 1e-6)[0]
     assert float(z.max() - z.min()) > 80 and float((z[1:] - z[:-1]).abs().min()) > 8
-    try:
-        h, gs, gq = _run(kernels.attnres_triton, sources, query, g, "slice")
-        h_args = op.attnres_fwd_args([s.detach() for s in sources], query.detach(), "slice", 1e-6)[0]
-    finally:
-        op.set_cpu_triton(False)
+    h, gs, gq = _run(_with(kernels.attnres_triton, st), sources, query, g, "slice")
+    h_args = autograd.attnres_fwd_args([s.detach() for s in sources], query.detach(), "slice", 1e-6, st.key)[0]
     h_ref, gs_ref, gq_ref = _run(route, sources, query, g, "slice")
     for x in (h, h_args):  # the table kernels and the per-argument ones
         assert torch.isfinite(x).all()
@@ -627,14 +618,14 @@ def test_residual_code_bit_exact():
         hb = h.to(dtype)
         fin = torch.isfinite(hb.float())
         hh, hbb = h[fin], hb[fin]
-        step = op._res_step(dtype)
-        assert (step == 0) == (dtype == torch.bfloat16 and op.RES_BITS)
+        step = dispatch.res_step(dtype, DEFAULT)
+        assert (step == 0) == (dtype == torch.bfloat16 and DEFAULT.res_bits)
         code = torch.empty(hh.numel(), dtype=torch.int8, device=h.device)
         back = torch.empty(hh.numel(), device=h.device)
         _residual_probe[(1,)](hh, hbb.float(), code, back, hh.numel(), RES_STEP=step, BLOCK=triton.next_power_of_2(hh.numel()))
-        ref_code = op._res_encode(hh, hbb)
+        ref_code = autograd._res_encode(hh, hbb, DEFAULT)
         assert torch.equal(code, ref_code), f"{dtype}: kernel and torch residual codes differ"
-        torch.testing.assert_close(back, op._res_decode(hbb, ref_code), rtol=0, atol=0)
+        torch.testing.assert_close(back, autograd._res_decode(hbb, ref_code, DEFAULT), rtol=0, atol=0)
         normal = hbb.float().abs() >= torch.finfo(dtype).tiny
         err = (back - hh).abs()[normal]
         # 2^-16 relative (bf16; 2^-19 for fp16); twice that at the clamped codes +-127 (exact ties)
@@ -647,7 +638,7 @@ def test_residual_code_bit_exact():
     drop = h.view(torch.int32) - hb.float().view(torch.int32)
     exact = ((h.view(torch.int32) & 0xFF) == 0) & (drop.abs() <= 127 * 256) & torch.isfinite(hb.float())
     assert int(exact.sum()) > 1000
-    back = op._res_decode(hb, op._res_encode(h, hb))
+    back = autograd._res_decode(hb, autograd._res_encode(h, hb, DEFAULT), DEFAULT)
     assert torch.equal(back[exact].view(torch.int32), h[exact].view(torch.int32))
 
 
@@ -656,92 +647,87 @@ def test_residual_code_bit_exact():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_partial_sum_triton(n_rows, r, dtype, monkeypatch):
     """The query gradient's partial rows summed by _sum_rows_kernel in two launches
-    (kernels.op._sum_rows_triton) and by _sum_rows_once_kernel in one (_sum_rows_once): one slab or
+    (kernels.launch.sum_rows) and by _sum_rows_once_kernel in one (sum_rows_once): one slab or
     many, unaligned rows and columns, fp32 and the query's dtype; the same bits from both and on a
     second run (fixed orders), and the one-launch sum's counters back at 0 after it.  On the CPU the
-    multiprocessor count is 2, so SUM_PROGRAMS_PER_SM is raised to get many slabs."""
-    monkeypatch.setattr(op, "SUM_PROGRAMS_PER_SM", 64)
-    monkeypatch.setattr(op, "SUM_COUNT_RING", 2)
-    monkeypatch.setattr(op, "_SUM_COUNTS", {})
+    multiprocessor count is 2, so sum_programs_per_sm is raised to get many slabs."""
+    st = _settings(sum_programs_per_sm=64, sum_count_ring=2)
+    monkeypatch.setattr(launch, "_SUM_COUNTS", {})
     device = "cuda" if HAS_CUDA else "cpu"
     gen = torch.Generator(device=device).manual_seed(n_rows + r)
     part = torch.randn(n_rows, r, generator=gen, device=device)
-    op.set_cpu_triton(not HAS_CUDA)
-    try:
-        got = op._sum_rows_triton(part, dtype)
-        again = op._sum_rows_triton(part, dtype)
-        once = [op._sum_rows_once(part, dtype) for _ in range(3)]  # the third reuses the ring's first row
-    finally:
-        op.set_cpu_triton(False)
+    got = launch.sum_rows(part, dtype, st)
+    again = launch.sum_rows(part, dtype, st)
+    once = [launch.sum_rows_once(part, dtype, st) for _ in range(3)]  # the third reuses the ring's first row
     ref = part.double().sum(0)
     assert got.dtype == dtype and got.shape == (r,)
     tol = 1e-5 * (n_rows ** 0.5) if dtype == torch.float32 else 1e-2
     torch.testing.assert_close(got.double(), ref, rtol=tol, atol=tol)
     assert torch.equal(got, again)
     assert all(torch.equal(got, o) for o in once)
-    many_slabs = op._sum_splits(n_rows, r, part.device) > 1
-    assert [n for _, n in op._SUM_COUNTS.values()] == ([1] if many_slabs else [])  # 3 calls on a ring of 2
-    assert all(int(ring.abs().sum()) == 0 for ring, _ in op._SUM_COUNTS.values())
+    many_slabs = launch.sum_splits(n_rows, r, part.device, st) > 1
+    assert [n for _, n in launch._SUM_COUNTS.values()] == ([1] if many_slabs else [])  # 3 calls on a ring of 2
+    assert all(int(ring.abs().sum()) == 0 for ring, _ in launch._SUM_COUNTS.values())
 
 
 def test_sum_counts_ring(monkeypatch):
     """_sum_counts: a zeroed ring per (device, column blocks), its rows taken in turn; None while a graph
     is being captured and no ring exists yet (one made then would live in the graph's memory), the
     existing ring during capture."""
-    monkeypatch.setattr(op, "SUM_COUNT_RING", 3)
-    monkeypatch.setattr(op, "_SUM_COUNTS", {})
+    st = Settings(sum_count_ring=3)
+    monkeypatch.setattr(launch, "_SUM_COUNTS", {})
     cpu = torch.device("cpu")
-    rows = [op._sum_counts(cpu, 5) for _ in range(4)]
+    rows = [launch.sum_counts(cpu, 5, st) for _ in range(4)]
     assert all(r.shape == (5,) and r.dtype == torch.int32 and int(r.abs().sum()) == 0 for r in rows)
     assert [r.data_ptr() for r in rows[:3]] == sorted({r.data_ptr() for r in rows[:3]})
     assert rows[3].data_ptr() == rows[0].data_ptr()
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
-    assert op._sum_counts(torch.device("cuda", 0), 5) is None and len(op._SUM_COUNTS) == 1
-    op._SUM_COUNTS[(torch.device("cuda", 0), 5)] = [torch.zeros(3, 5, dtype=torch.int32), 2]
-    assert op._sum_counts(torch.device("cuda", 0), 5) is not None
-    assert op._SUM_COUNTS[(torch.device("cuda", 0), 5)][1] == 0
+    assert launch.sum_counts(torch.device("cuda", 0), 5, st) is None and len(launch._SUM_COUNTS) == 1
+    launch._SUM_COUNTS[(torch.device("cuda", 0), 5)] = [torch.zeros(3, 5, dtype=torch.int32), 2]
+    assert launch.sum_counts(torch.device("cuda", 0), 5, st) is not None
+    assert launch._SUM_COUNTS[(torch.device("cuda", 0), 5)][1] == 0
 
 
 def test_partial_sum_choice(monkeypatch):
-    """DQ_SUM: "torch", "triton" and "once" as asked; "auto" times all three (GPU time, tuner.gpu_time) once
+    """dq_sum: "torch", "triton" and "once" as asked; "auto" times all three (GPU time, tuner.gpu_time) once
     per (rows, r, dtype) on CUDA and keeps the fastest, and takes the two-launch Triton sum where nothing
     can be timed (CPU, graph capture); anything else is refused by name."""
     calls = []
-    monkeypatch.setattr(op, "_SUMS", {name: (lambda name: lambda p, dt: calls.append(name) or p.sum(0).to(dt))(name)
-                                      for name in ("triton", "once", "torch")})
-    monkeypatch.setattr(op, "_SUM_CHOSEN", {})
+    for name in ("triton", "once", "torch"):
+        monkeypatch.setitem(launch.SUMS, name, (lambda name: lambda p, dt, s: calls.append(name) or p.sum(0).to(dt))(name))
+    monkeypatch.setattr(dispatch, "_SUM_CHOSEN", {})
     part = torch.ones(4, 3)
     for mode in ("torch", "triton", "once"):
-        monkeypatch.setattr(op, "DQ_SUM", mode)
         calls.clear()
-        assert torch.equal(op._sum_partials(part, torch.float32), torch.full((3,), 4.0)) and calls == [mode]
-    monkeypatch.setattr(op, "DQ_SUM", "auto")
+        assert torch.equal(launch.sum_partials(part, torch.float32, Settings(dq_sum=mode)), torch.full((3,), 4.0))
+        assert calls == [mode]
+    auto = Settings(dq_sum="auto")
     calls.clear()
-    op._sum_partials(part, torch.float32)
-    assert calls == ["triton"] and not op._SUM_CHOSEN  # CPU: nothing timed, nothing remembered
+    launch.sum_partials(part, torch.float32, auto)
+    assert calls == ["triton"] and not dispatch._SUM_CHOSEN  # CPU: nothing timed, nothing remembered
     speed = {"triton": 2.0, "once": 1.5, "torch": 1.0}
     monkeypatch.setattr(tuner, "gpu_time", lambda fn: (fn(), speed[calls[-1]])[1])
     monkeypatch.setattr(tuner, "cuda_fault", lambda device: None)
     fake = types.SimpleNamespace(shape=(4, 3), device=torch.device("cuda"), sum=part.sum)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     calls.clear()
-    op._sum_partials(fake, torch.float32)
-    assert op._SUM_CHOSEN == {(4, 3, torch.float32, torch.device("cuda")): "torch"} and calls[-1] == "torch"
+    launch.sum_partials(fake, torch.float32, auto)
+    assert dispatch._SUM_CHOSEN == {(4, 3, torch.float32, torch.device("cuda")): "torch"} and calls[-1] == "torch"
     calls.clear()
-    op._sum_partials(fake, torch.float32)
+    launch.sum_partials(fake, torch.float32, auto)
     assert calls == ["torch"]  # remembered
     speed.update(once=0.5)
-    op._sum_partials(types.SimpleNamespace(shape=(5, 3), device=torch.device("cuda"), sum=part.sum), torch.float32)
-    assert op._SUM_CHOSEN[(5, 3, torch.float32, torch.device("cuda"))] == "once" and calls[-1] == "once"
-    assert op.tuned_configs()["sum/5x3/float32"] == {"method": "once"}
-    monkeypatch.setattr(op, "DQ_SUM", "atomic")
-    with pytest.raises(ValueError, match="DQ_SUM.*'atomic'"):
-        op._sum_partials(part, torch.float32)
+    launch.sum_partials(types.SimpleNamespace(shape=(5, 3), device=torch.device("cuda"), sum=part.sum), torch.float32,
+                        auto)
+    assert dispatch._SUM_CHOSEN[(5, 3, torch.float32, torch.device("cuda"))] == "once" and calls[-1] == "once"
+    assert dispatch.tuned_configs()["sum/5x3/float32"] == {"method": "once"}
+    with pytest.raises(ValueError, match="dq_sum.*'atomic'"):
+        Settings(dq_sum="atomic")
 
 
 def test_precompile_builds_every_candidate_first(monkeypatch):
     """tuner.precompile hands each candidate to ``launch(cfg, warm=True)`` under Triton's
-    AsyncCompileMode (when COMPILE_THREADS > 1), then, in this thread and one after another, builds each
+    AsyncCompileMode (with more than one thread), then, in this thread and one after another, builds each
     again and loads its module; a candidate that fails to build on a healthy device is left out (and
     returned with its error), the others are built; with COMPILE_THREADS 1 there is one build each."""
     pytest.importorskip("triton.runtime._async_compile")
@@ -763,102 +749,96 @@ def test_precompile_builds_every_candidate_first(monkeypatch):
         return Compiled(cfg)
 
     cands = [{"num_warps": w} for w in (1, 2, 4)]
-    monkeypatch.setattr(tuner, "COMPILE_THREADS", 4)
-    built, failed = tuner.precompile(cands, launch)
+    built, failed = tuner.precompile(cands, launch, threads=4)
     assert warmed == cands + cands and built == [cands[0], cands[2]] and loaded == built
     assert list(failed) == [1] and "shared memory" in str(failed[1])
-    monkeypatch.setattr(tuner, "COMPILE_THREADS", 1)
     warmed.clear()
-    assert tuner.precompile(cands, launch)[0] == [cands[0], cands[2]] and warmed == cands
+    assert tuner.precompile(cands, launch, threads=1)[0] == [cands[0], cands[2]] and warmed == cands
 
 
-def test_deferral_rule_decides_the_residual(monkeypatch):
+def test_deferral_rule_decides_the_residual():
     """The deferred backward (no residual kept) for bf16/fp16: its two-pass form for "slice" with the key
-    past the backward layout's first chunk and at most DEFER_MAX_S sources, its resident pair for at
-    most two sources (any norm, any key); not for fp32, KERNELS_DEFER=0, or a pinned backward
-    configuration without DEFER.  The fake forward's residual shape follows the same rule."""
-    monkeypatch.setattr(op, "CONFIG_OVERRIDE", {})
-    assert op._defer_kinds(torch.bfloat16, 1536, 384, "slice", 5) == ("passes",)
-    assert op._defer_kinds(torch.float16, 2560, 640, "slice", 2) == ("pair", "passes")
-    assert not op._defers(torch.bfloat16, 1536, 384, "slice", op.DEFER_MAX_S + 1)  # many sources: the residual
-    assert not op._defers(torch.float32, 1536, 384, "slice", 5) and not op._defers(torch.float32, 1536, 384, "slice", 2)
-    assert not op._defers(torch.bfloat16, 1536, 384, "full", 5)
-    assert not op._defers(torch.bfloat16, 1536, 1536, "slice", 5)  # the key starts in chunk 0
+    past the backward layout's first chunk and at most defer_max_s sources, its resident pair for at
+    most two sources (any norm, any key); not for fp32, defer off, or a pinned backward configuration
+    without DEFER.  The fake forward's residual shape follows the same rule."""
+    s = DEFAULT
+
+    def kinds(dtype, r, norm, n, st=None, d=1536):
+        return dispatch.defer_kinds(dtype, d, r, norm, n, st or s)
+
+    assert kinds(torch.bfloat16, 384, "slice", 5) == ("passes",)
+    assert kinds(torch.float16, 640, "slice", 2, d=2560) == ("pair", "passes")
+    assert not kinds(torch.bfloat16, 384, "slice", s.defer_max_s + 1)  # many sources: the residual
+    assert not kinds(torch.float32, 384, "slice", 5) and not kinds(torch.float32, 384, "slice", 2)
+    assert not kinds(torch.bfloat16, 384, "full", 5)
+    assert not kinds(torch.bfloat16, 1536, "slice", 5)  # the key starts in chunk 0
     for norm, r in (("full", 384), ("slice", 1536), ("full", 1536)):  # two sources: the pair only
-        assert op._defer_kinds(torch.bfloat16, 1536, r, norm, 2) == ("pair",)
-    assert op._res_kept(torch.bfloat16, 1536, 1536, "slice", 5) and not op._res_kept(torch.float32, 1536, 1536, "slice", 5)
-    assert not op._res_kept(torch.bfloat16, 1536, 1536, "slice", 2)
-    monkeypatch.setattr(op, "PAIR_DEFER", False)
-    assert op._defer_kinds(torch.float16, 2560, 640, "slice", 2) == ("passes",)
-    assert not op._defers(torch.bfloat16, 1536, 1536, "slice", 2)
-    monkeypatch.setattr(op, "PAIR_DEFER", True)
-    monkeypatch.setattr(op, "CONFIG_OVERRIDE", {"bwd": {"BLOCK_T": 1, "num_warps": 4, "PREFETCH": 1, "KEYCH": True}})
-    assert not op._defers(torch.bfloat16, 1536, 384, "slice", 5) and not op._defers(torch.bfloat16, 1536, 384, "slice", 2)
-    monkeypatch.setattr(op, "CONFIG_OVERRIDE", {"bwd": {"BLOCK_T": 1, "num_warps": 4, "PREFETCH": 1, "DEFER": True}})
-    assert op._defers(torch.bfloat16, 1536, 384, "slice", 5) and op._defers(torch.bfloat16, 1536, 384, "slice", 30)
-    assert not op._defers(torch.bfloat16, 1536, 384, "full", 5)  # the two-pass form needs "slice"
-    monkeypatch.setattr(op, "CONFIG_OVERRIDE", {"bwd": {"BLOCK_T": 1, "num_warps": 2, "DEFER": True, "PAIR": True}})
-    assert op._defer_kinds(torch.bfloat16, 1536, 1536, "full", 2) == ("pair",)
-    monkeypatch.setattr(op, "CONFIG_OVERRIDE", {})
-    monkeypatch.setattr(op, "DEFER", False)
-    assert not op._defers(torch.bfloat16, 1536, 384, "slice", 5) and not op._defers(torch.bfloat16, 1536, 384, "slice", 2)
-    monkeypatch.setattr(op, "DEFER", True)
+        assert kinds(torch.bfloat16, r, norm, 2) == ("pair",)
+    assert dispatch.res_kept(torch.bfloat16, 1536, 1536, "slice", 5, s)
+    assert not dispatch.res_kept(torch.float32, 1536, 1536, "slice", 5, s)
+    assert not dispatch.res_kept(torch.bfloat16, 1536, 1536, "slice", 2, s)
+    no_pair = Settings(pair_defer=False)
+    assert kinds(torch.float16, 640, "slice", 2, no_pair, d=2560) == ("passes",)
+    assert not kinds(torch.bfloat16, 1536, "slice", 2, no_pair)
+    keyed = Settings(bwd={"BLOCK_T": 1, "num_warps": 4, "PREFETCH": 1, "KEYCH": True})
+    assert not kinds(torch.bfloat16, 384, "slice", 5, keyed) and not kinds(torch.bfloat16, 384, "slice", 2, keyed)
+    deferred = Settings(bwd={"BLOCK_T": 1, "num_warps": 4, "PREFETCH": 1, "DEFER": True})
+    assert kinds(torch.bfloat16, 384, "slice", 5, deferred) and kinds(torch.bfloat16, 384, "slice", 30, deferred)
+    assert not kinds(torch.bfloat16, 384, "full", 5, deferred)  # the two-pass form needs "slice"
+    pair = Settings(bwd={"BLOCK_T": 1, "num_warps": 2, "DEFER": True, "PAIR": True})
+    assert kinds(torch.bfloat16, 1536, "full", 2, pair) == ("pair",)
+    off = Settings(defer=False)
+    assert not kinds(torch.bfloat16, 384, "slice", 5, off) and not kinds(torch.bfloat16, 384, "slice", 2, off)
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     for r, n_src, kept in ((384, 3, False), (1536, 3, True), (1536, 2, False)):
         sources = [torch.randn(4, 1536, dtype=torch.bfloat16) for _ in range(n_src)]
-        res = kernels.attnres_fwd(sources, torch.randn(r, dtype=torch.bfloat16), "slice", 1e-6)[2]
+        res = kernels.attnres_fwd(sources, torch.randn(r, dtype=torch.bfloat16), "slice", 1e-6, "")[2]
         assert (res.numel() > 0) == kept
         with FakeTensorMode() as mode:
             fake = kernels.attnres_fwd([mode.from_tensor(x) for x in sources],
-                                       mode.from_tensor(torch.randn(r, dtype=torch.bfloat16)), "slice", 1e-6)[2]
+                                       mode.from_tensor(torch.randn(r, dtype=torch.bfloat16)), "slice", 1e-6, "")[2]
         assert fake.shape == res.shape
 
 
-def test_deferred_backward_checks(monkeypatch):
+def test_deferred_backward_checks():
     """A backward configuration that cannot serve a residual-free forward is refused with the reason:
     not DEFER; DEFER off the token tile; the pair with more than two sources; two passes with the key
     in the first chunk.  A residual-free forward whose shape no deferred form serves any more (the
     settings changed in between) is refused in the backward."""
-    base = dict(op._BWD_DEFAULTS, BLOCK_T=1, KEY0=2)
+    base = dict(dispatch._BWD_DEFAULTS, BLOCK_T=1, KEY0=2)
     with pytest.raises(ValueError, match="does not ask for DEFER"):
-        op._check_deferred(base, ("passes",), 2, 3)
+        dispatch.check_deferred(base, ("passes",), 2, 3)
     with pytest.raises(ValueError, match="token-tile grid"):
-        op._check_deferred(dict(base, BLOCK_T=0, DEFER=True), ("passes",), 2, 3)
+        dispatch.check_deferred(dict(base, BLOCK_T=0, DEFER=True), ("passes",), 2, 3)
     with pytest.raises(ValueError, match="at most 2"):
-        op._check_deferred(dict(base, DEFER=True, PAIR=True), ("pair",), 2, 3)
+        dispatch.check_deferred(dict(base, DEFER=True, PAIR=True), ("pair",), 2, 3)
     with pytest.raises(ValueError, match="first column chunk"):
-        op._check_deferred(dict(base, DEFER=True, KEY0=0), ("passes",), 0, 3)
-    op._check_deferred(dict(base, DEFER=True, PAIR=True, KEY0=0), ("pair",), 0, 2)
-    op._check_deferred(dict(base, DEFER=True), ("passes",), 2, 8)
+        dispatch.check_deferred(dict(base, DEFER=True, KEY0=0), ("passes",), 0, 3)
+    dispatch.check_deferred(dict(base, DEFER=True, PAIR=True, KEY0=0), ("pair",), 0, 2)
+    dispatch.check_deferred(dict(base, DEFER=True), ("passes",), 2, 8)
     sources = [torch.randn(3, 64, dtype=torch.bfloat16) for _ in range(2)]
     q = torch.randn(64, dtype=torch.bfloat16)
-    h, stats, res = kernels.attnres_fwd(sources, q, "full", 1e-6)
+    h, stats, res = kernels.attnres_fwd(sources, q, "full", 1e-6, "")
     assert res.numel() == 0  # two sources: the pair, no residual
-    monkeypatch.setattr(op, "PAIR_DEFER", False)
     with pytest.raises(ValueError, match="no deferred backward serves this shape"):
-        op._bwd_inputs(sources, q, h, res, torch.randn_like(h), "full")
+        launch.bwd_inputs(sources, q, h, res, torch.randn_like(h), "full", Settings(pair_defer=False))
 
 
-def test_pair_forward_rule(monkeypatch):
-    """The pair forward's candidates are tuned among at exactly two sources (KERNELS_PAIR_FWD=0: never),
+def test_pair_forward_rule():
+    """The pair forward's candidates are tuned among at exactly two sources (pair_fwd off: never),
     and a configuration that asks for it elsewhere is refused with the reason, in both kernel families."""
-    assert op._fwd_forms(2) == ("pair",) and op._fwd_forms(1) == () and op._fwd_forms(3) == ()
-    monkeypatch.setattr(op, "PAIR_FWD", False)
-    assert op._fwd_forms(2) == ()
-    assert all(not c.get("PAIR") for c in op._candidates("fwd", 512, 3))
-    assert all(c["PAIR"] and not c["PREFETCH"] for c in op._fwd_pair_configs(512, 5))
-    op._check_fwd_pair({"PAIR": True}, 2)
-    op._check_fwd_pair({"PAIR": False}, 3)
-    monkeypatch.setattr(op, "CONFIG_OVERRIDE", {"fwd": {"BLOCK_T": 1, "num_warps": 1, "PREFETCH": 0, "PAIR": True}})
+    assert dispatch.fwd_forms(2, DEFAULT) == ("pair",) and not dispatch.fwd_forms(1, DEFAULT)
+    assert not dispatch.fwd_forms(3, DEFAULT) and not dispatch.fwd_forms(2, Settings(pair_fwd=False))
+    assert all(not c.get("PAIR") for c in configs.candidates("fwd", 512, 3))
+    assert all(c["PAIR"] and not c["PREFETCH"] for c in configs.configs("FWD_PAIR", 512))
+    dispatch.check_fwd_pair({"PAIR": True}, 2)
+    dispatch.check_fwd_pair({"PAIR": False}, 3)
+    st = Settings(cpu_triton=True, fwd={"BLOCK_T": 1, "num_warps": 1, "PREFETCH": 0, "PAIR": True})
     sources = [torch.randn(3, 64) for _ in range(3)]
-    op.set_cpu_triton(True)
-    try:
-        for fn in (op._fwd_triton, op._fwd_args):
-            with pytest.raises(ValueError, match="reads exactly two sources; this call has 3"):
-                fn(sources, torch.randn(8), "slice", 1e-6)
-    finally:
-        op.set_cpu_triton(False)
+    for fn in (launch.fwd, launch.fwd_args):
+        with pytest.raises(ValueError, match="reads exactly two sources; this call has 3"):
+            fn(sources, torch.randn(8), "slice", 1e-6, st)
 
 
 def test_cpu_fallback_without_residual_matches_reference():
@@ -869,7 +849,7 @@ def test_cpu_fallback_without_residual_matches_reference():
     sources = [torch.randn(2, 5, d, generator=gen).to(torch.bfloat16).requires_grad_() for _ in range(4)]
     query = (torch.randn(r, generator=gen) * 0.5).to(torch.bfloat16).requires_grad_()
     g = torch.randn(2, 5, d, generator=gen).to(torch.bfloat16)
-    assert kernels.attnres_fwd(sources, query, "slice", 1e-6)[2].numel() == 0
+    assert kernels.attnres_fwd(sources, query, "slice", 1e-6, "")[2].numel() == 0
     h, gs, gq = _run(kernels.attnres, sources, query, g, "slice")
     s32 = [s.detach().float().requires_grad_() for s in sources]
     q32 = query.detach().float().requires_grad_()
@@ -882,15 +862,15 @@ def test_opcheck():
     gen = torch.Generator().manual_seed(3)
     srcs = [torch.randn(4, 16, generator=gen, requires_grad=True) for _ in range(3)]
     q = torch.randn(5, generator=gen, requires_grad=True)
-    torch.library.opcheck(kernels.attnres_fwd, (srcs, q, "slice", 1e-6))
-    h, lse, res = kernels.attnres_fwd(srcs, q, "full", 1e-6)
-    args = ([s.detach() for s in srcs], q.detach(), h.detach(), lse.detach(), res, torch.randn(4, 16, generator=gen), "full", 1e-6)
+    torch.library.opcheck(kernels.attnres_fwd, (srcs, q, "slice", 1e-6, ""))
+    h, lse, res = kernels.attnres_fwd(srcs, q, "full", 1e-6, "")
+    args = ([s.detach() for s in srcs], q.detach(), h.detach(), lse.detach(), res, torch.randn(4, 16, generator=gen), "full", 1e-6, "")
     torch.library.opcheck(kernels.attnres_bwd, args)
     srcs16 = [s.detach().to(torch.bfloat16).requires_grad_() for s in srcs]
-    torch.library.opcheck(kernels.attnres_fwd, (srcs16, q, "slice", 1e-6))
+    torch.library.opcheck(kernels.attnres_fwd, (srcs16, q, "slice", 1e-6, ""))
     # the triton_op pair of the compiled path (its CPU body: the torch fallback)
-    torch.library.opcheck(op.attnres_fwd_args, (srcs, q, "slice", 1e-6))
-    torch.library.opcheck(op.attnres_bwd_args, args)
+    torch.library.opcheck(autograd.attnres_fwd_args, (srcs, q, "slice", 1e-6, ""))
+    torch.library.opcheck(autograd.attnres_bwd_args, args)
 
 
 def test_input_validation():
@@ -964,22 +944,23 @@ def _paper_check(name, x, ref):
     assert not bad.any(), f"{name}: {int(bad.sum())} elements fail |x-ref| <= 0.05 + 0.05|ref|"
 
 
-def bf16_check(d, r, S, norm, tokens=2048, layout="contig", seed=0, fn=None):
-    """bf16 check of ``fn`` (kernels.attnres unless given) against the reference on identical inputs;
-    returns relative L2 errors."""
+def bf16_check(d, r, S, norm, tokens=2048, layout="contig", seed=0, fn=None, s=None):
+    """bf16 check of ``fn`` (kernels.attnres unless given) with settings ``s`` against the reference
+    on identical inputs; returns relative L2 errors."""
+    s = s or _settings()
     gen = torch.Generator(device="cuda").manual_seed(seed)
     lead = (2, tokens // 2)
     sources = _make_sources(S, lead, d, torch.bfloat16, "cuda", layout, gen)
     query = (torch.randn(r, generator=gen, device="cuda") * 0.5).requires_grad_()
     g = torch.randn(*lead, d, generator=gen, device="cuda").to(torch.bfloat16)
-    h, gs, gq = _run(fn or kernels.attnres, sources, query, g, norm)
+    h, gs, gq = _run(_with(fn or kernels.attnres, s), sources, query, g, norm)
     h_ref, gs_ref, gq_ref = _run(route, sources, query, g, norm)
     _paper_check("output", h, h_ref)
     for i, (a, b) in enumerate(zip(gs, gs_ref)):
         _paper_check(f"grad source {i}", a, b)
     _paper_check("grad query", gq, gq_ref)
-    res = kernels.attnres_fwd(sources, query, norm, 1e-6)[2]
-    if op._res_kept(h.dtype, d, r, norm, S):
+    res = kernels.attnres_fwd(sources, query, norm, 1e-6, s.key)[2]
+    if dispatch.res_kept(h.dtype, d, r, norm, S, s):
         assert res.shape == h.shape and bool((res > -128).all()), "residual not fully written"
     else:  # the deferred backward: g.h from the sources, no residual
         assert res.numel() == 0
@@ -1005,35 +986,36 @@ def test_gpu_one_launch_sum_graphs_and_streams(monkeypatch):
     """The one-launch partial sum on the GPU: the two-launch sum's bits eagerly, in CUDA-graph replays
     (the ring made before capture, its counters back at 0 after every replay) and from sums issued on
     two streams at once; a capture before any ring exists takes the two-launch sum."""
-    monkeypatch.setattr(op, "_SUM_COUNTS", {})
+    monkeypatch.setattr(launch, "_SUM_COUNTS", {})
+    st = _settings()
     gen = torch.Generator(device="cuda").manual_seed(11)
     parts = [torch.randn(n, r, generator=gen, device="cuda") for n, r in ((4224, 320), (8192, 2560), (1056, 384))]
-    want = [op._sum_rows_triton(p, torch.bfloat16) for p in parts]
+    want = [launch.sum_rows(p, torch.bfloat16, st) for p in parts]
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):  # no ring yet for (1056, 384)'s width: captured as the two-launch sum
         graph0 = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph0):
-            out0 = op._sum_rows_once(parts[2], torch.bfloat16)
-    assert len(op._SUM_COUNTS) == 0
-    got = [op._sum_rows_once(p, torch.bfloat16) for p in parts]
+            out0 = launch.sum_rows_once(parts[2], torch.bfloat16, st)
+    assert len(launch._SUM_COUNTS) == 0
+    got = [launch.sum_rows_once(p, torch.bfloat16, st) for p in parts]
     assert all(torch.equal(a, b) for a, b in zip(got, want))
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        outs = [op._sum_rows_once(p, torch.bfloat16) for p in parts]
+        outs = [launch.sum_rows_once(p, torch.bfloat16, st) for p in parts]
     for _ in range(3):
         graph.replay()
         graph0.replay()
         torch.cuda.synchronize()
         assert all(torch.equal(a, b) for a, b in zip(outs, want)) and torch.equal(out0, want[2])
-        assert all(int(ring.abs().sum()) == 0 for ring, _ in op._SUM_COUNTS.values())
+        assert all(int(ring.abs().sum()) == 0 for ring, _ in launch._SUM_COUNTS.values())
     streams = [torch.cuda.Stream() for _ in range(2)]
     results = [[], []]
     torch.cuda.synchronize()
     for _ in range(20):  # interleaved on two streams: each call has its own ring row
         for i, st in enumerate(streams):
             with torch.cuda.stream(st):
-                results[i].append(op._sum_rows_once(parts[i], torch.bfloat16))
+                results[i].append(launch.sum_rows_once(parts[i], torch.bfloat16, st))
     torch.cuda.synchronize()
     assert all(torch.equal(x, want[i]) for i in range(2) for x in results[i])
 
@@ -1062,9 +1044,8 @@ def test_gpu_tuner_precompiles_and_sums(dq_sum, monkeypatch):
     """On the GPU: the tuner builds a new shape class's candidates before timing them (tuner.precompile
     builds every one, forward and backward) and the paper's criterion holds with either sum of the query-gradient
     partials (S = 3: the deferred backward; S = 12: the residual one, its PERSIST candidates)."""
-    monkeypatch.setattr(op, "_CHOSEN", {})
-    monkeypatch.setattr(op, "DQ_SUM", dq_sum)
-    monkeypatch.setattr(op, "AUTOTUNE", True)
+    monkeypatch.setattr(dispatch, "_TUNED", {})
+    st = _settings(autotune=True, dq_sum=dq_sum)
     submitted = []
     real = tuner.precompile
 
@@ -1075,13 +1056,13 @@ def test_gpu_tuner_precompiles_and_sums(dq_sum, monkeypatch):
 
     monkeypatch.setattr(tuner, "precompile", counting)
     for S in (3, 12):
-        bf16_check(1536, 384, S, "slice", tokens=1024, seed=5 + S)
+        bf16_check(1536, 384, S, "slice", tokens=1024, seed=5 + S, s=st)
     assert len(submitted) == 4 and all(b == n >= 2 for b, n in submitted), submitted
 
 
 # Both backward grids (the token tile also two sources per step and deferred) at every chunk count the
 # grid's widths take.  The deferred backward serves "slice" only (under "full" every chunk is in the
-# key: kernels/op.py, _defer_kinds), so it is not paired with the "full" shapes.
+# key: kernels.dispatch.defer_kinds), so it is not paired with the "full" shapes.
 KEY_CHUNK_BWD = {
     "persistent": {"SB": 1, "num_warps": 4, "PREFETCH": 0},
     "tile": {"BLOCK_T": 1, "num_warps": 4, "PREFETCH": 1},
@@ -1107,36 +1088,48 @@ def test_gpu_bf16_key_chunks(d, r, S, norm, bwd, monkeypatch):
     the key in the last two chunks or the last one, 2 x 512), both backward grids (the token tile also
     two sources per step, odd S and even, and deferred: no residual, g.h from the sources), under the paper's
     bf16 criterion, which the interpreter cannot check (its bf16 is wrong)."""
-    monkeypatch.setattr(op, "CONFIG_OVERRIDE", {"fwd": {"BLOCK_T": 1, "num_warps": 4, "PREFETCH": 1, "KEYCH": True},
-                                                "bwd": dict(bwd, KEYCH=True)})
-    errs = bf16_check(d, r, S, norm, layout="mixed", seed=d + r + S)
+    st = _settings(fwd={"BLOCK_T": 1, "num_warps": 4, "PREFETCH": 1, "KEYCH": True}, bwd=dict(bwd, KEYCH=True))
+    errs = bf16_check(d, r, S, norm, layout="mixed", seed=d + r + S, s=st)
     assert errs["out_rel_l2"] < 1e-2 and errs["src_grad_rel_l2"] < 2e-2
 
 
 @gpu
 @needs_cuda
-@pytest.mark.parametrize("cand", range(len(op._pair_configs(512, 3))))
+@pytest.mark.parametrize("cand", range(len(configs.configs("BWD_RESIDENT_PAIR", 512))))
 @pytest.mark.parametrize("d,r,norm", [(1536, 384, "slice"), (2560, 2560, "full"), (1024, 1024, "slice"),
                                       (513, 7, "full")])
 def test_gpu_bf16_resident_pair(d, r, norm, cand, monkeypatch):
     """Every candidate of the resident pair (S = 2, no residual kept, g.h from the pair) under the
     paper's bf16 criterion: the key in the last chunks, in every chunk ("full" and r = d), an unaligned
     width."""
-    block_d, nch = op._layout("bwd", d, r)
-    monkeypatch.setattr(op, "CONFIG_OVERRIDE", {"bwd": dict(op._pair_configs(block_d, nch)[cand])})
-    errs = bf16_check(d, r, 2, norm, layout="mixed", seed=d + r + cand)
+    block_d, nch = dispatch.layout("bwd", d, r, DEFAULT)
+    st = _settings(bwd=configs.configs("BWD_RESIDENT_PAIR", block_d)[cand])
+    errs = bf16_check(d, r, 2, norm, layout="mixed", seed=d + r + cand, s=st)
     assert errs["out_rel_l2"] < 1e-2 and errs["src_grad_rel_l2"] < 2e-2
 
 
-def _forward_candidates(table, shapes, extra=()):
-    """(shape..., candidate index) of every distinct forward candidate of ``table`` (op._fwd_configs or
-    op._fwd_pair_configs) at each shape's column layout: narrow chunks merge some lines of a table,
-    so a shape has as many cases as it has distinct candidates."""
+def _fwd_loop(block_d, nch):
+    return configs.configs(configs.family("fwd", nch), block_d)
+
+
+def _fwd_pair(block_d, nch):
+    return configs.configs("FWD_PAIR", block_d)
+
+
+def _forward_candidates(table, shapes, family):
+    """(shape..., candidate index, family) of every distinct forward candidate of ``table`` (_fwd_loop
+    or _fwd_pair) at each shape's column layout (narrow chunks merge some lines of a table, so a
+    shape has as many cases as it has distinct candidates).  The per-argument family ("args") runs
+    the ARGS line alone: its kernel shares the body with the table kernel and differs only in how
+    it addresses the sources, which no launch option touches, so each other candidate is held by
+    the table family's case and the addressing by the ARGS line's; compiled calls run that line."""
+    forms = ("pair",) if table is _fwd_pair else ()
     out = []
     for shape in shapes:
-        d, r = shape[0], shape[1]
-        for cand in range(len(table(*op._layout("fwd", d, r)))):
-            out.append(pytest.param(*shape, cand, *extra, id="-".join(map(str, (*shape, cand, *extra)))))
+        layout = dispatch.layout("fwd", shape[0], shape[1], DEFAULT)
+        cands = table(*layout)
+        keep = [cands.index(configs.args_config("fwd", *layout, forms))] if family == "args" else range(len(cands))
+        out += [pytest.param(*shape, cand, family, id="-".join(map(str, (*shape, cand, family)))) for cand in keep]
     return out
 
 
@@ -1144,15 +1137,15 @@ def _forward_candidates(table, shapes, extra=()):
 @needs_cuda
 @pytest.mark.parametrize("d,r,norm,cand,family", [
     p for family in ("table", "args")
-    for p in _forward_candidates(op._fwd_pair_configs, [(1536, 384, "slice"), (2560, 2560, "full"), (2560, 320, "slice"),
-                                                        (1024, 256, "slice"), (513, 7, "full")], (family,))])
+    for p in _forward_candidates(_fwd_pair, [(1536, 384, "slice"), (2560, 2560, "full"), (2560, 320, "slice"),
+                                             (1024, 256, "slice"), (513, 7, "full")], family)])
 def test_gpu_bf16_pair_forward(d, r, norm, cand, family, monkeypatch):
     """Every candidate of the pair forward (S = 2, both sources at once) under the paper's bf16
-    criterion, before the backward the tuner picks, in both kernel families: the key in the last chunk
-    or chunks, in every chunk, an unaligned width."""
-    cands = op._fwd_pair_configs(*op._layout("fwd", d, r))
-    monkeypatch.setattr(op, "CONFIG_OVERRIDE", {"fwd": dict(cands[cand])})
-    errs = bf16_check(d, r, 2, norm, layout="mixed", seed=d + r + cand, fn=_attnres_args if family == "args" else None)
+    criterion, before the default backward, in the table kernel (the per-argument one: its ARGS line,
+    _forward_candidates): the key in the last chunk or chunks, in every chunk, an unaligned width."""
+    cands = _fwd_pair(*dispatch.layout("fwd", d, r, DEFAULT))
+    errs = bf16_check(d, r, 2, norm, layout="mixed", seed=d + r + cand, fn=_attnres_args if family == "args" else None,
+                      s=_settings(fwd=cands[cand]))
     assert errs["out_rel_l2"] < 1e-2 and errs["src_grad_rel_l2"] < 2e-2
 
 
@@ -1160,16 +1153,17 @@ def test_gpu_bf16_pair_forward(d, r, norm, cand, family, monkeypatch):
 @needs_cuda
 @pytest.mark.parametrize("d,r,S,norm,cand,family", [
     p for family in ("table", "args")
-    for p in _forward_candidates(op._fwd_configs, [(1024, 1024, 9, "slice"), (1536, 384, 9, "slice"),
-                                                   (2560, 2560, 5, "full")], (family,))])
+    for p in _forward_candidates(_fwd_loop, [(1024, 1024, 9, "slice"), (1536, 384, 9, "slice"),
+                                             (2560, 2560, 5, "full")], family)])
 def test_gpu_bf16_loop_forward(d, r, S, norm, cand, family, monkeypatch):
-    """Every candidate of the loop forward under the paper's bf16 criterion, before the backward the
-    tuner picks, in both kernel families: one chunk of 1024 with the key over the whole row (1 warp
-    for 1024 columns among them), three chunks with the key in the last, five chunks under "full"
-    (Triton's pipelining with 2 warps per chunk among them)."""
-    cands = op._fwd_configs(*op._layout("fwd", d, r))
-    monkeypatch.setattr(op, "CONFIG_OVERRIDE", {"fwd": dict(cands[cand])})
-    errs = bf16_check(d, r, S, norm, layout="mixed", seed=d + r + cand, fn=_attnres_args if family == "args" else None)
+    """Every candidate of the loop forward under the paper's bf16 criterion, before the default
+    backward, in the table kernel (the per-argument one: its ARGS line, _forward_candidates): one
+    chunk of 1024 with the key over the whole row (1 warp for 1024 columns among them), three chunks
+    with the key in the last, five chunks under "full" (Triton's pipelining with 2 warps per chunk
+    among them)."""
+    cands = _fwd_loop(*dispatch.layout("fwd", d, r, DEFAULT))
+    errs = bf16_check(d, r, S, norm, layout="mixed", seed=d + r + cand, fn=_attnres_args if family == "args" else None,
+                      s=_settings(fwd=cands[cand]))
     assert errs["out_rel_l2"] < 1e-2 and errs["src_grad_rel_l2"] < 2e-2
 
 
@@ -1188,16 +1182,16 @@ def test_gpu_every_candidate_at_the_gpu_scale_shapes(r, S, monkeypatch):
     the paper's bf16 criterion, one at a time (a candidate with a latent fault would stop here with
     its configuration named, not inside a tuner)."""
     d = GPU_SMALL["d"]
-    fwd_layout, bwd_layout = op._layout("fwd", d, r), op._layout("bwd", d, r)
-    forms = op._defer_kinds(torch.bfloat16, d, r, "slice", S)
-    cases = [{"fwd": c} for c in op._candidates("fwd", *fwd_layout, op._fwd_forms(S))]
-    cases += [{"bwd": c} for c in op._candidates("bwd", *bwd_layout, forms)]
+    fwd_layout, bwd_layout = dispatch.layout("fwd", d, r, DEFAULT), dispatch.layout("bwd", d, r, DEFAULT)
+    forms = dispatch.defer_kinds(torch.bfloat16, d, r, "slice", S, DEFAULT)
+    cases = [{"fwd": c} for c in configs.candidates("fwd", *fwd_layout, dispatch.fwd_forms(S, DEFAULT))]
+    cases += [{"bwd": c} for c in configs.candidates("bwd", *bwd_layout, forms)]
     if forms:  # the residual backward's candidates too (a pinned backward without DEFER keeps the residual)
-        cases += [{"bwd": c} for c in op._candidates("bwd", *bwd_layout)]
+        cases += [{"bwd": c} for c in configs.candidates("bwd", *bwd_layout)]
     for i, override in enumerate(cases):
-        monkeypatch.setattr(op, "CONFIG_OVERRIDE", override)
         try:
-            errs = bf16_check(d, r, S, "slice", tokens=GPU_SMALL["tokens"], layout="contig", seed=i)
+            errs = bf16_check(d, r, S, "slice", tokens=GPU_SMALL["tokens"], layout="contig", seed=i,
+                              s=_settings(**override))
             torch.cuda.synchronize()
         except Exception as e:
             raise AssertionError(f"d={d} r={r} S={S} configuration {override}: {e}") from e
@@ -1206,25 +1200,24 @@ def test_gpu_every_candidate_at_the_gpu_scale_shapes(r, S, monkeypatch):
 
 _SIDE_BY_SIDE = r"""
 import os, sys, time, torch
-import kernels, kernels.op as op
+import kernels
 folder, me, n = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-op.AUTOTUNE = True
+assert kernels.DEFAULT.autotune
 open(os.path.join(folder, f"ready.{me}"), "w").close()
 t0 = time.time()
 while sum(f.startswith("ready.") for f in os.listdir(folder)) < n and time.time() - t0 < 300:
     time.sleep(0.01)  # every process reaches its first call together
 gen = torch.Generator(device="cuda").manual_seed(me)
-d = 384
-for r in (48, 384):
-    q = (torch.randn(r, device="cuda", generator=gen) * 0.5).requires_grad_()
-    for S in range(1, 10):
-        srcs = [torch.randn(32, 512, d, device="cuda", generator=gen).to(torch.bfloat16).requires_grad_()
-                for _ in range(S)]
-        with torch.no_grad():  # a validation read: the forward alone
-            kernels.attnres(srcs, q)
-        kernels.attnres(srcs, q).float().square().mean().backward()
+d, r = 384, 48
+q = (torch.randn(r, device="cuda", generator=gen) * 0.5).requires_grad_()
+for S in (2, 9):  # S = 2: the pair forms, the deferred backward; S = 9: the loop forward, the residual one
+    srcs = [torch.randn(32, 512, d, device="cuda", generator=gen).to(torch.bfloat16).requires_grad_()
+            for _ in range(S)]
+    with torch.no_grad():  # a validation read: the forward alone
+        kernels.attnres(srcs, q)
+    kernels.attnres(srcs, q).float().square().mean().backward()
 torch.cuda.synchronize()
-print("tuned", len(op.tuned_configs()), flush=True)
+print("tuned", len(kernels.tuned_configs()), flush=True)
 """
 
 
@@ -1234,13 +1227,17 @@ print("tuned", len(op.tuned_configs()), flush=True)
 @pytest.mark.parametrize("threads", ["8", "1"], ids=["parallel-compile", "serial-compile"])
 def test_gpu_tuner_side_by_side_processes(threads, tmp_path):
     """Seven processes on one GPU reach their first eager calls together and autotune the gpu
-    scale's reads (forward alone, then forward and backward; S = 1 to 9, r = 48 and d) with one
-    fresh Triton cache between them: every one finishes.  With the candidates compiled in threads and
-    one after another (KERNELS_COMPILE_THREADS)."""
+    scale's reads (forward alone, then forward and backward) with one fresh Triton cache between
+    them: every one finishes.  With the candidates compiled in threads and one after another
+    (KERNELS_COMPILE_THREADS).  Two shape classes of each kind (d = 384, r = 48; S = 2 and 9: the
+    pair forms and the deferred backward, the loop forward and the residual backward) are enough
+    for what this holds, the processes' concurrency; every candidate at the gpu scale's shapes is
+    held by test_gpu_every_candidate_at_the_gpu_scale_shapes."""
     import subprocess
 
     n = 7
-    env = dict(os.environ, KERNELS_COMPILE_THREADS=threads, TRITON_CACHE_DIR=str(tmp_path / "triton-cache"))
+    env = dict(os.environ, KERNELS_COMPILE_THREADS=threads, KERNELS_AUTOTUNE="1",
+               TRITON_CACHE_DIR=str(tmp_path / "triton-cache"))
     env["PYTHONPATH"] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     procs = [subprocess.Popen([sys.executable, "-c", _SIDE_BY_SIDE, str(tmp_path), str(i), str(n)], env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(n)]
@@ -1308,7 +1305,7 @@ def test_compile_inlines_kernels_gpu(layers, inlined):
 def test_row_stride_reads_in_place_only_when_rows_flatten():
     """The launchers address a source in place when its leading dims flatten into rows of unit
     feature stride, and copy it otherwise; the copy and the in-place read give the same rows."""
-    from kernels.op import _as_rows, _row_stride
+    _as_rows, _row_stride = launch.as_rows, launch.row_stride
 
     base = torch.randn(4, 6, 10)
     assert _row_stride(base, 10) == 10  # contiguous
@@ -1345,19 +1342,18 @@ ARGS_CASES = [
 ]
 
 
-def _attnres_args(sources, query, norm):
+def _attnres_args(sources, query, norm="slice", settings=DEFAULT):
     """The triton_op pair with its registered autograd, called eagerly."""
-    h, _, _ = op.attnres_fwd_args(list(sources), query, norm, 1e-6)
+    h, _, _ = autograd.attnres_fwd_args(list(sources), query, norm, 1e-6, settings.key)
     return h
 
 
 @needs_triton
 @pytest.mark.parametrize("d,r,S,norm,layout,cfg", ARGS_CASES)
-def test_args_kernels_match_reference(d, r, S, norm, layout, cfg, monkeypatch):
+def test_args_kernels_match_reference(d, r, S, norm, layout, cfg):
     """The per-argument kernels (the triton_op torch.compile traces) against the reference: S as a
-    compile-time constant from 1 to MAX_ARG_SOURCES, strided inputs, each prefetch depth."""
-    monkeypatch.setattr(op, "CONFIG_OVERRIDE", cfg)
-    _fp32_against_reference(_attnres_args, d, r, S, norm, layout, seed=d + r + S)
+    compile-time constant from 1 to 16, strided inputs, each prefetch depth."""
+    _fp32_against_reference(_attnres_args, d, r, S, norm, layout, seed=d + r + S, s=_settings(**cfg))
 
 
 @pytest.mark.parametrize("dtype,d,r,S", [("float32", 64, 16, 3), ("bfloat16", 1536, 384, 3),  # deferred, two passes
@@ -1372,10 +1368,10 @@ def test_args_path_traces_to_kernels(dtype, d, r, S):
     code = r'''
 import sys, torch
 from torch._functorch.aot_autograd import aot_function
-import kernels.op as op
-op.set_cpu_triton(True)
+from kernels import Settings, autograd, dispatch
+s = Settings(cpu_triton=True)
 dtype, d, r, S = getattr(torch, sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
-kinds = op._defer_kinds(dtype, d, r, "slice", S)
+kinds = dispatch.defer_kinds(dtype, d, r, "slice", S, s)
 deferred = bool(kinds)
 graphs = []
 class Traced(Exception):
@@ -1384,9 +1380,9 @@ def capture(gm, inputs):  # AOTAutograd's functionalized graph, as Inductor woul
     graphs.append(gm.code)
     raise Traced
 def step(q, g, *xs):
-    h, lse, res = op.attnres_fwd_args(list(xs), q, "slice", 1e-6)
+    h, lse, res = autograd.attnres_fwd_args(list(xs), q, "slice", 1e-6, s.key)
     assert (res.numel() == 0) == (deferred or dtype == torch.float32)
-    return h, op.attnres_bwd_args(list(xs), q, h, lse, res, g, "slice", 1e-6)
+    return h, autograd.attnres_bwd_args(list(xs), q, h, lse, res, g, "slice", 1e-6, s.key)
 x = [torch.randn(2, 5, d, dtype=dtype) for _ in range(S)]
 try:
     aot_function(step, fw_compiler=capture)(torch.randn(r, dtype=dtype), torch.randn(2, 5, d, dtype=dtype), *x)
@@ -1397,7 +1393,7 @@ print(text)
 assert text.count("higher_order.triton_kernel_wrapper_functional(") == 2, "expected one forward and one backward launch"
 assert "attnres_fwd_args" not in text and "attnres_bwd_args" not in text
 assert ("DEFER': True" in text) == deferred, "the backward launch's DEFER"
-assert text.count("PAIR': True") == ("pair" in kinds) + ("pair" in op._fwd_forms(S)), "the launches' PAIR (the resident pair, the pair forward)"
+assert text.count("PAIR': True") == ("pair" in kinds) + ("pair" in dispatch.fwd_forms(S, s)), "the launches' PAIR (the resident pair, the pair forward)"
 '''
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = str(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -1407,20 +1403,20 @@ assert text.count("PAIR': True") == ("pair" in kinds) + ("pair" in op._fwd_forms
 
 
 @needs_triton
-def test_compiled_calls_pick_the_args_path(monkeypatch):
-    """Compiled CUDA calls with S <= MAX_ARG_SOURCES take the triton_op; more sources, CPU tensors
-    or KERNELS_COMPILED_PATH=op take the custom op."""
+def test_compiled_calls_pick_the_args_path():
+    """Compiled CUDA calls with S <= 16 take the triton_op; more sources, CPU tensors or the settings'
+    compiled_path "op" take the custom op."""
 
     class _Fake:  # what the choice reads of a source
         def __init__(self, is_cuda, dtype=torch.bfloat16):
             self.is_cuda, self.dtype = is_cuda, dtype
 
-    assert op._compiled_args_path([_Fake(True)] * 16)
-    assert not op._compiled_args_path([_Fake(True)] * 17)
-    assert not op._compiled_args_path([_Fake(False)] * 3)
-    assert not op._compiled_args_path([_Fake(True, torch.float64)] * 3)
-    monkeypatch.setattr(op, "COMPILED_PATH", "op")
-    assert not op._compiled_args_path([_Fake(True)] * 3)
+    path = autograd.compiled_args_path
+    assert path([_Fake(True)] * 16, DEFAULT)
+    assert not path([_Fake(True)] * 17, DEFAULT)
+    assert not path([_Fake(False)] * 3, DEFAULT)
+    assert not path([_Fake(True, torch.float64)] * 3, DEFAULT)
+    assert not path([_Fake(True)] * 3, Settings(compiled_path="op"))
 
 
 _WRITES_SCRIPT = r"""

@@ -13,7 +13,9 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported (tests/conftest.py does it too)
 
-import kernels.op as op  # noqa: E402
+import kernels  # noqa: E402
+import kernels.launch as launch  # noqa: E402
+from kernels import Settings  # noqa: E402
 from kernels.naive import naive_attnres, naive_attnres_bwd, naive_attnres_fwd  # noqa: E402
 from lrattnres.routing import route  # noqa: E402
 
@@ -86,28 +88,24 @@ FUSED_CASES = [
 ]
 
 
-def _fused_fwd_bwd(fn_fwd, fn_bwd, sources, query, g, norm):
-    srcs = [s.detach() for s in sources]
-    h, stats, res = fn_fwd(srcs, query.detach(), norm, 1e-6)
-    grads, dq = fn_bwd(srcs, query.detach(), h, stats, res, g, norm, 1e-6)
+def _fused_fwd_bwd(fn_fwd, fn_bwd, sources, query, g, norm, s):
+    srcs = [x.detach() for x in sources]
+    h, stats, res = fn_fwd(srcs, query.detach(), norm, 1e-6, s)
+    grads, dq = fn_bwd(srcs, query.detach(), h, stats, res, g, norm, 1e-6, s)
     return h, stats, grads, dq
 
 
 @needs_triton
 @pytest.mark.parametrize("family", ["table", "args"])
 @pytest.mark.parametrize("d,r,S,norm,override", FUSED_CASES)
-def test_fused_kernels_match_naive_fp32(d, r, S, norm, override, family, monkeypatch):
+def test_fused_kernels_match_naive_fp32(d, r, S, norm, override, family):
     """The fused forward's output and statistics, and the fused backward's gradients (from those
-    statistics), against kernels.naive in fp32, in both kernel families."""
-    monkeypatch.setattr(op, "POISON", True)  # an element the kernels never write shows up as NaN
-    monkeypatch.setattr(op, "CONFIG_OVERRIDE", dict(override or {}))
+    statistics), against kernels.naive in fp32, in both kernel families (fresh outputs poisoned with
+    NaN, so that an element the kernels never write shows up)."""
+    s = Settings(poison=True, cpu_triton=DEVICE == "cpu", autotune=False, **(override or {}))
     sources, query, g = _inputs(S, LEAD, d, r, torch.float32, seed=7 * d + r + S, device=DEVICE)
-    fwd, bwd = (op._fwd_triton, op._bwd_triton) if family == "table" else (op._fwd_args, op._bwd_args)
-    op.set_cpu_triton(DEVICE == "cpu")
-    try:
-        h, stats, grads, dq = _fused_fwd_bwd(fwd, bwd, sources, query, g, norm)
-    finally:
-        op.set_cpu_triton(False)
+    fwd, bwd = (launch.fwd, launch.bwd) if family == "table" else (launch.fwd_args, launch.bwd_args)
+    h, stats, grads, dq = _fused_fwd_bwd(fwd, bwd, sources, query, g, norm, s)
     h_ref, stats_ref = naive_attnres_fwd([s.detach() for s in sources], query.detach(), norm=norm, eps=1e-6)
     grads_ref, dq_ref = naive_attnres_bwd([s.detach() for s in sources], query.detach(), h_ref, stats_ref, g, norm=norm)
     torch.testing.assert_close(h, h_ref, rtol=1e-5, atol=1e-5)
@@ -123,11 +121,11 @@ def test_cpu_fallback_matches_naive():
     sources, query, g = _inputs(5, (2, 9), 48, 12, torch.float32, seed=3)
     srcs = [s.detach() for s in sources]
     for norm in ("slice", "full"):
-        h, stats, res = op.attnres_fwd(srcs, query.detach(), norm, 1e-6)
+        h, stats, res = kernels.attnres_fwd(srcs, query.detach(), norm, 1e-6, "")
         h_ref, stats_ref = naive_attnres_fwd(srcs, query.detach(), norm=norm, eps=1e-6)
         torch.testing.assert_close(h, h_ref, rtol=1e-6, atol=1e-6)
         torch.testing.assert_close(stats, stats_ref, rtol=1e-6, atol=1e-6)
-        out = op.attnres_bwd(srcs, query.detach(), h, stats, res, g, norm, 1e-6)
+        out = kernels.attnres_bwd(srcs, query.detach(), h, stats, res, g, norm, 1e-6, "")
         grads_ref, dq_ref = naive_attnres_bwd(srcs, query.detach(), h_ref, stats_ref, g, norm=norm)
         for a, b in zip(out[:-1], grads_ref):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)

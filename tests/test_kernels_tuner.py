@@ -27,7 +27,6 @@ class FakeDevice:
 def dev(monkeypatch):
     fake = FakeDevice()
     monkeypatch.setattr(tuner, "cuda_fault", fake.check)
-    monkeypatch.setattr(tuner, "COMPILE_THREADS", 1)
     monkeypatch.setattr(tuner, "gpu_time", lambda fn: (fn(), 1.0)[1])
     return fake
 

@@ -37,6 +37,7 @@ def test_pipelined_source_loop_uses_async_copies():
         assert by[("split", k)]["ldgsts"] == 0, k
         assert by[("split-stages2", k)]["ldgsts"] > 0, k
         assert 0 < by[("split", k)]["registers"] <= 255
+        assert by[("split", k)]["build_s"] > 0, k  # built, not read from a cache
 
 
 def test_unknown_configuration_is_named():

@@ -129,6 +129,8 @@ def test_log_names_commit_device_versions_and_every_result(tmp_path):
     meta = _meta(log)
     assert meta["commit"] == head_commit() and meta["shard"] == meta["shards"] == 1 and meta["exit_ok"]
     assert meta["selected"] == meta["selected_total"] == 7 and meta["skipped"] == 1 and meta["passed"] == 6
+    assert len(meta["durations"]) == 7 and all(t >= 0 for t in meta["durations"].values())  # every case's seconds
+    assert len(re.findall(r"^SLOWEST \d+\.\d s \S*test_fake\.py::", text, re.M)) == 7
 
 
 def test_a_failing_case_fails_the_run(tmp_path):

@@ -354,7 +354,7 @@ def test_reruns_follow_code_changes(smoke_dag):
                  "kernel_check_run": reads, "kernel_check": 1, "kernel_check_trained": 1, "throughput_size": 1,
                  "throughput": 1, "convert_all": 1, "diagnostics": 1, "report": 1}
     assert dict(Counter(rule for rule, inputs, _ in jobs if "kernels/tiles.py" in inputs)) == importers
-    with _changed(work / "kernels" / "tiles.py"):  # imported by kernels/op.py through the kernel bodies
+    with _changed(work / "kernels" / "tiles.py"):  # imported by kernels/launch.py through the kernel bodies
         planned = _planned(work)
     assert {r: planned.get(r) for r in importers} == importers
     assert set(planned) - set(importers) == {"grid_summary", "evaluate_pairs", "all"}  # read train's, evaluate's outputs
