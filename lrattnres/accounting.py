@@ -37,6 +37,7 @@ from fractions import Fraction
 from typing import Any
 
 from lrattnres.checks import is_int
+from lrattnres.ranks import resolve_rank
 
 log = logging.getLogger("lrattnres.accounting")
 
@@ -185,13 +186,6 @@ def total_params(L: int, d: int, m: int, vocab: int | None, method: str, r: int 
 # ------------------------------------------------------------------------------------ spec
 
 
-def resolve_rank(rank: int | str, d: int) -> int:
-    """128 -> 128; "d" -> d; "d/8" -> d // 8 (must divide exactly); the config's own rule."""
-    from lrattnres.config import resolve_rank as _resolve
-
-    return _resolve(rank, d, where="accounting spec")
-
-
 def _arch_from_spec(name: str, value: Any) -> dict[str, Any]:
     if isinstance(value, str):
         from lrattnres.presets import get_preset
@@ -244,7 +238,7 @@ def configurations(arch: dict, ranks: list, blocks: list) -> tuple[list[tuple[st
     skipped = []
     rs = []
     for rank in ranks:
-        r = resolve_rank(rank, d)
+        r = resolve_rank(rank, d, where="accounting spec: ranks")
         if r not in rs:
             rs.append(r)
     bs = []

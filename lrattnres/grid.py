@@ -32,7 +32,6 @@ from pathlib import Path
 from lrattnres import lrcheck, noise, run_health, stats
 from lrattnres.accounting import added_flops
 from lrattnres.checks import is_number
-from lrattnres.config import resolve_rank
 from lrattnres.gridplan import (  # noqa: F401  (the plan's names, importable from here as before)
     CONTROL,
     HEADLINE_ATTNRES,
@@ -54,6 +53,7 @@ from lrattnres.gridplan import (  # noqa: F401  (the plan's names, importable fr
 from lrattnres.io import atomic_write_json, read_json
 from lrattnres.presets import get_preset
 from lrattnres.provenance import now, provenance
+from lrattnres.ranks import resolve_rank
 
 log = logging.getLogger("lrattnres.grid")
 

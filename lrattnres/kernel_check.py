@@ -22,6 +22,8 @@ import os
 import sys
 from typing import Any
 
+from lrattnres.ranks import resolve_rank
+
 log = logging.getLogger("lrattnres.kernel_check")
 
 DEFAULTS: dict[str, Any] = {
@@ -50,8 +52,6 @@ def validate_spec(spec: Any) -> dict:
 
 
 def _rank(r, d: int) -> int:
-    from lrattnres.config import resolve_rank
-
     return resolve_rank(r, d, where="kernel-check cases.r")
 
 

@@ -39,7 +39,7 @@ def validate_spec(spec: Any) -> dict:
     if out["export_dtype"] not in ("bf16", "storage"):
         raise SpecError(f"spec.export_dtype: expected 'bf16' or 'storage', got {out['export_dtype']!r}")
     if not (is_int(out["rank"]) or isinstance(out["rank"], str)):
-        raise SpecError(f"spec.rank: expected an int or 'd/<n>', got {out['rank']!r}")
+        raise SpecError(f"spec.rank: expected an int, 'd', 'd/<k>' or 'k', got {out['rank']!r}")
     for k, lo in (("batch_size", 1), ("val_tokens", 1), ("seq_len", 1)):
         v = out[k]
         if v is None and k != "batch_size":

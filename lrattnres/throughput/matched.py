@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 from typing import Callable
 
+from lrattnres.ranks import resolve_rank
 from lrattnres.throughput.spec import METHOD_TABLE
 
 
@@ -93,7 +94,7 @@ def method_config(preset: str, name: str, s: dict, vocab_size: int) -> dict:
            "max_seq_len": max(p["max_seq_len"], s["seq_len"])}
     if m["method"] != "baseline":
         cfg["blocks"] = min(s["blocks"], 2 * p["n_layers"])
-        cfg["rank"] = d if m["rank"] == "d" else max(1, d // 4)
+        cfg["rank"] = resolve_rank(m["rank"], d, where=f"throughput method {name!r}")
         cfg["router"] = "reference" if m["router"] == "reference" else "fused" if m["router"] == "fused" else "reference"
     else:
         cfg["router"] = "reference"

@@ -10,7 +10,7 @@ from pathlib import Path
 sys.path.insert(0, workflow.basedir)
 
 from lrattnres import gpus, jobplan
-from lrattnres.config import ConfigError, resolve, resolve_rank, science
+from lrattnres.config import ConfigError, resolve, science
 from lrattnres.data.spec import science as science_data_spec
 from lrattnres.deps import closure, package_files, package_modules
 from lrattnres.errors import UserError
