@@ -22,8 +22,8 @@ import sys
 
 STAGES: dict[str, tuple[str, str]] = {
     "config": ("lrattnres.config", "print the resolved, validated configuration of a scale"),
-    "memory": ("lrattnres.memory", "the estimated GPU memory of each size's training ranks"),
-    "jobs": ("lrattnres.jobplan", "what each training job asks of a cluster: placement, wall time, signal"),
+    "memory": ("lrattnres.memory_cli", "the estimated GPU memory of each size's training ranks"),
+    "jobs": ("lrattnres.jobs_cli", "what each training job asks of a cluster: placement, wall time, signal"),
     "accounting": ("lrattnres.accounting", "Appendix F: FLOPs, parameters and memory"),
     "corpus-pack": ("lrattnres.data.docs", "extract installed documentation into an offline text pack"),
     "prepare-data": ("lrattnres.data.cli", "tokenise a corpus into token shards and a manifest"),
@@ -37,7 +37,7 @@ STAGES: dict[str, tuple[str, str]] = {
     "lm-eval": ("lrattnres.evaluate.lm_eval_cli", "lm-eval's own command line, with the lrattnres model registered"),
     "kernel-check": ("lrattnres.kernel_check", "the fused routing kernel against the reference"),
     "kernel-reads": ("lrattnres.kernel_reads", "Appendix I on a trained model: every routing read"),
-    "throughput": ("lrattnres.throughput", "training-step throughput with the paper's protocol"),
+    "throughput": ("lrattnres.throughput.cli", "training-step throughput with the paper's protocol"),
     "diagnostics": ("lrattnres.diagnostics", "routing diagnostics: N_eff, heatmaps, grad norms"),
     "piece": ("lrattnres.pieces", "run a scale in pieces that continue each other across machines"),
     "report": ("lrattnres.report", "render reports/paper.html and reports/paper.json"),

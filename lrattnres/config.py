@@ -25,7 +25,9 @@ from pathlib import Path
 
 import yaml
 
+from lrattnres import batch, jobplan, memory, presets
 from lrattnres.errors import UserError
+from lrattnres.merge import deep_merge
 from lrattnres.ranks import resolve_rank
 
 REPO = Path(__file__).resolve().parent.parent
@@ -51,17 +53,6 @@ SECTIONS = (
 
 class ConfigError(UserError, ValueError):
     """A config that cannot be run; the message names the file, the key and the expectation."""
-
-
-def deep_merge(base: dict, override: dict) -> dict:
-    """Recursive dict merge; ``override`` wins; neither input is modified."""
-    out = copy.deepcopy(base)
-    for key, value in override.items():
-        if isinstance(value, dict) and isinstance(out.get(key), dict):
-            out[key] = deep_merge(out[key], value)
-        else:
-            out[key] = copy.deepcopy(value)
-    return out
 
 
 def load_schema() -> dict:
@@ -247,8 +238,6 @@ def check_blocks(blocks: int | str, n_layers: int, *, where: str) -> int | str:
 
 
 def preset_shape(name: str, *, where: str) -> dict:
-    from lrattnres import presets
-
     try:
         return presets.get_preset(name)
     except (KeyError, ValueError) as e:
@@ -327,10 +316,6 @@ def _check_semantics(settings: dict, where: str) -> None:
             rank_ok(rank, shape["d_model"], where=f"{where}.accounting.ranks[{i}] ({role})")
         for i, blocks in enumerate(acc.get("blocks", [])):
             check_blocks(blocks, shape["n_layers"], where=f"{where}.accounting.blocks[{i}] ({role})")
-    from lrattnres import batch
-
-    from lrattnres import jobplan, memory
-
     try:
         batch.check(settings, where)
         memory.check(settings, where)

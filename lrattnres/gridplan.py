@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from lrattnres import batch, memory
-from lrattnres.config import deep_merge
+from lrattnres.merge import deep_merge
 from lrattnres.presets import get_preset
 from lrattnres.ranks import resolve_rank
 

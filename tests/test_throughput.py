@@ -11,6 +11,7 @@ import pytest
 from conftest import head_commit
 
 from lrattnres import throughput as tp
+from lrattnres.throughput import cli as tp_cli
 
 ROOT = Path(__file__).resolve().parent.parent
 PUBLISHED = ROOT / "reports" / "published.yaml"
@@ -122,7 +123,7 @@ def test_spec_names_bad_keys():
     with pytest.raises(tp.SpecError, match="repeats_by_preset"):
         tp.resolve_spec({"presets": ["tiny"], "repeats_by_preset": {"4B": 3}})
     assert tp.resolve_spec({})["repeats"] == 5
-    assert tp.main(["--spec", '{"bogus": 1}', "--out", "/dev/null"]) == 2
+    assert tp_cli.main(["--spec", '{"bogus": 1}', "--out", "/dev/null"]) == 2
 
 
 # ------------------------------------------------------------------------------ matched weights
@@ -177,7 +178,7 @@ SMALL = {"presets": ["smoke"], "micro_batch": 2, "seq_len": 32, "repeats": 2, "w
 @pytest.fixture(scope="module")
 def cpu_result(tmp_path_factory):
     out = tmp_path_factory.mktemp("tp") / "throughput.json"
-    assert tp.main(["--spec", json.dumps(SMALL), "--out", str(out)]) == 0
+    assert tp_cli.main(["--spec", json.dumps(SMALL), "--out", str(out)]) == 0
     return json.loads(out.read_text())
 
 
@@ -470,18 +471,18 @@ def test_a_stage_at_its_deadline_keeps_its_runs_and_the_next_continues(tmp_path,
     first: list = []
     monkeypatch.delenv("LRATTNRES_DEADLINE", raising=False)
     monkeypatch.setattr(tp.measure, "time_method", _fake_timing(first, monkeypatch, stop_after=3))
-    assert tp.main(["--spec", spec, "--out", str(out)]) == 75  # EX_TEMPFAIL: a retry continues
+    assert tp_cli.main(["--spec", spec, "--out", str(out)]) == 75  # EX_TEMPFAIL: a retry continues
     part = tp.partial_path(out)
     assert not out.exists() and part.name == "smoke.partial.json"
     state = json.loads(part.read_text())
     assert state["format"] == tp.PARTIAL_FORMAT and len(state["runs"]) == 3 and len(first) == 3
     # the deadline has passed: a retry now starts nothing
-    assert tp.main(["--spec", spec, "--out", str(out)]) == 75 and len(first) == 3
+    assert tp_cli.main(["--spec", spec, "--out", str(out)]) == 75 and len(first) == 3
     # with time again, only the three missing runs are timed; the earlier ones are kept as they were
     monkeypatch.delenv("LRATTNRES_DEADLINE")
     second: list = []
     monkeypatch.setattr(tp.measure, "time_method", _fake_timing(second, monkeypatch))
-    assert tp.main(["--spec", spec, "--out", str(out)]) == 0
+    assert tp_cli.main(["--spec", spec, "--out", str(out)]) == 0
     assert len(second) == 3 and not part.exists()
     r = json.loads(out.read_text())
     assert r["complete"] and len(r["runs"]) == 6 and [x["repeat"] for x in r["runs"]] == [0, 0, 1, 1, 2, 2]
@@ -495,11 +496,11 @@ def test_a_partial_state_of_another_spec_is_not_continued(tmp_path, monkeypatch)
     calls: list = []
     monkeypatch.setattr(tp.measure, "time_method", _fake_timing(calls, monkeypatch, stop_after=2))
     spec = dict(SMALL, methods=["fused-rd", "fused-rd4"], repeats=2)
-    assert tp.main(["--spec", json.dumps(spec), "--out", str(out)]) == 75
+    assert tp_cli.main(["--spec", json.dumps(spec), "--out", str(out)]) == 75
     monkeypatch.delenv("LRATTNRES_DEADLINE")
     again: list = []
     monkeypatch.setattr(tp.measure, "time_method", _fake_timing(again, monkeypatch))
-    assert tp.main(["--spec", json.dumps(dict(spec, max_updates=5)), "--out", str(out)]) == 0
+    assert tp_cli.main(["--spec", json.dumps(dict(spec, max_updates=5)), "--out", str(out)]) == 0
     assert len(again) == 4  # every run timed afresh
 
 
@@ -541,7 +542,7 @@ def test_aggregate_merges_one_result_per_size(tmp_path):
     for name, part in (("1B", one), ("4B", four)):
         paths.append(str(tmp_path / f"{name}.json"))
         Path(paths[-1]).write_text(json.dumps(part))
-    assert tp.main(["--aggregate", *paths, "--out", str(tmp_path / "all.json")]) == 0
+    assert tp_cli.main(["--aggregate", *paths, "--out", str(tmp_path / "all.json")]) == 0
     r = json.loads((tmp_path / "all.json").read_text())
     assert r["spec"]["presets"] == ["1B", "4B"] and set(r["gains"]) == {"1B", "4B"} and len(r["rows"]) == 8
     assert r["complete"] is False and r["notes"] == ["x"] and r["parts"] == paths
@@ -690,7 +691,7 @@ def test_a_method_out_of_memory_fails_the_job_naming_it(tmp_path, monkeypatch, c
     monkeypatch.setattr(tp.measure, "time_method", oom)
     out = tmp_path / "smoke.json"
     spec = dict(SMALL, methods=["fused-rd", "fused-rd4"], repeats=2)
-    assert tp.main(["--spec", json.dumps(spec), "--out", str(out)]) == 1
+    assert tp_cli.main(["--spec", json.dumps(spec), "--out", str(out)]) == 1
     err = capsys.readouterr().err
     assert "smoke repeat 0 method fused-rd4 ran out of GPU memory" in err and "Tried to allocate" in err
     assert not out.exists()  # no result with an empty row
@@ -721,7 +722,7 @@ def test_a_plan_that_does_not_fit_the_gpu_is_refused_before_anything_is_built(tm
     arg = cluster_arg(tiny_gpu)  # as the workflow passes it: a resource printed without ", "
     assert ", " not in arg and json.loads(arg)["memory_anchors"][0] == {"preset": "4B", "micro_batch": 2,
                                                                         "peak_gib": 76.0, "method": "lr"}
-    assert tp.main(["--spec", json.dumps(SMALL), "--cluster", arg, "--out", str(out)]) == 2
+    assert tp_cli.main(["--spec", json.dumps(SMALL), "--cluster", arg, "--out", str(out)]) == 2
     err = capsys.readouterr().err
     assert "timing baseline at smoke needs an estimated" in err and "cluster.gpu_memory_gib 0.5 less the 10% margin" in err
     assert not out.exists() and not tp.partial_path(out).exists()
@@ -780,14 +781,14 @@ def test_a_resolving_size_continues_across_commands_and_counts_its_time(tmp_path
         return rec
 
     monkeypatch.setattr(tp.measure, "time_method", stops)
-    assert tp.main(["--spec", spec, "--out", str(out)]) == 75
+    assert tp_cli.main(["--spec", spec, "--out", str(out)]) == 75
     state = json.loads(tp.partial_path(out).read_text())
     assert len(state["runs"]) == 6 and state["spent_s"]["smoke"] > 0
     monkeypatch.delenv("LRATTNRES_DEADLINE")
     calls.clear()
     monkeypatch.setattr(tp.measure, "time_method", _paced(calls, {"attnres": noisy["attnres"],
                                                                   "lr": lambda k: noisy["lr"](k + 3)}))
-    assert tp.main(["--spec", spec, "--out", str(out)]) == 0 and len(calls) == 4
+    assert tp_cli.main(["--spec", spec, "--out", str(out)]) == 0 and len(calls) == 4
     r = json.loads(out.read_text())
     assert sorted({x["repeat"] for x in r["runs"]}) == [0, 1, 2, 3, 4] and r["runs"][:6] == state["runs"]
     res = r["resolution"]["smoke"]

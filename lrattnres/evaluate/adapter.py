@@ -189,7 +189,7 @@ class LRAttnResLM(_LMBase):
         records (spec, model_config, ...) and ``.manifest_path`` the data manifest used."""
         import json
 
-        from lrattnres.data import Tokenizer, load_manifest
+        from lrattnres.data import load_manifest, load_tokenizer
         from lrattnres.train.checkpoint import load_model
 
         checkpoint = Path(checkpoint)
@@ -203,7 +203,7 @@ class LRAttnResLM(_LMBase):
         device = str(resolve_device(device, error=ValueError))
         model, info = load_model(checkpoint, device)
         manifest = load_manifest(data)
-        tok = Tokenizer.from_manifest(manifest)
+        tok = load_tokenizer(manifest)
         mcfg = info.get("model_config", {})
         if mcfg.get("vocab_size") is not None and int(mcfg["vocab_size"]) != int(tok.vocab_size):
             raise ValueError(

@@ -88,14 +88,13 @@ tested in tests/test_throughput.py), :mod:`~lrattnres.throughput.matched` (the c
 matched models), :mod:`~lrattnres.throughput.measure` (the timed runs and the protocol over them),
 :mod:`~lrattnres.throughput.summary` (claims, and the merge of single sizes),
 :mod:`~lrattnres.throughput.partial` (the state a rerun continues) and
-:mod:`~lrattnres.throughput.cli` (the command line). Their public names are importable from
-``lrattnres.throughput``.
+:mod:`~lrattnres.throughput.cli` (the command line). Every public name but the command line's is
+importable from ``lrattnres.throughput``; ``python -m lrattnres throughput`` runs the command line.
 """
 
 from __future__ import annotations
 
 from lrattnres.errors import SpecError
-from lrattnres.throughput.cli import main
 from lrattnres.throughput.matched import (
     data_buffer,
     fla_available,
@@ -146,7 +145,7 @@ __all__ = [
     "DEFAULTS", "GAINS", "GPU_STAND_INS", "METHOD_TABLE", "MethodFailed", "MethodSlot", "PAPER_GPUS", "PAPER_SIZES",
     "PARTIAL_FORMAT", "SMALL_VOCAB", "SpecError", "T975", "_gains", "aggregate", "build_method_model", "claims_for",
     "compare", "data_buffer", "differences", "direction_gpu", "fla_available", "fla_router", "for_preset", "gpu_name",
-    "graphs_compiled", "load_partial", "load_shared", "main", "matched_model", "mean_ci95", "memory_plan",
+    "graphs_compiled", "load_partial", "load_shared", "matched_model", "mean_ci95", "memory_plan",
     "method_config", "more_repeats", "paired_gain", "paired_gains", "paper_gpu", "partial_key", "partial_path",
     "published_ids", "release_weights", "resolve_spec", "rotation", "run", "run_estimate", "shared_backbone",
     "should_stop", "synthetic_buffer", "t975", "time_method", "window_ok", "window_stats",
