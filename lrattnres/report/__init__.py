@@ -44,7 +44,9 @@ from lrattnres.provenance import now, provenance
 from lrattnres.recorded import REPORT as RECORDED_REPORT
 from lrattnres.recorded import load as load_recorded_list
 from lrattnres.recorded import resolve_path as resolve_recorded_path
+from lrattnres.report import html, sections
 from lrattnres.report.context import ReportContext
+from lrattnres.throughput.summary import claims_for as throughput_claims_for
 
 log = logging.getLogger("lrattnres.report")
 TEMPLATE_DIR = Path(__file__).parent / "templates"
@@ -147,12 +149,10 @@ def load_recorded_report(rel: str | None, root: Path, problems: list[str] | None
 def rederive_claims(recorded: dict[str, dict], ids: set[str], problems: list[str] | None = None) -> None:
     """Derive the claims of recorded throughput results again with this code: the measurements are
     kept as recorded, and a recorded file and a local run are judged by the same rules (and notes)."""
-    from lrattnres import throughput
-
     for res in recorded.values():
         if res.get("stage") == "throughput" and isinstance(res.get("spec"), dict):
             try:
-                res["claims"] = throughput.claims_for(res, res["spec"], ids)
+                res["claims"] = throughput_claims_for(res, res["spec"], ids)
             except (KeyError, TypeError, ValueError) as e:
                 _problem(problems, f"{res['_path']}: throughput claims cannot be derived ({type(e).__name__}: {e}); "
                                    "the recorded claims are used as they are")
@@ -205,8 +205,6 @@ def collect_produced(by_stage: dict[str, list[dict]], recorded: dict[str, dict],
 
 
 def discover_sections() -> list[Any]:
-    from lrattnres.report import sections
-
     mods = [importlib.import_module(f"{sections.__name__}.{m.name}") for m in pkgutil.iter_modules(sections.__path__)]
     return sorted((m for m in mods if hasattr(m, "build")), key=lambda m: (getattr(m, "ORDER", 100), m.__name__))
 
@@ -237,8 +235,6 @@ def _counts(claims: list[dict]) -> dict[str, Counter]:
 
 def render(ctx: ReportContext, claims: list[dict], prov: dict) -> str:
     import jinja2
-
-    from lrattnres.report import html
 
     html.matplotlib_setup()
     sections = []

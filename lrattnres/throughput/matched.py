@@ -7,6 +7,9 @@ from __future__ import annotations
 import math
 from typing import Callable
 
+from lrattnres.data import TokenLoader
+from lrattnres.data.loader import batch_from_rows
+from lrattnres.presets import get_preset
 from lrattnres.ranks import resolve_rank
 from lrattnres.throughput.spec import METHOD_TABLE
 
@@ -16,8 +19,6 @@ def synthetic_buffer(n_batches: int, micro_batch: int, seq_len: int, vocab_size:
     """``n_batches`` Batches of random tokens with log-normal document lengths (sigma 1) ended by
     ``eot_id``; doc_ids and shifted targets exactly as ``lrattnres.data.loader`` builds them."""
     import numpy as np
-
-    from lrattnres.data.loader import batch_from_rows
 
     rng = np.random.default_rng([seed, 4242])
     n = n_batches * micro_batch * (seq_len + 1)
@@ -35,8 +36,6 @@ def synthetic_buffer(n_batches: int, micro_batch: int, seq_len: int, vocab_size:
 
 def data_buffer(manifest: dict, n_batches: int, micro_batch: int, seq_len: int, seed: int) -> list:
     """The first ``n_batches`` training batches of the data stage's loader (real tokens, real boundaries)."""
-    from lrattnres.data import TokenLoader
-
     loader = TokenLoader(manifest, "train", micro_batch, seq_len, seed)
     return [next(loader) for _ in range(n_batches)]
 
@@ -85,8 +84,6 @@ def fla_router(compile_safe: bool = False) -> Callable:
 
 def method_config(preset: str, name: str, s: dict, vocab_size: int) -> dict:
     """Model-config dict of one method at one preset."""
-    from lrattnres.presets import get_preset
-
     p = get_preset(preset)
     m = METHOD_TABLE[name]
     d = p["d_model"]

@@ -18,13 +18,19 @@ import sys
 import time
 from typing import Any, Callable
 
+from lrattnres import deadline, memory
 from lrattnres.checks import is_int
+from lrattnres.data import load_manifest
 from lrattnres.devices import resolve_device
-from lrattnres.throughput.matched import (build_method_model, data_buffer, fla_available, load_shared,
-                                          method_config, release_weights, shared_backbone, synthetic_buffer)
+from lrattnres.presets import PAPER_VOCAB, get_preset
+from lrattnres.provenance import now, provenance
+from lrattnres.throughput.comparison import compare
+from lrattnres.throughput.matched import (build_method_model, data_buffer, fla_available, load_shared, method_config,
+                                          release_weights, shared_backbone, synthetic_buffer)
 from lrattnres.throughput.protocol import mean_ci95, more_repeats, paired_gain, should_stop
 from lrattnres.throughput.spec import GAINS, METHOD_TABLE, PAPER_SIZES, SMALL_VOCAB, for_preset, resolve_spec
 from lrattnres.throughput.summary import claims_for
+from lrattnres.train import spec as train_spec
 
 # Where the stage keeps the shared starting weights between runs: on the host (the memory estimate's layout).
 SHARED_ON_GPU = False
@@ -44,8 +50,6 @@ def _sync(device) -> None:
 
 def _train_spec() -> dict:
     import copy
-
-    from lrattnres.train import spec as train_spec
 
     return copy.deepcopy(train_spec.DEFAULTS)
 
@@ -220,9 +224,6 @@ def memory_plan(presets: list[dict], s: dict, cluster: dict | None, device) -> d
     anything is built against ``cluster.gpu_memory_gib`` less ``cluster.memory_margin`` and, on a GPU,
     against this GPU's memory less the same margin: :class:`lrattnres.memory.FitError` where it does
     not fit. Without a cluster's memory and anchors nothing is estimated."""
-    from lrattnres import memory
-    from lrattnres.presets import get_preset
-
     if not cluster or not cluster.get("gpu_memory_gib") or not cluster.get("memory_anchors"):
         return {"checked": False, "why": "no cluster.gpu_memory_gib and cluster.memory_anchors given"}
     rows = []
@@ -295,9 +296,6 @@ class _Protocol:
     def __init__(self, spec: dict, data: str | None, log, on_repeat, partial: dict | None, on_run):
         import torch
 
-        from lrattnres import deadline
-        from lrattnres.provenance import now
-
         self.say = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
         self.on_repeat, self.on_run = on_repeat, on_run
         self.started = now()
@@ -312,8 +310,6 @@ class _Protocol:
         self.fla_ok, self.fla_note = fla_available(self.device.type)
         self.manifest = None
         if data and s["tokens"] == "data":
-            from lrattnres.data import load_manifest
-
             self.manifest = load_manifest(data, verify="size")
         self.done = {(r["preset"], r["repeat"], r["name"]): r for r in (partial or {}).get("runs", [])}
         self.dropped = {p: list(v) for p, v in (partial or {}).get("dropped", {}).items()}
@@ -362,8 +358,6 @@ class _Protocol:
 
     def plan_sizes(self) -> list[dict]:
         """The plan of every size (its methods, vocabulary, accumulation and repeats), before anything is built."""
-        from lrattnres.presets import PAPER_VOCAB, get_preset
-
         s, result, plans = self.s, self.result, []
         for preset in s["presets"]:
             methods = list(s["methods_by_preset"].get(preset, s["methods"]))
@@ -462,8 +456,6 @@ class _Protocol:
 
     def _row_meta(self, z: _Size) -> dict[str, dict]:
         """What each method's row of the size says besides its values."""
-        from lrattnres.presets import get_preset
-
         s, d = self.s, get_preset(z.preset)["d_model"]
         rows_meta = {}
         for name in z.methods:
@@ -524,8 +516,6 @@ class _Protocol:
         """One timed run of ``name`` in repeat ``j`` (its record), or None where it failed and is
         dropped from the comparison (and said so). A run that would not end before LRATTNRES_DEADLINE
         does not start; running out of GPU memory fails the job (:class:`MethodFailed`)."""
-        from lrattnres import deadline
-
         result, device, preset = self.result, self.device, z.preset
         est = run_estimate([r for r in result["runs"] if r["preset"] == preset],
                            name in z.slots and z.slots[name].runs > 0)
@@ -615,8 +605,6 @@ class _Protocol:
     def finish(self) -> dict:
         """The complete result: claims, provenance and the protocol's comparison with the paper's."""
         from lrattnres.attention import describe as describe_attention
-        from lrattnres.provenance import provenance
-        from lrattnres.throughput.comparison import compare
 
         s, result = self.s, self.result
         result["complete"] = not result.get("cut", False)

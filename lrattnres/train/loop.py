@@ -27,7 +27,6 @@ EX_TEMPFAIL: rerun the same command to resume); non-finite loss: :class:`NonFini
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import math
 import os
 import signal
@@ -42,12 +41,18 @@ import torch.distributed as dist
 from torch import nn
 
 from lrattnres import deadline as deadline_mod
+from lrattnres.attention import describe as describe_attention
+from lrattnres.attention import warn_compiled_flex
+from lrattnres.data import TokenLoader, iter_eval_batches, load_manifest
 from lrattnres.devices import resolve_device
 from lrattnres.errors import UserError
 from lrattnres.io import atomic_write_json
-from lrattnres.provenance import now, provenance
+from lrattnres.model import build_model, model_config
+from lrattnres.progress import interactive
+from lrattnres.provenance import git_state, now, provenance
 from lrattnres.train import checkpoint as ckpt
 from lrattnres.train import spec as spec_mod
+from lrattnres.train.code import changed_code_files, code_files, code_fingerprint
 from lrattnres.train.guard import GradGuard
 from lrattnres.train.metrics import (MetricsWriter, StatusLines, end_of_run_summary, grad_norm_summary, memory_stats,
                                      progress_bar)
@@ -163,40 +168,6 @@ def _device(choice: str, local_rank: int) -> torch.device:
     return torch.device("cuda", local_rank)
 
 
-_REPO = Path(__file__).resolve().parent.parent.parent
-CODE_FILES = ("lrattnres/train/*.py", "lrattnres/model.py", "lrattnres/routing.py", "lrattnres/attention.py",
-              "lrattnres/segments.py",
-              "lrattnres/presets.py", "lrattnres/data/loader.py", "kernels/*.py")
-
-
-def _code_sources():
-    for pattern in CODE_FILES:
-        for f in sorted(_REPO.glob(pattern)):
-            yield f.relative_to(_REPO).as_posix(), f.read_bytes()
-
-
-def code_fingerprint() -> str:
-    """sha256 over the source of the training stack (a resumed run must not mix two versions)."""
-    h = hashlib.sha256()
-    for rel, data in _code_sources():
-        h.update(rel.encode() + b"\0" + data + b"\0")
-    return h.hexdigest()
-
-
-def code_files() -> dict[str, str]:
-    """The sha256 of each source file of the training stack, by its path in the repository: what a
-    checkpoint records, so that a refusal can name the files that changed."""
-    return {rel: hashlib.sha256(data).hexdigest() for rel, data in _code_sources()}
-
-
-def changed_code_files(old: dict | None, new: dict[str, str]) -> list[str] | None:
-    """The files whose source differs between two :func:`code_files` records (added and removed ones
-    too); None where the checkpoint records no per-file hashes."""
-    if not isinstance(old, dict):
-        return None
-    return sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
-
-
 def tokens_per_update(spec: dict, world: int) -> int:
     return spec["micro_batch"] * spec["seq_len"] * spec["grad_accum"] * world
 
@@ -249,8 +220,6 @@ def _describe_change(change: dict) -> str:
 
 def resolve_model_config(model_spec: dict, vocab_size: int, seq_len: int):
     """The ModelConfig of a run: the spec's model fields plus the manifest's vocabulary size."""
-    from lrattnres.model import model_config
-
     m = dict(model_spec)
     if m.get("vocab_size") is not None and m["vocab_size"] != vocab_size:
         raise spec_mod.SpecError(
@@ -372,8 +341,6 @@ class _Run:
 
     def _read_data(self) -> None:
         """The data manifest (its shards checked), the model config it implies, and the run's length."""
-        from lrattnres.data import load_manifest
-
         s, world = self.s, self.world
         manifest = load_manifest(self.data, verify="size")
         if sum(manifest["splits"][k]["tokens"] for k in ("train", "val")) <= 2_000_000_000:
@@ -392,10 +359,6 @@ class _Run:
 
     def _build_model(self) -> None:
         """The seeded model, its optimisers (this rank's share where they are sharded) and the loader."""
-        from lrattnres.attention import describe as describe_attention
-        from lrattnres.data import TokenLoader
-        from lrattnres.model import build_model
-
         s, device, world = self.s, self.device, self.world
         _seed_all(s["seed"])
         if device.type == "cuda":
@@ -425,8 +388,6 @@ class _Run:
     def resume(self, resume: str, on_code_change: str) -> None:
         """Continue the run's checkpoint where it continues this run (``resume`` and ``on_code_change``
         as :func:`train` describes them), else move it aside and start over."""
-        from lrattnres.provenance import git_state
-
         if resume not in ("auto", "never", "must", "force"):
             raise ValueError(f"resume must be auto, never, must or force, got {resume!r}")
         if on_code_change not in ON_CODE_CHANGE:
@@ -523,8 +484,6 @@ class _Run:
     def wrap(self) -> None:
         """The loss module (DDP-wrapped on several ranks, compiled where the spec says), the metrics
         file (cut at the resumed step) and the run's spec.json."""
-        from lrattnres.attention import warn_compiled_flex
-
         s, out, world, step = self.s, self.out, self.world, self.step
         self.lm = LossModule(self.model, s["precision"])
         if world > 1:
@@ -547,8 +506,6 @@ class _Run:
         warn_compiled_flex(self.mcfg.attention, self.device, s["compile"], self.say)
 
     def val_batches(self):
-        from lrattnres.data import iter_eval_batches
-
         val_bs = self.s["val"]["batch_size"] or self.s["micro_batch"]
         return iter_eval_batches(self.manifest, "val", val_bs, self.s["seq_len"])
 
@@ -577,8 +534,6 @@ class _Run:
         """Update until the run's last step; None, or the non-finite update that ended the run
         (spec ``record_nonfinite``). A signal, a deadline or ``stop_after`` raises :class:`Preempted`
         with the checkpoint written."""
-        from lrattnres.progress import interactive
-
         s, name = self.s, self.out.name or "train"
         self.live = self.master and progress and interactive(sys.stderr)
         self.bar = progress_bar(self.steps_total, self.step, enabled=self.live, desc=name)
