@@ -37,6 +37,9 @@ from fractions import Fraction
 from typing import Any
 
 from lrattnres.checks import is_int
+from lrattnres.io import atomic_write_json, read_spec_arg
+from lrattnres.presets import get_preset
+from lrattnres.provenance import now, provenance
 from lrattnres.ranks import resolve_rank
 
 log = logging.getLogger("lrattnres.accounting")
@@ -188,8 +191,6 @@ def total_params(L: int, d: int, m: int, vocab: int | None, method: str, r: int 
 
 def _arch_from_spec(name: str, value: Any) -> dict[str, Any]:
     if isinstance(value, str):
-        from lrattnres.presets import get_preset
-
         p = get_preset(value)
         return {"preset": value, "n_layers": p["n_layers"], "d_model": p["d_model"], "d_ff": p["d_ff"],
                 "vocab_size": p.get("vocab_size")}
@@ -404,9 +405,6 @@ def run(spec: dict) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from lrattnres.io import atomic_write_json, read_spec_arg
-    from lrattnres.provenance import now, provenance
-
     p = argparse.ArgumentParser(prog="python -m lrattnres accounting", description=__doc__.split("\n")[0])
     p.add_argument("--spec", default="{}", help='JSON: {"architectures": {name: preset | {n_layers, d_model, d_ff}}, '
                                                '"ranks": [...], "blocks": [...]}')

@@ -20,6 +20,12 @@ import argparse
 import importlib
 import sys
 
+from lrattnres import attempts, gpus
+from lrattnres.errors import UserError, one_line
+from lrattnres.io import DiskFull, is_disk_full
+from lrattnres.progress import quiet_library_bars
+from lrattnres.provenance import now
+
 STAGES: dict[str, tuple[str, str]] = {
     "config": ("lrattnres.config", "print the resolved, validated configuration of a scale"),
     "memory": ("lrattnres.memory_cli", "the estimated GPU memory of each size's training ranks"),
@@ -67,11 +73,6 @@ def _job_options(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
 
 def run_stage(stage: str, rest: list[str]) -> int:
     """Run one stage; user errors and a full disk become one line on stderr and exit code 2."""
-    from lrattnres.errors import UserError, one_line
-    from lrattnres.io import DiskFull, is_disk_full
-
-    from lrattnres.progress import quiet_library_bars
-
     quiet_library_bars()
     try:
         module = importlib.import_module(STAGES[stage][0])
@@ -98,15 +99,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     stage, rest = argv[0], argv[1:]
     if opts.gpu_slots:
-        from lrattnres import gpus
-
         slots, _, per_gpu = opts.gpu_slots.partition("/")
         gpus.claim(int(slots), int(per_gpu or 1), say=lambda m: print(m, file=sys.stderr, flush=True))
     if opts.log is None:
         return run_stage(stage, rest)
-
-    from lrattnres import attempts
-    from lrattnres.provenance import now
 
     print(f"[lrattnres] {stage}: attempt {opts.attempt}, started {now()}", file=sys.stderr, flush=True)
     attempts.keep_log(opts.log, opts.attempt)

@@ -32,6 +32,7 @@ from pathlib import Path
 from lrattnres import lrcheck, noise, run_health, stats
 from lrattnres.accounting import added_flops
 from lrattnres.checks import is_number
+from lrattnres.claims import load_published
 from lrattnres.gridplan import (  # noqa: F401  (the plan's names, importable from here as before)
     CONTROL,
     HEADLINE_ATTNRES,
@@ -623,7 +624,6 @@ def main(argv: list[str] | None = None) -> int:
     started = now()
     settings = read_json(args.settings)
     runs_root = Path(args.runs)
-    from lrattnres.claims import load_published
 
     published = load_published(args.published)
     result = summarize(settings, {run.run_id: runs_root / run.run_id for run in plan(settings)}, set(published), published)

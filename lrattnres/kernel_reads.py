@@ -33,6 +33,12 @@ import os
 import sys
 from typing import Any
 
+from lrattnres.claims import load_published
+from lrattnres.data import iter_eval_batches, load_manifest
+from lrattnres.io import atomic_write_json, read_json, read_spec_arg
+from lrattnres.kernel_check import compare
+from lrattnres.provenance import now, provenance
+
 log = logging.getLogger("lrattnres.kernel_reads")
 
 PAPER_WIDTH = {"1b": 1536, "4b": 2560}
@@ -72,8 +78,6 @@ def capture_reads(model, inputs, targets, doc_ids, precision: str) -> list[dict]
 
 def check_reads(reads: list[dict], fused) -> list[dict]:
     """Each read through ``fused`` against the fp64 reference with its captured upstream gradient."""
-    from lrattnres.kernel_check import compare
-
     out = []
     for t, rec in enumerate(reads):
         if "grad" not in rec:
@@ -88,7 +92,6 @@ def run(checkpoint: str, data: str, spec: dict) -> dict[str, Any]:
     import torch
 
     import kernels
-    from lrattnres.data import iter_eval_batches, load_manifest
     from lrattnres.train.checkpoint import load_model
 
     cuda = torch.cuda.is_available()
@@ -170,13 +173,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s: %(message)s")
-    from lrattnres.io import atomic_write_json, read_json, read_spec_arg
-    from lrattnres.provenance import now, provenance
 
     started = now()
     if args.aggregate:
-        from lrattnres.claims import load_published
-
         ids = set(load_published(args.published)) if args.published else set()
         results = [read_json(x) for x in args.aggregate]
         out = {"stage": "kernel_reads", "runs": [{k: v for k, v in r.items() if k != "reads"} for r in results],

@@ -38,7 +38,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from lrattnres import batch
 from lrattnres.errors import UserError
+from lrattnres.presets import PAPER_VOCAB, get_preset
 
 GIB = 2**30
 VAL_BYTES_PER_LOGIT = 10  # bf16 logits, their fp32 copy, fp32 log-softmax
@@ -88,8 +90,6 @@ def static_bytes(shape: dict, *, world: int = 1, shard: bool = False, method: st
 
 
 def _anchor_row(anchor: dict) -> tuple[float, float, float]:
-    from lrattnres.presets import get_preset
-
     shape = get_preset(anchor["preset"])
     st = static_bytes(shape, method=anchor.get("method", "lr"))
     act = (anchor["peak_gib"] * GIB - st["weights"] - st["grads"] - st["optimizer"]) / anchor["micro_batch"] / GIB
@@ -143,9 +143,6 @@ def _limit(cluster: dict) -> float:
 
 
 def _size_estimate(settings: dict, preset: str, checkpointing: bool) -> dict[str, Any]:
-    from lrattnres import batch
-    from lrattnres.presets import PAPER_VOCAB, get_preset
-
     shape = get_preset(preset)
     shape["vocab_size"] = shape["vocab_size"] or PAPER_VOCAB
     b = batch.split(settings, preset)
@@ -168,8 +165,6 @@ def checkpointing(settings: dict, preset: str) -> bool:
     (lrattnres/batch.py), with ``auto`` on only where the estimated peak without it would exceed the
     GPU less the margin (never where the scale plans no GPU memory; :func:`check` then refuses a size
     that does not fit even so)."""
-    from lrattnres import batch
-
     want = batch.split(settings, preset).get("activation_checkpointing", "auto")
     if want != "auto":
         return bool(want)
@@ -180,8 +175,6 @@ def checkpointing(settings: dict, preset: str) -> bool:
 
 def plan(settings: dict) -> list[dict[str, Any]]:
     """The estimate of every size of the scale's training runs (empty without ``cluster`` anchors)."""
-    from lrattnres import batch
-
     cluster = settings.get("cluster") or {}
     if not cluster.get("memory_anchors") or not cluster.get("gpu_memory_gib"):
         return []
@@ -234,8 +227,6 @@ def compare(measurements: list[dict], cluster: dict, tolerance: float = CHECK_TO
     the overhead (which the allocator's peak leaves out), and the relative error. A row of an anchor's
     configuration is marked ``fitted`` and is no check of the model; any other row fails (``ok``
     False) when the error exceeds ``tolerance``."""
-    from lrattnres.presets import PAPER_VOCAB, get_preset
-
     anchors = cluster.get("memory_anchors", [])
     out = []
     for m in measurements:

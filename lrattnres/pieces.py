@@ -64,12 +64,15 @@ from typing import Any
 
 from lrattnres import process_group
 from lrattnres.attempts import EX_TEMPFAIL, read_status
-from lrattnres.config import science
+from lrattnres.config import ConfigError, load_and_resolve, science
+from lrattnres.data.manifest import sha256_file
 from lrattnres.deadline import ENV as DEADLINE_ENV
+from lrattnres.gridplan import conversions, evaluations, plan, train_spec
 from lrattnres.io import atomic_path, atomic_write_json, read_json
 from lrattnres.piece_archive import (KEEP, ArchiveError, kept, metadata_name, pack, read_archive,  # noqa: F401
                                      read_archives, restore, restore_members, small_outputs)
 from lrattnres.provenance import now, provenance
+from lrattnres.train import spec as spec_mod
 
 STAGES = ("settings", "accounting", "kernel_check", "throughput")
 # The rules a stage of a piece may run (the throughput stage: one job per size, then the merge).
@@ -124,8 +127,6 @@ def plan_pieces(settings: dict) -> list[Piece]:
     """The scale's pieces, each with its runs (first matching piece wins) and extra stages.
 
     Without a ``pieces`` setting the scale is one piece. Runs that no piece matches are an error."""
-    from lrattnres.gridplan import plan
-
     run_ids = [r.run_id for r in plan(settings)]
     spec = settings.get("pieces") or [{"name": "all", "runs": ["*"], "stages": list(STAGES)}]
     taken: set[str] = set()
@@ -165,8 +166,6 @@ def stage_targets(settings: dict, piece: Piece) -> list[str]:
 def run_targets(settings: dict, run: str) -> list[str]:
     """The files a piece makes of one run: its result, diagnostics, conversion and evaluation, and for
     the size pair's runs Appendix I's check of every routing read."""
-    from lrattnres.gridplan import conversions, evaluations
-
     R = settings["results"]
     out = [f"{R}/runs/{run}/result.json", f"{R}/diagnostics/{run}.json"]
     if run in {c["run_id"] for c in conversions(settings)}:
@@ -285,8 +284,6 @@ def complete_finished(settings: dict, piece: Piece, workdir: str = ".") -> list[
 
 def check_same_data(results: str) -> int:
     """Every restored training result was trained on the current data manifest; returns how many."""
-    from lrattnres.data.manifest import sha256_file
-
     manifest = Path(results) / "data" / "manifest.json"
     if not manifest.is_file():
         raise PieceError(f"{manifest}: missing (build the data first)")
@@ -307,8 +304,6 @@ def check_same_settings(settings: dict, results: str, accept: tuple[str, ...] = 
     training spec equal the current ones, but for the dotted keys in ``accept`` (differences an
     operator has judged not to change the results, e.g. a new key whose default is the old
     behaviour); returns the sections compared. Raises naming the first difference."""
-    from lrattnres.train import spec as spec_mod
-
     def differs(old, new, section: str = "") -> list[str]:
         """Keys that differ and are not accepted (as ``key`` or, in a section, ``section.key``)."""
         keys = spec_mod.diff_keys(old if isinstance(old, dict) else {"": old},
@@ -316,8 +311,6 @@ def check_same_settings(settings: dict, results: str, accept: tuple[str, ...] = 
         names = {k: [k] + ([f"{section}.{k}" if k else section] if section else []) for k in keys}
         return [k or section for k in keys
                 if not any(n == a or n.startswith(a + ".") for n in names[k] for a in accept)]
-
-    from lrattnres.gridplan import plan, train_spec
 
     saved_path = Path(results) / "settings.json"
     if not saved_path.is_file():
@@ -709,8 +702,6 @@ def render_report(settings: dict, restore_from: list[str], into: str, config_arg
 
 
 def main(argv: list[str] | None = None) -> int:
-    from lrattnres.config import ConfigError, load_and_resolve
-
     p = argparse.ArgumentParser(prog="python -m lrattnres piece", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
     for cmd in ("list", "run", "report"):

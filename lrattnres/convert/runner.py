@@ -13,10 +13,11 @@ from typing import Any
 from lrattnres.checks import is_int
 from lrattnres.convert.construction import _check_source, convert_model, with_config
 from lrattnres.convert.summary import parse_claim_row, published_records, result_claims
-from lrattnres.convert.verify import (_autocast, _fp64_view, _paired_se, fp64_noise_floor, max_logit_diff_to,
-                                      paired_ce)
+from lrattnres.convert.verify import _autocast, _fp64_view, _paired_se, fp64_noise_floor, max_logit_diff_to, paired_ce
+from lrattnres.data import iter_eval_batches, load_manifest, manifest_sha256
 from lrattnres.devices import resolve_device
 from lrattnres.errors import SpecError
+from lrattnres.provenance import now, provenance
 
 log = logging.getLogger("lrattnres.convert")
 
@@ -88,7 +89,6 @@ def run(checkpoint: str | Path, data: str | Path, spec: dict, save: str | Path |
         published: str | Path | None = None, progress: bool = True) -> dict:
     """Convert one checkpoint and check it; returns the result JSON (see the module doc)."""
     from lrattnres.attention import describe as describe_attention
-    from lrattnres.provenance import now, provenance
 
     started = now()
     t0 = time.perf_counter()
@@ -122,7 +122,6 @@ def _peak_gpu_mem_gib(device) -> float | None:
 
 def _read_source(checkpoint: str | Path, data: str | Path, spec: dict) -> _Source:
     """The checkpoint (a standard AttnRes model) and the data manifest it is checked on."""
-    from lrattnres.data import load_manifest, manifest_sha256
     from lrattnres.train import checkpoint as ckpt
 
     model, info = ckpt.load_model(checkpoint, "cpu")
@@ -145,8 +144,6 @@ def _read_source(checkpoint: str | Path, data: str | Path, spec: dict) -> _Sourc
 
 def _fp64_sequence(src: _Source, device):
     """The validation sequence of the FP64 check: one full-length window, or the whole split where it is shorter."""
-    from lrattnres.data import iter_eval_batches
-
     L = src.cfg.max_seq_len
     first = iter_eval_batches(src.manifest, "val", 1, L)
     if len(first) == 0:  # a validation split shorter than one full-length window
@@ -251,8 +248,6 @@ def _paired_validation(src: _Source, spec: dict, reloaded: dict, device, precisi
                        progress: bool) -> tuple[dict, dict, int]:
     """The paired validation cross-entropy of the original, the converted model and the converted
     weights under slice normalisation; (the models, paired_ce's result, the sequence length)."""
-    from lrattnres.data import iter_eval_batches
-
     L = src.cfg.max_seq_len
     seq_len = spec["seq_len"] or (src.info.get("spec") or {}).get("seq_len") or L
     seq_len = min(int(seq_len), L)

@@ -25,6 +25,8 @@ from typing import Any
 
 import numpy as np
 
+from lrattnres.progress import bar as progress_bar
+
 from ..io import atomic_path, atomic_write_json, read_json
 from ..provenance import config_sha256, now, provenance
 from . import tokenizer as tok
@@ -201,8 +203,6 @@ def _flush(work: Path, state: dict, split: str, buf: _Buffer) -> None:
 
 
 def _tokenize(spec: dict, work: Path, state: dict, progress: bool) -> None:
-    from lrattnres.progress import bar as progress_bar
-
     t_start = time.perf_counter()
     source = make_source(spec)
     if hasattr(source, "preflight"):  # a source that cannot be read says so before any work is shown
@@ -342,8 +342,6 @@ def _finalize(spec: dict, work: Path, state: dict, progress: bool) -> tuple[dict
 def _compact_vocabulary(spec: dict, work: Path, shards: list, bar: dict) -> tuple[np.ndarray, dict[str, Any]]:
     """The compact vocabulary (``vocab.npy``: the cl100k ids the corpus uses, at most ``vocab_max``,
     made once and kept): (the map from cl100k ids to model ids, the manifest's vocabulary keys)."""
-    from lrattnres.progress import bar as progress_bar
-
     vpath = work / "vocab.npy"
     counts = np.zeros(tok.N_VOCAB, dtype=np.int64)
     for _, rec in progress_bar(shards, desc="compaction: scan", **bar):
@@ -381,8 +379,6 @@ def _compact_vocabulary(spec: dict, work: Path, shards: list, bar: dict) -> tupl
 def _write_shards(work: Path, shards: list, fwd: np.ndarray | None, bar: dict) -> None:
     """The final shards beside the manifest: rewritten through the compact vocabulary (their sha256
     recomputed), or moved as they are; the raw folder removed."""
-    from lrattnres.progress import bar as progress_bar
-
     if fwd is not None:
         for _, rec in progress_bar(shards, desc="compaction: rewrite", **bar):
             mm = np.memmap(work / "raw" / rec["file"], dtype="<u4", mode="r")

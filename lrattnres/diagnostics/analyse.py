@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from lrattnres.checks import is_number
+from lrattnres.data import iter_eval_batches
 from lrattnres.devices import resolve_device
 from lrattnres.diagnostics.measures import (_thin, grad_norm_stats, query_utilisation, read_grad_norms,
                                             routing_diagnostics, source_columns, trailing_mean)
@@ -69,7 +70,6 @@ def analyse_run(run, folder: Path, manifest: dict | None, settings: dict, diag: 
             if info.get("manifest_sha256") and info["manifest_sha256"] != manifest.get("_sha256"):
                 log.warning("%s: trained on manifest sha256 %s..., diagnosing on %s...", run.run_id,
                             str(info["manifest_sha256"])[:12], str(manifest.get("_sha256"))[:12])
-            from lrattnres.data import iter_eval_batches
 
             seq_len = diag["seq_len"] or (info.get("spec") or {}).get("seq_len") or cfg.max_seq_len
             if seq_len > cfg.max_seq_len:

@@ -8,6 +8,8 @@ import logging
 import sys
 from pathlib import Path
 
+from lrattnres.claims import load_published
+from lrattnres.data import load_manifest
 from lrattnres.diagnostics.analyse import _device, _missing_inputs, analyse_run
 from lrattnres.diagnostics.settings import DiagnosticsError, validate_settings
 from lrattnres.diagnostics.summary import aggregate, claims, figures_data
@@ -88,8 +90,6 @@ def main(argv: list[str] | None = None) -> int:
             p.error(f"--{opt} is required {'with --' + mode if mode != 'whole' else ''}".strip())
 
     if mode == "aggregate":
-        from lrattnres.claims import load_published
-
         rows = []
         for path in args.aggregate:
             row = read_json(path)
@@ -107,7 +107,6 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    from lrattnres.data import load_manifest
 
     manifest = load_manifest(args.data, verify="size")
     if mode == "run":
@@ -126,8 +125,6 @@ def main(argv: list[str] | None = None) -> int:
         atomic_write_json(args.out, row)
         log.info("diagnostics: %s -> %s", run.run_id, args.out)
         return 0
-
-    from lrattnres.claims import load_published
 
     known = set(load_published(args.published))
     result = diagnose(settings, Path(args.runs), manifest, known, skip_missing=args.skip_missing)

@@ -7,6 +7,7 @@ import math
 import statistics
 from typing import Any
 
+from lrattnres import stats
 from lrattnres.diagnostics.settings import DiagnosticsError, validate_settings
 from lrattnres.gridplan import CONTROL, HEADLINE_ATTNRES, HEADLINE_LR, PAIR_SIZES, PAPER_D, plan
 
@@ -126,8 +127,6 @@ def _segment_effects(rows: list[dict], effect, k: int = SEGMENTS) -> list[float]
     """``effect(*segments)`` on ``k`` contiguous segments of the runs' per-step norms at the steps all
     of them logged (the runs share seed and data order, so a segment covers the same batches in
     each); [] with fewer than ``k`` common steps or where ``effect`` is undefined."""
-    from lrattnres import stats
-
     by = [_norms_by_step(r) for r in rows]
     steps = sorted(set.intersection(*(set(b) for b in by))) if by else []
     if len(steps) < k:

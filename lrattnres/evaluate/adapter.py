@@ -50,7 +50,11 @@ from typing import Any, Sequence
 import torch
 import torch.nn.functional as F
 
+from lrattnres.attention import describe
+from lrattnres.data import load_manifest, load_tokenizer
 from lrattnres.devices import resolve_device
+from lrattnres.progress import bar as progress_bar
+from lrattnres.train.checkpoint import load_model
 
 log = logging.getLogger("lrattnres.evaluate")
 
@@ -189,9 +193,6 @@ class LRAttnResLM(_LMBase):
         records (spec, model_config, ...) and ``.manifest_path`` the data manifest used."""
         import json
 
-        from lrattnres.data import load_manifest, load_tokenizer
-        from lrattnres.train.checkpoint import load_model
-
         checkpoint = Path(checkpoint)
         if data is None:
             recorded = checkpoint.parent / "spec.json"
@@ -319,7 +320,6 @@ class LRAttnResLM(_LMBase):
         t0 = time.perf_counter()
         it = range(0, len(order), self.batch_size)
         if self.progress:  # a live bar on a terminal, plain lines in a log file
-            from lrattnres.progress import bar as progress_bar
 
             it = progress_bar(it, desc="loglikelihood", unit="batch")
         for start in it:
@@ -404,7 +404,6 @@ class LRAttnResLM(_LMBase):
         requested = getattr(getattr(self.model, "cfg", None), "attention", None)
         if requested is None:
             return None
-        from lrattnres.attention import describe
 
         return describe(requested, self.device, documents=False)
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from lrattnres.evaluate.claims import lr_above_attnres_each_pair
+from lrattnres.evaluate.tasks import TASKS
 from lrattnres.report.html import badge, claims_table, esc, fmt_interval, table
 
 TITLE = "Downstream evaluation (Appendix G, Table 8, Table 1 accuracy)"
@@ -14,8 +16,6 @@ METHODS = (("attnres", "AttnRes"), ("lr", "LR-AttnRes"))
 
 
 def _tasks() -> list[tuple[str, str, str]]:
-    from lrattnres.evaluate.tasks import TASKS
-
     return [(t.name, t.label, t.metric) for t in TASKS.values()]
 
 
@@ -81,8 +81,6 @@ def _table1(ctx) -> str:
 
 
 def _direction(ctx, results: list[dict]) -> str:
-    from lrattnres.evaluate.claims import lr_above_attnres_each_pair
-
     d = lr_above_attnres_each_pair([r for r in results if r.get("claim_size")] or results)
     rows = []
     for s, p in d["pairs"].items():
