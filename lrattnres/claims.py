@@ -38,9 +38,10 @@ Verdicts (docs/report.md, "Verdicts"):
              direction claim in the published change's sign; the rank correlation of the sweep
              (produced ``pairs``: label -> [reproduced, published]) by its Spearman interval
              (:func:`lrattnres.stats.spearman_interval`): reproduced when lo > 0, contradicted when hi < 0.
-- value      at scale "paper": match | mismatch within the absolute ``tolerance`` (default: half a unit
-             of the last printed digit); strings and bools by equality.  At any other scale:
-             "different scale" (the numbers are shown side by side).
+- value      where the scale trains the paper's own runs (config.yaml ``paper_runs``): match | mismatch
+             within the absolute ``tolerance`` (default: half a unit of the last printed digit);
+             strings and bools by equality.  At any other scale: "different scale" (the numbers are
+             shown side by side).
 - no reproduced value: "not run", with a note naming the stage that produces the claim, or the file
              and key of a malformed stage value (:func:`check_produced`).
 """
@@ -384,15 +385,17 @@ def _judge_shape(record: dict, prod: dict) -> dict:
     return {"verdict": v, "note": text + (f"; {problem}" if problem else ""), "interval": iv, "n": n}
 
 
-def verdict(record: dict, reproduced: Any, scale: str) -> tuple[str, str]:
+def verdict(record: dict, reproduced: Any, scale: str, *, paper_runs: bool = False) -> tuple[str, str]:
     """(verdict, note) for one published record and a bare reproduced value at ``scale``."""
-    out = judge(record, None if reproduced is None else {"reproduced": reproduced}, scale)
+    out = judge(record, None if reproduced is None else {"reproduced": reproduced}, scale, paper_runs=paper_runs)
     return out["verdict"], out["note"]
 
 
-def judge(record: dict, prod: dict | None, scale: str) -> dict:
+def judge(record: dict, prod: dict | None, scale: str, *, paper_runs: bool = False) -> dict:
     """``{"verdict", "note", "interval", "n", "reproduced"}`` for one record and its produced claim
-    (``{"reproduced": ..., evidence ...}``, or None when no stage produced it)."""
+    (``{"reproduced": ..., evidence ...}``, or None when no stage produced it). ``paper_runs``: the
+    scale trains the paper's own runs (config.yaml), so a value claim is compared with the published
+    number; otherwise it is "different scale"."""
     stage = record.get("stage", "?")
     reproduced = None if prod is None else prod.get("reproduced")
     out = {"verdict": "not run", "note": "", "interval": None, "n": None, "mdd": None, "reproduced": reproduced}
@@ -447,7 +450,7 @@ def judge(record: dict, prod: dict | None, scale: str) -> dict:
         return out
 
     if kind == "value":
-        if scale != "paper":
+        if not paper_runs:
             if _is_number(reproduced) and _is_number(pub):
                 note = f"scale {scale!r}; difference {reproduced - pub:+.4g} (compared at the paper scale only)"
             else:
@@ -555,7 +558,7 @@ def json_safe(v: Any) -> Any:
 
 
 def evaluate_claims(published: dict[str, dict], produced: dict[str, dict], scale: str,
-                    problems: dict[str, str] | None = None) -> list[dict]:
+                    problems: dict[str, str] | None = None, *, paper_runs: bool = False) -> list[dict]:
     """Claim dicts of paper.json for every published record, in the file's order.
 
     ``produced`` maps claim ids to ``{"reproduced": ..., "note": ..., evidence}`` (merged from the
@@ -579,7 +582,7 @@ def evaluate_claims(published: dict[str, dict], produced: dict[str, dict], scale
             prod, problem = check_produced(rec, prod, "stage result")
             if problem:
                 problems.setdefault(cid, problem)
-        res = judge(rec, prod, scale)
+        res = judge(rec, prod, scale, paper_runs=paper_runs)
         note = res["note"]
         if cid in problems:
             note = f"{problems[cid]} (the stage value is malformed)"

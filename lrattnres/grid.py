@@ -240,7 +240,8 @@ class _GridClaims:
         self.out: dict[str, dict] = {}
         self.rows, self.published = rows, published
         self.scale = settings["scale"]
-        self.note = "" if self.scale == "paper" else f"{self.scale} scale: analogous run (same method and N, same r/d)"
+        self.note = ("" if settings.get("paper_runs")
+                     else f"{self.scale} scale: analogous run (same method and N, same r/d)")
         self.main = settings["presets"]["main"]
         self.seed0 = [r for r in rows if r["preset"] == self.main and r["seed"] == 0]
         self.sweep = [r for r in self.seed0 if "sweep" in r["roles"] or "baseline" in r["roles"]

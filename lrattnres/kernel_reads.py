@@ -132,8 +132,9 @@ def run(checkpoint: str, data: str, spec: dict) -> dict[str, Any]:
     return result
 
 
-def claims(results: list[dict], sizes: dict[str, str], scale: str, ids: set[str]) -> dict[str, dict]:
-    """Appendix I's and Table 10's claims from the per-run results; ``sizes``: run id -> 1b | 4b."""
+def claims(results: list[dict], sizes: dict[str, str], settings: dict, ids: set[str]) -> dict[str, dict]:
+    """Appendix I's and Table 10's claims from the per-run results; ``sizes``: run id -> 1b | 4b;
+    ``settings``: the scale's (below the paper's own runs, the notes say what the runs stand for)."""
     out: dict[str, dict] = {}
     checked = [r for r in results if r.get("reads")]
     if not checked:
@@ -141,7 +142,7 @@ def claims(results: list[dict], sizes: dict[str, str], scale: str, ids: set[str]
     n = sum(len(r["reads"]) for r in checked)
     passed = sum(r["passed"] for r in checked)
     worst = max(r["criterion_max"] for r in checked)
-    where = "" if scale == "paper" else f"; {scale} scale: the size pair's trained models"
+    where = "" if settings.get("paper_runs") else f"; {settings.get('scale')} scale: the size pair's trained models"
     cid = "appI.trained_reads_bf16_criterion"
     if cid in ids:
         counts = ", ".join(f"{r['run_id']}: {len(r['reads'])}" for r in checked)
@@ -168,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--spec", default="{}", help="JSON: tokens (default: the run's sequence length)")
     p.add_argument("--aggregate", nargs="+", metavar="RESULT", help="merge per-run results into claims")
     p.add_argument("--sizes", default="{}", help="with --aggregate: JSON {run id: 1b | 4b}")
-    p.add_argument("--scale", default="paper")
+    p.add_argument("--settings", help="with --aggregate: the resolved settings JSON of the scale")
     p.add_argument("--published", default=None, help="published.yaml (claim ids)")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
@@ -176,10 +177,12 @@ def main(argv: list[str] | None = None) -> int:
 
     started = now()
     if args.aggregate:
+        if not args.settings:
+            p.error("--aggregate needs --settings (the scale's settings.json)")
         ids = set(load_published(args.published)) if args.published else set()
         results = [read_json(x) for x in args.aggregate]
         out = {"stage": "kernel_reads", "runs": [{k: v for k, v in r.items() if k != "reads"} for r in results],
-               "claims": claims(results, json.loads(args.sizes), args.scale, ids)}
+               "claims": claims(results, json.loads(args.sizes), read_json(args.settings), ids)}
         out["provenance"] = provenance({"runs": args.aggregate}, started=started)
         atomic_write_json(args.out, out)
         return 0

@@ -24,6 +24,11 @@ def test_every_scale_resolves(scale):
         assert s["recipe"]["optim"]["muon"]["lr"] == 0.001 and s["recipe"]["optim"]["adam"]["lr"] == 0.0003
 
 
+def test_only_the_paper_scale_trains_the_papers_own_runs():
+    runs = {scale: resolve(dict(RAW, scale=scale))["paper_runs"] for scale in RAW["scales"]}
+    assert runs == {scale: scale == "paper" for scale in RAW["scales"]}
+
+
 def test_default_scale_is_tiny():
     assert resolve(RAW)["scale"] == "tiny"
 

@@ -181,7 +181,7 @@ class _DiagnosticClaims:
         self.out: dict[str, dict] = {}
         self.rows, self.settings, self.known_ids = rows, settings, known_ids
         self.scale = settings.get("scale", "?")
-        self.analog = ("" if self.scale == "paper"
+        self.analog = ("" if settings.get("paper_runs")
                        else f"{self.scale} scale: analogous run (same method and N, same r/d, or same role)")
         self.by_row = run_rows(rows, settings)
         self.seed0 = _main_seed0(rows, settings)

@@ -334,7 +334,8 @@ def main(argv: list[str] | None = None) -> int:
     run_health.annotate_claims(produced, [r for rs in by_stage.values() for r in rs] + list(recorded.values()),
                                run_health.flagged_runs(by_stage.get("grid", [])))
     claims = claims_engine.evaluate_claims(published, produced, scale,
-                                           {k: v for k, v in claim_problems.items() if k in published})
+                                           {k: v for k, v in claim_problems.items() if k in published},
+                                           paper_runs=bool(settings.get("paper_runs")))
     problems += list(dict.fromkeys(claim_problems.values()))
     ctx = ReportContext(
         scale=scale,

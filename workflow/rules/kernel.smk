@@ -71,6 +71,7 @@ rule kernel_check_run:
 rule kernel_check_trained:
     input:
         runs=expand(f"{R}/kernel_check/{{run}}.json", run=READ_RUNS),
+        settings=rules.settings.output[0],
         published="reports/published.yaml",
         src=stage_sources("lrattnres.kernel_reads"),
     output:
@@ -85,10 +86,9 @@ rule kernel_check_trained:
         runtime=res("kernel_check_trained", "runtime", 10),
     params:
         sizes=lambda wc: spec(READ_RUNS),
-        scale=SCALE,
     shell:
         stage(
-            "kernel-reads --aggregate {input.runs:q} --sizes {params.sizes:q} --scale {params.scale:q} "
+            "kernel-reads --aggregate {input.runs:q} --sizes {params.sizes:q} --settings {input.settings:q} "
             "--published {input.published:q} --out {output:q} > {log:q} 2>&1",
         )
 

@@ -144,7 +144,7 @@ def build(ctx) -> str:
     if not results:
         parts.append('<p class="muted">The evaluate stage has not run at this scale; the published numbers are shown '
                      "alone.</p>")
-    elif ctx.scale != "paper":
+    elif not ctx.paper_runs:
         parts.append(f"<p>Scale {esc(ctx.scale)}: the small size pair stands in for the paper's 1B/4B pair; "
                      "value claims show \"different scale\". Only the direction is checked.</p>")
     parts.append(_table8(ctx, results))
