@@ -1,4 +1,4 @@
-"""``python -m lrattnres [--job-log LOG --attempt N --gpu-slots S/K] <stage> ...``: every stage.
+"""``python -m lrattnres [--job-log LOG --attempt N --code C --gpu-slots S/K] <stage> ...``: every stage.
 
 Each stage lives in its own module with a ``main(argv) -> int``; it is imported only when it runs,
 so a cheap stage (accounting, report) does not pay for torch's import.  Before that import, where
@@ -11,7 +11,8 @@ expected; 75 a temporary stop that a rerun continues (training stopped by SIGTER
 failure. With ``--job-log`` (the workflow's rules give it, with Snakemake's attempt number) the exit
 status is recorded beside the log and a retry of a failure that cannot succeed stops at once
 (:mod:`lrattnres.attempts`). With ``--gpu-slots S/K`` the stage first claims S of the K slots of
-one GPU of the machine and sees only that GPU (:mod:`lrattnres.gpus`).
+one GPU of the machine and sees only that GPU (:mod:`lrattnres.gpus`). ``--code`` (the fingerprint of
+the stage's code, lrattnres/deps.py, that the rule gives) is named in the job log's first line.
 """
 
 from __future__ import annotations
@@ -58,13 +59,15 @@ def _usage() -> str:
 
 
 def _job_options(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
-    """The options before the stage name: ``--job-log PATH``, ``--attempt N``, ``--gpu-slots S/K``.
+    """The options before the stage name: ``--job-log PATH``, ``--attempt N``, ``--code C``,
+    ``--gpu-slots S/K``.
     (Their names are no prefix of a torchrun option: torchrun would take ``--log`` for ``--log-dir``
     although it comes after ``-m lrattnres``.)"""
     p = argparse.ArgumentParser(prog="python -m lrattnres", add_help=False, allow_abbrev=False)
     p.add_argument("--job-log", dest="log", default=None)
     p.add_argument("--attempt", type=int, default=1)
     p.add_argument("--gpu-slots", default=None)
+    p.add_argument("--code", default=None)
     i = 0
     while i < len(argv) and argv[i].startswith("--"):
         i += 1 if "=" in argv[i] else 2
@@ -104,7 +107,8 @@ def main(argv: list[str] | None = None) -> int:
     if opts.log is None:
         return run_stage(stage, rest)
 
-    print(f"[lrattnres] {stage}: attempt {opts.attempt}, started {now()}", file=sys.stderr, flush=True)
+    of_code = f", code {opts.code}" if opts.code else ""
+    print(f"[lrattnres] {stage}: attempt {opts.attempt}{of_code}, started {now()}", file=sys.stderr, flush=True)
     attempts.keep_log(opts.log, opts.attempt)
     refused = attempts.refusal(stage, opts.attempt, opts.log)
     if refused is not None:
