@@ -131,14 +131,16 @@ def _read_source(checkpoint: str | Path, data: str | Path, spec: dict) -> _Sourc
     manifest = load_manifest(data)
     msha = manifest_sha256(manifest)
     if info.get("manifest_sha256") and info["manifest_sha256"] != msha:
-        log.warning("%s was trained on data manifest %s, evaluating on %s", checkpoint,
-                    info["manifest_sha256"][:12], msha[:12])
+        log.warning("%s was trained on data manifest %s, evaluating on %s; pass the manifest it was trained on "
+                    "(--data) to compare on its own validation split", checkpoint, info["manifest_sha256"][:12], msha[:12])
     if manifest.get("vocab_size") is not None and manifest["vocab_size"] > cfg.vocab_size:
         raise ValueError(f"{data}: vocab_size {manifest['vocab_size']} exceeds the checkpoint's {cfg.vocab_size}")
     claim_row = spec["claim_row"]
     parsed = parse_claim_row(claim_row)
     if parsed is not None and parsed[1] != f"n{cfg.blocks}":
-        log.warning("claim_row %s names N=%s but the checkpoint routes with blocks=%s", claim_row, parsed[1][1:], cfg.blocks)
+        log.warning("claim_row %s names N=%s but the checkpoint routes with blocks=%s: its claims stand for "
+                    "another row of Table 2; give the spec the claim_row of the checkpoint's N", claim_row,
+                    parsed[1][1:], cfg.blocks)
     return _Source(checkpoint, model, info, run_id, manifest, msha, claim_row)
 
 
@@ -148,8 +150,8 @@ def _fp64_sequence(src: _Source, device):
     first = iter_eval_batches(src.manifest, "val", 1, L)
     if len(first) == 0:  # a validation split shorter than one full-length window
         fp64_len = max(1, first.tokens_total - 1)
-        log.warning("validation split holds %d tokens: the FP64 check uses %d, not max_seq_len=%d",
-                    first.tokens_total, fp64_len, L)
+        log.warning("validation split holds %d tokens: the FP64 check uses %d, not max_seq_len=%d (a larger "
+                    "data.val_tokens checks a full-length sequence)", first.tokens_total, fp64_len, L)
         first = iter_eval_batches(src.manifest, "val", 1, fp64_len)
     seq = next(iter(first))
     return seq.inputs.to(device), seq.doc_ids.to(device)

@@ -36,7 +36,8 @@ def published_records(path: str | Path | None = None) -> dict[str, dict] | None:
     """The published records by id, or None (with a warning) when the file does not exist."""
     path = Path(path) if path is not None else DEFAULT_PUBLISHED
     if not path.exists():
-        log.warning("published claims file not found (%s); no claims emitted", path)
+        log.warning("published claims file not found (%s); no claims emitted: pass --published "
+                    "reports/published.yaml (as the workflow does) to emit them", path)
         return None
     return load_published(path)
 

@@ -31,7 +31,8 @@ def diagnose(settings: dict, runs_root: Path, manifest: dict | None, known_ids=N
         missing = _missing_inputs(run, folder)
         if missing:
             if skip_missing:
-                log.warning("%s: %s missing; skipped", run.run_id, ", ".join(str(p) for p in missing))
+                log.warning("%s: %s missing; skipped (train the run first: snakemake makes it)", run.run_id,
+                            ", ".join(str(p) for p in missing))
                 continue
             raise DiagnosticsError(f"{missing[0]}: not found (run {run.run_id} of the grid; train it first, "
                                    "or pass --skip-missing)")

@@ -211,7 +211,8 @@ class LRAttnResLM(_LMBase):
                 f"{checkpoint}: model vocab_size {mcfg['vocab_size']} does not match the tokenizer of {data} "
                 f"(vocab_size {tok.vocab_size}); evaluate with the manifest the model was trained on")
         if info.get("manifest_sha256") and manifest.get("_sha256") and info["manifest_sha256"] != manifest["_sha256"]:
-            log.warning("%s was trained on data manifest %s..., scoring with the tokenizer of %s (%s...)", checkpoint,
+            log.warning("%s was trained on data manifest %s..., scoring with the tokenizer of %s (%s...); pass the "
+                        "manifest it was trained on to score with its own tokenizer", checkpoint,
                         str(info["manifest_sha256"])[:12], data, str(manifest["_sha256"])[:12])
         model_len = mcfg.get("max_seq_len")
         length = max_length or model_len or 2048

@@ -57,7 +57,8 @@ def validate_spec(spec: Any) -> dict:
         raise SpecError(f"evaluate --spec: expected a JSON object, got {type(spec).__name__}")
     for k in spec:
         if k not in SPEC_KEYS:
-            log.warning("evaluate spec: ignoring unknown key %r (known: %s)", k, sorted(SPEC_KEYS))
+            log.warning("evaluate spec: ignoring unknown key %r (known: %s); take it out of the scale's evaluate "
+                        "settings (config.yaml)", k, sorted(SPEC_KEYS))
     s = {
         "tasks": list(TASK_NAMES), "limit": None, "seed": 0, "batch_size": 8, "max_length": None,
         "source": "offline", "device": "auto", "precision": "auto", "cache_dir": None,
@@ -124,7 +125,8 @@ def build_result(
     }
     ids = published_ids(published)
     if ids is None and claim_size:
-        log.warning("published claims file not found (%s); no claims emitted", published or "reports/published.yaml")
+        log.warning("published claims file not found (%s); no claims emitted: pass --published "
+                    "reports/published.yaml (as the workflow does) to emit them", published or "reports/published.yaml")
     res["claims"] = task_claims(res, ids)
     return res
 
