@@ -6,7 +6,7 @@ from typing import Any
 
 from lrattnres.evaluate.claims import lr_above_attnres_each_pair
 from lrattnres.evaluate.tasks import TASKS
-from lrattnres.report.html import badge, claims_table, esc, fmt_interval, table
+from lrattnres.report.html import badge, claims_table, esc, fmt_interval, table, verdict_cell
 
 TITLE = "Downstream evaluation (Appendix G, Table 8, Table 1 accuracy)"
 ORDER = 60
@@ -86,7 +86,7 @@ def _direction(ctx, results: list[dict]) -> str:
     for s, p in d["pairs"].items():
         c = ctx.claims.get(f"sec4.5.lr_higher_acc.{s}", {})
         rows.append([esc(s.upper()), esc(_pct(p["attnres"])), esc(_pct(p["lr"])), esc(f"{p['gain']:+.2f}"),
-                     esc(fmt_interval(c.get("interval"), c.get("n"))), badge(c.get("verdict"))])
+                     esc(fmt_interval(c.get("interval"), c.get("n"), c.get("interval_kind"))), verdict_cell(c)])
     out = ["<p>Direction: LR-AttnRes eight-task mean above AttnRes mean at each size pair (paper: +0.40 pp at 1B, "
            "+0.57 pp at 4B), judged by the 95% interval of the gain from both runs' binomial standard errors. "
            f"{esc(d['note'])}</p>"]
