@@ -96,7 +96,7 @@ SNAKEMAKE = (sys.executable, "-m", "snakemake")
 # The train rule's outputs in a run folder (workflow/rules/train.smk); the trainer writes result.json last.
 TRAIN_OUTPUTS = ("result.json", "model.safetensors", "model.safetensors.sha256")
 # Snakemake's rerun triggers while continuing: none of code, modification times, parameters or input
-# lists (a new module in a stage's imports would redo every restored run). What decides whether a
+# lists (any edit of a stage's modules changes its code param, and would redo every restored run). What decides whether a
 # restored result still belongs to the scale is checked here instead: the same data manifest and the
 # same science settings (check_same_data, check_same_settings).
 CONTINUE_TRIGGERS = ("software-env",)
