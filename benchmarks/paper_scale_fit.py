@@ -150,7 +150,7 @@ def measure_memory(settings: dict, preset: str, cfg: dict, device, smoke: bool, 
     from lrattnres import batch, memory
     from lrattnres.model import build_model, model_config
     from lrattnres.presets import PAPER_VOCAB, get_preset
-    from lrattnres.throughput import synthetic_buffer
+    from lrattnres.throughput.matched import synthetic_buffer
     from lrattnres.train.loop import LossModule, accumulate_gradients, apply_update
     from lrattnres.train.optim import build_optimizers, owners
     from lrattnres.train.spec import DEFAULTS

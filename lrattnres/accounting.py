@@ -37,6 +37,10 @@ from fractions import Fraction
 from typing import Any
 
 from lrattnres.checks import is_int
+from lrattnres.io import atomic_write_json, read_spec_arg
+from lrattnres.presets import get_preset
+from lrattnres.provenance import now, provenance
+from lrattnres.ranks import resolve_rank
 
 log = logging.getLogger("lrattnres.accounting")
 
@@ -185,17 +189,8 @@ def total_params(L: int, d: int, m: int, vocab: int | None, method: str, r: int 
 # ------------------------------------------------------------------------------------ spec
 
 
-def resolve_rank(rank: int | str, d: int) -> int:
-    """128 -> 128; "d" -> d; "d/8" -> d // 8 (must divide exactly); the config's own rule."""
-    from lrattnres.config import resolve_rank as _resolve
-
-    return _resolve(rank, d, where="accounting spec")
-
-
 def _arch_from_spec(name: str, value: Any) -> dict[str, Any]:
     if isinstance(value, str):
-        from lrattnres.presets import get_preset
-
         p = get_preset(value)
         return {"preset": value, "n_layers": p["n_layers"], "d_model": p["d_model"], "d_ff": p["d_ff"],
                 "vocab_size": p.get("vocab_size")}
@@ -244,7 +239,7 @@ def configurations(arch: dict, ranks: list, blocks: list) -> tuple[list[tuple[st
     skipped = []
     rs = []
     for rank in ranks:
-        r = resolve_rank(rank, d)
+        r = resolve_rank(rank, d, where="accounting spec: ranks")
         if r not in rs:
             rs.append(r)
     bs = []
@@ -410,9 +405,6 @@ def run(spec: dict) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from lrattnres.io import atomic_write_json, read_spec_arg
-    from lrattnres.provenance import now, provenance
-
     p = argparse.ArgumentParser(prog="python -m lrattnres accounting", description=__doc__.split("\n")[0])
     p.add_argument("--spec", default="{}", help='JSON: {"architectures": {name: preset | {n_layers, d_model, d_ff}}, '
                                                '"ranks": [...], "blocks": [...]}')

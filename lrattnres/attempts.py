@@ -31,6 +31,7 @@ from typing import Any
 
 from lrattnres.io import atomic_write_json
 from lrattnres.provenance import now
+from lrattnres.slurmjob import restart_count
 
 EX_TEMPFAIL = 75
 RETRYABLE_CODES = frozenset({EX_TEMPFAIL})
@@ -53,8 +54,6 @@ def attempt_log(log: str | os.PathLike, attempt: int, restart: int = 0) -> Path:
 def keep_log(log: str | os.PathLike, attempt: int) -> None:
     """Give the log of this attempt a second name that outlives Snakemake's removal of ``log`` (and,
     in a requeued Slurm job, the next run's)."""
-    from lrattnres.slurmjob import restart_count
-
     log, keep = Path(log), attempt_log(log, attempt, restart_count())
     if not log.is_file():
         return

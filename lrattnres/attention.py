@@ -77,10 +77,10 @@ def resolve_backend(backend: str, device: torch.device, dtype: torch.dtype | Non
 
 # What a compiled training step with flex on CUDA prints, once per process (warn_compiled_flex).
 COMPILED_FLEX_WARNING = (
-    "warning: attention 'flex' in a compiled training step on CUDA: its compiled gradients are under "
-    "investigation (one H200, torch 2.11, gpu-small baseline, 150 updates: gradient norms 5e8-3e18 where "
-    "eager and compiled masked SDPA give at most 2.51; upstream pytorch/pytorch issue 158212); attention "
-    "'auto' trains with masked SDPA (docs/attention.md)")
+    "warning: attention 'flex' in a compiled training step on CUDA: its compiled gradients were measured "
+    "wrong (one H200, torch 2.11, gpu-small baseline, 150 updates: gradient norms 5e8-3e18 where eager and "
+    "compiled masked SDPA give at most 2.51; upstream pytorch/pytorch issue 158212); attention 'auto' trains "
+    "with masked SDPA: set recipe.attention to auto or sdpa (docs/attention.md)")
 _warned = False
 
 

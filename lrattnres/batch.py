@@ -23,7 +23,6 @@ from typing import Any
 from lrattnres.errors import UserError
 
 PAPER_TOKENS_PER_UPDATE = 262_144  # Section 4.1
-PAPER_SCALE = "paper"
 SIZE_ROLES = ("small", "large")  # grid.pair.<role>: the size pair's presets
 BATCH_KEYS = ("micro_batch", "grad_accum", "shard_optimizer", "val_batch_size", "activation_checkpointing")
 CHECKPOINTING = ("auto", True, False)
@@ -91,9 +90,10 @@ def check(settings: dict, where: str) -> None:
     """Every preset of the scale's runs updates with the scale's tokens per update (see the module)."""
     train = settings["train"]
     target = train.get("tokens_per_update")
-    if settings.get("scale") == PAPER_SCALE and target != PAPER_TOKENS_PER_UPDATE:
-        raise BatchError(f"{where}.train.tokens_per_update: {target!r}; the paper scale updates with the paper's "
-                         f"{PAPER_TOKENS_PER_UPDATE:,} tokens (Section 4.1); expected {PAPER_TOKENS_PER_UPDATE}")
+    if settings.get("paper_runs") and target != PAPER_TOKENS_PER_UPDATE:
+        raise BatchError(f"{where}.train.tokens_per_update: {target!r}; a scale of the paper's own runs (paper_runs: "
+                         f"true) updates with the paper's {PAPER_TOKENS_PER_UPDATE:,} tokens (Section 4.1); expected "
+                         f"{PAPER_TOKENS_PER_UPDATE}")
     presets = settings.get("presets", {})
     pair = settings.get("grid", {}).get("pair") or {}
     for role in SIZE_ROLES:

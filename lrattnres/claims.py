@@ -38,9 +38,10 @@ Verdicts (docs/report.md, "Verdicts"):
              direction claim in the published change's sign; the rank correlation of the sweep
              (produced ``pairs``: label -> [reproduced, published]) by its Spearman interval
              (:func:`lrattnres.stats.spearman_interval`): reproduced when lo > 0, contradicted when hi < 0.
-- value      at scale "paper": match | mismatch within the absolute ``tolerance`` (default: half a unit
-             of the last printed digit); strings and bools by equality.  At any other scale:
-             "different scale" (the numbers are shown side by side).
+- value      where the scale trains the paper's own runs (config.yaml ``paper_runs``): match | mismatch
+             within the absolute ``tolerance`` (default: half a unit of the last printed digit);
+             strings and bools by equality.  At any other scale: "different scale" (the numbers are
+             shown side by side).
 - no reproduced value: "not run", with a note naming the stage that produces the claim, or the file
              and key of a malformed stage value (:func:`check_produced`).
 """
@@ -72,7 +73,7 @@ REQUIRED = ("id", "source", "section", "row", "quantity", "kind", "published", "
 OPTIONAL = ("page", "tolerance", "bound", "op", "decimals", "sig", "check", "origin", "note", "glance",
             "threshold", "tie", "every", "all_of")
 CLAIM_FIELDS = ("id", "source", "section", "origin", "row", "quantity", "kind", "published", "reproduced",
-                "verdict", "interval", "n", "mdd", "note")
+                "verdict", "interval", "interval_kind", "n", "unresolved", "mdd", "note")
 # evidence a stage may give beside "reproduced" and "note" (see the module doc)
 EVIDENCE = ("samples", "unit", "labels", "item_se", "se", "df", "n", "threshold", "margin", "pairs")
 MIN_REPLICATES = 3
@@ -261,34 +262,39 @@ def _compare(reproduced: Any, op: str, bound: Any) -> bool:
     return bool(OPS[op](reproduced, bound))
 
 
-def _interval_text(iv: list[float] | None, n: int | None, how: str) -> str:
+def _interval_text(iv: list[float] | None, n: int | None, how: str, kind: str | None = "95%") -> str:
     if iv is None:
         return f"no interval ({how})" if how else "no interval"
-    return f"95% interval [{iv[0]:+.4g}, {iv[1]:+.4g}], n = {n}" + (f" ({how})" if how else "")
+    what = "threshold band" if kind == "threshold" else "95% interval"
+    return f"{what} [{iv[0]:+.4g}, {iv[1]:+.4g}], n = {n}" + (f" ({how})" if how else "")
 
 
-def _evidence_interval(record: dict, prod: dict, effect: float) -> tuple[list[float] | None, int | None, str, str]:
-    """(interval, n, how, problem) of a direction or shape effect from the produced evidence.
+def _evidence_interval(record: dict, prod: dict,
+                       effect: float) -> tuple[list[float] | None, int | None, str, str, str | None]:
+    """(interval, n, how, problem, kind) of a direction or shape effect from the produced evidence.
 
     ``problem`` is non-empty when the evidence cannot resolve the effect whatever its value (fewer than
-    three replicates, no threshold)."""
+    three replicates, no threshold). ``kind``: "95%" (a 95% interval of the effect, over replicates or
+    from a standard error), "threshold" (a single run: the effect plus and minus the claim's
+    threshold, which an effect must clear) or None."""
     if prod.get("samples") is not None:
         st = stats.mean_interval(prod["samples"])
         unit = prod.get("unit") or "replicates"
         how = f"paired over {st['n']} {unit}"
         if st["n"] < MIN_REPLICATES:
-            return st["interval"], st["n"], how, f"{st['n']} {unit}: fewer than {MIN_REPLICATES} to resolve an effect"
-        return st["interval"], st["n"], how, ""
+            return (st["interval"], st["n"], how, f"{st['n']} {unit}: fewer than {MIN_REPLICATES} to resolve an effect",
+                    "95%")
+        return st["interval"], st["n"], how, "", "95%"
     if prod.get("se") is not None:
         df = prod.get("df")
         iv = stats.effect_interval(effect, prod["se"], df)
         how = f"standard error {prod['se']:.3g}" + (f", {df:g} degrees of freedom" if df is not None else ", normal")
-        return iv, prod.get("n", 1), how, ""
+        return iv, prod.get("n", 1), how, "", "95%"
     thr = prod.get("threshold", record.get("threshold"))
     if thr is not None:
         src = "this scale's" if "threshold" in prod else "the claim's"
-        return [effect - thr, effect + thr], prod.get("n", 1), f"single run, {src} threshold {thr:.3g}", ""
-    return None, prod.get("n"), "", "no interval: a single comparison with no threshold or replicates"
+        return [effect - thr, effect + thr], prod.get("n", 1), f"single run, {src} threshold {thr:.3g}", "", "threshold"
+    return None, prod.get("n"), "", "no interval: a single comparison with no threshold or replicates", None
 
 
 def min_detectable(record: dict, prod: dict) -> float | None:
@@ -311,15 +317,18 @@ def _judge_direction(record: dict, prod: dict) -> dict:
     if isinstance(effect, bool) or not _is_number(effect):
         return {"verdict": "inconclusive", "note": f"expected an effect size, got {effect!r}: a bare sign is not resolved",
                 "interval": None, "n": prod.get("n")}
-    iv, n, how, problem = _evidence_interval(record, prod, effect)
+    iv, n, how, problem, ivk = _evidence_interval(record, prod, effect)
     if problem and iv is None:
-        return {"verdict": "inconclusive", "note": f"effect {effect:+.4g}; {problem}", "interval": None, "n": n}
-    text = f"effect {effect:+.4g}; {_interval_text(iv, n, how)}"
+        return {"verdict": "inconclusive", "note": f"effect {effect:+.4g}; {problem}", "interval": None, "n": n,
+                "unresolved": problem}
+    text = f"effect {effect:+.4g}; {_interval_text(iv, n, how, ivk)}"
     lo, hi = iv
+    shown = {"interval": iv, "n": n, "interval_kind": ivk, "unresolved": problem or None}
     if record.get("tie"):
         m = prod.get("margin")
         if m is None:
-            return {"verdict": "inconclusive", "note": f"{text}; no tie margin given", "interval": iv, "n": n}
+            return {"verdict": "inconclusive", "note": f"{text}; no tie margin given", **shown,
+                    "unresolved": "no tie margin given"}
         text += f"; tie margin +-{m:.3g}"
         if problem:
             v = "inconclusive"
@@ -329,7 +338,7 @@ def _judge_direction(record: dict, prod: dict) -> dict:
             v = "contradicted"
         else:
             v = "inconclusive"
-        return {"verdict": v, "note": text + (f"; {problem}" if problem else ""), "interval": iv, "n": n}
+        return {"verdict": v, "note": text + (f"; {problem}" if problem else ""), **shown}
     against = []
     if record.get("every") and prod.get("labels") and prod.get("item_se") is not None:
         q = stats.quantile(df=prod.get("df"))
@@ -338,7 +347,7 @@ def _judge_direction(record: dict, prod: dict) -> dict:
         text += f"; each item +-{hw:.3g}"
     if against:
         return {"verdict": "contradicted", "note": f"{text}; resolved the other way at {', '.join(against)}",
-                "interval": iv, "n": n}
+                **shown, "unresolved": None}
     if problem:
         v = "inconclusive"
     elif hi < 0:
@@ -347,7 +356,7 @@ def _judge_direction(record: dict, prod: dict) -> dict:
         v = "reproduced"
     else:
         v = "inconclusive"
-    return {"verdict": v, "note": text + (f"; {problem}" if problem else ""), "interval": iv, "n": n}
+    return {"verdict": v, "note": text + (f"; {problem}" if problem else ""), **shown}
 
 
 def _judge_shape(record: dict, prod: dict) -> dict:
@@ -355,8 +364,9 @@ def _judge_shape(record: dict, prod: dict) -> dict:
         pairs = prod["pairs"]
         labels = list(pairs)
         if len(labels) < 3:
-            return {"verdict": "inconclusive", "reproduced": None, "interval": None, "n": len(labels),
-                    "note": f"{len(labels)} configurations in common with the paper: too few for a rank correlation"}
+            why = f"{len(labels)} configurations in common with the paper: too few for a rank correlation"
+            return {"verdict": "inconclusive", "reproduced": None, "interval": None, "n": len(labels), "note": why,
+                    "unresolved": why}
         st = stats.spearman_interval([pairs[k][0] for k in labels], [pairs[k][1] for k in labels])
         rho, iv, n = st["rho"], st["interval"], st["n"]
         text = (f"Spearman rho {'n/a' if rho is None else f'{rho:+.3f}'} over {n} configurations; "
@@ -369,33 +379,39 @@ def _judge_shape(record: dict, prod: dict) -> dict:
             v = "contradicted"
         else:
             v = "inconclusive"
-        return {"verdict": v, "reproduced": rho, "interval": iv, "n": n, "note": text}
+        return {"verdict": v, "reproduced": rho, "interval": iv, "n": n, "note": text,
+                "interval_kind": None if iv is None else "95%"}
     pub = record["published"]
     sign = 1.0 if pub > 0 else -1.0
     change = prod["reproduced"]
     if isinstance(change, bool) or not _is_number(change):
         return {"verdict": "inconclusive", "note": f"expected a number, got {change!r}", "interval": None, "n": None}
-    iv, n, how, problem = _evidence_interval(record, prod, change)
-    text = f"{change:+.4g} (paper {pub:+.4g}); {_interval_text(iv, n, how)}"
+    iv, n, how, problem, ivk = _evidence_interval(record, prod, change)
+    text = f"{change:+.4g} (paper {pub:+.4g}); {_interval_text(iv, n, how, ivk)}"
     if iv is None:
-        return {"verdict": "inconclusive", "note": f"{text}; {problem}", "interval": None, "n": n}
+        return {"verdict": "inconclusive", "note": f"{text}; {problem}", "interval": None, "n": n,
+                "unresolved": problem}
     lo, hi = sorted((iv[0] * sign, iv[1] * sign))
     v = "inconclusive" if problem else ("contradicted" if hi < 0 else ("reproduced" if lo > 0 else "inconclusive"))
-    return {"verdict": v, "note": text + (f"; {problem}" if problem else ""), "interval": iv, "n": n}
+    return {"verdict": v, "note": text + (f"; {problem}" if problem else ""), "interval": iv, "n": n,
+            "interval_kind": ivk, "unresolved": problem or None}
 
 
-def verdict(record: dict, reproduced: Any, scale: str) -> tuple[str, str]:
+def verdict(record: dict, reproduced: Any, scale: str, *, paper_runs: bool = False) -> tuple[str, str]:
     """(verdict, note) for one published record and a bare reproduced value at ``scale``."""
-    out = judge(record, None if reproduced is None else {"reproduced": reproduced}, scale)
+    out = judge(record, None if reproduced is None else {"reproduced": reproduced}, scale, paper_runs=paper_runs)
     return out["verdict"], out["note"]
 
 
-def judge(record: dict, prod: dict | None, scale: str) -> dict:
+def judge(record: dict, prod: dict | None, scale: str, *, paper_runs: bool = False) -> dict:
     """``{"verdict", "note", "interval", "n", "reproduced"}`` for one record and its produced claim
-    (``{"reproduced": ..., evidence ...}``, or None when no stage produced it)."""
+    (``{"reproduced": ..., evidence ...}``, or None when no stage produced it). ``paper_runs``: the
+    scale trains the paper's own runs (config.yaml), so a value claim is compared with the published
+    number; otherwise it is "different scale"."""
     stage = record.get("stage", "?")
     reproduced = None if prod is None else prod.get("reproduced")
-    out = {"verdict": "not run", "note": "", "interval": None, "n": None, "mdd": None, "reproduced": reproduced}
+    out = {"verdict": "not run", "note": "", "interval": None, "n": None, "mdd": None, "reproduced": reproduced,
+           "interval_kind": None, "unresolved": None}
     if reproduced is None and not (record["kind"] == "shape" and prod and prod.get("pairs") is not None):
         if stage == "none":
             out["note"] = "not reproducible in this project (stage none: needs data outside the pipeline)"
@@ -447,7 +463,7 @@ def judge(record: dict, prod: dict | None, scale: str) -> dict:
         return out
 
     if kind == "value":
-        if scale != "paper":
+        if not paper_runs:
             if _is_number(reproduced) and _is_number(pub):
                 note = f"scale {scale!r}; difference {reproduced - pub:+.4g} (compared at the paper scale only)"
             else:
@@ -555,7 +571,7 @@ def json_safe(v: Any) -> Any:
 
 
 def evaluate_claims(published: dict[str, dict], produced: dict[str, dict], scale: str,
-                    problems: dict[str, str] | None = None) -> list[dict]:
+                    problems: dict[str, str] | None = None, *, paper_runs: bool = False) -> list[dict]:
     """Claim dicts of paper.json for every published record, in the file's order.
 
     ``produced`` maps claim ids to ``{"reproduced": ..., "note": ..., evidence}`` (merged from the
@@ -579,7 +595,7 @@ def evaluate_claims(published: dict[str, dict], produced: dict[str, dict], scale
             prod, problem = check_produced(rec, prod, "stage result")
             if problem:
                 problems.setdefault(cid, problem)
-        res = judge(rec, prod, scale)
+        res = judge(rec, prod, scale, paper_runs=paper_runs)
         note = res["note"]
         if cid in problems:
             note = f"{problems[cid]} (the stage value is malformed)"
@@ -607,7 +623,9 @@ def _claim(rec: dict, res: dict, note: str) -> dict:
         "reproduced": json_safe(res["reproduced"]),
         "verdict": res["verdict"],
         "interval": json_safe(res["interval"]),
+        "interval_kind": res.get("interval_kind"),
         "n": res["n"],
+        "unresolved": res.get("unresolved"),
         "mdd": json_safe(res.get("mdd")),
         "note": note,
     }

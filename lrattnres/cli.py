@@ -1,4 +1,4 @@
-"""``python -m lrattnres [--job-log LOG --attempt N --gpu-slots S/K] <stage> ...``: every stage.
+"""``python -m lrattnres [--job-log LOG --attempt N --code C --gpu-slots S/K] <stage> ...``: every stage.
 
 Each stage lives in its own module with a ``main(argv) -> int``; it is imported only when it runs,
 so a cheap stage (accounting, report) does not pay for torch's import.  Before that import, where
@@ -11,7 +11,8 @@ expected; 75 a temporary stop that a rerun continues (training stopped by SIGTER
 failure. With ``--job-log`` (the workflow's rules give it, with Snakemake's attempt number) the exit
 status is recorded beside the log and a retry of a failure that cannot succeed stops at once
 (:mod:`lrattnres.attempts`). With ``--gpu-slots S/K`` the stage first claims S of the K slots of
-one GPU of the machine and sees only that GPU (:mod:`lrattnres.gpus`).
+one GPU of the machine and sees only that GPU (:mod:`lrattnres.gpus`). ``--code`` (the fingerprint of
+the stage's code, lrattnres/deps.py, that the rule gives) is named in the job log's first line.
 """
 
 from __future__ import annotations
@@ -20,10 +21,16 @@ import argparse
 import importlib
 import sys
 
+from lrattnres import attempts, gpus
+from lrattnres.errors import UserError, one_line
+from lrattnres.io import DiskFull, is_disk_full
+from lrattnres.progress import quiet_library_bars
+from lrattnres.provenance import now
+
 STAGES: dict[str, tuple[str, str]] = {
     "config": ("lrattnres.config", "print the resolved, validated configuration of a scale"),
-    "memory": ("lrattnres.memory", "the estimated GPU memory of each size's training ranks"),
-    "jobs": ("lrattnres.jobplan", "what each training job asks of a cluster: placement, wall time, signal"),
+    "memory": ("lrattnres.memory_cli", "the estimated GPU memory of each size's training ranks"),
+    "jobs": ("lrattnres.jobs_cli", "what each training job asks of a cluster: placement, wall time, signal"),
     "accounting": ("lrattnres.accounting", "Appendix F: FLOPs, parameters and memory"),
     "corpus-pack": ("lrattnres.data.docs", "extract installed documentation into an offline text pack"),
     "prepare-data": ("lrattnres.data.cli", "tokenise a corpus into token shards and a manifest"),
@@ -37,7 +44,7 @@ STAGES: dict[str, tuple[str, str]] = {
     "lm-eval": ("lrattnres.evaluate.lm_eval_cli", "lm-eval's own command line, with the lrattnres model registered"),
     "kernel-check": ("lrattnres.kernel_check", "the fused routing kernel against the reference"),
     "kernel-reads": ("lrattnres.kernel_reads", "Appendix I on a trained model: every routing read"),
-    "throughput": ("lrattnres.throughput", "training-step throughput with the paper's protocol"),
+    "throughput": ("lrattnres.throughput.cli", "training-step throughput with the paper's protocol"),
     "diagnostics": ("lrattnres.diagnostics", "routing diagnostics: N_eff, heatmaps, grad norms"),
     "piece": ("lrattnres.pieces", "run a scale in pieces that continue each other across machines"),
     "report": ("lrattnres.report", "render reports/paper.html and reports/paper.json"),
@@ -52,13 +59,15 @@ def _usage() -> str:
 
 
 def _job_options(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
-    """The options before the stage name: ``--job-log PATH``, ``--attempt N``, ``--gpu-slots S/K``.
+    """The options before the stage name: ``--job-log PATH``, ``--attempt N``, ``--code C``,
+    ``--gpu-slots S/K``.
     (Their names are no prefix of a torchrun option: torchrun would take ``--log`` for ``--log-dir``
     although it comes after ``-m lrattnres``.)"""
     p = argparse.ArgumentParser(prog="python -m lrattnres", add_help=False, allow_abbrev=False)
     p.add_argument("--job-log", dest="log", default=None)
     p.add_argument("--attempt", type=int, default=1)
     p.add_argument("--gpu-slots", default=None)
+    p.add_argument("--code", default=None)
     i = 0
     while i < len(argv) and argv[i].startswith("--"):
         i += 1 if "=" in argv[i] else 2
@@ -67,11 +76,6 @@ def _job_options(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
 
 def run_stage(stage: str, rest: list[str]) -> int:
     """Run one stage; user errors and a full disk become one line on stderr and exit code 2."""
-    from lrattnres.errors import UserError, one_line
-    from lrattnres.io import DiskFull, is_disk_full
-
-    from lrattnres.progress import quiet_library_bars
-
     quiet_library_bars()
     try:
         module = importlib.import_module(STAGES[stage][0])
@@ -98,17 +102,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     stage, rest = argv[0], argv[1:]
     if opts.gpu_slots:
-        from lrattnres import gpus
-
         slots, _, per_gpu = opts.gpu_slots.partition("/")
         gpus.claim(int(slots), int(per_gpu or 1), say=lambda m: print(m, file=sys.stderr, flush=True))
     if opts.log is None:
         return run_stage(stage, rest)
 
-    from lrattnres import attempts
-    from lrattnres.provenance import now
-
-    print(f"[lrattnres] {stage}: attempt {opts.attempt}, started {now()}", file=sys.stderr, flush=True)
+    of_code = f", code {opts.code}" if opts.code else ""
+    print(f"[lrattnres] {stage}: attempt {opts.attempt}{of_code}, started {now()}", file=sys.stderr, flush=True)
     attempts.keep_log(opts.log, opts.attempt)
     refused = attempts.refusal(stage, opts.attempt, opts.log)
     if refused is not None:

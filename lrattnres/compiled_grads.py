@@ -26,6 +26,14 @@ from typing import Any
 import numpy as np
 import torch
 
+from lrattnres.attention import resolve_backend
+from lrattnres.data.loader import batch_from_rows
+from lrattnres.model import build_model
+from lrattnres.train.loop import LossModule, accumulate_gradients, apply_update
+from lrattnres.train.optim import build_optimizers
+from lrattnres.train.spec import DEFAULTS
+from lrattnres.train.val import IGNORE_INDEX
+
 # compiled error <= FACTOR x eager error + FLOOR[precision], per parameter (relative L2 against fp64)
 FACTOR = 4.0
 FLOOR = {"fp32": 1e-5, "bf16": 2e-3}
@@ -53,8 +61,6 @@ def document_batches(n: int, micro_batch: int, seq_len: int, vocab: int, mean_do
     """``n`` micro-batches of random tokens whose rows pack documents of geometric length (mean
     ``mean_doc``), at least ``min_docs`` per row, through the data loader's own ``batch_from_rows``
     (token 0 is the end-of-text that closes a document)."""
-    from lrattnres.data.loader import batch_from_rows
-
     rng = np.random.default_rng(seed)
     out = []
     for _ in range(n):
@@ -75,8 +81,6 @@ def _grads(model) -> dict[str, torch.Tensor]:
 def step_grads(fwd, lm, batches, device: torch.device, segments: bool = False) -> tuple[dict, dict]:
     """The trainer's gradient of one global batch (no clipping): ``({name: fp64 grad}, {"ce", "z",
     "norm"})``."""
-    from lrattnres.train.loop import accumulate_gradients
-
     model = lm.model
     params = [p for p in model.parameters() if p.requires_grad]
     for p in params:
@@ -91,9 +95,6 @@ def step_grads(fwd, lm, batches, device: torch.device, segments: bool = False) -
 def reference_grads(model, batches, device: torch.device) -> tuple[dict, dict]:
     """The same weights in fp64 (reference router, masked SDPA), loss summed in fp64: ``({name:
     grad}, {"ce", "norm"})``."""
-    from lrattnres.model import build_model
-    from lrattnres.train.val import IGNORE_INDEX
-
     cfg = {**model.cfg.to_dict(), "router": "reference", "attention": "sdpa"}
     ref = build_model(cfg).to(device=device, dtype=torch.float64)
     ref.load_state_dict({k: v.double() for k, v in model.state_dict().items()})
@@ -129,9 +130,6 @@ def measure(model, batches, device: torch.device, precision: str, fwd_compiled=N
     gradients before they are compared (to check that the check can fail).  Returns
     ``{"params": {name: {"eager", "compiled", "ref_norm"}}, "eager", "compiled", "reference"
     (losses and norms), "fwd_compiled"}``."""
-    from lrattnres.attention import resolve_backend
-    from lrattnres.train.loop import LossModule
-
     lm = LossModule(model, precision)
     fwd = fwd_compiled if fwd_compiled is not None else torch.compile(lm, dynamic=False, backend=backend)
     flash = resolve_backend(model.cfg.attention, device) == "flash"
@@ -177,10 +175,6 @@ def move_weights(model, batches, device: torch.device, lr_scale: float = 20.0, s
     """A few eager fp32 updates of the trainer's optimisers at ``lr_scale`` times the paper's learning
     rates (Muon 0.02, Adam 0.006 at the default 20), so the weights and routing queries leave their
     initialisation."""
-    from lrattnres.train.loop import LossModule, accumulate_gradients, apply_update
-    from lrattnres.train.optim import build_optimizers
-    from lrattnres.train.spec import DEFAULTS
-
     optim = {g: {**DEFAULTS["optim"][g], "lr": DEFAULTS["optim"][g]["lr"] * lr_scale} for g in ("muon", "adam")}
     opts = build_optimizers(model, optim, device.type)
     lm = LossModule(model, "fp32")

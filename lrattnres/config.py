@@ -20,13 +20,15 @@ import argparse
 import copy
 import json
 import math
-import re
 import sys
 from pathlib import Path
 
 import yaml
 
+from lrattnres import batch, jobplan, memory, presets
 from lrattnres.errors import UserError
+from lrattnres.merge import deep_merge
+from lrattnres.ranks import resolve_rank
 
 REPO = Path(__file__).resolve().parent.parent
 SCHEMA_PATH = REPO / "workflow" / "schemas" / "config.schema.yaml"
@@ -51,17 +53,6 @@ SECTIONS = (
 
 class ConfigError(UserError, ValueError):
     """A config that cannot be run; the message names the file, the key and the expectation."""
-
-
-def deep_merge(base: dict, override: dict) -> dict:
-    """Recursive dict merge; ``override`` wins; neither input is modified."""
-    out = copy.deepcopy(base)
-    for key, value in override.items():
-        if isinstance(value, dict) and isinstance(out.get(key), dict):
-            out[key] = deep_merge(out[key], value)
-        else:
-            out[key] = copy.deepcopy(value)
-    return out
 
 
 def load_schema() -> dict:
@@ -238,26 +229,6 @@ def _describe(err) -> str:
     return err.message
 
 
-_RANK = re.compile(r"^d(?:/(\d+))?$")
-
-
-def resolve_rank(rank: int | str, d_model: int, *, where: str) -> int:
-    """``128`` -> 128; ``"d/8"`` -> d_model // 8; ``"d"`` -> d_model. Checks 1 <= r <= d."""
-    if isinstance(rank, str):
-        m = _RANK.match(rank)
-        if not m:
-            raise ConfigError(f"{where}: rank {rank!r} is not an integer or 'd/<k>'")
-        k = int(m.group(1) or 1)
-        if d_model % k:
-            raise ConfigError(f"{where}: rank {rank!r} does not divide the width d={d_model}")
-        value = d_model // k
-    else:
-        value = int(rank)
-    if not 1 <= value <= d_model:
-        raise ConfigError(f"{where}: rank {rank!r} = {value} must be between 1 and the width d={d_model}")
-    return value
-
-
 def check_blocks(blocks: int | str, n_layers: int, *, where: str) -> int | str:
     if blocks == "full":
         return blocks
@@ -267,8 +238,6 @@ def check_blocks(blocks: int | str, n_layers: int, *, where: str) -> int | str:
 
 
 def preset_shape(name: str, *, where: str) -> dict:
-    from lrattnres import presets
-
     try:
         return presets.get_preset(name)
     except (KeyError, ValueError) as e:
@@ -315,6 +284,9 @@ def _check_attention(config: dict, settings: dict, source: str) -> None:
 
 
 def _check_semantics(settings: dict, where: str) -> None:
+    def rank_ok(rank, d_model: int, *, where: str) -> int:
+        return resolve_rank(rank, d_model, where=where, error=ConfigError)
+
     train = settings["train"]
     if "steps" not in train and "tokens" not in train:
         raise ConfigError(f"{where}.train: expected 'steps' or 'tokens'")
@@ -322,18 +294,18 @@ def _check_semantics(settings: dict, where: str) -> None:
     main = shapes["main"]
     grid = settings["grid"]
     for i, rank in enumerate(grid.get("ranks", [])):
-        resolve_rank(rank, main["d_model"], where=f"{where}.grid.ranks[{i}]")
+        rank_ok(rank, main["d_model"], where=f"{where}.grid.ranks[{i}]")
     for i, blocks in enumerate(grid.get("blocks", [])):
         check_blocks(blocks, main["n_layers"], where=f"{where}.grid.blocks[{i}]")
     named = [(k, grid[k]) for k in ("headline", "control") if k in grid]
     named += [(f"projected[{i}]", p) for i, p in enumerate(grid.get("projected", []))]
     for key, run in named:
-        resolve_rank(run["rank"], main["d_model"], where=f"{where}.grid.{key}.rank")
+        rank_ok(run["rank"], main["d_model"], where=f"{where}.grid.{key}.rank")
         check_blocks(run["blocks"], main["n_layers"], where=f"{where}.grid.{key}.blocks")
     if "pair" in grid:
         for role in ("small", "large"):
             shape = shapes[role]
-            resolve_rank(grid["pair"]["rank"], shape["d_model"], where=f"{where}.grid.pair.rank ({role})")
+            rank_ok(grid["pair"]["rank"], shape["d_model"], where=f"{where}.grid.pair.rank ({role})")
             check_blocks(grid["pair"]["blocks"], shape["n_layers"], where=f"{where}.grid.pair.blocks ({role})")
     for rule in TIMING_RULES:
         if settings.get("resources", {}).get(rule, {}).get("jobs_per_gpu", 1) != 1:
@@ -341,13 +313,9 @@ def _check_semantics(settings: dict, where: str) -> None:
     acc = settings["accounting"]
     for role, shape in shapes.items():
         for i, rank in enumerate(acc.get("ranks", [])):
-            resolve_rank(rank, shape["d_model"], where=f"{where}.accounting.ranks[{i}] ({role})")
+            rank_ok(rank, shape["d_model"], where=f"{where}.accounting.ranks[{i}] ({role})")
         for i, blocks in enumerate(acc.get("blocks", [])):
             check_blocks(blocks, shape["n_layers"], where=f"{where}.accounting.blocks[{i}] ({role})")
-    from lrattnres import batch
-
-    from lrattnres import jobplan, memory
-
     try:
         batch.check(settings, where)
         memory.check(settings, where)

@@ -1,16 +1,23 @@
 """Which first-party source files a stage imports, so Snakemake can rerun exactly what a change affects.
 
-Snakemake does not track imported modules.  Each rule lists, as inputs, the closure of the package
-modules its stage imports (found statically with ``ast``, lazy imports inside functions included),
-plus any data files the stage reads (report templates).  A real content change of one of those files
-then reruns the jobs that depend on it, and only those.
+Snakemake does not track imported modules.  A stage's files are the closure of the package modules
+its command imports (found statically with ``ast``, imports inside functions included), plus what it
+finds at run time (the report's sections and templates): :func:`stage_files`.  Each rule gives its
+stage's :func:`stage_code`, one fingerprint of those files' contents, as its ``code`` param, which
+Snakemake's params trigger compares with the one recorded when the job ran: a real content change of
+one of the files reruns the jobs whose stage imports it, and only those; a bare touch reruns nothing.
+The job's command shows the fingerprint (``--code``) and its log records it.
 """
 
 from __future__ import annotations
 
 import ast
+import hashlib
 from functools import lru_cache
 from pathlib import Path
+from typing import Iterable
+
+from lrattnres.cli import STAGES
 
 REPO = Path(__file__).resolve().parent.parent
 PACKAGES = ("lrattnres", "kernels")
@@ -71,6 +78,40 @@ def closure(*modules: str) -> tuple[str, ...]:
         todo.extend(".".join(parts[:i]) for i in range(1, len(parts)))
         todo.extend(_imports(path, name))
     return tuple(sorted({str(p.relative_to(REPO)) for p in seen.values()}))
+
+
+# What a stage reads at run time besides the modules it imports: the report finds its sections by name
+# and reads its templates as files.
+DISCOVERED = {"lrattnres.report": (("lrattnres.report.sections", "*.py"), ("lrattnres.report.templates", "*.j2"))}
+FINGERPRINT_DIGITS = 16
+
+
+def stage_files(module: str) -> tuple[str, ...]:
+    """Sorted repo-relative paths of the files a stage's command runs: ``module`` (the stage's module
+    in lrattnres/cli.py's STAGES) with every module it imports, the command line's own, and what
+    :data:`DISCOVERED` says the stage finds at run time."""
+    modules, files = [], []
+    for package, pattern in DISCOVERED.get(module, ()):
+        if pattern == "*.py":
+            modules += package_modules(package)
+        else:
+            files += package_files(package, pattern)
+    return tuple(sorted({*closure("lrattnres.__main__", "lrattnres.cli", module, *modules), *files}))
+
+
+def fingerprint(files: Iterable[str]) -> str:
+    """One hash of the files' repository paths and contents (sha256, its first FINGERPRINT_DIGITS hex
+    digits): it changes with a real change of any of them, not with a bare touch."""
+    h = hashlib.sha256()
+    for rel in sorted(files):
+        h.update(rel.encode() + b"\0" + hashlib.sha256((REPO / rel).read_bytes()).digest())
+    return h.hexdigest()[:FINGERPRINT_DIGITS]
+
+
+def stage_code(stage: str) -> str:
+    """The fingerprint of the code stage ``stage`` (a subcommand of ``python -m lrattnres``) runs: a
+    rule's ``code`` param."""
+    return fingerprint(stage_files(STAGES[stage][0]))
 
 
 def package_files(package: str, pattern: str = "*.py") -> list[str]:

@@ -24,8 +24,9 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from lrattnres import batch, memory
-from lrattnres.config import deep_merge, resolve_rank
+from lrattnres.merge import deep_merge
 from lrattnres.presets import get_preset
+from lrattnres.ranks import resolve_rank
 
 # The paper's sweep axes: a small-scale run maps to a paper row when its N is one of these and its
 # r/d ratio lands on one of the paper's ranks at d = 1024.

@@ -26,7 +26,7 @@ validations, the start-up, times ``1 + job_margin``, at most the longest job the
 (:func:`runtime_cap_min`). A run longer than that is a chain of runs of the same Slurm job: its
 trainer stops at a deadline before the job's end and requeues the job, which resumes from the
 checkpoint (lrattnres/slurmjob.py; :func:`jobs_needed` says how many runs).
-``python -m lrattnres jobs [--scale paper] [--partition P]`` prints the plan.
+``python -m lrattnres jobs [--scale paper] [--partition P]`` (lrattnres/jobs_cli.py) prints the plan.
 
 Launch options are used only where the installed torch has them (:func:`torchrun_supports`): torchrun's
 ``--shutdown-timeout`` (PyTorch 2.11 and later) sets how long torchrun waits for its workers after
@@ -36,16 +36,17 @@ later, so a job whose update and checkpoint write take longer is refused (:func:
 
 from __future__ import annotations
 
-import argparse
 import functools
 import math
 import re
-import shlex
 import subprocess
 from typing import Any
 
 from lrattnres import batch, memory
 from lrattnres.errors import UserError
+from lrattnres.gridplan import plan, train_spec
+from lrattnres.presets import PAPER_VOCAB, get_preset
+from lrattnres.throughput.spec import for_preset, resolve_spec
 
 RDZV_PORT_BASE = 29400  # c10d rendezvous port: the base plus the job id modulo RDZV_PORT_SPAN
 RDZV_PORT_SPAN = 20000
@@ -100,8 +101,6 @@ def update_s(settings: dict, preset: str) -> float | None:
 
 def checkpoint_write_s(settings: dict, preset: str) -> float | None:
     """Estimated seconds for the ranks to write and hash a checkpoint (the largest share)."""
-    from lrattnres.presets import PAPER_VOCAB, get_preset
-
     c = _cluster(settings)
     if not c.get("checkpoint_write_gbps"):
         return None
@@ -262,13 +261,11 @@ def throughput_runtime_min(settings: dict, preset: str, partition_min: int | Non
     ``max_updates`` updates at the size's speed; with ``target_half_width``, the extra repeats of the
     resolved gain's two methods up to ``max_repeats`` (at most ``budget_s``). With the margin, at most
     the cluster's longest job. None without a speed."""
-    from lrattnres import throughput
-
     c = _cluster(settings)
     tps = (c.get("tokens_per_s_per_gpu") or {}).get(preset)
     if not tps:
         return None
-    t = throughput.resolve_spec({**settings.get("throughput", {}), "presets": [preset]})
+    t = resolve_spec({**settings.get("throughput", {}), "presets": [preset]})
     tokens = t["grad_accum_by_preset"].get(preset, t["grad_accum"]) * t["micro_batch"] * t["seq_len"]
     methods = len(t["methods_by_preset"].get(preset, t["methods"]))
     repeats = t["repeats_by_preset"].get(preset, t["repeats"])
@@ -276,7 +273,7 @@ def throughput_runtime_min(settings: dict, preset: str, partition_min: int | Non
     extra = 0.0
     if t["target_half_width"] is not None:
         extra = max(0, t["max_repeats"] - repeats) * 2 * per_run
-        budget = throughput.for_preset(t, "budget_s", preset)
+        budget = for_preset(t, "budget_s", preset)
         extra = min(extra, budget) if budget else extra
     compile_s = methods * c.get("compile_s", 0) if t["compile"] else 0
     want = math.ceil((c.get("job_startup_s", 0) + compile_s + methods * repeats * per_run + extra)
@@ -379,8 +376,6 @@ def slurm_resources(settings: dict, preset: str) -> dict[str, Any]:
 def plan_rows(settings: dict, partition_min: int | None = None) -> list[dict[str, Any]]:
     """Per size of the scale's training runs: the placement, launcher, lead, wall time and jobs
     (``partition_min``: the partition's time limit, where known)."""
-    from lrattnres.gridplan import plan, train_spec
-
     rows, seen = [], set()
     for run in plan(settings):
         spec = train_spec(settings, run)
@@ -398,34 +393,3 @@ def plan_rows(settings: dict, partition_min: int | None = None) -> list[dict[str
                      "deadline_lead_s": deadline_lead_s(settings, run.preset),
                      "command": launcher(settings, run.preset), "slurm": slurm_resources(settings, run.preset)})
     return rows
-
-
-def main(argv: list[str] | None = None) -> int:
-    from lrattnres.config import load_and_resolve
-
-    p = argparse.ArgumentParser(prog="python -m lrattnres jobs", description=__doc__.splitlines()[0])
-    p.add_argument("--config", default="config.yaml")
-    p.add_argument("--scale", default="paper")
-    p.add_argument("--partition", default=None, metavar="NAME",
-                   help="cap the jobs at this Slurm partition's time limit (sinfo); '' for the default partition")
-    args = p.parse_args(argv)
-    settings = load_and_resolve(args.config, {"scale": args.scale})
-    part = partition_limit_min(args.partition or None) if args.partition is not None else None
-    if args.partition is not None:
-        print(f"partition {args.partition or '(default)'}: time limit "
-              + (f"{part:,} min" if part else "unlimited or unknown (sinfo)"))
-    rows = plan_rows(settings, part)
-    cap = runtime_cap_min(settings, part)
-    print(f"longest job: {cap:,} min" if cap else "longest job: no limit")
-    print("| size | updates | tokens | GPUs | update | checkpoint | signal lead | estimate | wall time per job | jobs |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
-    for r in rows:
-        def fmt(x, unit, nd=1):
-            return "-" if x is None else f"{x:,.{nd}f} {unit}"
-
-        print(f"| {r['preset']} | {r['steps']:,} | {r['tokens'] / 1e9:.1f}B | {r['nodes']} x {r['gpus_per_node']} | "
-              f"{fmt(r['update_s'], 's', 2)} | {fmt(r['checkpoint_s'], 's')} | {fmt(r['lead_s'], 's', 0)} | "
-              f"{r['estimate_h']:.1f} h | {fmt(r['runtime_min'], 'min', 0)} | {r['jobs'] or '-'} |")
-    for r in rows:
-        print(f"\n{r['preset']}: {r['command']} ...\n  Slurm: {shlex.join(f'{k}={v}' for k, v in r['slurm'].items())}")
-    return 0

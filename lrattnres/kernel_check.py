@@ -22,6 +22,10 @@ import os
 import sys
 from typing import Any
 
+from lrattnres.io import atomic_write_json, read_spec_arg
+from lrattnres.provenance import now, provenance
+from lrattnres.ranks import resolve_rank
+
 log = logging.getLogger("lrattnres.kernel_check")
 
 DEFAULTS: dict[str, Any] = {
@@ -50,8 +54,6 @@ def validate_spec(spec: Any) -> dict:
 
 
 def _rank(r, d: int) -> int:
-    from lrattnres.config import resolve_rank
-
     return resolve_rank(r, d, where="kernel-check cases.r")
 
 
@@ -165,7 +167,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s: %(message)s")
-    from lrattnres.io import read_spec_arg
 
     try:
         spec = validate_spec(read_spec_arg(args.spec))
@@ -176,8 +177,6 @@ def main(argv: list[str] | None = None) -> int:
 
     if not torch.cuda.is_available():
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are decorated
-    from lrattnres.io import atomic_write_json
-    from lrattnres.provenance import now, provenance
 
     started = now()
     result = run(spec)

@@ -33,6 +33,12 @@ import os
 import sys
 from typing import Any
 
+from lrattnres.claims import load_published
+from lrattnres.data import iter_eval_batches, load_manifest
+from lrattnres.io import atomic_write_json, read_json, read_spec_arg
+from lrattnres.kernel_check import compare
+from lrattnres.provenance import now, provenance
+
 log = logging.getLogger("lrattnres.kernel_reads")
 
 PAPER_WIDTH = {"1b": 1536, "4b": 2560}
@@ -72,8 +78,6 @@ def capture_reads(model, inputs, targets, doc_ids, precision: str) -> list[dict]
 
 def check_reads(reads: list[dict], fused) -> list[dict]:
     """Each read through ``fused`` against the fp64 reference with its captured upstream gradient."""
-    from lrattnres.kernel_check import compare
-
     out = []
     for t, rec in enumerate(reads):
         if "grad" not in rec:
@@ -88,7 +92,6 @@ def run(checkpoint: str, data: str, spec: dict) -> dict[str, Any]:
     import torch
 
     import kernels
-    from lrattnres.data import iter_eval_batches, load_manifest
     from lrattnres.train.checkpoint import load_model
 
     cuda = torch.cuda.is_available()
@@ -129,8 +132,9 @@ def run(checkpoint: str, data: str, spec: dict) -> dict[str, Any]:
     return result
 
 
-def claims(results: list[dict], sizes: dict[str, str], scale: str, ids: set[str]) -> dict[str, dict]:
-    """Appendix I's and Table 10's claims from the per-run results; ``sizes``: run id -> 1b | 4b."""
+def claims(results: list[dict], sizes: dict[str, str], settings: dict, ids: set[str]) -> dict[str, dict]:
+    """Appendix I's and Table 10's claims from the per-run results; ``sizes``: run id -> 1b | 4b;
+    ``settings``: the scale's (below the paper's own runs, the notes say what the runs stand for)."""
     out: dict[str, dict] = {}
     checked = [r for r in results if r.get("reads")]
     if not checked:
@@ -138,7 +142,7 @@ def claims(results: list[dict], sizes: dict[str, str], scale: str, ids: set[str]
     n = sum(len(r["reads"]) for r in checked)
     passed = sum(r["passed"] for r in checked)
     worst = max(r["criterion_max"] for r in checked)
-    where = "" if scale == "paper" else f"; {scale} scale: the size pair's trained models"
+    where = "" if settings.get("paper_runs") else f"; {settings.get('scale')} scale: the size pair's trained models"
     cid = "appI.trained_reads_bf16_criterion"
     if cid in ids:
         counts = ", ".join(f"{r['run_id']}: {len(r['reads'])}" for r in checked)
@@ -165,22 +169,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--spec", default="{}", help="JSON: tokens (default: the run's sequence length)")
     p.add_argument("--aggregate", nargs="+", metavar="RESULT", help="merge per-run results into claims")
     p.add_argument("--sizes", default="{}", help="with --aggregate: JSON {run id: 1b | 4b}")
-    p.add_argument("--scale", default="paper")
+    p.add_argument("--settings", help="with --aggregate: the resolved settings JSON of the scale")
     p.add_argument("--published", default=None, help="published.yaml (claim ids)")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s: %(message)s")
-    from lrattnres.io import atomic_write_json, read_json, read_spec_arg
-    from lrattnres.provenance import now, provenance
 
     started = now()
     if args.aggregate:
-        from lrattnres.claims import load_published
-
+        if not args.settings:
+            p.error("--aggregate needs --settings (the scale's settings.json)")
         ids = set(load_published(args.published)) if args.published else set()
         results = [read_json(x) for x in args.aggregate]
         out = {"stage": "kernel_reads", "runs": [{k: v for k, v in r.items() if k != "reads"} for r in results],
-               "claims": claims(results, json.loads(args.sizes), args.scale, ids)}
+               "claims": claims(results, json.loads(args.sizes), read_json(args.settings), ids)}
         out["provenance"] = provenance({"runs": args.aggregate}, started=started)
         atomic_write_json(args.out, out)
         return 0

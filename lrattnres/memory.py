@@ -28,19 +28,19 @@ and token).
 :func:`checkpointing` resolves each size's ``activation_checkpointing`` (``auto``: on where the size
 would not fit without it and does with it). :func:`check` refuses a scale whose estimated peak of any
 size exceeds ``cluster.gpu_memory_gib x (1 - cluster.memory_margin)``. ``python -m lrattnres memory
-[--scale paper]`` prints the estimates; ``--check <result.json> ...`` compares them with measurements
-of ``benchmarks/paper_scale_fit.py`` (:func:`compare`: each measurement's error, a failure above
-:data:`CHECK_TOLERANCE`), leaving out the anchors the model is fitted to.
+[--scale paper]`` (lrattnres/memory_cli.py) prints the estimates; ``--check <result.json> ...``
+compares them with measurements of ``benchmarks/paper_scale_fit.py`` (:func:`compare`: each
+measurement's error, a failure above :data:`CHECK_TOLERANCE`), leaving out the anchors the model is
+fitted to.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import sys
 from typing import Any
 
+from lrattnres import batch
 from lrattnres.errors import UserError
+from lrattnres.presets import PAPER_VOCAB, get_preset
 
 GIB = 2**30
 VAL_BYTES_PER_LOGIT = 10  # bf16 logits, their fp32 copy, fp32 log-softmax
@@ -90,8 +90,6 @@ def static_bytes(shape: dict, *, world: int = 1, shard: bool = False, method: st
 
 
 def _anchor_row(anchor: dict) -> tuple[float, float, float]:
-    from lrattnres.presets import get_preset
-
     shape = get_preset(anchor["preset"])
     st = static_bytes(shape, method=anchor.get("method", "lr"))
     act = (anchor["peak_gib"] * GIB - st["weights"] - st["grads"] - st["optimizer"]) / anchor["micro_batch"] / GIB
@@ -145,9 +143,6 @@ def _limit(cluster: dict) -> float:
 
 
 def _size_estimate(settings: dict, preset: str, checkpointing: bool) -> dict[str, Any]:
-    from lrattnres import batch
-    from lrattnres.presets import PAPER_VOCAB, get_preset
-
     shape = get_preset(preset)
     shape["vocab_size"] = shape["vocab_size"] or PAPER_VOCAB
     b = batch.split(settings, preset)
@@ -170,8 +165,6 @@ def checkpointing(settings: dict, preset: str) -> bool:
     (lrattnres/batch.py), with ``auto`` on only where the estimated peak without it would exceed the
     GPU less the margin (never where the scale plans no GPU memory; :func:`check` then refuses a size
     that does not fit even so)."""
-    from lrattnres import batch
-
     want = batch.split(settings, preset).get("activation_checkpointing", "auto")
     if want != "auto":
         return bool(want)
@@ -182,8 +175,6 @@ def checkpointing(settings: dict, preset: str) -> bool:
 
 def plan(settings: dict) -> list[dict[str, Any]]:
     """The estimate of every size of the scale's training runs (empty without ``cluster`` anchors)."""
-    from lrattnres import batch
-
     cluster = settings.get("cluster") or {}
     if not cluster.get("memory_anchors") or not cluster.get("gpu_memory_gib"):
         return []
@@ -236,8 +227,6 @@ def compare(measurements: list[dict], cluster: dict, tolerance: float = CHECK_TO
     the overhead (which the allocator's peak leaves out), and the relative error. A row of an anchor's
     configuration is marked ``fitted`` and is no check of the model; any other row fails (``ok``
     False) when the error exceeds ``tolerance``."""
-    from lrattnres.presets import PAPER_VOCAB, get_preset
-
     anchors = cluster.get("memory_anchors", [])
     out = []
     for m in measurements:
@@ -264,82 +253,6 @@ def compare(measurements: list[dict], cluster: dict, tolerance: float = CHECK_TO
                         "part": part, "measured_gib": measured, "estimated_gib": estimated, "error": err,
                         "fitted": fitted, "ok": fitted or abs(err) <= tolerance})
     return out
-
-
-def _check_files(paths: list[str], cluster: dict) -> int:
-    from lrattnres.io import read_json
-
-    rows = []
-    for path in paths:
-        try:
-            rec = read_json(path)
-        except (OSError, ValueError) as e:
-            print(f"memory: {path}: not a readable result file ({e})", file=sys.stderr)
-            return 2
-        measured = (rec.get("results") or {}).get("memory") if isinstance(rec, dict) else None
-        if not measured:
-            print(f"memory: {path}: field 'results.memory' missing or empty; expected the memory part of "
-                  "benchmarks/paper_scale_fit.py", file=sys.stderr)
-            return 2
-        for r in compare(measured, cluster):
-            rows.append({"file": path, **r})
-    print("| size | configuration | micro-batch | optimiser | checkpointing | peak | measured | estimated | error | |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
-    for r in rows:
-        if r.get("measured_gib") is None:
-            print(f"| {r['preset']} | {r['config']} | - | - | - | - | - | - | - | not measured: {r['note']} |")
-            continue
-        verdict = "fitted (an anchor)" if r["fitted"] else "ok" if r["ok"] else f"over {100 * CHECK_TOLERANCE:.0f}%"
-        print(f"| {r['preset']} | {r['config']} | {r['micro_batch']} | {'sharded' if r['shard_optimizer'] else 'replicated'}"
-              f"{' + DDP' if r['ddp'] else ''} | {'yes' if r['activation_checkpointing'] else 'no'} | {r['part']} | "
-              f"{r['measured_gib']:.2f} GiB | {r['estimated_gib']:.2f} GiB | {100 * r['error']:+.1f}% | {verdict} |")
-    checked = [r for r in rows if r.get("measured_gib") is not None and not r["fitted"]]
-    if not checked:
-        print("memory: no measurement outside the anchors to check the model against", file=sys.stderr)
-        return 2
-    bad = [r for r in checked if not r["ok"]]
-    if bad:
-        worst = max(bad, key=lambda r: abs(r["error"]))
-        print(f"memory: {len(bad)} of {len(checked)} estimates are off by more than {100 * CHECK_TOLERANCE:.0f}% "
-              f"(worst: {worst['preset']} {worst['config']} {worst['part']} {100 * worst['error']:+.1f}%): refit "
-              "cluster.memory_anchors and state the error", file=sys.stderr)
-        return 1
-    print(f"memory: {len(checked)} estimates within {100 * CHECK_TOLERANCE:.0f}% of measurements they were not fitted to")
-    return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    from lrattnres.config import load_and_resolve
-
-    p = argparse.ArgumentParser(prog="python -m lrattnres memory", description=__doc__.splitlines()[0])
-    p.add_argument("--config", default="config.yaml")
-    p.add_argument("--scale", default="paper")
-    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    p.add_argument("--check", nargs="+", metavar="RESULT", default=None,
-                   help="compare the estimates with these results of benchmarks/paper_scale_fit.py (memory part); "
-                        f"exit 1 where one is off by more than {100 * CHECK_TOLERANCE:.0f}%")
-    args = p.parse_args(argv)
-    settings = load_and_resolve(args.config, {"scale": args.scale})
-    if args.check:
-        return _check_files(args.check, settings.get("cluster") or {})
-    rows = plan(settings)
-    if args.json:
-        print(json.dumps(rows, indent=2))
-        return 0
-    if not rows:
-        print(f"scale {args.scale!r} has no cluster.memory_anchors: nothing to estimate", file=sys.stderr)
-        return 0
-    print("| size | micro-batch x accumulation x GPUs | optimiser | activation checkpointing | weights+grads "
-          "| optimiser state | activations | training peak | validation peak | of the GPU |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
-    for r in rows:
-        ac = ("yes" if r["activation_checkpointing"] else "no") + (
-            " (auto)" if r["activation_checkpointing_setting"] == "auto" else "")
-        print(f"| {r['preset']} | {r['micro_batch']} x {r['grad_accum']} x {r['world']} | "
-              f"{'sharded' if r['shard_optimizer'] else 'replicated'} | {ac} | {r['weights_gib'] + r['grads_gib']:.1f} GiB | "
-              f"{r['optimizer_gib']:.1f} GiB | {r['activations_gib']:.1f} GiB | {r['train_peak_gib']:.1f} GiB | "
-              f"{r['val_peak_gib']:.1f} GiB | {100 * r['peak_gib'] / r['gpu_memory_gib']:.0f}% |")
-    return 0
 
 
 def throughput_estimate(shape: dict, *, micro_batch: int, seq_len: int, cluster: dict, method: str = "lr",

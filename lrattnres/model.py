@@ -70,6 +70,7 @@ from lrattnres.routing import SourceBank, rms_norm, route, route_keys
 METHODS = ("baseline", "attnres", "lr", "lr-fullrms", "plr")
 ROUTERS = ("auto", "reference", "fused")
 STREAM_DTYPES = ("autocast", "param")
+DEFAULT_RANK = 128  # the rank of a routed model given none: the paper's headline rank of the 0.5B model
 KEY_NORM = {"attnres": "slice", "lr": "slice", "lr-fullrms": "full"}  # plr normalises its own keys
 
 
@@ -85,7 +86,7 @@ class ModelConfig:
     max_seq_len: int
     method: str = "lr"
     blocks: int | str = 8  # "full" or the number of routing blocks N (1 <= N <= 2L)
-    rank: int | None = 128  # routing-key width r; None: d for attnres; unused by baseline
+    rank: int | None = None  # routing-key width r; None: r = d for attnres, DEFAULT_RANK otherwise
     norm_eps: float = 1e-6
     rope_base: float = 500000.0
     init_std: float = 0.02
@@ -112,10 +113,10 @@ class ModelConfig:
             bad("stream_dtype", f"one of {STREAM_DTYPES}")
         if not self.norm_eps >= 0:
             bad("norm_eps", "a float >= 0")
+        if self.rank is None:  # no rank given: standard AttnRes routes with r = d
+            self.rank = self.d_model if self.method == "attnres" else DEFAULT_RANK
         if self.method == "baseline":
             return
-        if self.method == "attnres" and self.rank is None:
-            self.rank = self.d_model
         if not is_int(self.rank) or not 1 <= self.rank <= self.d_model:
             bad("rank", f"an int r with 1 <= r <= d_model={self.d_model}")
         if self.method == "attnres" and self.rank != self.d_model:
@@ -129,7 +130,7 @@ class ModelConfig:
 
 def model_config(spec) -> ModelConfig:
     """A ModelConfig from a ModelConfig, a preset name, or a dict (``{"preset": name, **overrides}``
-    or every field).  With method ``attnres`` and no rank given, rank = d_model."""
+    or every field).  A rank not given is ModelConfig's: r = d for ``attnres``."""
     if isinstance(spec, ModelConfig):
         return spec
     if isinstance(spec, str):
@@ -149,8 +150,6 @@ def model_config(spec) -> ModelConfig:
     missing = sorted(f.name for f in dataclasses.fields(ModelConfig) if f.default is dataclasses.MISSING and f.name not in values)
     if missing:
         raise ValueError(f"model config lacks field(s) {missing} (or name a 'preset')")
-    if values.get("method") == "attnres" and "rank" not in spec:
-        values["rank"] = values["d_model"]
     return ModelConfig(**values)
 
 

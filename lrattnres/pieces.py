@@ -64,12 +64,15 @@ from typing import Any
 
 from lrattnres import process_group
 from lrattnres.attempts import EX_TEMPFAIL, read_status
-from lrattnres.config import science
+from lrattnres.config import ConfigError, load_and_resolve, science
+from lrattnres.data.manifest import sha256_file
 from lrattnres.deadline import ENV as DEADLINE_ENV
+from lrattnres.gridplan import conversions, evaluations, plan, train_spec
 from lrattnres.io import atomic_path, atomic_write_json, read_json
 from lrattnres.piece_archive import (KEEP, ArchiveError, kept, metadata_name, pack, read_archive,  # noqa: F401
                                      read_archives, restore, restore_members, small_outputs)
 from lrattnres.provenance import now, provenance
+from lrattnres.train import spec as spec_mod
 
 STAGES = ("settings", "accounting", "kernel_check", "throughput")
 # The rules a stage of a piece may run (the throughput stage: one job per size, then the merge).
@@ -93,7 +96,7 @@ SNAKEMAKE = (sys.executable, "-m", "snakemake")
 # The train rule's outputs in a run folder (workflow/rules/train.smk); the trainer writes result.json last.
 TRAIN_OUTPUTS = ("result.json", "model.safetensors", "model.safetensors.sha256")
 # Snakemake's rerun triggers while continuing: none of code, modification times, parameters or input
-# lists (a new module in a stage's imports would redo every restored run). What decides whether a
+# lists (any edit of a stage's modules changes its code param, and would redo every restored run). What decides whether a
 # restored result still belongs to the scale is checked here instead: the same data manifest and the
 # same science settings (check_same_data, check_same_settings).
 CONTINUE_TRIGGERS = ("software-env",)
@@ -124,8 +127,6 @@ def plan_pieces(settings: dict) -> list[Piece]:
     """The scale's pieces, each with its runs (first matching piece wins) and extra stages.
 
     Without a ``pieces`` setting the scale is one piece. Runs that no piece matches are an error."""
-    from lrattnres.gridplan import plan
-
     run_ids = [r.run_id for r in plan(settings)]
     spec = settings.get("pieces") or [{"name": "all", "runs": ["*"], "stages": list(STAGES)}]
     taken: set[str] = set()
@@ -165,8 +166,6 @@ def stage_targets(settings: dict, piece: Piece) -> list[str]:
 def run_targets(settings: dict, run: str) -> list[str]:
     """The files a piece makes of one run: its result, diagnostics, conversion and evaluation, and for
     the size pair's runs Appendix I's check of every routing read."""
-    from lrattnres.gridplan import conversions, evaluations
-
     R = settings["results"]
     out = [f"{R}/runs/{run}/result.json", f"{R}/diagnostics/{run}.json"]
     if run in {c["run_id"] for c in conversions(settings)}:
@@ -285,8 +284,6 @@ def complete_finished(settings: dict, piece: Piece, workdir: str = ".") -> list[
 
 def check_same_data(results: str) -> int:
     """Every restored training result was trained on the current data manifest; returns how many."""
-    from lrattnres.data.manifest import sha256_file
-
     manifest = Path(results) / "data" / "manifest.json"
     if not manifest.is_file():
         raise PieceError(f"{manifest}: missing (build the data first)")
@@ -307,8 +304,6 @@ def check_same_settings(settings: dict, results: str, accept: tuple[str, ...] = 
     training spec equal the current ones, but for the dotted keys in ``accept`` (differences an
     operator has judged not to change the results, e.g. a new key whose default is the old
     behaviour); returns the sections compared. Raises naming the first difference."""
-    from lrattnres.train import spec as spec_mod
-
     def differs(old, new, section: str = "") -> list[str]:
         """Keys that differ and are not accepted (as ``key`` or, in a section, ``section.key``)."""
         keys = spec_mod.diff_keys(old if isinstance(old, dict) else {"": old},
@@ -316,8 +311,6 @@ def check_same_settings(settings: dict, results: str, accept: tuple[str, ...] = 
         names = {k: [k] + ([f"{section}.{k}" if k else section] if section else []) for k in keys}
         return [k or section for k in keys
                 if not any(n == a or n.startswith(a + ".") for n in names[k] for a in accept)]
-
-    from lrattnres.gridplan import plan, train_spec
 
     saved_path = Path(results) / "settings.json"
     if not saved_path.is_file():
@@ -458,152 +451,198 @@ def run_piece(settings: dict, name: str, out: str, *, restore_from: list[str], c
     if deadline_s is not None and deadline_s < MIN_DEADLINE_S:
         raise PieceError(f"--deadline {deadline_s:g}: a piece needs at least {MIN_DEADLINE_S} s (its jobs stop "
                          f"{PACK_MARGIN_S} s before the deadline, to leave time for stopping them and packing)")
-    piece = pieces[name]
-    R = settings["results"]
     started, t0, since = now(), time.monotonic(), time.time()
     try:  # every archive is checked whole before anything runs or is written
-        archives = read_archives(restore_from, R)
+        archives = read_archives(restore_from, settings["results"])
     except ArchiveError as e:
         raise PieceError(str(e)) from None
     earlier = earlier_invocations(restore_from, name)  # read before this invocation's record replaces one
-    end = None if deadline_s is None else t0 + deadline_s
-    stop_at = None if end is None else end - STOP_MARGIN_S
     Path(out).mkdir(parents=True, exist_ok=True)
-    logs = Path(out) / f"{name}.log"
-    smk = [*extra, "--cores", cores, "--scheduler", "greedy", "--keep-going", "--nolock"]
-    sharing = int(settings.get("resources", {}).get("train", {}).get("jobs_per_gpu", 1))
-    record: dict[str, Any] = {"piece": name, "scale": settings.get("scale"), "runs": list(piece.runs),
-                              "stages": list(piece.stages), "train_jobs_per_gpu": sharing,
-                              "restored_from": restore_from, "deadline_s": deadline_s,
-                              "environment": {k: v for k, v in sorted(os.environ.items())
-                                              if k.startswith(("KERNELS_", "LRATTNRES_", "TRITON_", "TORCH"))}}
-    stopped: str | None = None
-    targets = piece_targets(settings, piece)
-    trained: set[str] = set()
-    with process_group.StopRequest() as stop, open(logs, "a", encoding="utf-8") as log:
-        def say(msg: str) -> None:
-            log.write(msg + "\n")
-            log.flush()
-            print(msg, file=sys.stderr, flush=True)
+    with process_group.StopRequest() as stop, open(Path(out) / f"{name}.log", "a", encoding="utf-8") as log:
+        job = _PieceRun(settings, pieces[name], out, restore_from, config_args, cores, deadline_s, extra, log, stop, t0)
+        job.build_data()  # 1. the data, built here (deterministic: the same bytes as where earlier pieces ran)
+        job.restore(archives, accept)  # 2. earlier pieces, then the checks that they belong to this scale
+        todo, pending = job.plan(allow_rerun)  # 3. what has finished is not done again
+        trained = job.run_jobs(todo, pending)  # 4. the piece
+        job.conclude(since)
+        job.pack(trained, started, earlier, t0)  # 5. the record and the archive
+    return job.record
 
-        # 1. the data, built here (deterministic: the same bytes as where earlier pieces ran)
+
+class _PieceRun:
+    """One invocation of a piece: its Snakemake arguments, its log, what it has stopped for, and the
+    record it builds (``record``)."""
+
+    def __init__(self, settings: dict, piece: Piece, out: str, restore_from: list[str], config_args: list[str],
+                 cores: str, deadline_s: float | None, extra: list[str], log, stop: process_group.StopRequest,
+                 t0: float):
+        self.settings, self.piece, self.name, self.out = settings, piece, piece.name, out
+        self.R = settings["results"]
+        self.config_args, self.log, self.stop = config_args, log, stop
+        self.logs = Path(out) / f"{piece.name}.log"
+        self.end = None if deadline_s is None else t0 + deadline_s
+        self.stop_at = None if self.end is None else self.end - STOP_MARGIN_S
+        self.smk = [*extra, "--cores", cores, "--scheduler", "greedy", "--keep-going", "--nolock"]
+        self.sharing = int(settings.get("resources", {}).get("train", {}).get("jobs_per_gpu", 1))
+        self.record: dict[str, Any] = {
+            "piece": piece.name, "scale": settings.get("scale"), "runs": list(piece.runs),
+            "stages": list(piece.stages), "train_jobs_per_gpu": self.sharing, "restored_from": restore_from,
+            "deadline_s": deadline_s,
+            "environment": {k: v for k, v in sorted(os.environ.items())
+                            if k.startswith(("KERNELS_", "LRATTNRES_", "TRITON_", "TORCH"))}}
+        self.stopped: str | None = None
+        self.targets = piece_targets(settings, piece)
+        self.finished: list[str] = []
+        self.missing: list[str] = []
+
+    def say(self, msg: str) -> None:
+        self.log.write(msg + "\n")
+        self.log.flush()
+        print(msg, file=sys.stderr, flush=True)
+
+    def build_data(self) -> None:
         t = time.monotonic()
-        manifest = f"{R}/data/manifest.json"
-        built = _snakemake([manifest, *smk, "--config", *config_args], log, stop=stop, stop_at=stop_at)
-        stopped = built.stopped
-        if stopped is None and built.returncode != 0:
-            raise PieceError(f"building the data failed (exit {built.returncode}); see {logs}")
-        record["data_s"] = round(time.monotonic() - t, 1)
-        # 2. earlier pieces (restored even when stopping: what the piece had made travels on), then the
-        # checks that the restored results belong to this scale
-        if archives:
-            restored = restore_members(archives, skip=(f"{R}/data/",))
-            record["restored_files"] = len(restored.files)
-            record["kept_newer_local"] = restored.kept_local
-            record["superseded"] = restored.superseded
-            for s in restored.superseded:
-                say(f"[piece] {s['file']}: the newer copy of {s['from']} replaces that of {s['over']}")
-            if stopped is None:
-                record["restored_runs"] = check_same_data(R)
-                record["settings_compared"] = check_same_settings(settings, R, accept)
-                record["accepted_differences"] = list(accept)
-        # 3. what has finished is not done again
+        manifest = f"{self.R}/data/manifest.json"
+        built = _snakemake([manifest, *self.smk, "--config", *self.config_args], self.log, stop=self.stop,
+                           stop_at=self.stop_at)
+        self.stopped = built.stopped
+        if self.stopped is None and built.returncode != 0:
+            raise PieceError(f"building the data failed (exit {built.returncode}); see {self.logs}")
+        self.record["data_s"] = round(time.monotonic() - t, 1)
+
+    def restore(self, archives, accept: tuple[str, ...]) -> None:
+        """Earlier pieces (restored even when stopping: what the piece had made travels on), then the
+        checks that the restored results belong to this scale."""
+        if not archives:
+            return
+        record, R = self.record, self.R
+        restored = restore_members(archives, skip=(f"{R}/data/",))
+        record["restored_files"] = len(restored.files)
+        record["kept_newer_local"] = restored.kept_local
+        record["superseded"] = restored.superseded
+        for s in restored.superseded:
+            self.say(f"[piece] {s['file']}: the newer copy of {s['from']} replaces that of {s['over']}")
+        if self.stopped is None:
+            record["restored_runs"] = check_same_data(R)
+            record["settings_compared"] = check_same_settings(self.settings, R, accept)
+            record["accepted_differences"] = list(accept)
+
+    def plan(self, allow_rerun: bool) -> tuple[list[str], list[str]]:
+        """(the piece's targets still to make, those of them not yet on disk); refused where the dry run
+        would redo restored outputs or train a finished run again, unless ``allow_rerun``."""
+        settings, piece, record, name = self.settings, self.piece, self.record, self.name
         cleared = complete_finished(settings, piece)
         if cleared:
-            say(f"[piece] {name}: outputs whole but marked incomplete (an interrupted Snakemake), marked complete: "
-                f"{', '.join(cleared)}")
+            self.say(f"[piece] {name}: outputs whole but marked incomplete (an interrupted Snakemake), marked complete: "
+                     f"{', '.join(cleared)}")
         record["completed_metadata"] = cleared
-        finished = finished_runs(settings, piece)
+        finished = self.finished = finished_runs(settings, piece)
         record["skipped_runs"] = finished
         if finished:
-            say(f"[piece] {name}: {len(finished)} of {len(piece.runs)} runs finished earlier, not trained again: "
-                f"{', '.join(finished)}")
+            self.say(f"[piece] {name}: {len(finished)} of {len(piece.runs)} runs finished earlier, not trained again: "
+                     f"{', '.join(finished)}")
         done = {t for run in finished for t in run_targets(settings, run)}
-        todo = [t for t in targets if t not in done]
+        todo = [t for t in self.targets if t not in done]
         pending = [t for t in todo if not Path(t).is_file()]
         plan: dict[str, int] = {}
-        if stopped is None and stop.reason is None and pending:
+        if self.stopped is None and self.stop.reason is None and pending:
             try:
-                plan = planned_jobs(todo, config_args, [])
+                plan = planned_jobs(todo, self.config_args, [])
             except PieceError:
-                if stop.reason is None:
+                if self.stop.reason is None:
                     raise
-            unfinished = [r for r in piece.runs if not Path(f"{R}/runs/{r}/result.json").is_file()]
-            allowed = {"train", "diagnose_run", "convert", "evaluate", "kernel_check_run", *piece.stages,
-                       *(r for st in piece.stages for r in STAGE_RULES.get(st, ()))}
-            redo = sorted(set(plan) - allowed)
-            if redo and not allow_rerun:
-                raise PieceError(f"the piece would also run {redo}: restored outputs would be redone "
-                                 "(see the dry run; --allow-rerun accepts it)")
-            if plan.get("train", 0) > len(unfinished) and not allow_rerun:
-                whole = set(finished) | set(unfinished)
-                lacking = {r: [Path(x).relative_to(R).as_posix() for x in run_targets(settings, r)
-                               if not Path(x).is_file()] for r in piece.runs if r not in whole}
-                raise PieceError(f"the piece would train {plan['train']} runs, but only {len(unfinished)} have no "
-                                 f"result: {lacking} have a result.json but not these outputs, and making them "
-                                 "trains the run again (weights are not kept); --allow-rerun accepts it")
+            self._refuse_redoing(plan, allow_rerun)
         record["planned_jobs"] = plan
-        # 4. the piece
+        return todo, pending
+
+    def _refuse_redoing(self, plan: dict[str, int], allow_rerun: bool) -> None:
+        piece, R, settings = self.piece, self.R, self.settings
+        unfinished = [r for r in piece.runs if not Path(f"{R}/runs/{r}/result.json").is_file()]
+        allowed = {"train", "diagnose_run", "convert", "evaluate", "kernel_check_run", *piece.stages,
+                   *(r for st in piece.stages for r in STAGE_RULES.get(st, ()))}
+        redo = sorted(set(plan) - allowed)
+        if redo and not allow_rerun:
+            raise PieceError(f"the piece would also run {redo}: restored outputs would be redone "
+                             "(see the dry run; --allow-rerun accepts it)")
+        if plan.get("train", 0) > len(unfinished) and not allow_rerun:
+            whole = set(self.finished) | set(unfinished)
+            lacking = {r: [Path(x).relative_to(R).as_posix() for x in run_targets(settings, r)
+                           if not Path(x).is_file()] for r in piece.runs if r not in whole}
+            raise PieceError(f"the piece would train {plan['train']} runs, but only {len(unfinished)} have no "
+                             f"result: {lacking} have a result.json but not these outputs, and making them "
+                             "trains the run again (weights are not kept); --allow-rerun accepts it")
+
+    def run_jobs(self, todo: list[str], pending: list[str]) -> set[str]:
+        """Snakemake on the piece's targets (its jobs given the deadline, less the packing time); the
+        runs trained in this invocation."""
         t = time.monotonic()
-        stopped = stopped or stop.reason
-        env = dict(SHARED_GPU_ENV) if sharing > 1 else {}
-        if stopped is None and pending:
-            if end is not None:  # stages that can stop early (throughput) keep their partial state for the next piece
-                jobs_end = time.time() + (end - time.monotonic()) - PACK_MARGIN_S
+        trained: set[str] = set()
+        self.stopped = self.stopped or self.stop.reason
+        env = dict(SHARED_GPU_ENV) if self.sharing > 1 else {}
+        if self.stopped is None and pending:
+            if self.end is not None:  # stages that can stop early (throughput) keep their partial state for the next piece
+                jobs_end = time.time() + (self.end - time.monotonic()) - PACK_MARGIN_S
                 env[DEADLINE_ENV] = str(int(jobs_end))
                 if jobs_end <= time.time():
-                    stopped = "deadline"
-                    say(f"[piece] {name}: the deadline leaves its jobs no time; nothing started")
-            if stopped is None:
-                before = _result_times(R, piece.runs)
-                ran = _snakemake([*todo, *smk, "--rerun-triggers", *CONTINUE_TRIGGERS, "--config", *config_args],
-                                 log, stop=stop, stop_at=stop_at, env=env)
-                record["snakemake_exit"] = ran.returncode
-                record["killed_after_grace"] = ran.killed
-                stopped = ran.stopped
-                after = _result_times(R, piece.runs)
+                    self.stopped = "deadline"
+                    self.say(f"[piece] {self.name}: the deadline leaves its jobs no time; nothing started")
+            if self.stopped is None:
+                before = _result_times(self.R, self.piece.runs)
+                ran = _snakemake([*todo, *self.smk, "--rerun-triggers", *CONTINUE_TRIGGERS, "--config",
+                                  *self.config_args], self.log, stop=self.stop, stop_at=self.stop_at, env=env)
+                self.record["snakemake_exit"] = ran.returncode
+                self.record["killed_after_grace"] = ran.killed
+                self.stopped = ran.stopped
+                after = _result_times(self.R, self.piece.runs)
                 trained = {r for r, m in after.items() if before.get(r) != m}
-        record["job_environment"] = env
-        record["run_s"] = round(time.monotonic() - t, 1)
-        missing = [t for t in targets if not Path(t).is_file()]
-        if missing and stopped is None and end is not None and _stopped_at_deadline(R, missing, since):
-            stopped = "deadline"
+        self.record["job_environment"] = env
+        self.record["run_s"] = round(time.monotonic() - t, 1)
+        return trained
+
+    def conclude(self, since: float) -> None:
+        """Whether the piece is complete, stopped (by its deadline or a signal) or failed."""
+        record, name = self.record, self.name
+        missing = self.missing = [t for t in self.targets if not Path(t).is_file()]
+        if missing and self.stopped is None and self.end is not None and _stopped_at_deadline(self.R, missing, since):
+            self.stopped = "deadline"
         if not missing:
-            stopped = None  # everything is made: a late signal changes nothing
-        record["stopped"] = stopped
+            self.stopped = None  # everything is made: a late signal changes nothing
+        record["stopped"] = self.stopped
         record["partial"] = bool(missing)
-        record["exit_code"] = 0 if not missing else EXIT_STOPPED if stopped else 1
-        if stopped:
-            say(f"[piece] {name}: stopped ({stopped}); what finished is packed; run it again, restoring "
-                f"{Path(out) / (name + '.tar.xz')}, to continue")
-        # 5. the record and the archive (a signal now changes nothing: what is written is complete)
+        record["exit_code"] = 0 if not missing else EXIT_STOPPED if self.stopped else 1
+        if self.stopped:
+            self.say(f"[piece] {name}: stopped ({self.stopped}); what finished is packed; run it again, restoring "
+                     f"{Path(self.out) / (name + '.tar.xz')}, to continue")
+
+    def pack(self, trained: set[str], started: str, earlier: list[dict], t0: float) -> None:
+        """The record and the archive (a signal now changes nothing: what is written is complete)."""
+        record, R, settings, piece, name = self.record, self.R, self.settings, self.piece, self.name
         summaries = _run_summaries(R, piece.runs, trained)
         record["run_results"] = summaries
         tokens = sum(s["tokens"] or 0 for s in summaries if s.get("trained_here"))
         record["trained_runs"] = sorted(trained)
         record["trained_tokens"] = tokens  # this invocation's training only
         record["aggregate_tokens_per_s"] = round(tokens / record["run_s"]) if record["run_s"] and tokens else None
-        record["missing_targets"] = missing
+        record["missing_targets"] = self.missing
         try:  # the device in the provenance: torch is asked only if imported
             import torch  # noqa: F401
         except ImportError:
             pass
         record["provenance"] = provenance({"piece": name, "settings": settings}, started=started)
-        record["packed"] = pack(Path(out) / f"{name}.tar.xz", R, files=own_files(settings, piece))
+        record["packed"] = pack(Path(self.out) / f"{name}.tar.xz", R, files=own_files(settings, piece))
         whole = set(finished_runs(settings, piece))
         left_out = {r["run_id"]: [Path(x).relative_to(R).as_posix() for x in run_targets(settings, r["run_id"])
                                   if not Path(x).is_file()] for r in summaries if r["done"] and r["run_id"] not in whole}
         record["runs_left_out"] = left_out  # trained, but a later output is missing: the weights stay here
         if left_out:
-            say(f"[piece] {name}: runs trained but not packed, their later outputs missing (a rerun trains them "
-                f"again): {left_out}")
+            self.say(f"[piece] {name}: runs trained but not packed, their later outputs missing (a rerun trains them "
+                     f"again): {left_out}")
         record["wall_s"] = round(time.monotonic() - t0, 1)
         invocations = earlier + [_invocation(record)]
         record["invocations"] = invocations  # every invocation of the piece so far, this one last
         record["total_wall_s"] = round(sum(i.get("wall_s") or 0 for i in invocations), 1)
         record["total_trained_tokens"] = sum(i.get("trained_tokens") or 0 for i in invocations)
-        atomic_write_json(Path(out) / f"{name}.json", record)
-    return record
+        atomic_write_json(Path(self.out) / f"{name}.json", record)
 
 
 def piece_summary(archives: list[str]) -> dict[str, Any]:
@@ -663,8 +702,6 @@ def render_report(settings: dict, restore_from: list[str], into: str, config_arg
 
 
 def main(argv: list[str] | None = None) -> int:
-    from lrattnres.config import ConfigError, load_and_resolve
-
     p = argparse.ArgumentParser(prog="python -m lrattnres piece", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
     for cmd in ("list", "run", "report"):

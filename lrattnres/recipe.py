@@ -25,7 +25,10 @@ from pathlib import Path
 from typing import Any
 
 from lrattnres import lrcheck, noise
+from lrattnres.config import load_and_resolve
 from lrattnres.errors import UserError
+from lrattnres.grid import LR_CHECK, plan, run_row
+from lrattnres.gridplan import plan
 from lrattnres.io import atomic_write_json
 
 RUN_FILES = ("result.json", "metrics.jsonl")
@@ -34,8 +37,6 @@ RUN_FILES = ("result.json", "metrics.jsonl")
 def from_archives(settings: dict, archives: list[str], dest: Path) -> dict[str, Any]:
     """Copy the planned runs' result and metrics files out of piece archives into ``dest/<run id>/``
     (later archives win); returns ``{"runs": [ids], "manifests": {archive: sha256 or None}}``."""
-    from lrattnres.gridplan import plan
-
     R = settings["results"].rstrip("/")
     ids = [r.run_id for r in plan(settings)]
     found: set[str] = set()
@@ -62,8 +63,6 @@ def from_archives(settings: dict, archives: list[str], dest: Path) -> dict[str, 
 
 def collect(settings: dict, runs_dir: Path) -> dict[str, Any]:
     """``{"lr_check", "noise"}`` from the runs under ``runs_dir`` that have a result."""
-    from lrattnres.grid import LR_CHECK, plan, run_row
-
     rows = [run_row(r, runs_dir / r.run_id) for r in plan(settings) if (runs_dir / r.run_id / "result.json").is_file()]
     check_rows = [r for r in rows if LR_CHECK in r["roles"]]
     table = [r for r in rows if LR_CHECK not in r["roles"]]
@@ -72,8 +71,6 @@ def collect(settings: dict, runs_dir: Path) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from lrattnres.config import load_and_resolve
-
     p = argparse.ArgumentParser(prog="python -m lrattnres recipe", description=__doc__.split("\n\n")[0])
     p.add_argument("--config", dest="config_args", nargs="+", default=[],
                    help="Snakemake-style --config entries, e.g. scale=gpu (applied to config.yaml)")

@@ -62,15 +62,16 @@ def load(path: str | Path) -> tuple[dict[str, str], list[str]]:
     records nothing and a bad entry is left out, each with a note naming the file and the key."""
     path = Path(path)
     if not path.exists():
-        return {}, [f"{path}: absent, so no results measured elsewhere are shown"]
+        return {}, [f"{path}: absent, so no results measured elsewhere are shown (git checkout {path} restores "
+                    "the list)"]
     try:
         data = _read_mapping(path)
     except InputError as e:
-        return {}, [f"{e}; no results measured elsewhere are shown"]
+        return {}, [f"{e}; no results measured elsewhere are shown until the list is fixed"]
     entries, notes = {}, []
     for name, rel in data.items():
         if (problem := _entry_problem(path, name, rel)) is not None:
-            notes.append(problem + "; left out")
+            notes.append(problem + "; left out until the entry is fixed")
         else:
             entries[name] = rel
     return entries, notes

@@ -126,15 +126,6 @@ def test_activation_memory():
     assert acc.activation_memory(L, D, "lr", "full", 64)["max_sources"] == 2 * L + 1
 
 
-def test_resolve_rank():
-    assert acc.resolve_rank("d/8", 1024) == 128
-    assert acc.resolve_rank("d", 64) == 64
-    assert acc.resolve_rank(16, 64) == 16
-    for bad in ("d/3", "x", 0, 65):
-        with pytest.raises(ValueError):
-            acc.resolve_rank(bad, 64)
-
-
 def test_paper_claims_cover_every_accounting_record_and_match(published):
     produced, _ = acc.paper_claims()
     want = {k for k, v in published.items() if v["stage"] == "accounting"}

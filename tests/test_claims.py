@@ -150,7 +150,7 @@ def test_exact_rounds_like_the_paper():
     assert claims.verdict(r, 0.0986527, "tiny")[0] == "match"
     assert claims.verdict(r, 0.09867, "tiny")[0] == "mismatch"
     r = rec(kind="exact", published=48.44, decimals=2)
-    assert claims.verdict(r, 48.4375, "paper")[0] == "match"  # a tie: half-up 48.44
+    assert claims.verdict(r, 48.4375, "paper", paper_runs=True)[0] == "match"  # a tie: half-up 48.44
     assert claims.verdict(rec(kind="exact", published=2983424, decimals=0), 2983424, "smoke")[0] == "match"
     assert claims.verdict(rec(kind="exact", published=2983424, decimals=0), 2983425, "smoke")[0] == "mismatch"
     # precision inferred from the printed number when neither decimals nor sig is given
@@ -164,10 +164,10 @@ def test_invariant():
     assert claims.verdict(r, 3e-12, "tiny")[0] == "match"
     assert claims.verdict(r, 2e-9, "tiny")[0] == "mismatch"
     r = rec(kind="invariant", published=6e-5, bound=1e-3, op="abs<=")
-    assert claims.verdict(r, -5e-4, "paper")[0] == "match"
-    assert claims.verdict(r, -5e-3, "paper")[0] == "mismatch"
-    assert claims.verdict(r, True, "paper")[0] == "match"
-    assert claims.verdict(r, False, "paper")[0] == "mismatch"
+    assert claims.verdict(r, -5e-4, "paper", paper_runs=True)[0] == "match"
+    assert claims.verdict(r, -5e-3, "paper", paper_runs=True)[0] == "mismatch"
+    assert claims.verdict(r, True, "paper", paper_runs=True)[0] == "match"
+    assert claims.verdict(r, False, "paper", paper_runs=True)[0] == "mismatch"
     # equality with the published count when there is no bound
     r = rec(kind="invariant", published=48, op="==")
     assert claims.verdict(r, 48, "tiny")[0] == "match"
@@ -266,21 +266,24 @@ def test_shape_change_and_rank_correlation():
 
 def test_value_paper_scale_and_different_scale():
     r = rec(kind="value", published=2.944, tolerance=0.006)
-    assert claims.verdict(r, 2.949, "paper")[0] == "match"
-    assert claims.verdict(r, 2.951, "paper")[0] == "mismatch"
+    assert claims.verdict(r, 2.949, "paper", paper_runs=True)[0] == "match"
+    assert claims.verdict(r, 2.951, "paper", paper_runs=True)[0] == "mismatch"
     v, note = claims.verdict(r, 4.1, "tiny")
     assert v == "different scale" and "tiny" in note
     # no tolerance: half a unit of the last printed digit
     r = rec(kind="value", published=602.6)
-    assert claims.verdict(r, 602.64, "paper")[0] == "match"
-    assert claims.verdict(r, 602.7, "paper")[0] == "mismatch"
-    assert claims.verdict(rec(kind="value", published="lr.n8.r128"), "lr.n8.r128", "paper")[0] == "match"
+    assert claims.verdict(r, 602.64, "paper", paper_runs=True)[0] == "match"
+    assert claims.verdict(r, 602.7, "paper", paper_runs=True)[0] == "mismatch"
+    assert claims.verdict(rec(kind="value", published="lr.n8.r128"), "lr.n8.r128", "paper", paper_runs=True)[0] == "match"
+    # the scale's setting (config.yaml paper_runs) decides, not its name
+    assert claims.verdict(rec(kind="value", published=2.944), 2.944, "paper")[0] == "different scale"
+    assert claims.verdict(rec(kind="value", published=2.944), 2.944, "my-cluster", paper_runs=True)[0] == "match"
 
 
 def test_not_run_names_the_stage():
     v, note = claims.verdict(rec(stage="evaluate"), None, "tiny")
     assert v == "not run" and "evaluate" in note
-    v, note = claims.verdict(rec(stage="none"), None, "paper")
+    v, note = claims.verdict(rec(stage="none"), None, "paper", paper_runs=True)
     assert v == "not run" and "none" in note
 
 
@@ -318,7 +321,7 @@ def test_every_published_value_matches_itself(published):
             produced[cid] = {"reproduced": eff, "se": abs(eff) / 100 or 1e-9, "margin": abs(eff) * 10 or 1.0}
         else:
             produced[cid] = {"reproduced": pub}
-    out = claims.evaluate_claims(published, produced, "paper")
+    out = claims.evaluate_claims(published, produced, "paper", paper_runs=True)
     bad = [(c["id"], c["verdict"], c["note"]) for c in out if c["verdict"] not in ("match", "reproduced")]
     assert not bad
     plain = [r for r in published.values() if r["kind"] == "direction" and not r.get("tie") and r["published"] is not True]
@@ -386,8 +389,8 @@ def test_every_verdict_path_on_a_synthetic_result_set(tmp_path):
     assert all(c["origin"] == "paper" for c in out.values())
     json.dumps(list(out.values()), allow_nan=False)  # strict JSON
     # at the paper scale the value is compared
-    assert claims.evaluate_claims(pub, {"a.value": {"reproduced": 2.947}}, "paper")[3]["verdict"] == "match"
-    assert claims.evaluate_claims(pub, {"a.value": {"reproduced": 2.951}}, "paper")[3]["verdict"] == "mismatch"
+    assert claims.evaluate_claims(pub, {"a.value": {"reproduced": 2.947}}, "paper", paper_runs=True)[3]["verdict"] == "match"
+    assert claims.evaluate_claims(pub, {"a.value": {"reproduced": 2.951}}, "paper", paper_runs=True)[3]["verdict"] == "mismatch"
 
 
 @pytest.mark.parametrize("bad,key", [

@@ -6,7 +6,7 @@ import copy
 
 import pytest
 
-from lrattnres.config import ConfigError, deep_merge, load_yaml, resolve, resolve_rank
+from lrattnres.config import ConfigError, deep_merge, load_yaml, resolve
 
 from conftest import REPO
 
@@ -22,6 +22,11 @@ def test_every_scale_resolves(scale):
     assert s["recipe"]["z_loss"] == 1e-5
     if scale == "paper":
         assert s["recipe"]["optim"]["muon"]["lr"] == 0.001 and s["recipe"]["optim"]["adam"]["lr"] == 0.0003
+
+
+def test_only_the_paper_scale_trains_the_papers_own_runs():
+    runs = {scale: resolve(dict(RAW, scale=scale))["paper_runs"] for scale in RAW["scales"]}
+    assert runs == {scale: scale == "paper" for scale in RAW["scales"]}
 
 
 def test_default_scale_is_tiny():
@@ -99,16 +104,6 @@ def test_unknown_preset():
 def test_wrong_type():
     msg = _bad(lambda r: r["scales"]["tiny"]["train"].update(steps="many"))
     assert "scales.tiny.train.steps" in msg
-
-
-def test_resolve_rank():
-    assert resolve_rank("d/8", 1024, where="x") == 128
-    assert resolve_rank("d", 64, where="x") == 64
-    assert resolve_rank(16, 64, where="x") == 16
-    with pytest.raises(ConfigError, match="divide"):
-        resolve_rank("d/3", 64, where="x")
-    with pytest.raises(ConfigError, match="must be between"):
-        resolve_rank(0, 64, where="x")
 
 
 # ---- overrides as Snakemake passes them ----------------------------------------------------------

@@ -196,17 +196,6 @@ def test_slice_view_shares_weights_and_drifts():
     assert drift == drift and drift > 1e-9  # finite and not covered by the theorem
 
 
-def test_parse_rank():
-    assert C.parse_rank(16, 64) == 16
-    assert C.parse_rank("d/8", 64) == 8
-    assert C.parse_rank("d", 64) == 64
-    assert C.parse_rank("k", 64, 5) == 5
-    with pytest.raises(ValueError, match="not divisible"):
-        C.parse_rank("d/7", 64)
-    with pytest.raises(ValueError, match="spec.rank"):
-        C.parse_rank("half", 64)
-
-
 def test_spec_validation_names_the_key():
     ok = C.validate_spec({"rank": "d/8", "batch_size": 2})
     assert ok["val_tokens"] is None and ok["claim_row"] is None and ok["precision"] == "auto"

@@ -20,6 +20,7 @@ from lrattnres.data import (
     doc_ends,
     get_encoding,
     load_manifest,
+    load_tokenizer,
     prepare,
     validate_spec,
 )
@@ -64,7 +65,7 @@ def split_docs(m, split):
     """Decoded documents of a split (texts without the EOT), via the document index."""
     from lrattnres.data.loader import SplitTokens
 
-    tk = Tokenizer.from_manifest(m)
+    tk = load_tokenizer(m)
     data = SplitTokens(m, split)
     ends = doc_ends(m, split)
     starts = np.concatenate([[0], ends[:-1]])
@@ -348,7 +349,7 @@ def test_compaction_round_trip(corpus):
     assert comp["vocab_size"] == ids.size + 1 and comp["unk_id"] == ids.size
     assert np.all(np.diff(ids) > 0) and EOT in ids and comp["eot_id"] == int(np.searchsorted(ids, EOT))
     assert full["vocab_size"] == N_VOCAB and full["eot_id"] == EOT
-    tk = Tokenizer.from_manifest(comp)
+    tk = load_tokenizer(comp)
     assert tk.vocab_size == comp["vocab_size"]
     for split in ("val", "train"):
         for rf, rc in zip(full["splits"][split]["shards"], comp["splits"][split]["shards"]):
@@ -363,7 +364,7 @@ def test_compaction_round_trip(corpus):
     unseen = "Quixotic xylophones"
     enc = tk.encode(unseen)
     assert comp["unk_id"] in enc and "\ufffd" in tk.decode(enc)
-    assert Tokenizer.from_manifest(full).encode("hello world") == [15339, 1917]
+    assert load_tokenizer(full).encode("hello world") == [15339, 1917]
 
 
 # -- bad input ---------------------------------------------------------------------------------

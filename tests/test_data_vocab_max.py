@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from test_data import make_docs, write_jsonl
 
-from lrattnres.data import SpecError, Tokenizer, load_manifest, prepare, validate_spec
+from lrattnres.data import SpecError, load_manifest, load_tokenizer, prepare, validate_spec
 from lrattnres.data.manifest import open_shard, shard_paths
 from lrattnres.data.loader import TokenLoader
 
@@ -32,7 +32,7 @@ def test_cap_keeps_the_most_frequent_ids_plus_unk(capped):
     assert 0 < frac < 1
     # the kept ids are the most frequent ones: every kept id is at least as frequent as any UNK'd one
     def original_tokens(m):
-        tok = Tokenizer.from_manifest(m)
+        tok = load_tokenizer(m)
         parts = [tok.to_original_ids(np.asarray(open_shard(path, n))) for split in ("val", "train") for path, n in shard_paths(m, split)]
         return np.concatenate(parts)
 

@@ -106,3 +106,41 @@ def test_the_repository_stages_import_what_they_run():
     everything = deps.closure(*(module for module, _ in STAGES.values()))
     execution = {str(deps.module_file(m).relative_to(REPO)) for m in deps.EXECUTION_MODULES}
     assert {"lrattnres/attempts.py", "lrattnres/gpus.py"} <= execution and not execution & set(everything)
+
+
+def test_a_stage_runs_what_it_imports_and_the_report_what_it_finds(tree):
+    tree("lrattnres/cli.py")
+    tree("lrattnres/__main__.py", "from lrattnres import cli\n")
+    tree("lrattnres/stage.py", "from lrattnres import helper\n")
+    tree("lrattnres/helper.py")
+    tree("lrattnres/report/__init__.py")
+    tree("lrattnres/report/sections/__init__.py")
+    tree("lrattnres/report/sections/one.py", "import kernels\n")
+    tree("lrattnres/report/templates/page.html.j2", "<html>")
+    assert deps.stage_files("lrattnres.stage") == ("lrattnres/__init__.py", "lrattnres/__main__.py",
+                                                   "lrattnres/cli.py", "lrattnres/helper.py", "lrattnres/stage.py")
+    report = deps.stage_files("lrattnres.report")
+    assert {"lrattnres/report/sections/one.py", "kernels/__init__.py", "lrattnres/report/templates/page.html.j2"} <= set(report)
+
+
+def test_the_fingerprint_follows_content_and_paths_not_times(tree):
+    import os
+
+    tree("lrattnres/a.py", "x = 1\n")
+    tree("lrattnres/b.py", "y = 2\n")
+    both = deps.fingerprint(["lrattnres/a.py", "lrattnres/b.py"])
+    assert len(both) == deps.FINGERPRINT_DIGITS and both == deps.fingerprint(["lrattnres/b.py", "lrattnres/a.py"])
+    os.utime(deps.REPO / "lrattnres" / "a.py", (1, 1))  # a bare touch
+    assert deps.fingerprint(["lrattnres/a.py", "lrattnres/b.py"]) == both
+    tree("lrattnres/a.py", "x = 1\n# a change\n")
+    assert deps.fingerprint(["lrattnres/a.py", "lrattnres/b.py"]) != both
+    tree("lrattnres/a.py", "x = 1\n")
+    assert deps.fingerprint(["lrattnres/a.py", "lrattnres/b.py"]) == both
+    assert deps.fingerprint(["lrattnres/a.py"]) != both  # which files, not only what they hold
+
+
+def test_every_stage_has_a_code_fingerprint():
+    codes = {stage: deps.stage_code(stage) for stage in STAGES}
+    assert all(len(c) == deps.FINGERPRINT_DIGITS for c in codes.values())
+    assert codes["train"] != codes["report"]
+

@@ -99,7 +99,8 @@ def _loss(run: Run) -> float:
 
 
 def _verdicts(c: dict, scale: str = "tiny") -> dict[str, str]:
-    return {cid: judge(PUBLISHED[cid], v, scale)["verdict"] for cid, v in c.items()}
+    paper_runs = settings(scale)["paper_runs"]
+    return {cid: judge(PUBLISHED[cid], v, scale, paper_runs=paper_runs)["verdict"] for cid, v in c.items()}
 
 
 def test_summary_claims_on_a_synthetic_grid(tmp_path):

@@ -146,7 +146,9 @@ def test_train_rule_resources_come_from_the_plan():
 
 
 def test_cli_prints_the_plan(capsys):
-    assert jobplan.main(["--scale", "paper"]) == 0
+    from lrattnres import jobs_cli
+
+    assert jobs_cli.main(["--scale", "paper"]) == 0
     out = capsys.readouterr().out
     assert "| 4B | 76,294 | 20.0B | 1 x 8 |" in out and "torchrun --standalone --nproc-per-node 8" in out
 

@@ -132,11 +132,14 @@ def test_trained_reads_become_appendix_i_and_table_10_claims(trained, tmp_path):
     out = tmp_path / "all.json"
     sizes = json.dumps({"run": "1b", "other": "4b"})
     published = str(__import__("pathlib").Path(__file__).resolve().parent.parent / "reports" / "published.yaml")
-    assert main(["--aggregate", str(one), str(tmp_path / "other.json"), "--sizes", sizes, "--scale", "smoke",
+    settings = tmp_path / "settings.json"
+    settings.write_text(json.dumps({"scale": "smoke", "paper_runs": False}))
+    assert main(["--aggregate", str(one), str(tmp_path / "other.json"), "--sizes", sizes, "--settings", str(settings),
                  "--published", published, "--out", str(out)]) == 0
     c = json.loads(out.read_text())["claims"]
     assert c["appI.trained_reads_bf16_criterion"]["reproduced"] <= 1.0
     assert "8 of 8 reads" in c["appI.trained_reads_bf16_criterion"]["note"]
+    assert c["appI.trained_reads_bf16_criterion"]["note"].endswith("; smoke scale: the size pair's trained models")
     # r = d/4 at 1B is Table 10's r = 384; r = d at 4B its r = 2560
     assert set(c) >= {f"table10.rel_l2_err_pct.1b.fast.r384.{o}" for o in ("forward", "source_grad", "query_grad")}
     assert "table10.rel_l2_err_pct.4b.fast.r2560.forward" in c

@@ -101,7 +101,7 @@ def test_cpu_scales_and_scales_without_anchors_are_not_checked():
 
 
 def test_cli_prints_the_plan(capsys):
-    from lrattnres.memory import main
+    from lrattnres.memory_cli import main
 
     assert main(["--scale", "paper"]) == 0
     out = capsys.readouterr().out
@@ -172,7 +172,8 @@ def test_the_check_reports_each_error_and_fails_over_ten_percent(tmp_path, capsy
     are no check; an error over 10% fails (exit 1); a file without measurements is refused (exit 2)."""
     import json
 
-    from lrattnres.memory import compare, main
+    from lrattnres.memory import compare
+    from lrattnres.memory_cli import main
 
     cluster = paper()["cluster"]
     good = [_measured("0.5B", "attnres", 1024, 8, err=0.05), _measured("1B", "lr", 384, 4, err=-0.08),

@@ -86,7 +86,8 @@ def test_paper_json_shape_and_not_run_claims(built_report):
         assert set(c) == set(engine.CLAIM_FIELDS)
         assert c["verdict"] in engine.VERDICTS
         if c["kind"] in ("direction", "shape") and c["verdict"] in ("reproduced", "contradicted"):
-            assert c["n"] and len(c["interval"]) == 2 and "95% interval" in c["note"], c
+            assert c["n"] and len(c["interval"]) == 2 and c["interval_kind"] in ("95%", "threshold"), c
+            assert ("threshold band" if c["interval_kind"] == "threshold" else "95% interval") in c["note"], c
     exact = [c for c in claims if c["kind"] == "exact"]
     assert exact and all(c["verdict"] == "match" for c in exact)
     table5 = [c for c in claims if c["id"].startswith("table5.added_flops.")]
@@ -98,6 +99,15 @@ def test_paper_json_shape_and_not_run_claims(built_report):
     verdicts = {c["verdict"] for c in claims}
     assert {"match", "reproduced", "contradicted", "inconclusive", "different scale", "not run"} <= verdicts
     assert paper["problems"] == []
+    # the verdict counts, the paper's claims apart from the supplementary ones, as the page's summary counts them
+    from collections import Counter
+
+    want = {o: Counter(c["verdict"] for c in claims if (c["origin"] == "paper") == (o == "paper"))
+            for o in ("paper", "supplementary")}
+    assert paper["verdict_counts"] == {o: dict(v) for o, v in want.items()}
+    page = built_report["html"].read_text()
+    summary = page[page.index('id="verdict-summary"'):]
+    assert f"claims of the paper<b>{sum(want['paper'].values())}</b>" in summary[: summary.index("</div>\n  </div>")]
 
 
 def test_claims_tsv_is_the_claims_table(built_report):
@@ -328,14 +338,18 @@ def test_a_bad_recorded_list_is_a_note_on_the_page(tmp_path):
         assert paper["problems"] == [] and all(str(escape(n)) in page for n in paper["recorded_notes"])
         return paper["recorded_notes"]
 
-    assert notes(None) == [f"{f}: absent, so no results measured elsewhere are shown"]
+    assert notes(None) == [f"{f}: absent, so no results measured elsewhere are shown (git checkout {f} restores "
+                           "the list)"]
     assert "not valid YAML" in notes("kernel: {\n")[0]
     kernel = recorded.read_list(REPO / recorded.RECORDED)["kernel"]
     got = notes(f"kernel: 3\ntrain_step: benchmarks/results/none.json\nkernel2: {kernel}\n")
     assert len(got) == 2 and "key 'kernel': expected a file path" in got[0] and "left out" in got[0]
     assert "recorded result 'train_step': benchmarks/results/none.json does not exist" in got[1]
-    assert notes("gpu_report: reports/none.json\n") == [
-        "recorded report ('gpu_report'): reports/none.json does not exist yet; its column is left out"]
+    assert "record it (benchmarks/README.md" in got[1] and "take the line out of reports/recorded.yaml" in got[1]
+    # an absent recorded report: what it means (no column; this run is fine) and what makes it
+    (note,) = notes("gpu_report: reports/none.json\n")
+    assert note.startswith("recorded report ('gpu_report' in reports/recorded.yaml): reports/none.json does not exist")
+    assert "nothing is wrong with this run" in note and "python -m lrattnres piece report --into reports" in note
     assert notes("") == [] and 'id="recorded-notes"' not in (tmp_path / "p.html").read_text()
 
 
@@ -407,8 +421,17 @@ def test_glance_section_leads_the_page(built_report, tmp_path):
         assert f">{paper[cid]['verdict']}</span>" in tds[4], (cid, tds[4])
         links = re.findall(r'href="#([^"]+)"', tds[0])
         assert f"claim-{cid}" in links and all(f'id="{a}"' in page for a in links), (cid, links)
-        if paper[cid]["interval"]:
-            assert f"n = {paper[cid]['n']}" in tds[3] and "[" in tds[3]
+        iv, kind = paper[cid]["interval"], paper[cid]["interval_kind"]
+        if iv and iv[0] == iv[1]:
+            assert "no spread" in tds[3] and "interval" not in tds[3], (cid, tds[3])
+        elif iv and kind == "threshold":  # a single run's band is no 95% interval
+            assert "threshold band [" in tds[3] and "95%" not in tds[3], (cid, tds[3])
+        elif iv:
+            assert "95% interval [" in tds[3] and f"n = {paper[cid]['n']}" in tds[3], (cid, tds[3])
+        if paper[cid]["verdict"] != "not run":  # where the value was measured
+            assert "this run (tiny scale)" in tds[3] or "recorded on " in tds[3], (cid, tds[3])
+        if paper[cid]["verdict"] == "inconclusive" and paper[cid]["unresolved"]:
+            assert str(escape(paper[cid]["unresolved"])) in tds[4], (cid, tds[4])
     # a statistical verdict of the synthetic grid shows its interval in the glance
     assert paper["sec4.2.routed_beat_baseline"]["verdict"] == "contradicted"
 
@@ -508,4 +531,51 @@ def test_kernel_section_shows_cold_graph_timings_only_when_recorded():
     assert "Where the time goes" in html and "_attnres_bwd_kernel 41.7; _sum_rows_kernel 3.8" in html
     bench["rows"] = [row, dict(row, impl="compiled", from_run="k_v14.json")]  # a reference kept from an earlier run
     assert "compiled (from k_v14.json)" in section.build(ctx)
+
+
+def test_intervals_say_what_they_are_and_unresolved_verdicts_say_why():
+    from lrattnres.report.html import fmt_interval, verdict_cell
+
+    assert fmt_interval([-0.5, 1.5], 4, "95%") == "95% interval [-0.5, +1.5], n = 4"
+    band = fmt_interval([-10.0, 10.0], 1, "threshold")
+    assert band.startswith("threshold band [-10, +10]") and "95%" not in band and "interval" not in band
+    flat = fmt_interval([0.0, 0.0], 32, "95%")
+    assert flat == "no spread: every value +0, n = 32" and "[" not in flat
+    assert fmt_interval(None, 3) == "n = 3" and fmt_interval([1, 2], 5) == "[+1, +2], n = 5"  # a claim that does not say
+    why = "2 routing settings: fewer than 3 to resolve an effect"
+    cell = verdict_cell({"verdict": "inconclusive", "unresolved": why})
+    assert ">inconclusive</span>" in cell and why in cell
+    assert why not in verdict_cell({"verdict": "contradicted", "unresolved": why})
+    # the claims engine marks both: two routing settings cannot resolve, whichever side they lie on
+    rec = {"id": "x", "kind": "direction", "published": 0.01, "quantity": "q", "stage": "grid"}
+    out = engine.judge(rec, {"reproduced": -0.02, "samples": [-0.021, -0.019], "unit": "routing settings"}, "tiny")
+    assert out["verdict"] == "inconclusive" and out["interval"][1] < 0 and out["interval_kind"] == "95%"
+    assert out["unresolved"] == why
+    single = engine.judge(dict(rec, threshold=0.005), {"reproduced": 0.02}, "tiny")
+    assert single["verdict"] == "reproduced" and single["interval_kind"] == "threshold" and single["unresolved"] is None
+    assert "threshold band [" in single["note"] and "95% interval" not in single["note"]
+
+
+def test_the_glance_says_where_a_value_comes_from_and_what_stands_for_a_row_not_run():
+    from lrattnres.report.context import ReportContext
+    from lrattnres.report.sections import glance
+
+    pub = {"table2.err.0.5b.n8": {"source": "Table 2", "quantity": "fp64_max_logit_err", "kind": "invariant"}}
+    claims = {"table2.err.0.5b.n8": {"id": "table2.err.0.5b.n8", "verdict": "not run", "source": "Table 2",
+                                      "quantity": "fp64_max_logit_err", "kind": "invariant"},
+              "table2.err.0.5b.nfull": {"id": "table2.err.0.5b.nfull", "verdict": "match", "reproduced": 7.4e-14,
+                                         "source": "Table 2", "quantity": "fp64_max_logit_err", "kind": "invariant"},
+              "sec4.9.gain": {"id": "sec4.9.gain", "verdict": "mismatch", "reproduced": 1.0, "published": 2.0,
+                              "note": "off", "source": "Section 4.9", "quantity": "q", "kind": "exact"}}
+    ctx = ReportContext(scale="tiny", published=pub, claims=claims,
+                        recorded={"throughput_gpu_1b": {"_path": "benchmarks/results/t.json", "claims": {"sec4.9.gain": {}},
+                                                        "provenance": {"device": "cuda: NVIDIA H200"}}})
+    assert glance.source(ctx, "table2.err.0.5b.nfull") == "this run (tiny scale)"
+    assert glance.source(ctx, "sec4.9.gain") == "recorded on cuda: NVIDIA H200: benchmarks/results/t.json"
+    cell = glance._reproduced(ctx, "table2.err.0.5b.n8", pub["table2.err.0.5b.n8"], claims["table2.err.0.5b.n8"])
+    assert "no run of this row at the tiny scale" in cell and "nfull: 7.400e-14 (match)" in cell
+    listed = glance.mismatches(ctx)
+    assert "1 claim does not match" in listed and "claim-sec4.9.gain" in listed and "recorded on cuda" in listed
+    ctx.claims = {"table2.err.0.5b.nfull": claims["table2.err.0.5b.nfull"]}
+    assert "No claim mismatches." in glance.mismatches(ctx)
 

@@ -19,13 +19,14 @@ def test_type_tests_refuse_bools_and_non_finite_numbers():
 
 
 def test_every_stage_raises_the_one_spec_error():
-    from lrattnres import convert, throughput
+    from lrattnres import convert
+    from lrattnres.throughput import spec as throughput_spec
     from lrattnres.data import spec as data_spec
     from lrattnres.evaluate import cli as evaluate_cli
     from lrattnres.train import spec as train_spec
 
     assert issubclass(SpecError, UserError) and issubclass(SpecError, ValueError)
-    for module in (data_spec, train_spec, evaluate_cli, throughput):
+    for module in (data_spec, train_spec, evaluate_cli, throughput_spec):
         assert module.SpecError is SpecError
     with pytest.raises(SpecError, match=r"spec\.batch_size: missing"):
         convert.validate_spec({"rank": 4})

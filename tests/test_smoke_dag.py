@@ -121,24 +121,22 @@ def _planned(workdir: Path) -> dict[str, int]:
     return job_counts(snakemake(workdir, "-n", *SMOKE_CONFIG).stdout)
 
 
-def _smoke_jobs(workdir: Path) -> tuple[list[tuple[str, set[str], str | None]], dict[str, int]]:
-    """Every job of the smoke DAG (a forced dry run): (its rule, its input files, the CLI stage its
-    shell command runs, or None); and the run's job counts."""
+def _smoke_jobs(workdir: Path) -> tuple[list[tuple[str, str | None, str | None]], dict[str, int]]:
+    """Every job of the smoke DAG (a forced dry run): (its rule, the code fingerprint its command gives
+    (--code), the CLI stage its shell command runs, or None for both); and the run's job counts."""
     from lrattnres.cli import STAGES
 
     out = snakemake(workdir, "-n", "-p", "--forceall", *SMOKE_CONFIG).stdout
-    jobs, rule, inputs = [], None, set()
+    jobs, rule = [], None
     for line in out.splitlines():
         m = re.match(r"^(?:local)?rule (\w+):", line)
         if m:
-            rule, inputs = m.group(1), set()
-        m = re.match(r"^\s+input: (.*)$", line)
-        if m and rule:
-            inputs = set(m.group(1).split(", "))
+            rule = m.group(1)
         if line.startswith("Shell command: ") and rule:
             args = shlex.split(line[len("Shell command: "):])
             after = args[args.index("lrattnres") + 1:] if "lrattnres" in args else []
-            jobs.append((rule, inputs, next((a for a in after if a in STAGES), None)))
+            code = after[after.index("--code") + 1] if "--code" in after else None
+            jobs.append((rule, code, next((a for a in after if a in STAGES), None)))
             rule = None
     return jobs, job_counts(out)
 
@@ -330,10 +328,10 @@ def test_reruns_follow_code_changes(smoke_dag):
         assert set(_planned(work)) == {"report", "all"}
     assert _planned(work) == {}
 
-    # the kernels: every job whose stage imports a file of kernels/ (deps.closure of the stage's module,
-    # named by the job's command) lists that file among its inputs, and no other job does; a real
-    # change of a kernel file reruns exactly those jobs and what reads their outputs, nothing upstream
-    # (data, accounting); a file no stage imports (kernels/naive.py) reruns nothing
+    # the kernels: every job's command gives the fingerprint of the files its stage imports
+    # (deps.stage_code; tests/test_workflow.py holds every rule to it), so a real change of a kernel
+    # file reruns exactly the jobs whose stage imports it and what reads their outputs, nothing
+    # upstream (data, accounting); a file no stage imports (kernels/naive.py) reruns nothing
     from collections import Counter
 
     from lrattnres import deps
@@ -341,23 +339,24 @@ def test_reruns_follow_code_changes(smoke_dag):
 
     jobs, counts = _smoke_jobs(work)
     assert len(jobs) == sum(counts.values()) and {r for r, _, stage in jobs if stage is None} == {"settings", "all"}
-    kernel_files = deps.package_files("kernels")
-    assert "kernels/tiles.py" in kernel_files and "kernels/naive.py" in kernel_files
-    for f in kernel_files:
-        listing = Counter(rule for rule, inputs, _ in jobs if f in inputs)
-        importing = Counter(rule for rule, _, stage in jobs
-                            if stage and f in deps.closure("lrattnres.__main__", "lrattnres.cli", STAGES[stage][0]))
-        assert listing == importing, f
+    with pytest.MonkeyPatch.context() as mp:  # the work folder's files, as its jobs read them
+        mp.setattr(deps, "REPO", work)
+        deps.closure.cache_clear()
+        assert all(code == deps.stage_code(stage) for _, code, stage in jobs if stage)
+        files = {stage: deps.stage_files(STAGES[stage][0]) for _, _, stage in jobs if stage}
+    deps.closure.cache_clear()
     settings = load_and_resolve(work / "config.yaml", {"scale": "smoke"})
     runs, reads = len(plan(settings)), len(evaluations(settings))
     importers = {"train": runs, "diagnose_run": runs, "convert": len(conversions(settings)), "evaluate": reads,
                  "kernel_check_run": reads, "kernel_check": 1, "kernel_check_trained": 1, "throughput_size": 1,
-                 "throughput": 1, "convert_all": 1, "diagnostics": 1, "report": 1}
-    assert dict(Counter(rule for rule, inputs, _ in jobs if "kernels/tiles.py" in inputs)) == importers
+                 "throughput": 1, "convert_all": 1, "diagnostics": 1}
+    assert dict(Counter(rule for rule, _, stage in jobs if stage and "kernels/tiles.py" in files[stage])) == importers
+    assert not any("kernels/naive.py" in f for f in files.values())
     with _changed(work / "kernels" / "tiles.py"):  # imported by kernels/launch.py through the kernel bodies
         planned = _planned(work)
     assert {r: planned.get(r) for r in importers} == importers
-    assert set(planned) - set(importers) == {"grid_summary", "evaluate_pairs", "all"}  # read train's, evaluate's outputs
+    # what reads their outputs: the grid (train's), the pairs (evaluate's), the report (all of them)
+    assert set(planned) - set(importers) == {"grid_summary", "evaluate_pairs", "report", "all"}
     assert _planned(work) == {}
     with _changed(work / "kernels" / "naive.py"):
         assert _planned(work) == {}

@@ -50,6 +50,30 @@ def test_dry_run_every_scale(shared_copy, scale):
         assert counts.get(rule) == 1, (rule, counts)
 
 
+def test_every_job_names_its_code_by_one_fingerprint(shared_copy):
+    """A job lists no source file among its inputs: its command gives one fingerprint of the files its
+    stage imports (--code, the rule's `code` param, lrattnres/deps.py), which Snakemake's params
+    trigger compares with the one the job ran with. Every stage's job gives its own stage's."""
+    import shlex
+
+    from lrattnres import deps
+    from lrattnres.cli import STAGES
+
+    out = snakemake(shared_copy, "-n", "-p", "--forceall", "--config", "scale=smoke").stdout
+    inputs = [line for line in out.splitlines() if re.match(r"^\s+input: ", line)]
+    assert inputs and not [line for line in inputs if re.search(r"(^|, )(lrattnres|kernels)/", line.split(": ", 1)[1])]
+    jobs = 0
+    for cmd in (line[len("Shell command: "):] for line in out.splitlines() if line.startswith("Shell command: ")):
+        args = shlex.split(cmd)
+        if "lrattnres" not in args:
+            continue
+        after = args[args.index("lrattnres") + 1:]
+        stage = next(a for a in after if a in STAGES)
+        jobs += 1
+        assert after[after.index("--code") + 1] == deps.stage_code(stage), (stage, cmd[:200])
+    assert jobs >= sum(job_counts(out).values()) - 3  # all but the settings, the pack and `all`
+
+
 def test_paper_scale_plans_exactly_the_papers_runs(shared_copy):
     proc = snakemake(shared_copy, "-n", "--config", "scale=paper")
     # 32 rank/grouping configurations + baseline, 2 extra seeds of each headline run, the control,

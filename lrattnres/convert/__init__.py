@@ -92,7 +92,6 @@ from lrattnres.convert.construction import (
     convert_model,
     default_rtol,
     effective_queries,
-    parse_rank,
     query_span,
     rotate_state_dict,
     rotation,
@@ -114,7 +113,7 @@ from lrattnres.convert.verify import _fp64_view, fp64_noise_floor, max_logit_dif
 __all__ = [
     "DEFAULT_PUBLISHED", "SIZES", "SPEC_KEYS", "SPEC_REQUIRED", "Conversion", "QuerySpan", "RankError", "_fp64_view",
     "aggregate", "aggregate_results", "convert_model", "default_rtol", "effective_queries", "fp64_noise_floor",
-    "invariant_summary", "main", "max_logit_diff", "max_logit_diff_to", "paired_ce", "parse_claim_row", "parse_rank",
+    "invariant_summary", "main", "max_logit_diff", "max_logit_diff_to", "paired_ce", "parse_claim_row",
     "published_records", "query_span", "result_claims", "rotate_state_dict", "rotation", "run", "validate_spec",
     "with_config",
 ]

@@ -10,13 +10,12 @@ import sys
 from lrattnres.convert.construction import RankError
 from lrattnres.convert.runner import run
 from lrattnres.convert.summary import aggregate_results
+from lrattnres.io import atomic_write_json, read_json, read_spec_arg
 
 log = logging.getLogger("lrattnres.convert")
 
 
 def main(argv: list[str] | None = None) -> int:
-    from lrattnres.io import atomic_write_json, read_json, read_spec_arg
-
     p = argparse.ArgumentParser(prog="python -m lrattnres convert",
                                 description="convert a standard AttnRes checkpoint to full-width-RMS LR-AttnRes "
                                             "(Section 4.8), or aggregate conversion results")

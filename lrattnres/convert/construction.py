@@ -9,8 +9,8 @@ import dataclasses
 import re
 from typing import Any
 
-from lrattnres.checks import is_int
 from lrattnres.errors import SpecError, UserError
+from lrattnres.ranks import resolve_rank
 
 
 class RankError(UserError, ValueError):
@@ -143,29 +143,6 @@ def rotate_state_dict(state: dict, R, rank: int, queries=None) -> dict:
     return out
 
 
-def parse_rank(rank: Any, d: int, k: int | None = None) -> int:
-    """An int, "d", "d/<n>" (d // n, exact division required) or "k" (the joint rank)."""
-    if is_int(rank):
-        return rank
-    if isinstance(rank, str):
-        s = rank.strip()
-        if s == "d":
-            return d
-        if s == "k":
-            if k is None:
-                raise SpecError("spec.rank 'k' needs the joint rank")
-            return max(k, 1)
-        m = re.fullmatch(r"d\s*/\s*(\d+)", s)
-        if m:
-            n = int(m.group(1))
-            if n < 1 or d % n:
-                raise SpecError(f"spec.rank {rank!r}: d={d} is not divisible by {n}")
-            return d // n
-        if s.isdigit():
-            return int(s)
-    raise SpecError(f"spec.rank: expected an int, 'd', 'd/<n>' or 'k', got {rank!r}")
-
-
 @dataclasses.dataclass
 class Conversion:
     """A converted model and what it took: ``model`` (float64 unless asked otherwise), the span, R."""
@@ -190,7 +167,7 @@ def _check_source(cfg) -> None:
 
 def convert_model(model, rank: Any, *, rtol: float | None = None, routing_norm_weight=None,
                   dtype=None, device=None) -> Conversion:
-    """Convert an AttnRes ``model`` to full-width-RMS LR-AttnRes of rank ``rank`` (see ``parse_rank``).
+    """Convert an AttnRes ``model`` to full-width-RMS LR-AttnRes of rank ``rank`` (lrattnres/ranks.py; "k" is the queries' joint rank).
 
     The rotation is computed and applied in float64; the returned model is in ``dtype`` (default
     float64) on ``device`` (default: the model's)."""
@@ -205,7 +182,7 @@ def convert_model(model, rank: Any, *, rtol: float | None = None, routing_norm_w
     state = {k: v for k, v in model.state_dict().items()}
     q_eff = effective_queries(state["queries"].to(device), routing_norm_weight)
     span = query_span(q_eff, rtol)
-    r = parse_rank(rank, cfg.d_model, span.joint_rank)
+    r = resolve_rank(rank, cfg.d_model, where="spec.rank", joint_rank=span.joint_rank, error=SpecError)
     R = rotation(span, r)
     new_state = rotate_state_dict(state, R, r, queries=q_eff)
     d = cfg.d_model

@@ -8,7 +8,9 @@ import re
 from pathlib import Path
 from typing import Any
 
+from lrattnres.claims import load_published
 from lrattnres.errors import SpecError
+from lrattnres.provenance import provenance
 
 log = logging.getLogger("lrattnres.convert")
 
@@ -32,11 +34,10 @@ def parse_claim_row(row: str | None) -> tuple[str, str] | None:
 
 def published_records(path: str | Path | None = None) -> dict[str, dict] | None:
     """The published records by id, or None (with a warning) when the file does not exist."""
-    from lrattnres.claims import load_published
-
     path = Path(path) if path is not None else DEFAULT_PUBLISHED
     if not path.exists():
-        log.warning("published claims file not found (%s); no claims emitted", path)
+        log.warning("published claims file not found (%s); no claims emitted: pass --published "
+                    "reports/published.yaml (as the workflow does) to emit them", path)
         return None
     return load_published(path)
 
@@ -144,8 +145,6 @@ def invariant_summary(results: list[dict]) -> dict:
 
 def aggregate_results(results: list[dict], provenance_block: dict | None = None) -> dict:
     """The ``convert_all`` result: every conversion, the union of their claims (aggregated)."""
-    from lrattnres.provenance import provenance
-
     conversions = [{k: v for k, v in r.items() if k != "_path"} for r in results]
     return {
         "stage": "convert",

@@ -7,6 +7,7 @@ import copy
 import math
 
 from lrattnres.convert.construction import with_config
+from lrattnres.progress import bar as progress_bar
 
 
 def _fp64_view(model, device=None):
@@ -67,7 +68,6 @@ def paired_ce(models: dict, batches, device, precision: str, max_windows: int | 
     sums = {n: torch.zeros((), dtype=torch.float64, device=device) for n in models}
     per_window: dict[str, list] = {n: [] for n in models}
     tokens = windows = 0
-    from lrattnres.progress import bar as progress_bar
 
     it = progress_bar(batches, desc="[convert] paired CE", unit="batch", live=progress, leave=False)
     with torch.no_grad():

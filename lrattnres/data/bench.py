@@ -13,6 +13,9 @@ import os
 import sys
 import time
 
+from .sources import EmbeddedSource
+from .tokenizer import get_encoding
+
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m lrattnres.data.bench", description=__doc__)
@@ -21,8 +24,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--chunk", type=int, default=2048, help="documents per encode_ordinary_batch call")
     args = p.parse_args(argv)
-    from .sources import EmbeddedSource
-    from .tokenizer import get_encoding
 
     t0 = time.perf_counter()
     texts = list(EmbeddedSource(args.packages).iter_texts())

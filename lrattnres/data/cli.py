@@ -10,7 +10,10 @@ import argparse
 import sys
 
 from lrattnres.errors import one_line
-from lrattnres.io import read_spec_arg
+from lrattnres.io import DiskFull, read_json, read_spec_arg
+
+from .shards import prepare
+from .spec import SpecError
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -28,10 +31,6 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"prepare-data: {e}", file=sys.stderr)
         return 2
-    from lrattnres.io import DiskFull
-
-    from .shards import prepare
-    from .spec import SpecError
 
     if args.threads is not None and isinstance(spec, dict):
         if args.threads < 1:
@@ -56,8 +55,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"prepare-data: error: {one_line(e)}", file=sys.stderr)
         return 1
     from pathlib import Path
-
-    from lrattnres.io import read_json
 
     c, t = m["counts"], read_json(Path(m["_root"]) / "build.json")["timing"]
     print(

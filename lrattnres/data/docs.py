@@ -32,6 +32,8 @@ from html.parser import HTMLParser
 from pathlib import Path
 from typing import Iterator
 
+from lrattnres.io import atomic_path
+
 PACK_FORMAT = "lrattnres-docpack/1"
 
 
@@ -370,8 +372,6 @@ def build_pack(out: str | os.PathLike, collections: list[Collection], *, min_cha
     the same versions are the same bytes and a rebuild says which versions differ
     (:func:`version_diff`). ``owners`` and ``versions`` look them up (dpkg; replaced in tests).
     """
-    from lrattnres.io import atomic_path
-
     roots = roots or {}
     versions = versions or package_versions
     say = progress or (lambda msg: None)

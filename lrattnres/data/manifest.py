@@ -152,6 +152,14 @@ def load_manifest(path: str | os.PathLike, verify: bool | str = True) -> dict:
     return m
 
 
+def load_tokenizer(manifest: dict | str | os.PathLike) -> _tok.Tokenizer:
+    """The tokenizer of a loaded manifest (or of a manifest path): cl100k, with the manifest's
+    compaction where it has one."""
+    if not isinstance(manifest, dict):
+        manifest = load_manifest(manifest, verify=False)
+    return _tok.Tokenizer(load_vocab_ids(manifest))
+
+
 def load_vocab_ids(manifest: dict) -> np.ndarray | None:
     """The compaction map (sorted original ids) or None for the full vocabulary."""
     if manifest.get("vocab") != "compact":

@@ -25,6 +25,8 @@ from typing import Any
 
 import numpy as np
 
+from lrattnres.progress import bar as progress_bar
+
 from ..io import atomic_path, atomic_write_json, read_json
 from ..provenance import config_sha256, now, provenance
 from . import tokenizer as tok
@@ -201,8 +203,6 @@ def _flush(work: Path, state: dict, split: str, buf: _Buffer) -> None:
 
 
 def _tokenize(spec: dict, work: Path, state: dict, progress: bool) -> None:
-    from lrattnres.progress import bar as progress_bar
-
     t_start = time.perf_counter()
     source = make_source(spec)
     if hasattr(source, "preflight"):  # a source that cannot be read says so before any work is shown
@@ -328,50 +328,57 @@ def _group_stats(work: Path, state: dict, fwd: np.ndarray | None, unk_id: int | 
 
 def _finalize(spec: dict, work: Path, state: dict, progress: bool) -> tuple[dict[str, Any], dict[str, Any]]:
     """(manifest, build record): compact the vocabulary if asked, count per origin, describe."""
-    from lrattnres.progress import bar as progress_bar
-
     bar = dict(live=progress, unit="shard", mininterval=5.0)
-    vocab_map = None
-    vocab_size = tok.N_VOCAB
-    eot_id = tok.EOT
-    unk_id = None
-    fwd = None
     shards = list(_all_shards(state))
+    vocab = {"vocab_map": None, "vocab_size": tok.N_VOCAB, "eot_id": tok.EOT, "unk_id": None}
+    fwd = None
     if spec["vocab"] == "compact":
-        vpath = work / "vocab.npy"
-        counts = np.zeros(tok.N_VOCAB, dtype=np.int64)
-        for _, rec in progress_bar(shards, desc="compaction: scan", **bar):
-            mm = np.memmap(work / "raw" / rec["file"], dtype="<u4", mode="r")
-            for a in range(0, mm.size, 1 << 24):
-                counts += np.bincount(mm[a:a + (1 << 24)], minlength=tok.N_VOCAB)
-        if not vpath.exists():
-            used = counts > 0
+        fwd, vocab = _compact_vocabulary(spec, work, shards, bar)
+    groups = _group_stats(work, state, fwd, vocab["unk_id"])
+    _write_shards(work, shards, fwd, bar)
+    return _manifest(spec, state, shards, vocab, groups), _build_record(spec, state)
+
+
+def _compact_vocabulary(spec: dict, work: Path, shards: list, bar: dict) -> tuple[np.ndarray, dict[str, Any]]:
+    """The compact vocabulary (``vocab.npy``: the cl100k ids the corpus uses, at most ``vocab_max``,
+    made once and kept): (the map from cl100k ids to model ids, the manifest's vocabulary keys)."""
+    vpath = work / "vocab.npy"
+    counts = np.zeros(tok.N_VOCAB, dtype=np.int64)
+    for _, rec in progress_bar(shards, desc="compaction: scan", **bar):
+        mm = np.memmap(work / "raw" / rec["file"], dtype="<u4", mode="r")
+        for a in range(0, mm.size, 1 << 24):
+            counts += np.bincount(mm[a:a + (1 << 24)], minlength=tok.N_VOCAB)
+    if not vpath.exists():
+        used = counts > 0
+        used[tok.EOT] = True
+        if spec["vocab_max"] is not None and used.sum() > spec["vocab_max"] - 1:
+            # keep the vocab_max - 1 most frequent ids (EOT always); the rest become UNK
+            ranked = np.argsort(-counts, kind="stable")
+            keep = [i for i in ranked[: spec["vocab_max"] - 1] if i != tok.EOT][: spec["vocab_max"] - 2]
+            used = np.zeros(tok.N_VOCAB, dtype=bool)
+            used[keep] = True
             used[tok.EOT] = True
-            if spec["vocab_max"] is not None and used.sum() > spec["vocab_max"] - 1:
-                # keep the vocab_max - 1 most frequent ids (EOT always); the rest become UNK
-                ranked = np.argsort(-counts, kind="stable")
-                keep = [i for i in ranked[: spec["vocab_max"] - 1] if i != tok.EOT][: spec["vocab_max"] - 2]
-                used = np.zeros(tok.N_VOCAB, dtype=bool)
-                used[keep] = True
-                used[tok.EOT] = True
-            ids = np.flatnonzero(used).astype(np.int64)
-            with atomic_path(vpath) as tmp:
-                with open(tmp, "wb") as f:
-                    np.save(f, ids, allow_pickle=False)
-        ids = np.load(vpath)
-        fwd = np.full(tok.N_VOCAB, ids.size, dtype=np.uint32)
-        fwd[ids] = np.arange(ids.size, dtype=np.uint32)
-        unk_id = int(ids.size)
-        kept = np.zeros(tok.N_VOCAB, dtype=bool)
-        kept[ids] = True
-        vocab_map = {"file": vpath.name, "sha256": sha256_file(vpath), "size": int(ids.size),
-                     "meaning": "model id i < size stands for cl100k id ids[i] (sorted); id `size` is UNK "
-                                "(any cl100k id the corpus never used, or beyond vocab_max)",
-                     "vocab_max": spec["vocab_max"],
-                     "unk_token_fraction": float(counts[~kept].sum() / max(int(counts.sum()), 1))}
-        vocab_size = int(ids.size) + 1
-        eot_id = int(fwd[tok.EOT])
-    groups = _group_stats(work, state, fwd, unk_id)
+        ids = np.flatnonzero(used).astype(np.int64)
+        with atomic_path(vpath) as tmp:
+            with open(tmp, "wb") as f:
+                np.save(f, ids, allow_pickle=False)
+    ids = np.load(vpath)
+    fwd = np.full(tok.N_VOCAB, ids.size, dtype=np.uint32)
+    fwd[ids] = np.arange(ids.size, dtype=np.uint32)
+    kept = np.zeros(tok.N_VOCAB, dtype=bool)
+    kept[ids] = True
+    vocab_map = {"file": vpath.name, "sha256": sha256_file(vpath), "size": int(ids.size),
+                 "meaning": "model id i < size stands for cl100k id ids[i] (sorted); id `size` is UNK "
+                            "(any cl100k id the corpus never used, or beyond vocab_max)",
+                 "vocab_max": spec["vocab_max"],
+                 "unk_token_fraction": float(counts[~kept].sum() / max(int(counts.sum()), 1))}
+    return fwd, {"vocab_map": vocab_map, "vocab_size": int(ids.size) + 1, "eot_id": int(fwd[tok.EOT]),
+                 "unk_id": int(ids.size)}
+
+
+def _write_shards(work: Path, shards: list, fwd: np.ndarray | None, bar: dict) -> None:
+    """The final shards beside the manifest: rewritten through the compact vocabulary (their sha256
+    recomputed), or moved as they are; the raw folder removed."""
     if fwd is not None:
         for _, rec in progress_bar(shards, desc="compaction: rewrite", **bar):
             mm = np.memmap(work / "raw" / rec["file"], dtype="<u4", mode="r")
@@ -390,24 +397,26 @@ def _finalize(spec: dict, work: Path, state: dict, progress: bool) -> tuple[dict
                 os.replace(raw, work / rec["file"])
     shutil.rmtree(work / "raw", ignore_errors=True)
 
+
+def _manifest(spec: dict, state: dict, shards: list, vocab: dict, groups: list[dict]) -> dict[str, Any]:
+    """The manifest: the tokenizer, vocabulary, source (with its content hash), counts and splits."""
     content = hashlib.sha256("\n".join(rec.pop("text_sha256") for _, rec in shards).encode()).hexdigest()
-    enc_s = max(state["encode_seconds"], 1e-9)
     source = dict(state["source"] or {})
     source["content_sha256"] = content
     source["content_sha256_definition"] = (
         "sha256 of the newline-joined per-shard sha256 of the documents' UTF-8 text, each followed by NUL"
     )
-    m: dict[str, Any] = {
+    return {
         "format": FORMAT,
         "stage": "data",
         "tokenizer": tok.tokenizer_info(),
         "dtype": "uint32",
         "byteorder": "little",
         "vocab": spec["vocab"],
-        "vocab_size": vocab_size,
-        "eot_id": eot_id,
-        "unk_id": unk_id,
-        "vocab_map": vocab_map,
+        "vocab_size": vocab["vocab_size"],
+        "eot_id": vocab["eot_id"],
+        "unk_id": vocab["unk_id"],
+        "vocab_map": vocab["vocab_map"],
         "source": source,
         "shuffled": shuffled(spec),
         "sources": groups,
@@ -428,7 +437,12 @@ def _finalize(spec: dict, work: Path, state: dict, progress: bool) -> tuple[dict
         "shard_tokens": spec["shard_tokens"],
         "spec": science(spec),
     }
-    build = {
+
+
+def _build_record(spec: dict, state: dict) -> dict[str, Any]:
+    """How the build went: its times (wall clock, shared with other processes) and provenance."""
+    enc_s = max(state["encode_seconds"], 1e-9)
+    return {
         "stage": "data",
         "manifest": "manifest.json",
         "timing": {
@@ -445,7 +459,6 @@ def _finalize(spec: dict, work: Path, state: dict, progress: bool) -> tuple[dict
         "spec": spec,
         "provenance": provenance(science(spec), started=state["started"]),
     }
-    return m, build
 
 
 def _make_readable(folder: Path) -> None:

@@ -35,6 +35,9 @@ from typing import Any, Callable, Iterator
 
 from lrattnres.errors import UserError
 
+from .docs import PackError, header_packages, iter_pack, read_header
+from .manifest import sha256_file
+
 
 # ------------------------------------------------------------------------------------------------
 # embedded: docstrings of installed packages
@@ -588,9 +591,6 @@ class PackSource:
         self.stats: dict[str, Any] = {}
 
     def _check(self) -> tuple[dict, str]:
-        from .docs import PackError, read_header
-        from .manifest import sha256_file
-
         header = read_header(self.path)
         digest = sha256_file(self.path)
         if self.sha256 is not None and digest != self.sha256:
@@ -614,7 +614,6 @@ class PackSource:
 
     def describe(self) -> dict[str, Any]:
         header, digest = self._check()
-        from .docs import header_packages
 
         keep = set(self.collections or [c["name"] for c in header["collections"]])
         cols = [c for c in header["collections"] if c["name"] in keep]
@@ -632,8 +631,6 @@ class PackSource:
             yield text
 
     def iter_docs(self, skip: int = 0) -> Iterator[tuple[str, str]]:
-        from .docs import iter_pack
-
         self._check()
         keep = set(self.collections) if self.collections else None
         n = 0

@@ -141,15 +141,6 @@ class Tokenizer:
             self._inv = ids
             self.eot_id = int(fwd[EOT])
 
-    @classmethod
-    def from_manifest(cls, manifest: "dict | str | os.PathLike") -> "Tokenizer":
-        """The tokenizer of a loaded manifest (or of a manifest path)."""
-        from .manifest import load_manifest, load_vocab_ids
-
-        if not isinstance(manifest, dict):
-            manifest = load_manifest(manifest, verify=False)
-        return cls(load_vocab_ids(manifest))
-
     # -- ids ---------------------------------------------------------------------------------
     def to_model_ids(self, original: Iterable[int] | np.ndarray) -> np.ndarray:
         arr = np.asarray(original, dtype=np.int64)

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from lrattnres.checks import is_number
+from lrattnres.data import iter_eval_batches
 from lrattnres.devices import resolve_device
 from lrattnres.diagnostics.measures import (_thin, grad_norm_stats, query_utilisation, read_grad_norms,
                                             routing_diagnostics, source_columns, trailing_mean)
@@ -67,9 +68,9 @@ def analyse_run(run, folder: Path, manifest: dict | None, settings: dict, diag: 
                 raise DiagnosticsError(f"{manifest.get('_path')}: vocab_size {manifest['vocab_size']} exceeds the model's "
                                        f"{cfg.vocab_size} ({weights}); not the data it was trained on")
             if info.get("manifest_sha256") and info["manifest_sha256"] != manifest.get("_sha256"):
-                log.warning("%s: trained on manifest sha256 %s..., diagnosing on %s...", run.run_id,
+                log.warning("%s: trained on manifest sha256 %s..., diagnosing on %s...; pass the manifest it was "
+                            "trained on (--data) to diagnose it on its own data", run.run_id,
                             str(info["manifest_sha256"])[:12], str(manifest.get("_sha256"))[:12])
-            from lrattnres.data import iter_eval_batches
 
             seq_len = diag["seq_len"] or (info.get("spec") or {}).get("seq_len") or cfg.max_seq_len
             if seq_len > cfg.max_seq_len:
@@ -78,8 +79,9 @@ def analyse_run(run, folder: Path, manifest: dict | None, settings: dict, diag: 
             batches = iter_eval_batches(manifest, diag["split"], diag["batch_size"], seq_len,
                                         max_batches=-(-windows // diag["batch_size"]), verify=False)
             if batches.tokens_covered < diag["tokens"]:
-                log.warning("%s: split %r holds %d windows of %d tokens, fewer than the %d tokens asked for",
-                            run.run_id, diag["split"], batches.n_windows, seq_len, diag["tokens"])
+                log.warning("%s: split %r holds %d windows of %d tokens, fewer than the %d tokens asked for; the "
+                            "measures use them all (a larger data.val_tokens, or fewer diagnostics.tokens, gives "
+                            "what was asked)", run.run_id, diag["split"], batches.n_windows, seq_len, diag["tokens"])
             precision = (info.get("spec") or {}).get("precision", "fp32")
             amp = torch.bfloat16 if (precision == "bf16" and device.type == "cuda") else None
             stats = routing_diagnostics(model, batches, device, diag["tokens"], amp)

@@ -8,6 +8,8 @@ import logging
 import sys
 from pathlib import Path
 
+from lrattnres.claims import load_published
+from lrattnres.data import load_manifest
 from lrattnres.diagnostics.analyse import _device, _missing_inputs, analyse_run
 from lrattnres.diagnostics.settings import DiagnosticsError, validate_settings
 from lrattnres.diagnostics.summary import aggregate, claims, figures_data
@@ -29,7 +31,8 @@ def diagnose(settings: dict, runs_root: Path, manifest: dict | None, known_ids=N
         missing = _missing_inputs(run, folder)
         if missing:
             if skip_missing:
-                log.warning("%s: %s missing; skipped", run.run_id, ", ".join(str(p) for p in missing))
+                log.warning("%s: %s missing; skipped (train the run first: snakemake makes it)", run.run_id,
+                            ", ".join(str(p) for p in missing))
                 continue
             raise DiagnosticsError(f"{missing[0]}: not found (run {run.run_id} of the grid; train it first, "
                                    "or pass --skip-missing)")
@@ -88,8 +91,6 @@ def main(argv: list[str] | None = None) -> int:
             p.error(f"--{opt} is required {'with --' + mode if mode != 'whole' else ''}".strip())
 
     if mode == "aggregate":
-        from lrattnres.claims import load_published
-
         rows = []
         for path in args.aggregate:
             row = read_json(path)
@@ -107,7 +108,6 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    from lrattnres.data import load_manifest
 
     manifest = load_manifest(args.data, verify="size")
     if mode == "run":
@@ -126,8 +126,6 @@ def main(argv: list[str] | None = None) -> int:
         atomic_write_json(args.out, row)
         log.info("diagnostics: %s -> %s", run.run_id, args.out)
         return 0
-
-    from lrattnres.claims import load_published
 
     known = set(load_published(args.published))
     result = diagnose(settings, Path(args.runs), manifest, known, skip_missing=args.skip_missing)

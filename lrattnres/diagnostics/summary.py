@@ -7,6 +7,7 @@ import math
 import statistics
 from typing import Any
 
+from lrattnres import stats
 from lrattnres.diagnostics.settings import DiagnosticsError, validate_settings
 from lrattnres.gridplan import CONTROL, HEADLINE_ATTNRES, HEADLINE_LR, PAIR_SIZES, PAPER_D, plan
 
@@ -126,8 +127,6 @@ def _segment_effects(rows: list[dict], effect, k: int = SEGMENTS) -> list[float]
     """``effect(*segments)`` on ``k`` contiguous segments of the runs' per-step norms at the steps all
     of them logged (the runs share seed and data order, so a segment covers the same batches in
     each); [] with fewer than ``k`` common steps or where ``effect`` is undefined."""
-    from lrattnres import stats
-
     by = [_norms_by_step(r) for r in rows]
     steps = sorted(set.intersection(*(set(b) for b in by))) if by else []
     if len(steps) < k:
@@ -168,108 +167,135 @@ def claims(rows: list[dict], settings: dict, known_ids=None) -> dict[str, dict]:
     Direction claims carry their evidence for the claims engine: N_eff comparisons are single runs
     judged by the record's threshold (relative differences in %); gradient-norm comparisons are
     paired over ``SEGMENTS`` contiguous segments of the runs' per-step norms."""
-    out: dict[str, dict] = {}
-    scale = settings.get("scale", "?")
-    analog = "" if scale == "paper" else f"{scale} scale: analogous run (same method and N, same r/d, or same role)"
+    book = _DiagnosticClaims(rows, settings, known_ids)
+    book.n_eff()
+    book.sweep_grad_norms()
+    book.size_pair()
+    return book.out
 
-    def put(cid: str, value, text: str = "", *, value_claim: bool = True, how: str | None = None, **evidence) -> None:
-        if value is None or (known_ids is not None and cid not in known_ids):
+
+class _DiagnosticClaims:
+    """The analysed runs as the paper's diagnostics see them, and the claims made of them."""
+
+    def __init__(self, rows: list[dict], settings: dict, known_ids):
+        self.out: dict[str, dict] = {}
+        self.rows, self.settings, self.known_ids = rows, settings, known_ids
+        self.scale = settings.get("scale", "?")
+        self.analog = ("" if settings.get("paper_runs")
+                       else f"{self.scale} scale: analogous run (same method and N, same r/d, or same role)")
+        self.by_row = run_rows(rows, settings)
+        self.seed0 = _main_seed0(rows, settings)
+
+    def put(self, cid: str, value, text: str = "", *, value_claim: bool = True, how: str | None = None,
+            **evidence) -> None:
+        if value is None or (self.known_ids is not None and cid not in self.known_ids):
             return
-        note = "; ".join(t for t in (text, (how or analog) if value_claim and analog else "") if t)
-        out[cid] = {"reproduced": value, "note": note, **evidence}
+        note = "; ".join(t for t in (text, (how or self.analog) if value_claim and self.analog else "") if t)
+        self.out[cid] = {"reproduced": value, "note": note, **evidence}
 
-    by_row = run_rows(rows, settings)
-    seed0 = _main_seed0(rows, settings)
+    def n_eff(self) -> None:
+        """N_eff at the final read (Section 4.6, Appendix D.1)."""
+        put, seed0 = self.put, self.seed0
+        for key, r in self.by_row.items():
+            if r.get("n_eff"):
+                prefix = "sec4.6" if key.startswith("lr.nfull.") else "appD.1"
+                put(f"{prefix}.n_eff_final.{key}", r["n_eff"][-1], f"{r['run_id']}, {r.get('tokens')} tokens")
+        full_lr = sorted((r for r in seed0 if r["method"] == "lr" and r["blocks"] == "full" and "sweep" in r["roles"]
+                          and r.get("n_eff")), key=lambda r: r["rank"])
 
-    # N_eff at the final read (Section 4.6, Appendix D.1)
-    for key, r in by_row.items():
-        if r.get("n_eff"):
-            prefix = "sec4.6" if key.startswith("lr.nfull.") else "appD.1"
-            put(f"{prefix}.n_eff_final.{key}", r["n_eff"][-1], f"{r['run_id']}, {r.get('tokens')} tokens")
-    full_lr = sorted((r for r in seed0 if r["method"] == "lr" and r["blocks"] == "full" and "sweep" in r["roles"]
-                      and r.get("n_eff")), key=lambda r: r["rank"])
+        def excess(lo: dict, hi: dict) -> float:
+            return 100.0 * (lo["n_eff"][-1] / hi["n_eff"][-1] - 1.0)
 
-    def excess(lo: dict, hi: dict) -> float:
-        return 100.0 * (lo["n_eff"][-1] / hi["n_eff"][-1] - 1.0)
+        if len(full_lr) >= 2:
+            lo, hi = full_lr[0], full_lr[-1]
+            put("sec4.6.n_eff_full_decreases_with_rank", excess(lo, hi),
+                f"final-read N_eff {lo['n_eff'][-1]:.6g} at r={lo['rank']} ({lo['run_id']}) vs {hi['n_eff'][-1]:.6g} at "
+                f"r={hi['rank']} ({hi['run_id']}), the smallest and largest r<d of the full sweep", value_claim=False)
+            mid = [r for r in full_lr if 2 * r["rank"] <= r["d_model"]]
+            if mid and mid[-1] is not lo:
+                put("sec4.6.n_eff_falls_r16_to_r512", excess(lo, mid[-1]),
+                    f"final-read N_eff {lo['n_eff'][-1]:.6g} at r={lo['rank']} vs {mid[-1]['n_eff'][-1]:.6g} at "
+                    f"r={mid[-1]['rank']} ({mid[-1]['run_id']}), the largest r <= d/2", value_claim=False)
+        f6 = fig6_runs(self.rows, self.settings)
+        at = f6["attnres"]
+        low = [r for r in (f6["lr"], f6["plr"]) if r is not None and r.get("n_eff")]
+        if at is not None and at.get("n_eff") and low:
+            worst = min(low, key=lambda r: r["n_eff"][-1])
+            who = ", ".join(f"{r['run_id']} {r['n_eff'][-1]:.6g}" for r in low)
+            put("appD.1.lowrank_broader_final_read.n8", excess(worst, at),
+                f"N = {at['blocks']} stands for N = 8; final-read N_eff: AttnRes {at['run_id']} {at['n_eff'][-1]:.6g} "
+                f"vs {who}" + ("" if f6["plr"] else "; no projected run at this N"), value_claim=False)
 
-    if len(full_lr) >= 2:
-        lo, hi = full_lr[0], full_lr[-1]
-        put("sec4.6.n_eff_full_decreases_with_rank", excess(lo, hi),
-            f"final-read N_eff {lo['n_eff'][-1]:.6g} at r={lo['rank']} ({lo['run_id']}) vs {hi['n_eff'][-1]:.6g} at "
-            f"r={hi['rank']} ({hi['run_id']}), the smallest and largest r<d of the full sweep", value_claim=False)
-        mid = [r for r in full_lr if 2 * r["rank"] <= r["d_model"]]
-        if mid and mid[-1] is not lo:
-            put("sec4.6.n_eff_falls_r16_to_r512", excess(lo, mid[-1]),
-                f"final-read N_eff {lo['n_eff'][-1]:.6g} at r={lo['rank']} vs {mid[-1]['n_eff'][-1]:.6g} at "
-                f"r={mid[-1]['rank']} ({mid[-1]['run_id']}), the largest r <= d/2", value_claim=False)
-    f6 = fig6_runs(rows, settings)
-    at = f6["attnres"]
-    low = [r for r in (f6["lr"], f6["plr"]) if r is not None and r.get("n_eff")]
-    if at is not None and at.get("n_eff") and low:
-        worst = min(low, key=lambda r: r["n_eff"][-1])
-        who = ", ".join(f"{r['run_id']} {r['n_eff'][-1]:.6g}" for r in low)
-        put("appD.1.lowrank_broader_final_read.n8", excess(worst, at),
-            f"N = {at['blocks']} stands for N = 8; final-read N_eff: AttnRes {at['run_id']} {at['n_eff'][-1]:.6g} vs {who}"
-            + ("" if f6["plr"] else "; no projected run at this N"), value_claim=False)
-
-    # Appendix C.5: mean gradient norms of the 0.5B sweep
-    base = next((r for r in seed0 if r["method"] == "baseline"), None)
-    if base is not None:
-        put("appC.5.grad_norm_mean.baseline", base["grad_norm"]["mean"], base["run_id"])
-    for key, r in by_row.items():
-        if key != "baseline":
-            put(f"appC.5.grad_norm_mean.{key}", r["grad_norm"]["mean"], r["run_id"])
-    plr_runs = [r for r in seed0 if r["method"] == "plr" and r["grad_norm"]["mean"] is not None]
-    full_plr = [r for r in plr_runs if r["blocks"] == "full"]
-    stand = full_plr or plr_runs
-
-    def below(ref: dict, runs: list[dict], cid: str, extra: str) -> None:
+    def _below(self, ref: dict, runs: list[dict], cid: str, extra: str) -> None:
+        """``cid``: how far the largest mean gradient norm of ``runs`` lies below ``ref``'s, in %."""
         b = ref["grad_norm"]["mean"]
         worst = max(runs, key=lambda r: r["grad_norm"]["mean"])
-        put(cid, 100.0 * (1.0 - worst["grad_norm"]["mean"] / b),
-            f"{ref['run_id']} {b:.6g} vs " + ", ".join(f"{r['run_id']} {r['grad_norm']['mean']:.6g}" for r in runs) + extra,
-            value_claim=False,
-            **_segmented([ref, *runs], lambda a, *bs: 100.0 * (1.0 - max(_mean(x) for x in bs) / _mean(a))))
+        self.put(cid, 100.0 * (1.0 - worst["grad_norm"]["mean"] / b),
+                 f"{ref['run_id']} {b:.6g} vs " + ", ".join(f"{r['run_id']} {r['grad_norm']['mean']:.6g}" for r in runs)
+                 + extra, value_claim=False,
+                 **_segmented([ref, *runs], lambda a, *bs: 100.0 * (1.0 - max(_mean(x) for x in bs) / _mean(a))))
 
-    if base is not None and base["grad_norm"]["mean"] and stand:
-        below(base, stand, "appC.5.plr_full_below_baseline",
-              "" if full_plr else "; no full projected run at this scale: the block projected runs stand in")
-    at_full = next((r for r in seed0 if r["method"] == "attnres" and r["blocks"] == "full"
-                    and "sweep" in r["roles"] and r["grad_norm"]["mean"]), None)
-    if at_full is not None and full_plr:
-        below(at_full, full_plr, "appC.5.plr_full_below_attnres", "")
-    ctrl = next((r for r in seed0 if "control" in r["roles"]), None)
-    if ctrl is not None:
-        sl = next((r for r in seed0 if r["method"] == "lr" and r["blocks"] == ctrl["blocks"] and r["rank"] == ctrl["rank"]), None)
-        if sl is not None and None not in (ctrl["grad_norm"]["mean"], sl["grad_norm"]["mean"]) and sl["grad_norm"]["mean"] > 0:
-            put("appC.5.fullrms_above_slice", 100.0 * (ctrl["grad_norm"]["mean"] / sl["grad_norm"]["mean"] - 1.0),
-                f"control {ctrl['run_id']} {ctrl['grad_norm']['mean']:.6g} vs sliced {sl['run_id']} "
-                f"{sl['grad_norm']['mean']:.6g}", value_claim=False,
-                **_segmented([ctrl, sl], lambda c, s_: 100.0 * (_mean(c) / _mean(s_) - 1.0)))
-    for n in dict.fromkeys(r["blocks"] for r in seed0 if "sweep" in r["roles"]):
-        runs = [r for r in seed0 if "sweep" in r["roles"] and r["blocks"] == n and r["method"] == "lr"
-                and r["grad_norm"]["mean"] is not None]
-        if runs and n in ("full", 4, 8, 16):
-            g = min(runs, key=lambda r: r["grad_norm"]["mean"])
-            put(f"appC.5.grad_norm_argmin_rank.n{n}", round(g["r_over_d"] * PAPER_D),
-                f"{g['run_id']} (r = {g['rank']}; paper-equivalent rank r/d x {PAPER_D}) among "
-                + ", ".join(f"r={r['rank']} {r['grad_norm']['mean']:.4g}" for r in sorted(runs, key=lambda r: r["rank"])))
+    def sweep_grad_norms(self) -> None:
+        """Appendix C.5: mean gradient norms of the 0.5B sweep."""
+        put, seed0 = self.put, self.seed0
+        base = next((r for r in seed0 if r["method"] == "baseline"), None)
+        if base is not None:
+            put("appC.5.grad_norm_mean.baseline", base["grad_norm"]["mean"], base["run_id"])
+        for key, r in self.by_row.items():
+            if key != "baseline":
+                put(f"appC.5.grad_norm_mean.{key}", r["grad_norm"]["mean"], r["run_id"])
+        plr_runs = [r for r in seed0 if r["method"] == "plr" and r["grad_norm"]["mean"] is not None]
+        full_plr = [r for r in plr_runs if r["blocks"] == "full"]
+        stand = full_plr or plr_runs
+        if base is not None and base["grad_norm"]["mean"] and stand:
+            self._below(base, stand, "appC.5.plr_full_below_baseline",
+                        "" if full_plr else "; no full projected run at this scale: the block projected runs stand in")
+        at_full = next((r for r in seed0 if r["method"] == "attnres" and r["blocks"] == "full"
+                        and "sweep" in r["roles"] and r["grad_norm"]["mean"]), None)
+        if at_full is not None and full_plr:
+            self._below(at_full, full_plr, "appC.5.plr_full_below_attnres", "")
+        ctrl = next((r for r in seed0 if "control" in r["roles"]), None)
+        if ctrl is not None:
+            sl = next((r for r in seed0 if r["method"] == "lr" and r["blocks"] == ctrl["blocks"]
+                       and r["rank"] == ctrl["rank"]), None)
+            if (sl is not None and None not in (ctrl["grad_norm"]["mean"], sl["grad_norm"]["mean"])
+                    and sl["grad_norm"]["mean"] > 0):
+                put("appC.5.fullrms_above_slice", 100.0 * (ctrl["grad_norm"]["mean"] / sl["grad_norm"]["mean"] - 1.0),
+                    f"control {ctrl['run_id']} {ctrl['grad_norm']['mean']:.6g} vs sliced {sl['run_id']} "
+                    f"{sl['grad_norm']['mean']:.6g}", value_claim=False,
+                    **_segmented([ctrl, sl], lambda c, s_: 100.0 * (_mean(c) / _mean(s_) - 1.0)))
+        for n in dict.fromkeys(r["blocks"] for r in seed0 if "sweep" in r["roles"]):
+            runs = [r for r in seed0 if "sweep" in r["roles"] and r["blocks"] == n and r["method"] == "lr"
+                    and r["grad_norm"]["mean"] is not None]
+            if runs and n in ("full", 4, 8, 16):
+                g = min(runs, key=lambda r: r["grad_norm"]["mean"])
+                put(f"appC.5.grad_norm_argmin_rank.n{n}", round(g["r_over_d"] * PAPER_D),
+                    f"{g['run_id']} (r = {g['rank']}; paper-equivalent rank r/d x {PAPER_D}) among "
+                    + ", ".join(f"r={r['rank']} {r['grad_norm']['mean']:.4g}"
+                                for r in sorted(runs, key=lambda r: r["rank"])))
 
-    # Table 9 / Appendix G.1: the size pair
-    for role, size in zip(("small", "large"), PAIR_SIZES):
-        pair = {r["method"]: r for r in rows if f"pair-{role}" in r["roles"]}
-        how = f"{scale} scale: the pair-{role} runs stand for {size.upper()}"
-        for m in ("attnres", "lr"):
-            r = pair.get(m)
-            if r is None:
-                continue
-            g = r["grad_norm"]
-            put(f"table9.grad_norm_mean.{size}.{m}", g["mean"], r["run_id"], how=how)
-            put(f"table9.grad_norm_var.{size}.{m}", g["var"], r["run_id"], how=how)
-            put(f"table9.above_clip_pct.{size}.{m}", g["above_clip_pct"], f"{r['run_id']}, threshold {g['clip']:g}", how=how)
-        a, l = pair.get("attnres"), pair.get("lr")
-        if a is None or l is None:
-            continue
+    def size_pair(self) -> None:
+        """Table 9 / Appendix G.1: the size pair's gradient norms, their variance and clipping."""
+        put = self.put
+        for role, size in zip(("small", "large"), PAIR_SIZES):
+            pair = {r["method"]: r for r in self.rows if f"pair-{role}" in r["roles"]}
+            how = f"{self.scale} scale: the pair-{role} runs stand for {size.upper()}"
+            for m in ("attnres", "lr"):
+                r = pair.get(m)
+                if r is None:
+                    continue
+                g = r["grad_norm"]
+                put(f"table9.grad_norm_mean.{size}.{m}", g["mean"], r["run_id"], how=how)
+                put(f"table9.grad_norm_var.{size}.{m}", g["var"], r["run_id"], how=how)
+                put(f"table9.above_clip_pct.{size}.{m}", g["above_clip_pct"], f"{r['run_id']}, threshold {g['clip']:g}",
+                    how=how)
+            a, l = pair.get("attnres"), pair.get("lr")
+            if a is not None and l is not None:
+                self._pair_reductions(size, a, l, how)
+
+    def _pair_reductions(self, size: str, a: dict, l: dict, how: str) -> None:
+        """Appendix G.1: how much lower LR-AttnRes's (``l``) gradient norms are than AttnRes's (``a``)."""
+        put = self.put
         ga, gl = a["grad_norm"], l["grad_norm"]
         who = f"{size.upper()} pair: {l['run_id']} vs {a['run_id']}"
         if ga["mean"] and gl["mean"] is not None:
@@ -291,7 +317,6 @@ def claims(rows: list[dict], settings: dict, known_ids=None) -> dict[str, dict]:
             put(f"appG.1.lr_fewer_clipped.{size}", ga["above_clip_pct"] - gl["above_clip_pct"],
                 f"{who}: {gl['above_clip_pct']:.2f}% vs {ga['above_clip_pct']:.2f}% of steps above {clip:g}",
                 value_claim=False, **_segmented([a, l], lambda x, y: above(x) - above(y)))
-    return out
 
 
 def aggregate(settings: dict, rows: list[dict], known_ids=None) -> dict:

@@ -50,7 +50,11 @@ from typing import Any, Sequence
 import torch
 import torch.nn.functional as F
 
+from lrattnres.attention import describe
+from lrattnres.data import load_manifest, load_tokenizer
 from lrattnres.devices import resolve_device
+from lrattnres.progress import bar as progress_bar
+from lrattnres.train.checkpoint import load_model
 
 log = logging.getLogger("lrattnres.evaluate")
 
@@ -189,9 +193,6 @@ class LRAttnResLM(_LMBase):
         records (spec, model_config, ...) and ``.manifest_path`` the data manifest used."""
         import json
 
-        from lrattnres.data import Tokenizer, load_manifest
-        from lrattnres.train.checkpoint import load_model
-
         checkpoint = Path(checkpoint)
         if data is None:
             recorded = checkpoint.parent / "spec.json"
@@ -203,14 +204,15 @@ class LRAttnResLM(_LMBase):
         device = str(resolve_device(device, error=ValueError))
         model, info = load_model(checkpoint, device)
         manifest = load_manifest(data)
-        tok = Tokenizer.from_manifest(manifest)
+        tok = load_tokenizer(manifest)
         mcfg = info.get("model_config", {})
         if mcfg.get("vocab_size") is not None and int(mcfg["vocab_size"]) != int(tok.vocab_size):
             raise ValueError(
                 f"{checkpoint}: model vocab_size {mcfg['vocab_size']} does not match the tokenizer of {data} "
                 f"(vocab_size {tok.vocab_size}); evaluate with the manifest the model was trained on")
         if info.get("manifest_sha256") and manifest.get("_sha256") and info["manifest_sha256"] != manifest["_sha256"]:
-            log.warning("%s was trained on data manifest %s..., scoring with the tokenizer of %s (%s...)", checkpoint,
+            log.warning("%s was trained on data manifest %s..., scoring with the tokenizer of %s (%s...); pass the "
+                        "manifest it was trained on to score with its own tokenizer", checkpoint,
                         str(info["manifest_sha256"])[:12], data, str(manifest["_sha256"])[:12])
         model_len = mcfg.get("max_seq_len")
         length = max_length or model_len or 2048
@@ -319,7 +321,6 @@ class LRAttnResLM(_LMBase):
         t0 = time.perf_counter()
         it = range(0, len(order), self.batch_size)
         if self.progress:  # a live bar on a terminal, plain lines in a log file
-            from lrattnres.progress import bar as progress_bar
 
             it = progress_bar(it, desc="loglikelihood", unit="batch")
         for start in it:
@@ -404,7 +405,6 @@ class LRAttnResLM(_LMBase):
         requested = getattr(getattr(self.model, "cfg", None), "attention", None)
         if requested is None:
             return None
-        from lrattnres.attention import describe
 
         return describe(requested, self.device, documents=False)
 

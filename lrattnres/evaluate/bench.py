@@ -26,6 +26,10 @@ import sys
 import time
 from types import SimpleNamespace
 
+from lrattnres.data.tokenizer import EOT, Tokenizer
+from lrattnres.evaluate.tasks import TASK_NAMES, materialise
+from lrattnres.io import atomic_write_json
+
 
 def sample_requests(n: int, seed: int = 0) -> list[tuple[str, str]]:
     """``n`` (context, continuation) pairs from the eight tasks with lm-eval's prompts."""
@@ -34,8 +38,6 @@ def sample_requests(n: int, seed: int = 0) -> list[tuple[str, str]]:
     import tempfile
 
     from lm_eval.tasks import TaskManager
-
-    from lrattnres.evaluate.tasks import TASK_NAMES, materialise
 
     per_task = max(1, n // len(TASK_NAMES))
     with tempfile.TemporaryDirectory() as tmp:
@@ -88,7 +90,6 @@ def main(argv: list[str] | None = None) -> int:
     import numpy as np
     import torch
 
-    from lrattnres.data.tokenizer import EOT, Tokenizer
     from lrattnres.evaluate.adapter import LRAttnResLM
     from lrattnres.model import ModelConfig, build_model
 
@@ -144,8 +145,6 @@ def main(argv: list[str] | None = None) -> int:
     }
     print(json.dumps(res, indent=1, default=str))
     if args.json:
-        from lrattnres.io import atomic_write_json
-
         atomic_write_json(args.json, res)
     return 0
 
@@ -207,8 +206,6 @@ def _synthetic(args) -> int:
                         "mean_abs_ll_fp32": float(np.mean([abs(b[0]) for b in ref]))}
     print(json.dumps(res, indent=1, default=str))
     if args.json:
-        from lrattnres.io import atomic_write_json
-
         atomic_write_json(args.json, res)
     return 0
 

@@ -37,6 +37,11 @@ from typing import Any
 from lrattnres.checks import is_int
 from lrattnres.devices import resolve_device
 from lrattnres.errors import SpecError
+from lrattnres.evaluate.claims import published_ids, task_claims
+from lrattnres.evaluate.runner import run_eval
+from lrattnres.evaluate.tasks import TASK_NAMES
+from lrattnres.io import atomic_write_json, read_spec_arg
+from lrattnres.provenance import now, provenance
 
 log = logging.getLogger("lrattnres.evaluate")
 
@@ -48,13 +53,12 @@ SPEC_KEYS = {
 
 def validate_spec(spec: Any) -> dict:
     """Defaults filled in; wrong keys and types stop with a message naming the key."""
-    from lrattnres.evaluate.tasks import TASK_NAMES
-
     if not isinstance(spec, dict):
         raise SpecError(f"evaluate --spec: expected a JSON object, got {type(spec).__name__}")
     for k in spec:
         if k not in SPEC_KEYS:
-            log.warning("evaluate spec: ignoring unknown key %r (known: %s)", k, sorted(SPEC_KEYS))
+            log.warning("evaluate spec: ignoring unknown key %r (known: %s); take it out of the scale's evaluate "
+                        "settings (config.yaml)", k, sorted(SPEC_KEYS))
     s = {
         "tasks": list(TASK_NAMES), "limit": None, "seed": 0, "batch_size": 8, "max_length": None,
         "source": "offline", "device": "auto", "precision": "auto", "cache_dir": None,
@@ -94,8 +98,6 @@ def build_result(
     spec: dict, provenance: dict, published: str | None = None, extra: dict | None = None,
 ) -> dict:
     """The result JSON of the stage (shared by the CLI and the tests)."""
-    from lrattnres.evaluate.claims import published_ids, task_claims
-
     res = {
         "stage": "evaluate",
         "run_id": run_id,
@@ -123,7 +125,8 @@ def build_result(
     }
     ids = published_ids(published)
     if ids is None and claim_size:
-        log.warning("published claims file not found (%s); no claims emitted", published or "reports/published.yaml")
+        log.warning("published claims file not found (%s); no claims emitted: pass --published "
+                    "reports/published.yaml (as the workflow does) to emit them", published or "reports/published.yaml")
     res["claims"] = task_claims(res, ids)
     return res
 
@@ -142,8 +145,6 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stderr)
 
-    from lrattnres.io import read_spec_arg
-
     try:
         spec = validate_spec(read_spec_arg(args.spec))
     except SpecError as e:
@@ -161,12 +162,8 @@ def main(argv: list[str] | None = None) -> int:
         os.environ["HF_HUB_OFFLINE"] = "1"
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-    from lrattnres.provenance import now, provenance
-
     started = now()
     from lrattnres.evaluate.adapter import LRAttnResLM
-    from lrattnres.evaluate.runner import run_eval
-    from lrattnres.io import atomic_write_json
 
     threads = args.threads or spec["threads"]
     if threads:

@@ -44,12 +44,14 @@ from lrattnres.provenance import now, provenance
 from lrattnres.recorded import REPORT as RECORDED_REPORT
 from lrattnres.recorded import load as load_recorded_list
 from lrattnres.recorded import resolve_path as resolve_recorded_path
+from lrattnres.report import html, sections
 from lrattnres.report.context import ReportContext
+from lrattnres.throughput.summary import claims_for as throughput_claims_for
 
 log = logging.getLogger("lrattnres.report")
 TEMPLATE_DIR = Path(__file__).parent / "templates"
 TSV_COLUMNS = ("id", "source", "section", "origin", "kind", "quantity", "published", "reproduced", "verdict",
-               "interval_lo", "interval_hi", "n", "note")
+               "interval_lo", "interval_hi", "interval_kind", "n", "note")
 
 
 def _problem(problems: list[str] | None, text: str) -> None:
@@ -95,15 +97,19 @@ def load_recorded(recorded: dict[str, str], root: Path, problems: list[str] | No
         rel = resolve_recorded_path(listed, root) or listed  # a pattern: its newest recording
         path = root / rel
         if not path.exists():
-            _note(notes, f"recorded result {name!r}: {rel} does not exist; its section shows none")
+            _note(notes, f"recorded result {name!r}: {rel} does not exist, so its section shows no recording; record "
+                         "it (benchmarks/README.md says how each file is made) or take the line out of "
+                         "reports/recorded.yaml")
             continue
         try:
             data = read_json(path)
         except (OSError, ValueError) as e:
-            _problem(problems, f"{rel}: recorded result {name!r} cannot be read ({e}); skipped")
+            _problem(problems, f"{rel}: recorded result {name!r} cannot be read ({e}); skipped: record it again "
+                               "or take its line out of reports/recorded.yaml")
             continue
         if not isinstance(data, dict):
-            _problem(problems, f"{rel}: recorded result {name!r}: expected a JSON object; skipped")
+            _problem(problems, f"{rel}: recorded result {name!r}: expected a JSON object; skipped: record it again "
+                               "or take its line out of reports/recorded.yaml")
             continue
         data.setdefault("_path", str(rel))
         out[name] = data
@@ -127,18 +133,25 @@ def load_recorded_report(rel: str | None, root: Path, problems: list[str] | None
         return None
     path = root / rel
     if not path.exists():
-        _note(notes, f"recorded report ({RECORDED_REPORT!r}): {rel} does not exist yet; its column is left out")
+        _note(notes, f"recorded report ({RECORDED_REPORT!r} in reports/recorded.yaml): {rel} does not exist, so the "
+                     "page has no column of the verdicts of a report made elsewhere beside this run's (nothing is "
+                     "wrong with this run). It is made from a scale's pieces with `python -m lrattnres piece report "
+                     f"--into {Path(rel).parent}` (docs/gpu-scale.md); to drop the note, take the line out of "
+                     "reports/recorded.yaml")
         return None
     try:
         data = read_json(path)
     except (OSError, ValueError) as e:
-        _problem(problems, f"{rel}: recorded report cannot be read ({e}); its column is left out")
+        _problem(problems, f"{rel}: recorded report cannot be read ({e}); its column is left out: render it again "
+                           "(python -m lrattnres piece report, docs/gpu-scale.md) or take its line out of "
+                           "reports/recorded.yaml")
         return None
     items = data.get("claims") if isinstance(data, dict) else None
     if not isinstance(items, list) or not all(isinstance(c, dict) and isinstance(c.get("id"), str)
                                               and isinstance(c.get("verdict"), str) for c in items):
         _problem(problems, f"{rel}: recorded report: key 'claims': expected a list of claims with 'id' and "
-                           "'verdict' (a paper.json); its column is left out")
+                           "'verdict' (a paper.json); its column is left out: point the entry at a report's "
+                           "paper.json, or take its line out of reports/recorded.yaml")
         return None
     return {"label": recorded_label(data), "path": str(rel), "scale": data.get("scale"),
             "claims": {c["id"]: c for c in items}}
@@ -147,12 +160,10 @@ def load_recorded_report(rel: str | None, root: Path, problems: list[str] | None
 def rederive_claims(recorded: dict[str, dict], ids: set[str], problems: list[str] | None = None) -> None:
     """Derive the claims of recorded throughput results again with this code: the measurements are
     kept as recorded, and a recorded file and a local run are judged by the same rules (and notes)."""
-    from lrattnres import throughput
-
     for res in recorded.values():
         if res.get("stage") == "throughput" and isinstance(res.get("spec"), dict):
             try:
-                res["claims"] = throughput.claims_for(res, res["spec"], ids)
+                res["claims"] = throughput_claims_for(res, res["spec"], ids)
             except (KeyError, TypeError, ValueError) as e:
                 _problem(problems, f"{res['_path']}: throughput claims cannot be derived ({type(e).__name__}: {e}); "
                                    "the recorded claims are used as they are")
@@ -205,8 +216,6 @@ def collect_produced(by_stage: dict[str, list[dict]], recorded: dict[str, dict],
 
 
 def discover_sections() -> list[Any]:
-    from lrattnres.report import sections
-
     mods = [importlib.import_module(f"{sections.__name__}.{m.name}") for m in pkgutil.iter_modules(sections.__path__)]
     return sorted((m for m in mods if hasattr(m, "build")), key=lambda m: (getattr(m, "ORDER", 100), m.__name__))
 
@@ -229,16 +238,20 @@ def build_section(mod, ctx: ReportContext) -> str:
 
 
 def _counts(claims: list[dict]) -> dict[str, Counter]:
+    """The verdicts of the paper's claims and of the supplementary ones, counted apart: the page's
+    summary shows the first, paper.json's ``verdict_counts`` and the log line both."""
     out = {"paper": Counter(), "supplementary": Counter()}
     for c in claims:
         out["paper" if c.get("origin", "paper") == "paper" else "supplementary"][c["verdict"]] += 1
     return out
 
 
+def _count_text(counts: Counter) -> str:
+    return ", ".join(f"{v} {counts[v]}" for v in claims_engine.VERDICTS if counts.get(v)) or "none"
+
+
 def render(ctx: ReportContext, claims: list[dict], prov: dict) -> str:
     import jinja2
-
-    from lrattnres.report import html
 
     html.matplotlib_setup()
     sections = []
@@ -264,6 +277,7 @@ def render(ctx: ReportContext, claims: list[dict], prov: dict) -> str:
         recorded_notes=ctx.recorded_notes,
         recorded=ctx.recorded_report,
         badge=html.badge,
+        verdict_cell=html.verdict_cell,
         fmt=html.fmt,
         reproduced_cell=html.reproduced_cell,
     )
@@ -338,7 +352,8 @@ def main(argv: list[str] | None = None) -> int:
     run_health.annotate_claims(produced, [r for rs in by_stage.values() for r in rs] + list(recorded.values()),
                                run_health.flagged_runs(by_stage.get("grid", [])))
     claims = claims_engine.evaluate_claims(published, produced, scale,
-                                           {k: v for k, v in claim_problems.items() if k in published})
+                                           {k: v for k, v in claim_problems.items() if k in published},
+                                           paper_runs=bool(settings.get("paper_runs")))
     problems += list(dict.fromkeys(claim_problems.values()))
     ctx = ReportContext(
         scale=scale,
@@ -358,10 +373,13 @@ def main(argv: list[str] | None = None) -> int:
     atomic_write_text(args.html, page)
     grid = next(iter(by_stage.get("grid", [])), {})
     recipe = {"lr_check": grid.get("lr_check"), "noise": grid.get("noise")}  # the grid's; None before it ran
+    counts = _counts(claims)
     write_json_strict(args.json, {"scale": scale, "provenance": prov, "claims": claims, "recipe": recipe,
+                                  "verdict_counts": {k: dict(v) for k, v in counts.items()},
                                   "problems": problems, "recorded_notes": recorded_notes})
     if args.tsv:
         write_tsv(args.tsv, claims, recorded_report)
-    log.info("wrote %s and %s: %d claims (%s); %d problems", args.html, args.json, len(claims),
-             dict(Counter(c["verdict"] for c in claims)), len(problems))
+    log.info("wrote %s and %s: %d claims of the paper (%s; the page's summary counts these) and %d supplementary "
+             "(%s); %d problems", args.html, args.json, sum(counts["paper"].values()), _count_text(counts["paper"]),
+             sum(counts["supplementary"].values()), _count_text(counts["supplementary"]), len(problems))
     return 0

@@ -21,6 +21,12 @@ class ReportContext:
     # what of reports/recorded.yaml could not be shown (a missing or malformed list, an absent file)
     recorded_notes: list[str] = field(default_factory=list)
 
+    @property
+    def paper_runs(self) -> bool:
+        """Whether the scale trains the paper's own runs (config.yaml ``paper_runs``): values are
+        compared with the paper's, and no run stands for another."""
+        return bool(self.settings.get("paper_runs"))
+
     def results(self, stage: str) -> list[dict]:
         """Result JSONs of ``stage`` produced by this run (empty if the stage has not run)."""
         return self.by_stage.get(stage, [])

@@ -44,14 +44,30 @@ def fmt(value: Any, digits: int = 4) -> str:
     return str(value)
 
 
-def fmt_interval(interval: Any, n: Any = None) -> str:
-    """``[lo, hi], n = 5`` of a statistical verdict ('' without an interval or n)."""
+def fmt_interval(interval: Any, n: Any = None, kind: str | None = None) -> str:
+    """``95% interval [lo, hi], n = 5`` of a statistical verdict ('' without an interval or n). A
+    single run's band (``kind`` "threshold": the effect plus and minus the claim's threshold) is
+    called a threshold band, not an interval; an interval without width says that the values did not
+    spread; ``kind`` None (a claim that does not say) shows the bare bounds."""
     parts = []
     if isinstance(interval, (list, tuple)) and len(interval) == 2 and all(isinstance(x, (int, float)) for x in interval):
-        parts.append(f"[{interval[0]:+.3g}, {interval[1]:+.3g}]")
+        lo, hi = interval
+        if lo == hi:
+            parts.append(f"no spread: every value {lo:+.3g}")
+        elif kind == "threshold":
+            return f"threshold band [{lo:+.3g}, {hi:+.3g}] (a single run: its effect must clear the threshold)"
+        else:
+            parts.append(("95% interval " if kind == "95%" else "") + f"[{lo:+.3g}, {hi:+.3g}]")
     if n is not None:
         parts.append(f"n = {n}")
     return ", ".join(parts)
+
+
+def verdict_cell(c: dict) -> str:
+    """A claim's verdict badge, with the reason where the evidence could not resolve the effect
+    (e.g. fewer than three settings), whatever side its interval lies on."""
+    why = c.get("unresolved") if c.get("verdict") == "inconclusive" else None
+    return badge(c.get("verdict")) + (f'<br><span class="iv">{esc(why)}</span>' if why else "")
 
 
 def unit(quantity: str | None) -> str:
@@ -106,7 +122,8 @@ def figure(fig, caption: str, *, fig_id: str | None = None) -> str:
 def reproduced_cell(c: dict) -> str:
     """The reproduced value of a claim dict with its interval and n where the verdict is statistical."""
     value = fmt(c.get("reproduced"))
-    extra = fmt_interval(c.get("interval"), c.get("n")) if c.get("kind") in ("direction", "shape") else ""
+    extra = (fmt_interval(c.get("interval"), c.get("n"), c.get("interval_kind"))
+             if c.get("kind") in ("direction", "shape") else "")
     return esc(value) + (f' <span class="iv">{esc(extra)}</span>' if extra else "")
 
 
@@ -121,7 +138,7 @@ def claims_table(claims: Iterable[dict], caption: str | None = None) -> str:
                 esc(c.get("kind", "")),
                 esc(fmt(c.get("published"))),
                 reproduced_cell(c),
-                badge(c.get("verdict")),
+                verdict_cell(c),
                 esc(c.get("note", "")),
             ]
         )

@@ -88,66 +88,7 @@ tested in tests/test_throughput.py), :mod:`~lrattnres.throughput.matched` (the c
 matched models), :mod:`~lrattnres.throughput.measure` (the timed runs and the protocol over them),
 :mod:`~lrattnres.throughput.summary` (claims, and the merge of single sizes),
 :mod:`~lrattnres.throughput.partial` (the state a rerun continues) and
-:mod:`~lrattnres.throughput.cli` (the command line). Their public names are importable from
-``lrattnres.throughput``.
+:mod:`~lrattnres.throughput.cli` (the command line). The package itself imports none of them, so
+that reading the spec (lrattnres/jobplan.py estimates a timing job's wall time from it) loads
+nothing else.
 """
-
-from __future__ import annotations
-
-from lrattnres.errors import SpecError
-from lrattnres.throughput.cli import main
-from lrattnres.throughput.matched import (
-    data_buffer,
-    fla_available,
-    fla_router,
-    build_method_model,
-    load_shared,
-    matched_model,
-    method_config,
-    release_weights,
-    shared_backbone,
-    synthetic_buffer,
-)
-from lrattnres.throughput.comparison import compare, differences
-from lrattnres.throughput.measure import (MethodFailed, MethodSlot, _gains, gpu_name, graphs_compiled, memory_plan,
-                                          rotation, run, run_estimate, time_method)
-from lrattnres.throughput.partial import PARTIAL_FORMAT, load_partial, partial_key, partial_path
-from lrattnres.throughput.protocol import (
-    T975,
-    mean_ci95,
-    more_repeats,
-    paired_gain,
-    paired_gains,
-    should_stop,
-    t975,
-    window_ok,
-    window_stats,
-)
-from lrattnres.throughput.spec import (
-    DEFAULTS,
-    GAINS,
-    METHOD_TABLE,
-    PAPER_GPUS,
-    PAPER_SIZES,
-    SMALL_VOCAB,
-    for_preset,
-    resolve_spec,
-)
-from lrattnres.throughput.summary import (
-    GPU_STAND_INS,
-    aggregate,
-    claims_for,
-    direction_gpu,
-    paper_gpu,
-    published_ids,
-)
-
-__all__ = [
-    "DEFAULTS", "GAINS", "GPU_STAND_INS", "METHOD_TABLE", "MethodFailed", "MethodSlot", "PAPER_GPUS", "PAPER_SIZES",
-    "PARTIAL_FORMAT", "SMALL_VOCAB", "SpecError", "T975", "_gains", "aggregate", "build_method_model", "claims_for",
-    "compare", "data_buffer", "differences", "direction_gpu", "fla_available", "fla_router", "for_preset", "gpu_name",
-    "graphs_compiled", "load_partial", "load_shared", "main", "matched_model", "mean_ci95", "memory_plan",
-    "method_config", "more_repeats", "paired_gain", "paired_gains", "paper_gpu", "partial_key", "partial_path",
-    "published_ids", "release_weights", "resolve_spec", "rotation", "run", "run_estimate", "shared_backbone",
-    "should_stop", "synthetic_buffer", "t975", "time_method", "window_ok", "window_stats",
-]

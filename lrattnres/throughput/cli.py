@@ -14,8 +14,14 @@ import json
 import sys
 from pathlib import Path
 
+from lrattnres import deadline
+from lrattnres.config import load_and_resolve
+from lrattnres.data import load_manifest
 from lrattnres.devices import resolve_device
 from lrattnres.errors import SpecError
+from lrattnres.io import atomic_write_json, read_json, read_spec_arg
+from lrattnres.memory import FitError
+from lrattnres.provenance import now, provenance
 from lrattnres.throughput.measure import MethodFailed, gpu_name, run
 from lrattnres.throughput.partial import PARTIAL_FORMAT, load_partial, partial_key, partial_path
 from lrattnres.throughput.spec import resolve_spec
@@ -37,7 +43,7 @@ def cluster_arg(cluster: dict | None) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m lrattnres throughput",
                                 description="training-step throughput with the protocol of Section 4.9 / Appendix I")
-    p.add_argument("--spec", default="{}", help="JSON object of settings (see lrattnres.throughput.DEFAULTS)")
+    p.add_argument("--spec", default="{}", help="JSON object of settings (see lrattnres.throughput.spec.DEFAULTS)")
     p.add_argument("--scale", default=None, help="take the spec (and the cluster) from this scale of --config; "
                    "--spec keys override it")
     p.add_argument("--config", default="config.yaml", help="the config file --scale reads (default config.yaml)")
@@ -50,10 +56,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--aggregate", nargs="+", default=None, metavar="RESULT",
                    help="merge these results (one per size) into --out; times nothing")
     args = p.parse_args(argv)
-    from lrattnres import deadline
-    from lrattnres.io import atomic_write_json, read_json, read_spec_arg
-    from lrattnres.memory import FitError
-    from lrattnres.provenance import now, provenance
 
     if args.aggregate:
         started = now()
@@ -68,8 +70,6 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     cluster = None
     if args.scale:
-        from lrattnres.config import load_and_resolve
-
         settings = load_and_resolve(args.config, {"scale": args.scale})
         spec = {**settings.get("throughput", {}), **(spec or {})}
         cluster = settings.get("cluster")
@@ -92,8 +92,6 @@ def main(argv: list[str] | None = None) -> int:
     ppath = Path(args.partial) if args.partial else partial_path(args.out)
     data_sha = None
     if args.data and s["tokens"] == "data":
-        from lrattnres.data import load_manifest
-
         data_sha = load_manifest(args.data, verify="size")["_sha256"]
     key = partial_key(s, gpu_name(resolve_device(s["device"], where="throughput spec key 'device'")), data_sha)
     if (left := deadline.left()) is not None and left <= 0:

@@ -7,6 +7,10 @@ from __future__ import annotations
 import math
 from typing import Callable
 
+from lrattnres.data import TokenLoader
+from lrattnres.data.loader import batch_from_rows
+from lrattnres.presets import get_preset
+from lrattnres.ranks import resolve_rank
 from lrattnres.throughput.spec import METHOD_TABLE
 
 
@@ -15,8 +19,6 @@ def synthetic_buffer(n_batches: int, micro_batch: int, seq_len: int, vocab_size:
     """``n_batches`` Batches of random tokens with log-normal document lengths (sigma 1) ended by
     ``eot_id``; doc_ids and shifted targets exactly as ``lrattnres.data.loader`` builds them."""
     import numpy as np
-
-    from lrattnres.data.loader import batch_from_rows
 
     rng = np.random.default_rng([seed, 4242])
     n = n_batches * micro_batch * (seq_len + 1)
@@ -34,8 +36,6 @@ def synthetic_buffer(n_batches: int, micro_batch: int, seq_len: int, vocab_size:
 
 def data_buffer(manifest: dict, n_batches: int, micro_batch: int, seq_len: int, seed: int) -> list:
     """The first ``n_batches`` training batches of the data stage's loader (real tokens, real boundaries)."""
-    from lrattnres.data import TokenLoader
-
     loader = TokenLoader(manifest, "train", micro_batch, seq_len, seed)
     return [next(loader) for _ in range(n_batches)]
 
@@ -84,8 +84,6 @@ def fla_router(compile_safe: bool = False) -> Callable:
 
 def method_config(preset: str, name: str, s: dict, vocab_size: int) -> dict:
     """Model-config dict of one method at one preset."""
-    from lrattnres.presets import get_preset
-
     p = get_preset(preset)
     m = METHOD_TABLE[name]
     d = p["d_model"]
@@ -93,7 +91,7 @@ def method_config(preset: str, name: str, s: dict, vocab_size: int) -> dict:
            "max_seq_len": max(p["max_seq_len"], s["seq_len"])}
     if m["method"] != "baseline":
         cfg["blocks"] = min(s["blocks"], 2 * p["n_layers"])
-        cfg["rank"] = d if m["rank"] == "d" else max(1, d // 4)
+        cfg["rank"] = resolve_rank(m["rank"], d, where=f"throughput method {name!r}")
         cfg["router"] = "reference" if m["router"] == "reference" else "fused" if m["router"] == "fused" else "reference"
     else:
         cfg["router"] = "reference"

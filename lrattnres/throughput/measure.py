@@ -18,13 +18,19 @@ import sys
 import time
 from typing import Any, Callable
 
+from lrattnres import deadline, memory
 from lrattnres.checks import is_int
+from lrattnres.data import load_manifest
 from lrattnres.devices import resolve_device
-from lrattnres.throughput.matched import (build_method_model, data_buffer, fla_available, load_shared,
-                                          method_config, release_weights, shared_backbone, synthetic_buffer)
+from lrattnres.presets import PAPER_VOCAB, get_preset
+from lrattnres.provenance import now, provenance
+from lrattnres.throughput.comparison import compare
+from lrattnres.throughput.matched import (build_method_model, data_buffer, fla_available, load_shared, method_config,
+                                          release_weights, shared_backbone, synthetic_buffer)
 from lrattnres.throughput.protocol import mean_ci95, more_repeats, paired_gain, should_stop
 from lrattnres.throughput.spec import GAINS, METHOD_TABLE, PAPER_SIZES, SMALL_VOCAB, for_preset, resolve_spec
 from lrattnres.throughput.summary import claims_for
+from lrattnres.train import spec as train_spec
 
 # Where the stage keeps the shared starting weights between runs: on the host (the memory estimate's layout).
 SHARED_ON_GPU = False
@@ -44,8 +50,6 @@ def _sync(device) -> None:
 
 def _train_spec() -> dict:
     import copy
-
-    from lrattnres.train import spec as train_spec
 
     return copy.deepcopy(train_spec.DEFAULTS)
 
@@ -220,9 +224,6 @@ def memory_plan(presets: list[dict], s: dict, cluster: dict | None, device) -> d
     anything is built against ``cluster.gpu_memory_gib`` less ``cluster.memory_margin`` and, on a GPU,
     against this GPU's memory less the same margin: :class:`lrattnres.memory.FitError` where it does
     not fit. Without a cluster's memory and anchors nothing is estimated."""
-    from lrattnres import memory
-    from lrattnres.presets import get_preset
-
     if not cluster or not cluster.get("gpu_memory_gib") or not cluster.get("memory_anchors"):
         return {"checked": False, "why": "no cluster.gpu_memory_gib and cluster.memory_anchors given"}
     rows = []
@@ -263,271 +264,355 @@ def run(spec: dict, data: str | None = None, log=None, on_repeat: Callable[[dict
     are in the last partial state). ``cluster``: the scale's cluster section; where it gives the GPU's
     memory and the anchors, a plan that would not fit is refused before anything is built
     (:func:`memory_plan`). A method that runs out of GPU memory raises :class:`MethodFailed`."""
-    import torch
+    timing = _Protocol(spec, data, log, on_repeat, partial, on_run)
+    plans = timing.plan_sizes()
+    timing.check_memory(plans, cluster)
+    for plan in plans:
+        timing.time_size(plan)
+    return timing.finish()
 
-    from lrattnres import deadline
-    from lrattnres.presets import PAPER_VOCAB, get_preset
-    from lrattnres.provenance import now, provenance
 
-    say = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
-    started = now()
-    t_start = time.perf_counter()
-    s = resolve_spec(spec)
-    deadline.deadline()  # a malformed LRATTNRES_DEADLINE stops here, before any work
-    device = resolve_device(s["device"], where="throughput spec key 'device'")
-    threads = 1 if (s["threads"] == "auto" and device.type == "cpu") else s["threads"]
-    if is_int(threads):
-        torch.set_num_threads(threads)
-    precision = s["precision"] if s["precision"] != "auto" else ("bf16" if device.type == "cuda" else "fp32")
-    fla_ok, fla_note = fla_available(device.type)
-    manifest = None
-    if data and s["tokens"] == "data":
-        from lrattnres.data import load_manifest
+class _Size:
+    """What the protocol keeps while it times one size: its methods' values by repeat, their models
+    (built once), the shared starting weights of the current repeat and the cached token batches."""
 
-        manifest = load_manifest(data, verify="size")
-    done = {(r["preset"], r["repeat"], r["name"]): r for r in (partial or {}).get("runs", [])}
-    dropped = {p: list(v) for p, v in (partial or {}).get("dropped", {}).items()}
-    spent: dict[str, float] = dict((partial or {}).get("spent_s", {}))
-    process = f"{os.getpid()}@{started}"
+    def __init__(self, plan: dict, s: dict, spent_before: float):
+        self.preset, self.methods, self.vocab = plan["preset"], plan["methods"], plan["vocab"]
+        self.eot, self.accum, self.base = plan["eot"], plan["accum"], plan["repeats"]
+        self.tokens_per_update = self.accum * s["micro_batch"] * s["seq_len"]
+        self.target, self.budget = s["target_half_width"], for_preset(s, "budget_s", self.preset)
+        self.num, self.den = _pair(s)
+        self.per_rep: dict[str, dict[int, float]] = {m: {} for m in self.methods}
+        self.slots: dict[str, MethodSlot] = {}
+        self.shared, self.shared_rep, self.batches = None, None, None
+        self.spent0, self.t_pre = spent_before, time.perf_counter()
+        self.why_stopped = None
 
-    result: dict[str, Any] = {
-        "stage": "throughput", "device": gpu_name(device), "device_type": device.type, "spec": s,
-        "precision": precision, "compile": s["compile"], "threads": torch.get_num_threads(),
-        "tokens": ("data: " + str(data)) if manifest is not None else
-        f"synthetic (log-normal documents, median {s['doc_len_median']})",
-        "fla": {"available": fla_ok, "note": fla_note},
-        "rows": [], "gains": {}, "runs": [], "skipped": list((partial or {}).get("skipped", [])), "complete": False,
-        "resolution": {}, "spent_s": spent,
-        "notes": [
-            "95% intervals use t_{0.975,n-1} s/sqrt(n); the paper's Appendix I prints s_g/5 (a typo: the "
-            "standard error of a mean of five is s/sqrt(5)).",
-        ],
-    }
-    if done:
-        result["notes"].append(f"{len(done)} timed runs of an earlier, unfinished process taken as they were "
-                               f"(resumed {started})")
-    if s["compile"]:
-        result["notes"].append("torch.compile(dynamic=False) of the loss module, once per method and process: the "
-                               "repeats of a method in one process share its compiled graph (each loads its shared "
-                               "starting weights and starts a fresh optimiser); compilation happens in the first "
-                               "warm-up update, outside the timed region.")
-    else:
-        result["notes"].append("eager mode (compile false): the paper times compiled models (fullgraph=True).")
 
-    def state() -> dict:
-        return {"runs": list(result["runs"]), "skipped": list(result["skipped"]), "dropped": dict(dropped),
-                "spent_s": dict(spent)}
+class _Protocol:
+    """The protocol over sizes, repeats and methods in rotation (:func:`run`), with the result it
+    builds and the partial state (:meth:`state`) it hands ``on_run``."""
 
-    # ---- the plan of every size, and its memory, before anything is built
-    plans = []
-    for preset in s["presets"]:
-        methods = list(s["methods_by_preset"].get(preset, s["methods"]))
-        if "fla-rd" in methods and not fla_ok:
-            methods.remove("fla-rd")
-            if not any(x["preset"] == preset and x["method"] == "fla-rd" for x in result["skipped"]):
-                result["skipped"].append({"preset": preset, "method": "fla-rd", "why": fla_note})
-            say(f"[throughput] {preset}: fla-rd skipped: {fla_note}")
-        methods = [m for m in methods if m not in dropped.get(preset, [])]
-        if not methods:
-            continue
-        p = get_preset(preset)
-        if manifest is not None:
-            vocab, eot = int(manifest["vocab_size"]), int(manifest["eot_id"])
+    def __init__(self, spec: dict, data: str | None, log, on_repeat, partial: dict | None, on_run):
+        import torch
+
+        self.say = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
+        self.on_repeat, self.on_run = on_repeat, on_run
+        self.started = now()
+        self.t_start = time.perf_counter()
+        self.s = s = resolve_spec(spec)
+        deadline.deadline()  # a malformed LRATTNRES_DEADLINE stops here, before any work
+        self.device = resolve_device(s["device"], where="throughput spec key 'device'")
+        threads = 1 if (s["threads"] == "auto" and self.device.type == "cpu") else s["threads"]
+        if is_int(threads):
+            torch.set_num_threads(threads)
+        self.precision = s["precision"] if s["precision"] != "auto" else ("bf16" if self.device.type == "cuda" else "fp32")
+        self.fla_ok, self.fla_note = fla_available(self.device.type)
+        self.manifest = None
+        if data and s["tokens"] == "data":
+            self.manifest = load_manifest(data, verify="size")
+        self.done = {(r["preset"], r["repeat"], r["name"]): r for r in (partial or {}).get("runs", [])}
+        self.dropped = {p: list(v) for p, v in (partial or {}).get("dropped", {}).items()}
+        self.spent: dict[str, float] = dict((partial or {}).get("spent_s", {}))
+        self.process = f"{os.getpid()}@{self.started}"
+        self.result = self._new_result(data, partial)
+
+    def _new_result(self, data: str | None, partial: dict | None) -> dict[str, Any]:
+        import torch
+
+        s, device = self.s, self.device
+        result: dict[str, Any] = {
+            "stage": "throughput", "device": gpu_name(device), "device_type": device.type, "spec": s,
+            "precision": self.precision, "compile": s["compile"], "threads": torch.get_num_threads(),
+            "tokens": ("data: " + str(data)) if self.manifest is not None else
+            f"synthetic (log-normal documents, median {s['doc_len_median']})",
+            "fla": {"available": self.fla_ok, "note": self.fla_note},
+            "rows": [], "gains": {}, "runs": [], "skipped": list((partial or {}).get("skipped", [])), "complete": False,
+            "resolution": {}, "spent_s": self.spent,
+            "notes": [
+                "95% intervals use t_{0.975,n-1} s/sqrt(n); the paper's Appendix I prints s_g/5 (a typo: the "
+                "standard error of a mean of five is s/sqrt(5)).",
+            ],
+        }
+        if self.done:
+            result["notes"].append(f"{len(self.done)} timed runs of an earlier, unfinished process taken as they were "
+                                   f"(resumed {self.started})")
+        if s["compile"]:
+            result["notes"].append("torch.compile(dynamic=False) of the loss module, once per method and process: the "
+                                   "repeats of a method in one process share its compiled graph (each loads its shared "
+                                   "starting weights and starts a fresh optimiser); compilation happens in the first "
+                                   "warm-up update, outside the timed region.")
         else:
-            vocab = s["vocab_size"] or p["vocab_size"] or SMALL_VOCAB
-            eot = 100257 if vocab == PAPER_VOCAB else vocab - 1
-        plans.append({"preset": preset, "methods": methods, "vocab": vocab, "eot": eot,
-                      "accum": s["grad_accum_by_preset"].get(preset, s["grad_accum"]),
-                      "repeats": s["repeats_by_preset"].get(preset, s["repeats"])})
-    result["memory"] = memory_plan(plans, s, cluster, device)
-    if result["memory"]["checked"]:
-        worst = max(result["memory"]["rows"], key=lambda r: r["peak_gib"])
-        say(f"[throughput] memory: at most {worst['peak_gib']:.1f} GiB estimated ({worst['preset']} {worst['method']}) "
-            f"of {result['memory']['limit_gib']:.1f} GiB")
+            result["notes"].append("eager mode (compile false): the paper times compiled models (fullgraph=True).")
+        return result
 
-    def fail(what: str, e: BaseException) -> MethodFailed:
-        if on_run is not None:
-            on_run(state())
+    def state(self) -> dict:
+        """The partial state: what a later process continues."""
+        result = self.result
+        return {"runs": list(result["runs"]), "skipped": list(result["skipped"]), "dropped": dict(self.dropped),
+                "spent_s": dict(self.spent)}
+
+    def _keep_state(self) -> None:
+        if self.on_run is not None:
+            self.on_run(self.state())
+
+    def plan_sizes(self) -> list[dict]:
+        """The plan of every size (its methods, vocabulary, accumulation and repeats), before anything is built."""
+        s, result, plans = self.s, self.result, []
+        for preset in s["presets"]:
+            methods = list(s["methods_by_preset"].get(preset, s["methods"]))
+            if "fla-rd" in methods and not self.fla_ok:
+                methods.remove("fla-rd")
+                if not any(x["preset"] == preset and x["method"] == "fla-rd" for x in result["skipped"]):
+                    result["skipped"].append({"preset": preset, "method": "fla-rd", "why": self.fla_note})
+                self.say(f"[throughput] {preset}: fla-rd skipped: {self.fla_note}")
+            methods = [m for m in methods if m not in self.dropped.get(preset, [])]
+            if not methods:
+                continue
+            p = get_preset(preset)
+            if self.manifest is not None:
+                vocab, eot = int(self.manifest["vocab_size"]), int(self.manifest["eot_id"])
+            else:
+                vocab = s["vocab_size"] or p["vocab_size"] or SMALL_VOCAB
+                eot = 100257 if vocab == PAPER_VOCAB else vocab - 1
+            plans.append({"preset": preset, "methods": methods, "vocab": vocab, "eot": eot,
+                          "accum": s["grad_accum_by_preset"].get(preset, s["grad_accum"]),
+                          "repeats": s["repeats_by_preset"].get(preset, s["repeats"])})
+        return plans
+
+    def check_memory(self, plans: list[dict], cluster: dict | None) -> None:
+        """The plan's estimated memory (:func:`memory_plan`): refused before anything is built where it does not fit."""
+        result = self.result
+        result["memory"] = memory_plan(plans, self.s, cluster, self.device)
+        if result["memory"]["checked"]:
+            worst = max(result["memory"]["rows"], key=lambda r: r["peak_gib"])
+            self.say(f"[throughput] memory: at most {worst['peak_gib']:.1f} GiB estimated ({worst['preset']} "
+                     f"{worst['method']}) of {result['memory']['limit_gib']:.1f} GiB")
+
+    def _fail(self, what: str, e: BaseException) -> MethodFailed:
+        self._keep_state()
         first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
         return MethodFailed(f"{what} ran out of GPU memory ({first}); the job fails rather than drop it from "
                             "the comparison (the finished runs are kept in the partial state)")
 
-    for plan in plans:
-        preset, methods, vocab, accum, base = plan["preset"], plan["methods"], plan["vocab"], plan["accum"], plan["repeats"]
-        batches = None
+    def _tokens(self, z: _Size) -> list:
+        """The size's batches of every timed update: the data's first ones, or synthetic documents."""
+        s = self.s
+        if self.manifest is not None:
+            return data_buffer(self.manifest, z.accum, s["micro_batch"], s["seq_len"], s["seed"])
+        return synthetic_buffer(z.accum, s["micro_batch"], s["seq_len"], z.vocab, z.eot, s["doc_len_median"], s["seed"])
 
-        def cached_tokens():
-            if manifest is not None:
-                return data_buffer(manifest, accum, s["micro_batch"], s["seq_len"], s["seed"])
-            return synthetic_buffer(accum, s["micro_batch"], s["seq_len"], vocab, plan["eot"], s["doc_len_median"],
-                                    s["seed"])
+    def _spend(self, z: _Size) -> None:
+        self.spent[z.preset] = z.spent0 + time.perf_counter() - z.t_pre
 
-        tokens_per_update = accum * s["micro_batch"] * s["seq_len"]
-        d = get_preset(preset)["d_model"]
-        target, budget = s["target_half_width"], for_preset(s, "budget_s", preset)
-        num, den = _pair(s)
-        say(f"[throughput] {preset}: methods {methods}, {base} repeats"
-            + (f" (then {num} / {den} until its half-width <= {target} points, {s['max_repeats']} repeats or "
-               f"{budget or 'no'} s)" if target is not None else "")
-            + f", {tokens_per_update} tokens per update ({s['micro_batch']} x {s['seq_len']} x {accum}), device "
-            f"{result['device']}, {precision}, compile {s['compile']}")
-        per_rep: dict[str, dict[int, float]] = {m: {} for m in methods}
-        rows_meta = {}
-        for name in methods:
-            cfg = method_config(preset, name, s, vocab)
-            rows_meta[name] = {"preset": preset, "size": PAPER_SIZES.get(preset, preset), "name": name,
-                               "method": METHOD_TABLE[name]["method"], "impl": METHOD_TABLE[name]["impl"],
-                               "r": cfg.get("rank"), "d": d, "N": cfg.get("blocks"),
-                               "tokens_per_update": tokens_per_update, "grad_accum": accum,
-                               "micro_batch": s["micro_batch"], "seq_len": s["seq_len"]}
-        dl = for_preset(s, "deadline_s", preset)
-        slots: dict[str, MethodSlot] = {}
-        shared, shared_rep = None, None
-        spent0, t_pre = spent.get(preset, 0.0), time.perf_counter()
-        why_stopped = None
+    # ---- one size
+
+    def time_size(self, plan: dict) -> None:
+        """Every repeat of one size: the base repeats of every method, then the resolved gain's two
+        methods until its interval is narrow enough, the repeats or the budget are spent."""
+        s, result = self.s, self.result
+        z = _Size(plan, s, self.spent.get(plan["preset"], 0.0))
+        self._announce(z)
+        rows_meta = self._row_meta(z)
         j = 0
         while True:
-            spent[preset] = spent0 + time.perf_counter() - t_pre
-            replay = any((preset, j, m) in done for m in METHOD_TABLE)
-            if j >= base and not replay:
-                pair_runs = [r for r in result["runs"] if r["preset"] == preset and r["name"] in (num, den)]
-                parts = [run_estimate([r for r in pair_runs if r["name"] == m], m in slots) for m in (num, den)]
-                go, why = more_repeats(result["gains"].get(preset, {}).get(s["resolve_gain"]), done=j, base=base,
-                                       target=target, max_repeats=s["max_repeats"], spent_s=spent[preset],
-                                       next_s=None if None in parts else sum(parts), budget_s=budget)
-                if not go:
-                    why_stopped = why
-                    break
-            rep_methods = methods if j < base else [m for m in methods if m in (num, den)]
-            if j >= base and len(rep_methods) < 2:
-                why_stopped = f"{num} or {den} is not timed"
-                break
-            if dl and time.perf_counter() - t_start > dl:
-                result["notes"].append(f"deadline {dl:g} s reached: {preset} stopped after {j} of {base} repeats")
-                say(f"[throughput] deadline {dl:g} s reached before {preset} repeat {j}")
-                result["cut"] = True
-                why_stopped = "deadline"
+            self._spend(z)
+            rep_methods = self._repeat_methods(z, j)
+            if rep_methods is None:
                 break
             t_rep = time.perf_counter()
-            got: dict[str, float] = {}
-            failed: set[str] = set()
-            for pos, name in enumerate(rotation(rep_methods, j)):
-                earlier = done.get((preset, j, name))
-                if earlier is not None:  # timed by an earlier process
-                    got[name] = earlier["tokens_per_s"]
-                    result["runs"].append(earlier)
-                    continue
-                # a run that would not end before LRATTNRES_DEADLINE does not start
-                est = run_estimate([r for r in result["runs"] if r["preset"] == preset],
-                                   name in slots and slots[name].runs > 0)
-                if est is not None:
-                    try:
-                        deadline.check(est, f"{preset} repeat {j} {name}")
-                    except deadline.DeadlineReached:
-                        spent[preset] = spent0 + time.perf_counter() - t_pre
-                        if on_run is not None:
-                            on_run(state())
-                        raise
-                slot = None
-                try:
-                    if batches is None:
-                        batches = cached_tokens()
-                    if shared_rep != j:
-                        try:
-                            shared = shared_backbone(preset, s, vocab, j, device, into=shared)
-                        except Exception as e:
-                            if out_of_memory(e):
-                                raise fail(f"{preset}: the shared starting weights of repeat {j}", e) from None
-                            raise
-                        shared_rep = j
-                    if name not in slots:
-                        slots[name] = MethodSlot(preset, name, s, vocab, device, precision)
-                    slot = slots[name]
-                    slot.load(shared)
-                    rec = time_method(slot.model, batches, s, device, precision, log=say, fwd=slot.fwd, lm=slot.lm,
-                                      guard=lambda sec, n=name: deadline.check(
-                                          1.05 * sec, f"{preset} repeat {j} {n}: the next update"))
-                    slot.runs += 1
-                except deadline.DeadlineReached:
-                    spent[preset] = spent0 + time.perf_counter() - t_pre
-                    if on_run is not None:
-                        on_run(state())
-                    raise
-                except MethodFailed:
-                    raise
-                except Exception as e:  # an unsupported shape, a peer's error: dropped, and said so
-                    if out_of_memory(e):
-                        spent[preset] = spent0 + time.perf_counter() - t_pre
-                        raise fail(f"{preset} repeat {j} method {name}", e) from None
-                    why = f"{type(e).__name__}: {str(e)[:500]}"
-                    say(f"[throughput] {preset} repeat {j} {name} FAILED, dropped from the comparison: {why}")
-                    result["skipped"].append({"preset": preset, "method": name, "why": f"failed in repeat {j}: {why}"})
-                    failed.add(name)
-                    dropped.setdefault(preset, []).append(name)
-                    if on_run is not None:
-                        on_run(state())
-                    continue
-                finally:
-                    if slot is not None:
-                        slot.release()
-                    _free(device)
-                n = len(rec["times_s"])
-                v = tokens_per_update * n / sum(rec["times_s"])
-                got[name] = v
-                result["runs"].append({"preset": preset, "repeat": j, "position": pos, "name": name,
-                                       "tokens_per_s": v, "updates": n, "process": process, **rec})
-                spent[preset] = spent0 + time.perf_counter() - t_pre
-                say(f"[throughput] {preset} repeat {j} #{pos} {name}: {v:,.0f} tokens/s over {n} updates "
-                    f"({rec['stopped']}; warm-up {rec['warmup_s']:.1f} s"
-                    + (f", {rec['graphs_compiled']} graphs compiled, about {rec['compile_s']:.0f} s" if rec.get("graphs_compiled") else "")
-                    + ")")
-                if on_run is not None:
-                    on_run(state())
+            got, failed = self._time_repeat(z, j, rep_methods)
             for name in failed:
-                if name in methods:
-                    methods.remove(name)
-                per_rep.pop(name, None)
-                slots.pop(name, None)
-            if not methods:
+                if name in z.methods:
+                    z.methods.remove(name)
+                z.per_rep.pop(name, None)
+                z.slots.pop(name, None)
+            if not z.methods:
                 break
-            for name, v in got.items():
-                if name in per_rep:
-                    per_rep[name][j] = v
-            result["rows"] = [r for r in result["rows"] if r["preset"] != preset] + [
-                _row(rows_meta[m], [per_rep[m][k] for k in sorted(per_rep[m])]) for m in methods if per_rep[m]]
-            result["gains"][preset] = _gains(per_rep)
-            result["claims"] = claims_for(result, s)
-            result["elapsed_s"] = time.perf_counter() - t_start
-            g = result["gains"][preset].get(s["resolve_gain"])
-            say(f"[throughput] {preset} repeat {j} done in {time.perf_counter() - t_rep:.1f} s"
-                + "".join(f"; {gn} {gv['per_repeat'][-1]:+.2f}%" for gn, gv in result["gains"][preset].items())
-                + (f"; {s['resolve_gain']} half-width {g['half_width']:.3f} points over {g['n']} repeats"
-                   if g and g.get("half_width") is not None else ""))
-            if on_repeat is not None:
-                on_repeat(result)
+            self._record_repeat(z, j, got, rows_meta, t_rep)
             j += 1
-        spent[preset] = spent0 + time.perf_counter() - t_pre
-        del slots, shared, batches
-        _free(device)
+        self._spend(z)
+        preset = z.preset
+        del z.slots, z.shared, z.batches
+        _free(self.device)
         if not any(r["preset"] == preset for r in result["rows"]):
-            if why_stopped != "deadline":
-                raise MethodFailed(f"{preset}: every method failed ({', '.join(dropped.get(preset, []))}); no row "
+            if z.why_stopped != "deadline":
+                raise MethodFailed(f"{preset}: every method failed ({', '.join(self.dropped.get(preset, []))}); no row "
                                    "to report (see the skipped list in the partial state)")
-            continue
+            return
         g = result["gains"].get(preset, {}).get(s["resolve_gain"])
         result["resolution"][preset] = {
-            "gain": s["resolve_gain"], "target_half_width": target, "half_width": (g or {}).get("half_width"),
-            "n": (g or {}).get("n"), "stopped": why_stopped, "spent_s": spent[preset], "budget_s": budget,
-            "base_repeats": base, "max_repeats": s["max_repeats"]}
-    result["complete"] = not result.get("cut", False)
-    result["claims"] = claims_for(result, s)
-    result["elapsed_s"] = time.perf_counter() - t_start
-    from lrattnres.attention import describe as describe_attention
-    from lrattnres.throughput.comparison import compare
+            "gain": s["resolve_gain"], "target_half_width": z.target, "half_width": (g or {}).get("half_width"),
+            "n": (g or {}).get("n"), "stopped": z.why_stopped, "spent_s": self.spent[preset], "budget_s": z.budget,
+            "base_repeats": z.base, "max_repeats": s["max_repeats"]}
 
-    result["provenance"] = provenance(s, started=started, attention=describe_attention(s["attention"], device))
-    result["protocol"] = compare(result)
-    return result
+    def _announce(self, z: _Size) -> None:
+        s = self.s
+        self.say(f"[throughput] {z.preset}: methods {z.methods}, {z.base} repeats"
+                 + (f" (then {z.num} / {z.den} until its half-width <= {z.target} points, {s['max_repeats']} repeats "
+                    f"or {z.budget or 'no'} s)" if z.target is not None else "")
+                 + f", {z.tokens_per_update} tokens per update ({s['micro_batch']} x {s['seq_len']} x {z.accum}), "
+                 f"device {self.result['device']}, {self.precision}, compile {s['compile']}")
+
+    def _row_meta(self, z: _Size) -> dict[str, dict]:
+        """What each method's row of the size says besides its values."""
+        s, d = self.s, get_preset(z.preset)["d_model"]
+        rows_meta = {}
+        for name in z.methods:
+            cfg = method_config(z.preset, name, s, z.vocab)
+            rows_meta[name] = {"preset": z.preset, "size": PAPER_SIZES.get(z.preset, z.preset), "name": name,
+                               "method": METHOD_TABLE[name]["method"], "impl": METHOD_TABLE[name]["impl"],
+                               "r": cfg.get("rank"), "d": d, "N": cfg.get("blocks"),
+                               "tokens_per_update": z.tokens_per_update, "grad_accum": z.accum,
+                               "micro_batch": s["micro_batch"], "seq_len": s["seq_len"]}
+        return rows_meta
+
+    def _repeat_methods(self, z: _Size, j: int) -> list[str] | None:
+        """The methods repeat ``j`` times, or None where the size stops (``z.why_stopped`` says why):
+        its extra repeats are done, the resolved gain lost a method, or the size's deadline passed."""
+        s, result = self.s, self.result
+        replay = any((z.preset, j, m) in self.done for m in METHOD_TABLE)
+        if j >= z.base and not replay:
+            pair_runs = [r for r in result["runs"] if r["preset"] == z.preset and r["name"] in (z.num, z.den)]
+            parts = [run_estimate([r for r in pair_runs if r["name"] == m], m in z.slots) for m in (z.num, z.den)]
+            go, why = more_repeats(result["gains"].get(z.preset, {}).get(s["resolve_gain"]), done=j, base=z.base,
+                                   target=z.target, max_repeats=s["max_repeats"], spent_s=self.spent[z.preset],
+                                   next_s=None if None in parts else sum(parts), budget_s=z.budget)
+            if not go:
+                z.why_stopped = why
+                return None
+        rep_methods = z.methods if j < z.base else [m for m in z.methods if m in (z.num, z.den)]
+        if j >= z.base and len(rep_methods) < 2:
+            z.why_stopped = f"{z.num} or {z.den} is not timed"
+            return None
+        dl = for_preset(s, "deadline_s", z.preset)
+        if dl and time.perf_counter() - self.t_start > dl:
+            result["notes"].append(f"deadline {dl:g} s reached: {z.preset} stopped after {j} of {z.base} repeats")
+            self.say(f"[throughput] deadline {dl:g} s reached before {z.preset} repeat {j}")
+            result["cut"] = True
+            z.why_stopped = "deadline"
+            return None
+        return rep_methods
+
+    def _time_repeat(self, z: _Size, j: int, rep_methods: list[str]) -> tuple[dict[str, float], set[str]]:
+        """Repeat ``j``: each method in rotation, timed here or taken from an earlier process;
+        ({method: tokens/s}, the methods that failed and are dropped)."""
+        got: dict[str, float] = {}
+        failed: set[str] = set()
+        for pos, name in enumerate(rotation(rep_methods, j)):
+            earlier = self.done.get((z.preset, j, name))
+            if earlier is not None:  # timed by an earlier process
+                got[name] = earlier["tokens_per_s"]
+                self.result["runs"].append(earlier)
+                continue
+            rec = self._timed_run(z, j, name)
+            if rec is None:
+                failed.add(name)
+                continue
+            got[name] = self._record_run(z, j, pos, name, rec)
+        return got, failed
+
+    def _timed_run(self, z: _Size, j: int, name: str) -> dict | None:
+        """One timed run of ``name`` in repeat ``j`` (its record), or None where it failed and is
+        dropped from the comparison (and said so). A run that would not end before LRATTNRES_DEADLINE
+        does not start; running out of GPU memory fails the job (:class:`MethodFailed`)."""
+        result, device, preset = self.result, self.device, z.preset
+        est = run_estimate([r for r in result["runs"] if r["preset"] == preset],
+                           name in z.slots and z.slots[name].runs > 0)
+        if est is not None:
+            try:
+                deadline.check(est, f"{preset} repeat {j} {name}")
+            except deadline.DeadlineReached:
+                self._spend(z)
+                self._keep_state()
+                raise
+        slot = None
+        try:
+            if z.batches is None:
+                z.batches = self._tokens(z)
+            if z.shared_rep != j:
+                try:
+                    z.shared = shared_backbone(preset, self.s, z.vocab, j, device, into=z.shared)
+                except Exception as e:
+                    if out_of_memory(e):
+                        raise self._fail(f"{preset}: the shared starting weights of repeat {j}", e) from None
+                    raise
+                z.shared_rep = j
+            if name not in z.slots:
+                z.slots[name] = MethodSlot(preset, name, self.s, z.vocab, device, self.precision)
+            slot = z.slots[name]
+            slot.load(z.shared)
+            rec = time_method(slot.model, z.batches, self.s, device, self.precision, log=self.say, fwd=slot.fwd,
+                              lm=slot.lm, guard=lambda sec, n=name: deadline.check(
+                                  1.05 * sec, f"{preset} repeat {j} {n}: the next update"))
+            slot.runs += 1
+            return rec
+        except deadline.DeadlineReached:
+            self._spend(z)
+            self._keep_state()
+            raise
+        except MethodFailed:
+            raise
+        except Exception as e:  # an unsupported shape, a peer's error: dropped, and said so
+            if out_of_memory(e):
+                self._spend(z)
+                raise self._fail(f"{preset} repeat {j} method {name}", e) from None
+            why = f"{type(e).__name__}: {str(e)[:500]}"
+            self.say(f"[throughput] {preset} repeat {j} {name} FAILED, dropped from the comparison: {why}")
+            result["skipped"].append({"preset": preset, "method": name, "why": f"failed in repeat {j}: {why}"})
+            self.dropped.setdefault(preset, []).append(name)
+            self._keep_state()
+            return None
+        finally:
+            if slot is not None:
+                slot.release()
+            _free(device)
+
+    def _record_run(self, z: _Size, j: int, pos: int, name: str, rec: dict) -> float:
+        """A finished timed run in the result and the partial state; its tokens per second."""
+        n = len(rec["times_s"])
+        v = z.tokens_per_update * n / sum(rec["times_s"])
+        self.result["runs"].append({"preset": z.preset, "repeat": j, "position": pos, "name": name,
+                                    "tokens_per_s": v, "updates": n, "process": self.process, **rec})
+        self._spend(z)
+        self.say(f"[throughput] {z.preset} repeat {j} #{pos} {name}: {v:,.0f} tokens/s over {n} updates "
+                 f"({rec['stopped']}; warm-up {rec['warmup_s']:.1f} s"
+                 + (f", {rec['graphs_compiled']} graphs compiled, about {rec['compile_s']:.0f} s"
+                    if rec.get("graphs_compiled") else "")
+                 + ")")
+        self._keep_state()
+        return v
+
+    def _record_repeat(self, z: _Size, j: int, got: dict[str, float], rows_meta: dict, t_rep: float) -> None:
+        """The size's rows, gains and the claims after repeat ``j``."""
+        s, result, preset = self.s, self.result, z.preset
+        for name, v in got.items():
+            if name in z.per_rep:
+                z.per_rep[name][j] = v
+        result["rows"] = [r for r in result["rows"] if r["preset"] != preset] + [
+            _row(rows_meta[m], [z.per_rep[m][k] for k in sorted(z.per_rep[m])]) for m in z.methods if z.per_rep[m]]
+        result["gains"][preset] = _gains(z.per_rep)
+        result["claims"] = claims_for(result, s)
+        result["elapsed_s"] = time.perf_counter() - self.t_start
+        g = result["gains"][preset].get(s["resolve_gain"])
+        self.say(f"[throughput] {preset} repeat {j} done in {time.perf_counter() - t_rep:.1f} s"
+                 + "".join(f"; {gn} {gv['per_repeat'][-1]:+.2f}%" for gn, gv in result["gains"][preset].items())
+                 + (f"; {s['resolve_gain']} half-width {g['half_width']:.3f} points over {g['n']} repeats"
+                    if g and g.get("half_width") is not None else ""))
+        if self.on_repeat is not None:
+            self.on_repeat(result)
+
+    def finish(self) -> dict:
+        """The complete result: claims, provenance and the protocol's comparison with the paper's."""
+        from lrattnres.attention import describe as describe_attention
+
+        s, result = self.s, self.result
+        result["complete"] = not result.get("cut", False)
+        result["claims"] = claims_for(result, s)
+        result["elapsed_s"] = time.perf_counter() - self.t_start
+        result["provenance"] = provenance(s, started=self.started, attention=describe_attention(s["attention"], self.device))
+        result["protocol"] = compare(result)
+        return result
 
 
 def _row(meta: dict, values: list[float]) -> dict:

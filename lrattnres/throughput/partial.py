@@ -3,8 +3,12 @@ made with, so that the next run of the same spec on the same device continues it
 
 from __future__ import annotations
 
+import hashlib
+import json
 import sys
 from pathlib import Path
+
+from lrattnres.train.code import code_fingerprint
 
 
 PARTIAL_FORMAT = "lrattnres.throughput.partial/1"
@@ -20,10 +24,6 @@ def partial_key(s: dict, device_name: str, data_sha256: str | None) -> dict:
     """What a partial state must share with the run that continues it: the resolved spec (less the keys
     that bound how long it measures, not what a run measures), the device, the data and the code that
     is timed (the training stack and this package)."""
-    import hashlib
-
-    from lrattnres.train.loop import code_fingerprint
-
     here = sorted(Path(__file__).resolve().parent.glob("*.py"))
     code = hashlib.sha256((code_fingerprint() + "".join(f.read_text(encoding="utf-8") for f in here)).encode()).hexdigest()
     return {"spec": {k: v for k, v in s.items() if k not in ("deadline_s", "published", "budget_s", "target_half_width",
@@ -38,8 +38,6 @@ def load_partial(path: Path, key: dict, log=None) -> dict | None:
     if not path.is_file():
         return None
     try:
-        import json
-
         st = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as e:
         say(f"[throughput] {path}: not readable ({e}); starting afresh")

@@ -8,6 +8,7 @@ from typing import Any
 
 from lrattnres.checks import is_int, is_number
 from lrattnres.errors import SpecError
+from lrattnres.presets import PRESETS
 
 
 METHOD_TABLE: dict[str, dict[str, Any]] = {
@@ -87,7 +88,6 @@ def resolve_spec(spec: dict | None) -> dict:
         raise SpecError(f"throughput spec key {unknown[0]!r} is not known; expected one of {sorted(DEFAULTS)}")
     s = copy.deepcopy(DEFAULTS)
     s.update(copy.deepcopy(spec))
-    from lrattnres.presets import PRESETS
 
     _check(isinstance(s["presets"], list) and s["presets"] and all(p in PRESETS for p in s["presets"]),
            "presets", f"a non-empty list of preset names from {sorted(PRESETS)}", s["presets"])

@@ -60,6 +60,7 @@ import torch
 
 from lrattnres.errors import UserError
 from lrattnres.io import atomic_path, atomic_torch_save, atomic_write_json, atomic_write_text, sha256_file
+from lrattnres.model import ModelConfig, build_model
 
 FORMAT = "lrattnres.train.checkpoint/3"
 FORMAT_V2 = "lrattnres.train.checkpoint/2"  # one weights file and one state file: read, never resumed
@@ -448,8 +449,6 @@ def move_aside(out: str | Path, reason: str, *, extra: tuple[str, ...] = ("metri
 
 
 def _build(model_config: dict, where: str):
-    from lrattnres.model import ModelConfig, build_model
-
     try:
         return build_model(ModelConfig(**model_config))
     except (TypeError, ValueError) as e:

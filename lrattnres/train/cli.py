@@ -23,7 +23,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-from lrattnres.io import read_spec_arg
+from lrattnres import slurmjob
+from lrattnres.data import ManifestError
+from lrattnres.io import DiskFull, read_spec_arg
+from lrattnres.train.spec import SpecError
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -78,8 +81,6 @@ def _requeue(stopped) -> None:
     """Requeue this Slurm job after a stop at its deadline (rank 0 only; lrattnres/slurmjob.py)."""
     import os
 
-    from lrattnres import slurmjob
-
     if slurmjob.job_id() is None or int(os.environ.get("RANK", "0")) != 0:
         return
     if stopped.updates < 1:
@@ -107,10 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     from lrattnres.train.loop import EXIT_NONFINITE, EXIT_PREEMPTED, NonFiniteLoss, Preempted, ResumeMismatch, train
-    from lrattnres.data import ManifestError
-    from lrattnres.io import DiskFull
     from lrattnres.train.checkpoint import CheckpointError
-    from lrattnres.train.spec import SpecError
 
     try:
         train(spec, args.data, args.out, resume=args.resume, on_code_change=args.on_code_change,

@@ -27,7 +27,6 @@ EX_TEMPFAIL: rerun the same command to resume); non-finite loss: :class:`NonFini
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import math
 import os
 import signal
@@ -42,12 +41,18 @@ import torch.distributed as dist
 from torch import nn
 
 from lrattnres import deadline as deadline_mod
+from lrattnres.attention import describe as describe_attention
+from lrattnres.attention import warn_compiled_flex
+from lrattnres.data import TokenLoader, iter_eval_batches, load_manifest
 from lrattnres.devices import resolve_device
 from lrattnres.errors import UserError
 from lrattnres.io import atomic_write_json
-from lrattnres.provenance import now, provenance
+from lrattnres.model import build_model, model_config
+from lrattnres.progress import interactive
+from lrattnres.provenance import git_state, now, provenance
 from lrattnres.train import checkpoint as ckpt
 from lrattnres.train import spec as spec_mod
+from lrattnres.train.code import changed_code_files, code_files, code_fingerprint
 from lrattnres.train.guard import GradGuard
 from lrattnres.train.metrics import (MetricsWriter, StatusLines, end_of_run_summary, grad_norm_summary, memory_stats,
                                      progress_bar)
@@ -163,40 +168,6 @@ def _device(choice: str, local_rank: int) -> torch.device:
     return torch.device("cuda", local_rank)
 
 
-_REPO = Path(__file__).resolve().parent.parent.parent
-CODE_FILES = ("lrattnres/train/*.py", "lrattnres/model.py", "lrattnres/routing.py", "lrattnres/attention.py",
-              "lrattnres/segments.py",
-              "lrattnres/presets.py", "lrattnres/data/loader.py", "kernels/*.py")
-
-
-def _code_sources():
-    for pattern in CODE_FILES:
-        for f in sorted(_REPO.glob(pattern)):
-            yield f.relative_to(_REPO).as_posix(), f.read_bytes()
-
-
-def code_fingerprint() -> str:
-    """sha256 over the source of the training stack (a resumed run must not mix two versions)."""
-    h = hashlib.sha256()
-    for rel, data in _code_sources():
-        h.update(rel.encode() + b"\0" + data + b"\0")
-    return h.hexdigest()
-
-
-def code_files() -> dict[str, str]:
-    """The sha256 of each source file of the training stack, by its path in the repository: what a
-    checkpoint records, so that a refusal can name the files that changed."""
-    return {rel: hashlib.sha256(data).hexdigest() for rel, data in _code_sources()}
-
-
-def changed_code_files(old: dict | None, new: dict[str, str]) -> list[str] | None:
-    """The files whose source differs between two :func:`code_files` records (added and removed ones
-    too); None where the checkpoint records no per-file hashes."""
-    if not isinstance(old, dict):
-        return None
-    return sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
-
-
 def tokens_per_update(spec: dict, world: int) -> int:
     return spec["micro_batch"] * spec["seq_len"] * spec["grad_accum"] * world
 
@@ -249,8 +220,6 @@ def _describe_change(change: dict) -> str:
 
 def resolve_model_config(model_spec: dict, vocab_size: int, seq_len: int):
     """The ModelConfig of a run: the spec's model fields plus the manifest's vocabulary size."""
-    from lrattnres.model import model_config
-
     m = dict(model_spec)
     if m.get("vocab_size") is not None and m["vocab_size"] != vocab_size:
         raise spec_mod.SpecError(
@@ -338,317 +307,381 @@ def _train(
     log=None,
     stop: _StopFlag,
 ) -> dict[str, Any]:
-    started = now()
-    t_process = time.perf_counter()
-    cpu_process = time.process_time()
-    out = Path(out)
-    s = spec_mod.resolve(spec)
-    rank, world, local_rank = _dist_env()
-    if world > 1 and not dist.is_initialized():
-        backend = "nccl" if (s["device"] != "cpu" and torch.cuda.is_available()) else "gloo"
-        dist.init_process_group(backend=backend)
-    master = rank == 0
-    device = _device(s["device"], local_rank)
+    run = _Run(spec, data, out, log)
+    run.resume(resume, on_code_change)
+    run.wrap()
+    stopped = run.loop(stop, stop_after, progress)
+    return run.finish(stopped)
 
-    from lrattnres.data import TokenLoader, iter_eval_batches, load_manifest
 
-    manifest = load_manifest(data, verify="size")
-    if sum(manifest["splits"][k]["tokens"] for k in ("train", "val")) <= 2_000_000_000:
-        manifest = load_manifest(data, verify=True)  # hash the shards too, unless that takes minutes
-    manifest_sha = manifest["_sha256"]
-    mcfg = resolve_model_config(s["model"], int(manifest["vocab_size"]), s["seq_len"])
-    mcfg_dict = ckpt.model_config_dict(mcfg)
-    steps_total = spec_mod.total_steps(s, world)
-    tokens_per_step = s["micro_batch"] * s["seq_len"] * s["grad_accum"] * world
-    if s.get("tokens_per_update") and tokens_per_step != s["tokens_per_update"]:
-        raise spec_mod.SpecError(
-            f"spec key 'tokens_per_update' is {s['tokens_per_update']:,} but micro_batch {s['micro_batch']} x seq_len "
-            f"{s['seq_len']} x grad_accum {s['grad_accum']} x {world} ranks = {tokens_per_step:,}: the job runs on "
-            "another GPU count than its spec was made for (set resources.train.gpu and nodes in config.yaml)")
-    train_split_tokens = int(manifest["splits"]["train"]["tokens"])
+class _Run:
+    """One training run in this process, from its spec to its result: the data, the model and its
+    optimisers (:meth:`__init__`), the checkpoint it continues (:meth:`resume`), the wrapped forward
+    (:meth:`wrap`), the updates (:meth:`loop`) and the final weights and result (:meth:`finish`)."""
 
-    _seed_all(s["seed"])
-    from lrattnres.model import build_model
+    def __init__(self, spec: dict, data: str | os.PathLike, out: str | os.PathLike, log=None):
+        self.started = now()
+        self.t_process = time.perf_counter()
+        self.cpu_process = time.process_time()
+        self.out, self.data = Path(out), data
+        self.s = spec_mod.resolve(spec)
+        self.rank, self.world, local_rank = _dist_env()
+        if self.world > 1 and not dist.is_initialized():
+            backend = "nccl" if (self.s["device"] != "cpu" and torch.cuda.is_available()) else "gloo"
+            dist.init_process_group(backend=backend)
+        self.master = self.rank == 0
+        self.device = _device(self.s["device"], local_rank)
+        self._read_data()
+        self._build_model()
+        # the progress a resumed run carries on from
+        self.step, self.tokens, self.train_s, self.grad_norms, self.wall_prev, self.cpu_prev = 0, 0, 0.0, [], 0.0, 0.0
+        self.ck_path = self.out / ckpt.CHECKPOINT_FILE
+        self.say = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
+        self.resumed = False
 
-    if device.type == "cuda":
-        with torch.device(device):  # initialise on the GPU (a 4B model takes long on the CPU)
-            model = build_model(mcfg)
-    else:
-        model = build_model(mcfg)
-    model.activation_checkpointing = bool(s.get("activation_checkpointing"))
-    from lrattnres.attention import describe as describe_attention
+    def _read_data(self) -> None:
+        """The data manifest (its shards checked), the model config it implies, and the run's length."""
+        s, world = self.s, self.world
+        manifest = load_manifest(self.data, verify="size")
+        if sum(manifest["splits"][k]["tokens"] for k in ("train", "val")) <= 2_000_000_000:
+            manifest = load_manifest(self.data, verify=True)  # hash the shards too, unless that takes minutes
+        self.manifest, self.manifest_sha = manifest, manifest["_sha256"]
+        self.mcfg = resolve_model_config(s["model"], int(manifest["vocab_size"]), s["seq_len"])
+        self.mcfg_dict = ckpt.model_config_dict(self.mcfg)
+        self.steps_total = spec_mod.total_steps(s, world)
+        self.tokens_per_step = s["micro_batch"] * s["seq_len"] * s["grad_accum"] * world
+        if s.get("tokens_per_update") and self.tokens_per_step != s["tokens_per_update"]:
+            raise spec_mod.SpecError(
+                f"spec key 'tokens_per_update' is {s['tokens_per_update']:,} but micro_batch {s['micro_batch']} x seq_len "
+                f"{s['seq_len']} x grad_accum {s['grad_accum']} x {world} ranks = {self.tokens_per_step:,}: the job runs on "
+                "another GPU count than its spec was made for (set resources.train.gpu and nodes in config.yaml)")
+        self.train_split_tokens = int(manifest["splits"]["train"]["tokens"])
 
-    attention = describe_attention(mcfg.attention, device)  # what the forward runs (auto resolved), recorded
-    shard = bool(s.get("shard_optimizer")) and world > 1
-    optimizers = build_optimizers(model, s["optim"], device.type, shard=shard)
-    local_opts = {k: local_optimizer(o) for k, o in optimizers.items()}  # the state this rank keeps
-    param_names = {id(p): n for n, p in model.named_parameters()}
-    owner = owners(optimizers, param_names, world)  # who writes which weights and state
-    if shard:
-        mine = {param_names[id(p)] for o in local_opts.values() for g in o.param_groups for p in g["params"]}
-        if mine != {n for n, r in owner.items() if r == rank}:
-            raise RuntimeError("ZeroRedundancyOptimizer's partition differs from lrattnres.train.optim.owners")
-    lrs = base_lrs(s["optim"])
-    params = [p for p in model.parameters() if p.requires_grad]
-    loader = TokenLoader(manifest, "train", s["micro_batch"], s["seq_len"], s["seed"], rank=rank, world_size=world)
+    def _build_model(self) -> None:
+        """The seeded model, its optimisers (this rank's share where they are sharded) and the loader."""
+        s, device, world = self.s, self.device, self.world
+        _seed_all(s["seed"])
+        if device.type == "cuda":
+            with torch.device(device):  # initialise on the GPU (a 4B model takes long on the CPU)
+                model = build_model(self.mcfg)
+        else:
+            model = build_model(self.mcfg)
+        model.activation_checkpointing = bool(s.get("activation_checkpointing"))
+        self.model = model
+        self.attention = describe_attention(self.mcfg.attention, device)  # what the forward runs (auto resolved), recorded
+        shard = bool(s.get("shard_optimizer")) and world > 1
+        self.optimizers = build_optimizers(model, s["optim"], device.type, shard=shard)
+        self.local_opts = {k: local_optimizer(o) for k, o in self.optimizers.items()}  # the state this rank keeps
+        param_names = {id(p): n for n, p in model.named_parameters()}
+        self.owner = owners(self.optimizers, param_names, world)  # who writes which weights and state
+        if shard:
+            mine = {param_names[id(p)] for o in self.local_opts.values() for g in o.param_groups for p in g["params"]}
+            if mine != {n for n, r in self.owner.items() if r == self.rank}:
+                raise RuntimeError("ZeroRedundancyOptimizer's partition differs from lrattnres.train.optim.owners")
+        self.lrs = base_lrs(s["optim"])
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.loader = TokenLoader(self.manifest, "train", s["micro_batch"], s["seq_len"], s["seed"], rank=self.rank,
+                                  world_size=world)
 
     # ---- resume -------------------------------------------------------------------------------
-    step, tokens, train_s, grad_norms, wall_prev, cpu_prev = 0, 0, 0.0, [], 0.0, 0.0
-    ck_path = out / ckpt.CHECKPOINT_FILE
-    say = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
-    if resume not in ("auto", "never", "must", "force"):
-        raise ValueError(f"resume must be auto, never, must or force, got {resume!r}")
-    if on_code_change not in ON_CODE_CHANGE:
-        raise ValueError(f"on_code_change must be one of {', '.join(ON_CODE_CHANGE)}, got {on_code_change!r}")
-    from lrattnres.provenance import git_state
 
-    fingerprint, files_now, commit_now = code_fingerprint(), code_files(), git_state()
-    st, stale, stale_step, code_changes = None, None, None, []
-    if ckpt.has_checkpoint(out):
+    def resume(self, resume: str, on_code_change: str) -> None:
+        """Continue the run's checkpoint where it continues this run (``resume`` and ``on_code_change``
+        as :func:`train` describes them), else move it aside and start over."""
+        if resume not in ("auto", "never", "must", "force"):
+            raise ValueError(f"resume must be auto, never, must or force, got {resume!r}")
+        if on_code_change not in ON_CODE_CHANGE:
+            raise ValueError(f"on_code_change must be one of {', '.join(ON_CODE_CHANGE)}, got {on_code_change!r}")
+        self.fingerprint, self.files_now, self.commit_now = code_fingerprint(), code_files(), git_state()
+        self.code_changes = []
+        st, stale, stale_step = self._checkpoint_to_continue(resume, on_code_change)
+        if resume in ("must", "force") and st is None:
+            raise FileNotFoundError(f"{self.ck_path}: --resume {resume}, but there is no checkpoint to continue")
+        if stale is not None:
+            self._move_aside(stale, stale_step)
+        planned_epochs = self.steps_total * self.tokens_per_step / max(self.train_split_tokens, 1)
+        if self.master and planned_epochs > 1:
+            self.say(f"[train] warning: {self.steps_total} updates of {self.tokens_per_step:,} tokens read the "
+                     f"{self.train_split_tokens:,}-token training split {planned_epochs:.1f} times; past one epoch the "
+                     "validation loss measures memorisation as well as modelling (point the scale's data stage at a "
+                     "larger corpus)")
+        self.guard = GradGuard(**self.s["grad_guard"])
+        if st is not None:
+            self._restore(st)
+
+    def _checkpoint_to_continue(self, resume: str, on_code_change: str) -> tuple[dict | None, str | None, int | None]:
+        """(the checkpoint record to continue or None, why the checkpoint is stale or None, its step);
+        a run continued across a code change adds it to :attr:`code_changes`."""
+        out, s = self.out, self.s
+        st, stale, stale_step = None, None, None
+        if not ckpt.has_checkpoint(out):
+            return st, stale, stale_step
         if resume == "never":
-            stale = "--resume never"
-        elif not ck_path.exists():
-            stale = f"{', '.join(n for n in ckpt.LEGACY_FILES if (out / n).exists())} is an earlier checkpoint format"
-        else:
-            rec = ckpt.verify_files(out, rank, world)  # a file that fails its check stops the run (CheckpointError)
-            stale_step = rec["step"]
-            problems, code_differs = resume_problems(rec, s, mcfg_dict, manifest_sha, world, fingerprint)
-            if rec["format"] != ckpt.FORMAT:
-                problems.append(f"written in the earlier format {rec['format']}")
-            change = _code_change(rec, files_now, commit_now) if code_differs else None
-            keep_going = resume == "force" or (resume == "auto" and on_code_change == "continue")
-            if code_differs and not problems and resume == "auto" and on_code_change == "refuse":
-                raise CodeChanged(
-                    f"{ck_path}: the checkpoint at step {rec['step']} was written by other training code "
-                    f"({_describe_change(change)}); refusing to continue or discard it. Continue it with this code "
-                    "(--resume force; in the workflow train.on_code_change: continue) or start over (--resume "
-                    "never; train.on_code_change: restart); docs/slurm.md, 'After a code edit'")
-            if code_differs and not keep_going:
-                problems.append(f"written by other training code ({_describe_change(change)}; a run must not mix two "
-                                "code versions unless told to)")
-            if problems and resume in ("must", "force"):
-                raise ResumeMismatch(f"{ck_path}: refusing to resume: " + "; ".join(problems)
-                                     + " (--resume auto or never starts over)")
-            if problems:
-                stale = "; ".join(problems)
-            else:
-                st = rec
-                code_changes = list(rec.get("code_changes") or []) + ([change] if change else [])
-                if change and master:
-                    say(f"[train] {out.name}: continuing the checkpoint at step {rec['step']} with other training code "
-                        f"({_describe_change(change)}); recorded in the result")
-    if resume in ("must", "force") and st is None:
-        raise FileNotFoundError(f"{ck_path}: --resume {resume}, but there is no checkpoint to continue")
-    if stale is not None:
-        if world > 1:
+            return st, "--resume never", stale_step
+        if not self.ck_path.exists():
+            return st, f"{', '.join(n for n in ckpt.LEGACY_FILES if (out / n).exists())} is an earlier checkpoint format", stale_step
+        rec = ckpt.verify_files(out, self.rank, self.world)  # a file that fails its check stops the run (CheckpointError)
+        stale_step = rec["step"]
+        problems, code_differs = resume_problems(rec, s, self.mcfg_dict, self.manifest_sha, self.world, self.fingerprint)
+        if rec["format"] != ckpt.FORMAT:
+            problems.append(f"written in the earlier format {rec['format']}")
+        change = _code_change(rec, self.files_now, self.commit_now) if code_differs else None
+        keep_going = resume == "force" or (resume == "auto" and on_code_change == "continue")
+        if code_differs and not problems and resume == "auto" and on_code_change == "refuse":
+            raise CodeChanged(
+                f"{self.ck_path}: the checkpoint at step {rec['step']} was written by other training code "
+                f"({_describe_change(change)}); refusing to continue or discard it. Continue it with this code "
+                "(--resume force; in the workflow train.on_code_change: continue) or start over (--resume "
+                "never; train.on_code_change: restart); docs/slurm.md, 'After a code edit'")
+        if code_differs and not keep_going:
+            problems.append(f"written by other training code ({_describe_change(change)}; a run must not mix two "
+                            "code versions unless told to)")
+        if problems and resume in ("must", "force"):
+            raise ResumeMismatch(f"{self.ck_path}: refusing to resume: " + "; ".join(problems)
+                                 + " (--resume auto or never starts over)")
+        if problems:
+            return st, "; ".join(problems), stale_step
+        self.code_changes = list(rec.get("code_changes") or []) + ([change] if change else [])
+        if change and self.master:
+            self.say(f"[train] {out.name}: continuing the checkpoint at step {rec['step']} with other training code "
+                     f"({_describe_change(change)}); recorded in the result")
+        return rec, stale, stale_step
+
+    def _move_aside(self, stale: str, stale_step: int | None) -> None:
+        """Move a checkpoint that does not continue this run into ``<out>/stale/`` (rank 0, every rank
+        having read it first)."""
+        if self.world > 1:
             dist.barrier()  # every rank has read the checkpoint before it moves
-        if master:
-            dest = ckpt.move_aside(out, f"{stale}\n")
+        if self.master:
+            dest = ckpt.move_aside(self.out, f"{stale}\n")
             at = f" at step {stale_step}" if stale_step is not None else ""
-            say(f"[train] {out.name}: the checkpoint{at} does not continue this run ({stale}); "
-                f"moved it aside to {dest} and starting over")
-        if world > 1:
+            self.say(f"[train] {self.out.name}: the checkpoint{at} does not continue this run ({stale}); "
+                     f"moved it aside to {dest} and starting over")
+        if self.world > 1:
             dist.barrier()
-    planned_epochs = steps_total * tokens_per_step / max(train_split_tokens, 1)
-    if master and planned_epochs > 1:
-        say(f"[train] warning: {steps_total} updates of {tokens_per_step:,} tokens read the {train_split_tokens:,}-token "
-            f"training split {planned_epochs:.1f} times; past one epoch the validation loss measures memorisation "
-            "as well as modelling (point the scale's data stage at a larger corpus)")
-    resumed, world_then = False, world
-    guard = GradGuard(**s["grad_guard"])
-    if st is not None:
-        # weights, and the optimiser state of the parameters this rank owns now, read by name from
-        # whichever rank's file holds them: another world size reshards the state
-        ckpt.restore_training(out, st, model, local_opts)
+
+    def _restore(self, st: dict) -> None:
+        """Weights, and the optimiser state of the parameters this rank owns now, read by name from
+        whichever rank's file holds them: another world size reshards the state."""
+        out, rank, world = self.out, self.rank, self.world
+        ckpt.restore_training(out, st, self.model, self.local_opts)
         world_then = int(st["world_size"])
         mine = ckpt.read_state(out, st, rank if rank < world_then else 0)
-        step, tokens, train_s = st["step"], st["tokens"], st["train_s"]
-        wall_prev, cpu_prev = st["wall_s"], st["cpu_s"]
-        grad_norms = list(mine["grad_norms"] if rank == 0 else ckpt.read_state(out, st, 0)["grad_norms"])
-        loader.load_state_dict(mine["loader"], reshard=world_then != world)
+        self.step, self.tokens, self.train_s = st["step"], st["tokens"], st["train_s"]
+        self.wall_prev, self.cpu_prev = st["wall_s"], st["cpu_s"]
+        self.grad_norms = list(mine["grad_norms"] if rank == 0 else ckpt.read_state(out, st, 0)["grad_norms"])
+        self.loader.load_state_dict(mine["loader"], reshard=world_then != world)
         ckpt.set_rng_state(mine["rng"])  # a rank the checkpoint did not have starts from rank 0's states
-        guard.replay(grad_norms)  # the guard's history and outliers, as the uninterrupted run has them
-        resumed = True
-        if master and world_then != world:
-            say(f"[train] {out.name}: the checkpoint at step {step} was written by {world_then} ranks; resharded "
-                f"onto {world} (micro_batch {s['micro_batch']} x grad_accum {s['grad_accum']} per rank)")
-        del st, mine
+        self.guard.replay(self.grad_norms)  # the guard's history and outliers, as the uninterrupted run has them
+        self.resumed = True
+        if self.master and world_then != world:
+            self.say(f"[train] {out.name}: the checkpoint at step {self.step} was written by {world_then} ranks; "
+                     f"resharded onto {world} (micro_batch {self.s['micro_batch']} x grad_accum {self.s['grad_accum']} "
+                     "per rank)")
 
     # ---- wrap ---------------------------------------------------------------------------------
-    lm = LossModule(model, s["precision"])
-    if world > 1:
-        from torch.nn.parallel import DistributedDataParallel as DDP
 
-        lm = DDP(lm, device_ids=[device.index] if device.type == "cuda" else None, gradient_as_bucket_view=True)
-    fwd = torch.compile(lm, dynamic=False) if s["compile"] else lm
+    def wrap(self) -> None:
+        """The loss module (DDP-wrapped on several ranks, compiled where the spec says), the metrics
+        file (cut at the resumed step) and the run's spec.json."""
+        s, out, world, step = self.s, self.out, self.world, self.step
+        self.lm = LossModule(self.model, s["precision"])
+        if world > 1:
+            from torch.nn.parallel import DistributedDataParallel as DDP
 
-    metrics = MetricsWriter(out / "metrics.jsonl", enabled=master)
-    if master:
-        if resumed:
-            metrics.truncate_after(step)
-        else:
-            metrics.truncate_after(-1)
-        atomic_write_json(out / "spec.json", {"spec": s, "model_config": mcfg_dict, "data": str(data),
-                                              "manifest_sha256": manifest_sha, "world_size": world,
-                                              "total_steps": steps_total, "tokens_per_step": tokens_per_step})
-        say(f"[train] {out.name}: {model.num_parameters():,} parameters, {steps_total} steps of "
-            f"{tokens_per_step:,} tokens, device {device}, world {world}, attention {attention['backend']} "
-            f"({attention['version']})"
-            + (f", resumed at step {step}" if resumed else ""))
-        from lrattnres.attention import warn_compiled_flex
+            self.lm = DDP(self.lm, device_ids=[self.device.index] if self.device.type == "cuda" else None,
+                          gradient_as_bucket_view=True)
+        self.fwd = torch.compile(self.lm, dynamic=False) if s["compile"] else self.lm
+        self.metrics = MetricsWriter(out / "metrics.jsonl", enabled=self.master)
+        if not self.master:
+            return
+        self.metrics.truncate_after(step if self.resumed else -1)
+        atomic_write_json(out / "spec.json", {"spec": s, "model_config": self.mcfg_dict, "data": str(self.data),
+                                              "manifest_sha256": self.manifest_sha, "world_size": world,
+                                              "total_steps": self.steps_total, "tokens_per_step": self.tokens_per_step})
+        self.say(f"[train] {out.name}: {self.model.num_parameters():,} parameters, {self.steps_total} steps of "
+                 f"{self.tokens_per_step:,} tokens, device {self.device}, world {world}, attention "
+                 f"{self.attention['backend']} ({self.attention['version']})"
+                 + (f", resumed at step {step}" if self.resumed else ""))
+        warn_compiled_flex(self.mcfg.attention, self.device, s["compile"], self.say)
 
-        warn_compiled_flex(mcfg.attention, device, s["compile"], say)
+    def val_batches(self):
+        val_bs = self.s["val"]["batch_size"] or self.s["micro_batch"]
+        return iter_eval_batches(self.manifest, "val", val_bs, self.s["seq_len"])
 
-    val_bs = s["val"]["batch_size"] or s["micro_batch"]
-
-    def val_batches():
-        return iter_eval_batches(manifest, "val", val_bs, s["seq_len"])
-
-    def save_checkpoint():
+    def save_checkpoint(self) -> float:
         """Every rank writes its share side by side (lrattnres/train/checkpoint.py); returns seconds."""
         t0 = time.perf_counter()
-        if master:
-            metrics.flush()
+        if self.master:
+            self.metrics.flush()
         ckpt.save_checkpoint(
-            out, tensors=ckpt.training_tensors(model, local_opts, owner, rank),
-            state={"rng": ckpt.rng_state(), "loader": loader.state_dict(), "grad_norms": grad_norms if master else []},
-            meta={"step": step, "tokens": tokens, "train_s": train_s,
-                  "wall_s": wall_prev + time.perf_counter() - t_process,
-                  "cpu_s": cpu_prev + time.process_time() - cpu_process,
-                  "world_size": world, "spec": s, "model_config": mcfg_dict,
-                  "manifest_sha256": manifest_sha, "code_sha256": fingerprint, "code_files": files_now,
-                  "commit": commit_now, "code_changes": code_changes},
-            rank=rank, world=world,
+            self.out, tensors=ckpt.training_tensors(self.model, self.local_opts, self.owner, self.rank),
+            state={"rng": ckpt.rng_state(), "loader": self.loader.state_dict(),
+                   "grad_norms": self.grad_norms if self.master else []},
+            meta={"step": self.step, "tokens": self.tokens, "train_s": self.train_s,
+                  "wall_s": self.wall_prev + time.perf_counter() - self.t_process,
+                  "cpu_s": self.cpu_prev + time.process_time() - self.cpu_process,
+                  "world_size": self.world, "spec": self.s, "model_config": self.mcfg_dict,
+                  "manifest_sha256": self.manifest_sha, "code_sha256": self.fingerprint, "code_files": self.files_now,
+                  "commit": self.commit_now, "code_changes": self.code_changes},
+            rank=self.rank, world=self.world,
         )
         return time.perf_counter() - t0
 
-    from lrattnres.progress import interactive
+    # ---- the updates --------------------------------------------------------------------------
 
-    live = master and progress and interactive(sys.stderr)
-    bar = progress_bar(steps_total, step, enabled=live, desc=out.name or "train")
-    # where no live bar is drawn (a log file, a batch job, --no-progress): plain status lines
-    status = (StatusLines(out.name or "train", steps_total, step, s["log_every_s"], say)
-              if master and not live and s["log_every_s"] > 0 else None)
-    zc = float(s["z_loss"])
-    clip = s["grad_clip"]
-    ddp = world > 1
-    last_step_s, last_save_s = 0.0, 0.0
-    stopped = None  # a non-finite loss recorded as the result (spec record_nonfinite)
-    first_step = step
-    try:
-        while step < steps_total:
-            # preemption, a deadline (LRATTNRES_DEADLINE: the next update and a checkpoint would end after
-            # it) or a requested stop, on any rank (all ranks agree): checkpoint, then leave
-            rest = deadline_mod.left()
-            due = rest is not None and rest < last_step_s + last_save_s + 1.0
-            flag = torch.tensor([2.0 if stop.signum is not None else 1.0 if due else 0.0],
-                                device=device if ddp else "cpu")
-            if ddp:
-                dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-            if flag.item() > 0 or (stop_after is not None and step >= stop_after):
-                save_checkpoint()
-                why = ("signal" + (f" {stop.signum}" if stop.signum is not None else " on another rank")
-                       if flag.item() >= 2 else deadline_mod.ENV if flag.item() > 0 else f"stop_after={stop_after}")
-                reason = "signal" if flag.item() >= 2 else "deadline" if flag.item() > 0 else "stop_after"
-                raise Preempted(f"stopped at step {step} ({why}); checkpoint {ck_path} written; rerun to resume",
-                                reason=reason, updates=step - first_step)
+    def loop(self, stop: _StopFlag, stop_after: int | None, progress: bool) -> dict | None:
+        """Update until the run's last step; None, or the non-finite update that ended the run
+        (spec ``record_nonfinite``). A signal, a deadline or ``stop_after`` raises :class:`Preempted`
+        with the checkpoint written."""
+        s, name = self.s, self.out.name or "train"
+        self.live = self.master and progress and interactive(sys.stderr)
+        self.bar = progress_bar(self.steps_total, self.step, enabled=self.live, desc=name)
+        # where no live bar is drawn (a log file, a batch job, --no-progress): plain status lines
+        self.status = (StatusLines(name, self.steps_total, self.step, s["log_every_s"], self.say)
+                       if self.master and not self.live and s["log_every_s"] > 0 else None)
+        self.last_step_s, self.last_save_s = 0.0, 0.0
+        first_step = self.step
+        stopped = None
+        try:
+            while self.step < self.steps_total:
+                self._stop_if_asked(stop, stop_after, first_step)
+                stopped = self._update()
+                if stopped is not None:
+                    break
+                self._validate_and_checkpoint()
+        finally:
+            self.bar.close()
+            if self.status is not None:
+                self.status.close()
+            self.metrics.flush()
+        return stopped
 
-            t0 = time.perf_counter()
-            mult = lr_multiplier(step, steps_total, s["schedule"]["warmup_steps"], s["schedule"]["warmdown_frac"],
-                                 s["schedule"]["final_lr_frac"])
-            lr_now = apply_lr(optimizers, lrs, mult)
+    def _stop_if_asked(self, stop: _StopFlag, stop_after: int | None, first_step: int) -> None:
+        """Preemption, a deadline (LRATTNRES_DEADLINE: the next update and a checkpoint would end after
+        it) or a requested stop, on any rank (all ranks agree): checkpoint, then :class:`Preempted`."""
+        ddp, step = self.world > 1, self.step
+        rest = deadline_mod.left()
+        due = rest is not None and rest < self.last_step_s + self.last_save_s + 1.0
+        flag = torch.tensor([2.0 if stop.signum is not None else 1.0 if due else 0.0],
+                            device=self.device if ddp else "cpu")
+        if ddp:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if flag.item() > 0 or (stop_after is not None and step >= stop_after):
+            self.save_checkpoint()
+            why = ("signal" + (f" {stop.signum}" if stop.signum is not None else " on another rank")
+                   if flag.item() >= 2 else deadline_mod.ENV if flag.item() > 0 else f"stop_after={stop_after}")
+            reason = "signal" if flag.item() >= 2 else "deadline" if flag.item() > 0 else "stop_after"
+            raise Preempted(f"stopped at step {step} ({why}); checkpoint {self.ck_path} written; rerun to resume",
+                            reason=reason, updates=step - first_step)
 
-            batches = [next(loader) for _ in range(s["grad_accum"])]
-            ce, zl, gn = accumulate_gradients(fwd, lm, batches, params, device, zc, clip, world,
-                                              segments=attention["backend"] == "flash")
-            event = guard.observe(step, gn)  # every rank sees the same norm; rank 0 reports it
-            if event is not None and master:
-                (bar.write if live else say)(guard.line(out.name or "train", event))
-                metrics.write({"kind": "grad_outlier", "step": step + 1, **event})
-            bad = next(((term, v) for term, v in (("cross-entropy", ce), ("z-loss", zl), ("gradient norm", gn))
-                        if not math.isfinite(v)), None)
-            if bad is not None:
-                why = f"non-finite {bad[0]} ({bad[1]}) at step {step + 1} (update index {step}); stopped before the update"
-                if not s.get("record_nonfinite"):
-                    raise NonFiniteLoss(f"{why}; the last good checkpoint {ck_path} (if any) is kept")
-                stopped = {"update": step + 1, "term": bad[0], "value": str(bad[1]), "reason": why}
-                metrics.write({"kind": "stopped", "step": step, "tokens": tokens, **stopped})
-                if master:
-                    bar.write(f"[train] {why}; recorded as the run's result (record_nonfinite)")
-                break
-            apply_update(optimizers, device)
-            dt = time.perf_counter() - t0
-            last_step_s = dt
-            train_s += dt
-            step += 1
-            tokens += tokens_per_step
-            grad_norms.append(gn)
-            rec = {"kind": "train", "step": step, "tokens": tokens, "loss": ce + zl, "ce": ce, "zloss": zl,
-                   "grad_norm": gn, "lr": lr_now, "lr_mult": mult, "tokens_per_s": tokens_per_step / dt,
-                   "step_s": dt, "memory": memory_stats(device)}
-            metrics.write(rec)
-            bar.update(1)
-            if status is not None:
-                status.update(step, ce + zl, tokens_per_step)
-            if master and (step % 10 == 0 or step == steps_total):
-                bar.set_postfix(loss=f"{ce + zl:.3f}", tok_s=f"{tokens_per_step / dt:,.0f}", refresh=False)
+    def _update(self) -> dict | None:
+        """One optimiser update, recorded; None, or the record of a non-finite update that ends the run
+        before it is applied (``record_nonfinite``; without it :class:`NonFiniteLoss`)."""
+        s, master, bar = self.s, self.master, self.bar
+        t0 = time.perf_counter()
+        mult = lr_multiplier(self.step, self.steps_total, s["schedule"]["warmup_steps"], s["schedule"]["warmdown_frac"],
+                             s["schedule"]["final_lr_frac"])
+        lr_now = apply_lr(self.optimizers, self.lrs, mult)
+        batches = [next(self.loader) for _ in range(s["grad_accum"])]
+        ce, zl, gn = accumulate_gradients(self.fwd, self.lm, batches, self.params, self.device, float(s["z_loss"]),
+                                          s["grad_clip"], self.world, segments=self.attention["backend"] == "flash")
+        event = self.guard.observe(self.step, gn)  # every rank sees the same norm; rank 0 reports it
+        if event is not None and master:
+            (bar.write if self.live else self.say)(self.guard.line(self.out.name or "train", event))
+            self.metrics.write({"kind": "grad_outlier", "step": self.step + 1, **event})
+        bad = next(((term, v) for term, v in (("cross-entropy", ce), ("z-loss", zl), ("gradient norm", gn))
+                    if not math.isfinite(v)), None)
+        if bad is not None:
+            step = self.step
+            why = f"non-finite {bad[0]} ({bad[1]}) at step {step + 1} (update index {step}); stopped before the update"
+            if not s.get("record_nonfinite"):
+                raise NonFiniteLoss(f"{why}; the last good checkpoint {self.ck_path} (if any) is kept")
+            stopped = {"update": step + 1, "term": bad[0], "value": str(bad[1]), "reason": why}
+            self.metrics.write({"kind": "stopped", "step": step, "tokens": self.tokens, **stopped})
+            if master:
+                bar.write(f"[train] {why}; recorded as the run's result (record_nonfinite)")
+            return stopped
+        apply_update(self.optimizers, self.device)
+        dt = time.perf_counter() - t0
+        self.last_step_s = dt
+        self.train_s += dt
+        self.step += 1
+        self.tokens += self.tokens_per_step
+        self.grad_norms.append(gn)
+        tps = self.tokens_per_step
+        self.metrics.write({"kind": "train", "step": self.step, "tokens": self.tokens, "loss": ce + zl, "ce": ce,
+                            "zloss": zl, "grad_norm": gn, "lr": lr_now, "lr_mult": mult, "tokens_per_s": tps / dt,
+                            "step_s": dt, "memory": memory_stats(self.device)})
+        bar.update(1)
+        if self.status is not None:
+            self.status.update(self.step, ce + zl, tps)
+        if master and (self.step % 10 == 0 or self.step == self.steps_total):
+            bar.set_postfix(loss=f"{ce + zl:.3f}", tok_s=f"{tps / dt:,.0f}", refresh=False)
+        return None
 
-            ve = s["val"]["every"]
-            if ve and step % ve == 0 and step < steps_total:
-                r = evaluate(model, val_batches(), device, s["precision"], s["val"]["batches"], rank, world)
-                metrics.write({"kind": "val", "step": step, "tokens": tokens, "val_ce": r["ce"], "val_tokens": r["tokens"]})
-                if master:
-                    bar.write(f"[train] step {step}: val ce {r['ce']:.4f} ({r['tokens']} tokens)")
-            ce_every = s["checkpoint"]["every"]
-            if ce_every and step % ce_every == 0 and step < steps_total:
-                last_save_s = save_checkpoint()
-    finally:
-        bar.close()
-        if status is not None:
-            status.close()
-        metrics.flush()
+    def _validate_and_checkpoint(self) -> None:
+        """The periodic validation and checkpoint after an update (not after the last one)."""
+        s, step = self.s, self.step
+        ve = s["val"]["every"]
+        if ve and step % ve == 0 and step < self.steps_total:
+            r = evaluate(self.model, self.val_batches(), self.device, s["precision"], s["val"]["batches"], self.rank,
+                         self.world)
+            self.metrics.write({"kind": "val", "step": step, "tokens": self.tokens, "val_ce": r["ce"],
+                                "val_tokens": r["tokens"]})
+            if self.master:
+                self.bar.write(f"[train] step {step}: val ce {r['ce']:.4f} ({r['tokens']} tokens)")
+        ce_every = s["checkpoint"]["every"]
+        if ce_every and step % ce_every == 0 and step < self.steps_total:
+            self.last_save_s = self.save_checkpoint()
 
-    # ---- end: final checkpoint, weights, final validation, result (last) -----------------------
-    if stopped is None:
-        save_checkpoint()
-    if master:
-        ckpt.save_model(model.state_dict(), {"model_config": mcfg_dict, "spec": s, "manifest_sha256": manifest_sha,
-                                             "step": step, "tokens": tokens}, out / ckpt.MODEL_FILE)
-    final = {"ce": None, "tokens": 0}
-    if s["val"]["final"] and stopped is None:
-        final = evaluate(model, val_batches(), device, s["precision"], None, rank, world)
-        metrics.write({"kind": "final_val", "step": step, "tokens": tokens, "val_ce": final["ce"],
-                       "val_tokens": final["tokens"]})
-    metrics.close()
-    end = end_of_run_summary(out / "metrics.jsonl") if master else {}
-    result = {
-        "stage": "train",
-        "run_id": out.name,
-        "final_val_ce": final["ce"],
-        "val_tokens": final["tokens"],
-        **end,  # final_train_ce (mean of the last updates), steady_tokens_per_s (compilation excluded)
-        "steps": step,
-        "tokens": tokens,
-        "train_split_tokens": train_split_tokens,
-        "data_epochs": tokens / max(train_split_tokens, 1),  # > 1: the run saw its training data more than once
-        "wall_s": wall_prev + time.perf_counter() - t_process,  # all processes of the run, start-up included
-        "train_s": train_s,  # time inside optimiser steps (no start-up, validation or checkpoints)
-        "cpu_s": cpu_prev + time.process_time() - cpu_process,  # process CPU time (rank 0)
-        "resumed": resumed,
-        # runs continued across a change of the training code: both commits and the changed files
-        "code_changes": code_changes,
-        "tokens_per_s": tokens / train_s if train_s > 0 else None,
-        "steps_per_s": step / train_s if train_s > 0 else None,
-        "grad_norm": grad_norm_summary(grad_norms, clip, guard),
-        "stopped": stopped,  # None, or the non-finite update that ended the run (record_nonfinite)
-        "parameters": model.num_parameters(),
-        "model_config": mcfg_dict,
-        "world_size": world,
-        "memory": memory_stats(device),
-        "provenance": provenance(s, started=started, attention=attention),
-    }
-    if master:
-        atomic_write_json(out / "result.json", result)
-        say(f"[train] {out.name}: done, {step} steps, final val ce {final['ce']}, "
-            f"{result['tokens_per_s'] or 0:,.0f} tokens/s")
-    return result
+    # ---- end ----------------------------------------------------------------------------------
+
+    def finish(self, stopped: dict | None) -> dict[str, Any]:
+        """Final checkpoint, weights, final validation, and the result (written last)."""
+        s, out, step, tokens, master = self.s, self.out, self.step, self.tokens, self.master
+        if stopped is None:
+            self.save_checkpoint()
+        if master:
+            ckpt.save_model(self.model.state_dict(), {"model_config": self.mcfg_dict, "spec": s,
+                                                      "manifest_sha256": self.manifest_sha, "step": step,
+                                                      "tokens": tokens}, out / ckpt.MODEL_FILE)
+        final = {"ce": None, "tokens": 0}
+        if s["val"]["final"] and stopped is None:
+            final = evaluate(self.model, self.val_batches(), self.device, s["precision"], None, self.rank, self.world)
+            self.metrics.write({"kind": "final_val", "step": step, "tokens": tokens, "val_ce": final["ce"],
+                                "val_tokens": final["tokens"]})
+        self.metrics.close()
+        end = end_of_run_summary(out / "metrics.jsonl") if master else {}
+        train_s, split = self.train_s, self.train_split_tokens
+        result = {
+            "stage": "train",
+            "run_id": out.name,
+            "final_val_ce": final["ce"],
+            "val_tokens": final["tokens"],
+            **end,  # final_train_ce (mean of the last updates), steady_tokens_per_s (compilation excluded)
+            "steps": step,
+            "tokens": tokens,
+            "train_split_tokens": split,
+            "data_epochs": tokens / max(split, 1),  # > 1: the run saw its training data more than once
+            "wall_s": self.wall_prev + time.perf_counter() - self.t_process,  # all processes of the run, start-up included
+            "train_s": train_s,  # time inside optimiser steps (no start-up, validation or checkpoints)
+            "cpu_s": self.cpu_prev + time.process_time() - self.cpu_process,  # process CPU time (rank 0)
+            "resumed": self.resumed,
+            # runs continued across a change of the training code: both commits and the changed files
+            "code_changes": self.code_changes,
+            "tokens_per_s": tokens / train_s if train_s > 0 else None,
+            "steps_per_s": step / train_s if train_s > 0 else None,
+            "grad_norm": grad_norm_summary(self.grad_norms, s["grad_clip"], self.guard),
+            "stopped": stopped,  # None, or the non-finite update that ended the run (record_nonfinite)
+            "parameters": self.model.num_parameters(),
+            "model_config": self.mcfg_dict,
+            "world_size": self.world,
+            "memory": memory_stats(self.device),
+            "provenance": provenance(s, started=self.started, attention=self.attention),
+        }
+        if master:
+            atomic_write_json(out / "result.json", result)
+            self.say(f"[train] {out.name}: done, {step} steps, final val ce {final['ce']}, "
+                     f"{result['tokens_per_s'] or 0:,.0f} tokens/s")
+        return result

@@ -25,6 +25,8 @@ from typing import Any
 
 import torch
 
+from lrattnres.progress import duration, interactive
+
 
 def _clean(x: Any) -> Any:
     if isinstance(x, float) and not math.isfinite(x):
@@ -99,8 +101,6 @@ def memory_stats(device: torch.device) -> dict[str, float]:
 
 def progress_bar(total: int, initial: int, enabled: bool, desc: str = "train"):
     """A live tqdm bar on stderr where ``enabled`` and stderr is a terminal; else a silent object."""
-    from lrattnres.progress import interactive
-
     if enabled and interactive(sys.stderr):
         try:
             from tqdm import tqdm
@@ -156,8 +156,6 @@ class StatusLines:
             self.emit()
 
     def emit(self) -> None:
-        from lrattnres.progress import duration
-
         now = self.clock()
         elapsed, since = now - self.start, now - self.last
         done = self.step - self.start_step

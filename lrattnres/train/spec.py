@@ -11,7 +11,7 @@ import math
 from typing import Any
 
 from lrattnres.checks import is_int, is_number
-from lrattnres.config import deep_merge
+from lrattnres.merge import deep_merge
 from lrattnres.errors import SpecError
 from lrattnres.train import guard
 

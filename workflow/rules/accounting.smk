@@ -3,8 +3,6 @@
 
 
 rule accounting:
-    input:
-        src=stage_sources("lrattnres.accounting"),
     output:
         f"{R}/accounting.json",
     log:
@@ -16,6 +14,7 @@ rule accounting:
         mem_mb=res("accounting", "mem_mb", 2000),
         runtime=res("accounting", "runtime", 10),
     params:
+        code=stage_code("accounting"),
         spec=lambda wc: spec(
             {
                 "architectures": {

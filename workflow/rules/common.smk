@@ -1,5 +1,5 @@
-# Shared helpers: the resolved settings of the selected scale, source-file inputs, spec quoting,
-# the command every stage runs through, GPU resources.
+# Shared helpers: the resolved settings of the selected scale, spec quoting, the command every stage
+# runs through (with the fingerprint of the stage's code), GPU resources.
 import json
 import math
 import os
@@ -10,9 +10,9 @@ from pathlib import Path
 sys.path.insert(0, workflow.basedir)
 
 from lrattnres import gpus, jobplan
-from lrattnres.config import ConfigError, resolve, resolve_rank, science
+from lrattnres.config import ConfigError, resolve, science
 from lrattnres.data.spec import science as science_data_spec
-from lrattnres.deps import closure, package_files, package_modules
+from lrattnres.deps import stage_code
 from lrattnres.errors import UserError
 from lrattnres.recorded import RECORDED
 from lrattnres.recorded import load as load_recorded
@@ -46,11 +46,6 @@ def recorded_files():
     listed = [RECORDED] if os.path.exists(RECORDED) else []
     found = (resolve_path(p) for p in entries.values())
     return listed + [p for p in found if p and os.path.exists(p)]
-
-
-def stage_sources(*modules):
-    """The first-party files a stage imports (see lrattnres/deps.py): inputs of its rule."""
-    return list(closure("lrattnres.__main__", "lrattnres.cli", *modules))
 
 
 def attempt(wildcards, attempt):
@@ -155,14 +150,20 @@ def throughput_runtime(wc):
     )
 
 
-def stage(command, gpu=False, launcher="python -m lrattnres"):
+def stage(command, gpu=False, launcher="python -m lrattnres", code=True):
     """The shell command of a rule: ``command`` (a stage and its arguments, every path quoted with
-    {...:q}) run as `python -m lrattnres --job-log <log> --attempt <n> <stage> ...`. The exit status is
-    recorded beside the log, every attempt's log is kept, and a retry of a failure that a retry
-    cannot fix stops at once (lrattnres/attempts.py). A stage that may run on a GPU (``gpu``) first
-    claims the GPU slots its job declares and then sees only that GPU, or none where the job
-    declares none (lrattnres/gpus.py)."""
-    job = "--job-log {log:q} --attempt {resources.attempt}"
+    {...:q}) run as `python -m lrattnres --job-log <log> --attempt <n> --code <c> <stage> ...`. The
+    exit status is recorded beside the log, every attempt's log is kept, and a retry of a failure that
+    a retry cannot fix stops at once (lrattnres/attempts.py). ``--code`` is the rule's `code` param:
+    stage_code(<stage>), the fingerprint of the files the stage imports (lrattnres/deps.py), which
+    Snakemake's params trigger compares with the one the job ran with, so that a real change of one of
+    them reruns exactly the jobs of the stages that import it (``code=False``: a rule whose output a
+    code change must not redo). A stage that may run on a GPU (``gpu``) first claims the GPU slots its
+    job declares and then sees only that GPU, or none where the job declares none (lrattnres/gpus.py).
+    """
+    job = "--job-log {log:q} --attempt {resources.attempt}" + (
+        " --code {params.code}" if code else ""
+    )
     if gpu:
         job += f" --gpu-slots {{resources.gpu_slots}}/{GPU_SLOTS}"
     return f"{launcher} {job} {command}"

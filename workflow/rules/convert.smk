@@ -11,7 +11,6 @@ rule convert:
         model=f"{R}/runs/{{run}}/model.safetensors",
         data=rules.prepare_data.output.manifest,
         published="reports/published.yaml",
-        src=stage_sources("lrattnres.convert"),
     output:
         f"{R}/convert/{{run}}.json",
     log:
@@ -29,6 +28,7 @@ rule convert:
         gpu_slots=gpu_slots("convert"),
         cpus_per_gpu=res("convert", "cpus_per_gpu", 1),
     params:
+        code=stage_code("convert"),
         spec=lambda wc: spec(
             {
                 **CONVERT_SETTINGS,
@@ -50,7 +50,6 @@ rule convert_all:
     input:
         results=expand(f"{R}/convert/{{run}}.json", run=CONVERSIONS),
         published="reports/published.yaml",
-        src=stage_sources("lrattnres.convert"),
     output:
         f"{R}/convert.json",
     log:
@@ -61,6 +60,8 @@ rule convert_all:
         attempt=attempt,
         mem_mb=res("convert_all", "mem_mb", 2000),
         runtime=res("convert_all", "runtime", 10),
+    params:
+        code=stage_code("convert"),
     shell:
         stage(
             "convert --aggregate {input.results:q} --published {input.published:q} "

@@ -32,6 +32,8 @@ if PACK:
             stage(
                 "corpus-pack --out {output:q} --collections {params.collections:q} "
                 "--min-chars {params.min_chars} > {log:q} 2>&1",
+                # the pack is pinned by its sha256 (config.yaml): a code change does not remake it
+                code=False,
             )
 
 
@@ -40,7 +42,6 @@ if PACK:
 rule prepare_data:
     input:
         pack=[PACK] if PACK else [],
-        src=stage_sources("lrattnres.data.cli"),
     output:
         manifest=f"{R}/data/manifest.json",
     log:
@@ -54,6 +55,7 @@ rule prepare_data:
         mem_mb=res("prepare_data", "mem_mb", 4000),
         runtime=res("prepare_data", "runtime", 30),
     params:
+        code=stage_code("prepare-data"),
         spec=lambda wc: spec(science_data_spec(science(S)["data"])),
         out=lambda wc, output: os.path.dirname(output.manifest),
     shell:

@@ -9,7 +9,6 @@ rule diagnose_run:
         model=f"{R}/runs/{{run}}/model.safetensors",
         settings=rules.settings.output[0],
         data=rules.prepare_data.output.manifest,
-        src=stage_sources("lrattnres.diagnostics"),
     output:
         f"{R}/diagnostics/{{run}}.json",
     log:
@@ -27,6 +26,7 @@ rule diagnose_run:
         gpu_slots=gpu_slots("diagnostics"),
         cpus_per_gpu=res("diagnostics", "cpus_per_gpu", 1),
     params:
+        code=stage_code("diagnostics"),
         runs=lambda wc, input: os.path.dirname(os.path.dirname(input.result)),
     shell:
         stage(
@@ -42,7 +42,6 @@ rule diagnostics:
         rows=expand(f"{R}/diagnostics/{{run}}.json", run=RUNS),
         settings=rules.settings.output[0],
         published="reports/published.yaml",
-        src=stage_sources("lrattnres.diagnostics"),
     output:
         f"{R}/diagnostics.json",
     log:
@@ -53,6 +52,8 @@ rule diagnostics:
         attempt=attempt,
         mem_mb=res("diagnostics_all", "mem_mb", 2000),
         runtime=res("diagnostics_all", "runtime", 10),
+    params:
+        code=stage_code("diagnostics"),
     shell:
         stage(
             "diagnostics --settings {input.settings:q} --published {input.published:q} "

@@ -9,7 +9,6 @@ rule evaluate:
         model=f"{R}/runs/{{run}}/model.safetensors",
         data=rules.prepare_data.output.manifest,
         published="reports/published.yaml",
-        src=stage_sources("lrattnres.evaluate.cli"),
     output:
         f"{R}/evaluate/{{run}}.json",
     log:
@@ -27,6 +26,7 @@ rule evaluate:
         gpu_slots=gpu_slots("evaluate"),
         cpus_per_gpu=res("evaluate", "cpus_per_gpu", 1),
     params:
+        code=stage_code("evaluate"),
         spec=lambda wc: spec(S.get("evaluate", {})),
         size=lambda wc: EVALUATIONS[wc.run]["claim_size"],
     shell:
@@ -42,7 +42,6 @@ rule evaluate_pairs:
     input:
         results=expand(f"{R}/evaluate/{{run}}.json", run=EVALUATIONS),
         published="reports/published.yaml",
-        src=stage_sources("lrattnres.evaluate.pairs"),
     output:
         f"{R}/evaluate_pairs.json",
     log:
@@ -53,6 +52,8 @@ rule evaluate_pairs:
         attempt=attempt,
         mem_mb=res("evaluate_pairs", "mem_mb", 2000),
         runtime=res("evaluate_pairs", "runtime", 10),
+    params:
+        code=stage_code("evaluate-pairs"),
     shell:
         stage(
             "evaluate-pairs --results {input.results:q} --published {input.published:q} "

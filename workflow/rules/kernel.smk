@@ -3,8 +3,6 @@
 
 
 rule kernel_check:
-    input:
-        src=stage_sources("lrattnres.kernel_check", "kernels"),
     output:
         f"{R}/kernel_check.json",
     log:
@@ -18,6 +16,7 @@ rule kernel_check:
         gpu=res("kernel_check", "gpu", 0),
         gpu_slots=gpu_slots("kernel_check"),
     params:
+        code=stage_code("kernel-check"),
         spec=lambda wc: spec(S.get("kernel_check", {})),
     shell:
         stage(
@@ -42,7 +41,6 @@ rule kernel_check_run:
         result=f"{R}/runs/{{run}}/result.json",
         model=f"{R}/runs/{{run}}/model.safetensors",
         data=rules.prepare_data.output.manifest,
-        src=stage_sources("lrattnres.kernel_reads", "kernels"),
     output:
         f"{R}/kernel_check/{{run}}.json",
     log:
@@ -59,6 +57,8 @@ rule kernel_check_run:
         gpu=res("kernel_check_run", "gpu", 0),
         gpu_slots=gpu_slots("kernel_check_run"),
         cpus_per_gpu=res("kernel_check_run", "cpus_per_gpu", 1),
+    params:
+        code=stage_code("kernel-reads"),
     shell:
         stage(
             "kernel-reads --checkpoint {input.model:q} --data {input.data:q} "
@@ -71,8 +71,8 @@ rule kernel_check_run:
 rule kernel_check_trained:
     input:
         runs=expand(f"{R}/kernel_check/{{run}}.json", run=READ_RUNS),
+        settings=rules.settings.output[0],
         published="reports/published.yaml",
-        src=stage_sources("lrattnres.kernel_reads"),
     output:
         f"{R}/kernel_check_trained.json",
     log:
@@ -84,11 +84,11 @@ rule kernel_check_trained:
         mem_mb=res("kernel_check_trained", "mem_mb", 2000),
         runtime=res("kernel_check_trained", "runtime", 10),
     params:
+        code=stage_code("kernel-reads"),
         sizes=lambda wc: spec(READ_RUNS),
-        scale=SCALE,
     shell:
         stage(
-            "kernel-reads --aggregate {input.runs:q} --sizes {params.sizes:q} --scale {params.scale:q} "
+            "kernel-reads --aggregate {input.runs:q} --sizes {params.sizes:q} --settings {input.settings:q} "
             "--published {input.published:q} --out {output:q} > {log:q} 2>&1",
         )
 

@@ -14,12 +14,6 @@ rule report:
         # it names that exists, so that a new recording reruns the report and nothing else; a missing
         # or malformed list is a note on the page
         recorded_files=recorded_files(),
-        src=stage_sources(
-            "lrattnres.report",
-            "lrattnres.claims",
-            *package_modules("lrattnres.report.sections"),
-        )
-        + package_files("lrattnres.report.templates", "*.j2"),
     output:
         html=update("reports/paper.html"),
         json=update("reports/paper.json"),
@@ -33,6 +27,7 @@ rule report:
         mem_mb=res("report", "mem_mb", 2000),
         runtime=res("report", "runtime", 10),
     params:
+        code=stage_code("report"),
         # the list's path even when it is absent (the page then says so); when present it is an input
         recorded=lambda wc: RECORDED,
     shell:

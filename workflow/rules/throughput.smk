@@ -15,7 +15,6 @@ rule throughput_size:
     input:
         data=rules.prepare_data.output.manifest,
         published="reports/published.yaml",
-        src=stage_sources("lrattnres.throughput"),
     output:
         f"{R}/throughput/{{preset}}.json",
     log:
@@ -34,6 +33,7 @@ rule throughput_size:
         cpus_per_gpu=res("throughput", "cpus_per_gpu", 1),
         cluster_memory=THROUGHPUT_CLUSTER,
     params:
+        code=stage_code("throughput"),
         spec=lambda wc, input: spec(
             {**S["throughput"], "presets": [wc.preset], "published": input.published}
         ),
@@ -50,7 +50,6 @@ rule throughput_size:
 rule throughput:
     input:
         parts=expand(f"{R}/throughput/{{preset}}.json", preset=THROUGHPUT_PRESETS),
-        src=stage_sources("lrattnres.throughput"),
     output:
         f"{R}/throughput.json",
     log:
@@ -61,6 +60,8 @@ rule throughput:
         attempt=attempt,
         mem_mb=res("throughput_all", "mem_mb", 2000),
         runtime=res("throughput_all", "runtime", 10),
+    params:
+        code=stage_code("throughput"),
     shell:
         stage(
             "throughput --aggregate {input.parts:q} --out {output:q} > {log:q} 2>&1",

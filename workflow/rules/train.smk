@@ -17,9 +17,6 @@ TRAIN_SPANS = {
 rule train:
     input:
         data=rules.prepare_data.output.manifest,
-        src=stage_sources(
-            "lrattnres.train.cli", "lrattnres.train.loop", "lrattnres.model", "kernels"
-        ),
     output:
         result=f"{R}/runs/{{run}}/result.json",
         model=f"{R}/runs/{{run}}/model.safetensors",
@@ -49,6 +46,7 @@ rule train:
         on_code_change=S["train"].get("on_code_change", "restart"),
         deadline_lead=lambda wc: jobplan.deadline_lead_s(S, RUNS[wc.run].preset),
     params:
+        code=stage_code("train"),
         # what the run computes: a change of it reruns the job (Snakemake's params trigger)
         science=lambda wc: spec(
             {
@@ -85,7 +83,6 @@ rule grid_summary:
         runs=expand(f"{R}/runs/{{run}}/result.json", run=RUNS),
         settings=rules.settings.output[0],
         published="reports/published.yaml",
-        src=stage_sources("lrattnres.grid", "lrattnres.claims"),
     output:
         f"{R}/grid.json",
     log:
@@ -97,6 +94,7 @@ rule grid_summary:
         mem_mb=res("grid_summary", "mem_mb", 2000),
         runtime=res("grid_summary", "runtime", 10),
     params:
+        code=stage_code("summarize-grid"),
         runs=lambda wc, input: os.path.dirname(os.path.dirname(input.runs[0])),
     shell:
         stage(

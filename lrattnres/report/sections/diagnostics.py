@@ -342,7 +342,7 @@ def build(ctx) -> str:
             f"<p>Held-out tokens per routed run: {esc(', '.join(f'{t:,}' for t in tokens) or '–')} from the "
             f"{esc(s.get('split', 'val'))} split in order (the paper: 1,007,616). N_eff(t, x) = exp(H(alpha_t(x))) "
             "(Eq. 14) is averaged over tokens per read site; read t follows write t, the final read feeds the head. "
-            + ("" if ctx.scale == "paper" else
+            + ("" if ctx.paper_runs else
                f"Scale {esc(ctx.scale)}: runs stand for the paper's rows by method, N and r/d (or by role); value "
                "claims show \"different scale\", directions are checked.") + "</p>")
     parts.append("<h3>Effective number of sources (Section 4.6, Appendices C.4 and D.1)</h3>")

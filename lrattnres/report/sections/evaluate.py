@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from lrattnres.report.html import badge, claims_table, esc, fmt_interval, table
+from lrattnres.evaluate.claims import lr_above_attnres_each_pair
+from lrattnres.evaluate.tasks import TASKS
+from lrattnres.report.html import badge, claims_table, esc, fmt_interval, table, verdict_cell
 
 TITLE = "Downstream evaluation (Appendix G, Table 8, Table 1 accuracy)"
 ORDER = 60
@@ -14,8 +16,6 @@ METHODS = (("attnres", "AttnRes"), ("lr", "LR-AttnRes"))
 
 
 def _tasks() -> list[tuple[str, str, str]]:
-    from lrattnres.evaluate.tasks import TASKS
-
     return [(t.name, t.label, t.metric) for t in TASKS.values()]
 
 
@@ -81,14 +81,12 @@ def _table1(ctx) -> str:
 
 
 def _direction(ctx, results: list[dict]) -> str:
-    from lrattnres.evaluate.claims import lr_above_attnres_each_pair
-
     d = lr_above_attnres_each_pair([r for r in results if r.get("claim_size")] or results)
     rows = []
     for s, p in d["pairs"].items():
         c = ctx.claims.get(f"sec4.5.lr_higher_acc.{s}", {})
         rows.append([esc(s.upper()), esc(_pct(p["attnres"])), esc(_pct(p["lr"])), esc(f"{p['gain']:+.2f}"),
-                     esc(fmt_interval(c.get("interval"), c.get("n"))), badge(c.get("verdict"))])
+                     esc(fmt_interval(c.get("interval"), c.get("n"), c.get("interval_kind"))), verdict_cell(c)])
     out = ["<p>Direction: LR-AttnRes eight-task mean above AttnRes mean at each size pair (paper: +0.40 pp at 1B, "
            "+0.57 pp at 4B), judged by the 95% interval of the gain from both runs' binomial standard errors. "
            f"{esc(d['note'])}</p>"]
@@ -146,7 +144,7 @@ def build(ctx) -> str:
     if not results:
         parts.append('<p class="muted">The evaluate stage has not run at this scale; the published numbers are shown '
                      "alone.</p>")
-    elif ctx.scale != "paper":
+    elif not ctx.paper_runs:
         parts.append(f"<p>Scale {esc(ctx.scale)}: the small size pair stands in for the paper's 1B/4B pair; "
                      "value claims show \"different scale\". Only the direction is checked.</p>")
     parts.append(_table8(ctx, results))

@@ -7,7 +7,7 @@ import statistics
 
 from lrattnres import run_health
 from lrattnres.checks import is_number
-from lrattnres.report.html import badge, claims_table, effect, esc, figure, fmt, fmt_interval, table
+from lrattnres.report.html import badge, claims_table, effect, esc, figure, fmt, fmt_interval, table, verdict_cell
 
 TITLE = "Training runs: rank/grouping sweep, seeds, control, size pair (Sections 4.2-4.5, Table 5, Table 1)"
 ORDER = 20
@@ -173,8 +173,8 @@ def _shape(ctx) -> str:
     for cid, c in ctx.claims.items():
         if cid.startswith("table5.loss_change_pct.") and c.get("reproduced") is not None:
             rows.append([esc(cid.removeprefix("table5.loss_change_pct.")), esc(effect(c["reproduced"], "_pct")),
-                         esc(effect(c["published"], "_pct")), esc(fmt_interval(c.get("interval"), c.get("n"))),
-                         badge(c["verdict"])])
+                         esc(effect(c["published"], "_pct")),
+                         esc(fmt_interval(c.get("interval"), c.get("n"), c.get("interval_kind"))), verdict_cell(c)])
     rho = ctx.claims.get("table5.loss_order_spearman", {})
     out = ["<h3>Shape of the sweep</h3>",
            "<p>Below the paper's scale the losses themselves differ; the pattern is compared instead. Each "

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from lrattnres.report.html import claims_table, esc, fmt, table
+from lrattnres.throughput.comparison import compare
 
 TITLE = "Training throughput (Section 4.9, Table 3, Appendix I)"
 ORDER = 70
@@ -157,8 +158,6 @@ def resolution_lines(res: dict) -> list[str]:
 
 def protocol_table(res: dict, label: str) -> str:
     """Appendix I's protocol beside the result's: what is the same and what differs."""
-    from lrattnres.throughput.comparison import compare
-
     rows = [[r["aspect"], r["paper"], r["here"], {True: "same", False: "differs", None: "–"}[r["same"]], r["note"]]
             for r in (res.get("protocol") or compare(res))]
     return table(["aspect", "Appendix I", "this result", "", "note"], rows,
