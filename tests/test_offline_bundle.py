@@ -219,6 +219,17 @@ def test_closure_takes_versions_from_the_constraints(index):
     assert pinned_high.conflicts == ["common 5.0 (bundled) does not satisfy beta's common<4"]
 
 
+def test_closure_leaves_out_what_exclude_names_and_what_only_it_needs(index):
+    plan = ob.resolve(ROOTS, {"common": "3.2"}, PINS, index, ENV_312, exclude={"speedup", "common", "absent"})
+    assert set(plan.bundled) == {"alpha", "beta"}  # no speedup, so no tiny; common is the target's
+    assert plan.excluded == {"speedup": None}
+    assert plan.notes == ["--exclude absent: nothing left out (not among the requirements)",
+                          "--exclude common: nothing left out (the target has it)"]
+    too_old = ob.resolve(ROOTS, {"speedup": "0.5"}, PINS, index, ENV_312, exclude={"speedup"})
+    assert too_old.excluded == {"speedup": "0.5"} and not too_old.replaces  # the target keeps its own
+    assert "speedup" not in too_old.bundled and "speedup" not in too_old.provided
+
+
 def test_closure_reports_what_has_no_wheel(index):
     (index.folder / "tiny-0.1-py3-none-any.whl").unlink()
     plan = ob.resolve(ROOTS, {}, PINS, index, ENV_312)
@@ -375,6 +386,17 @@ def test_task_data_holds_the_eight_folders_and_nothing_else(project):
     assert task_data["env"] == "LRATTNRES_TASK_DATA"
 
 
+def test_exclude_leaves_a_distribution_out_and_the_manifest_says_so(project):
+    status, out, err = project.run("--exclude", "SpeedUp")
+    assert status == 0, err
+    manifest = json.loads((project.out / "manifest.json").read_text())
+    assert [w["name"] for w in manifest["wheels"]] == ["alpha", "beta", "common"]
+    assert manifest["excluded"] == [{"name": "speedup", "installed": None, "required": ">=1",
+                                     "required_by": ["beta[fast]"]}]
+    assert manifest["made_with"]["exclude"] == ["speedup"]
+    assert "left out, --exclude: speedup" in out
+
+
 def test_over_max_mb_is_refused_and_nothing_is_written(project):
     project.out = project.tmp / "new" / "deeper" / "bundle"
     status, out, err = project.run("--max-mb", "0.001")
@@ -399,6 +421,7 @@ def test_over_max_mb_is_refused_and_nothing_is_written(project):
     ("--python-version=3", "--python-version: expected X.Y or X.Y.Z, got '3'"),
     ("--glibc=2.3", "--glibc: expected 2.N with N >= 5, got '2.3'"),
     ("--extras=pipeline,nosuch", "has no extra 'nosuch' under [project.optional-dependencies] (it has dev, pipeline)"),
+    ("--exclude=pulp,bad name", "--exclude: 'bad name' is not a distribution name"),
     ("--max-mb=-1", "--max-mb: expected a size in MB >= 0 (0: no limit), got -1"),
 ])
 def test_bad_input_stops_with_one_line_and_writes_nothing(project, change, message):
