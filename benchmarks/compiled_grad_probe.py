@@ -1,9 +1,11 @@
 """Where the compiled flex attention's gradients go wrong: gradient checks per variant, then trainings.
 
-A compiled training step with flex attention computes wrong gradients on CUDA (docs/attention.md);
-the candidates are the strided q/k/v views the model passes, the block mask built inside the
-compiled graph, and flex compiled into the model's graph at all.  lrattnres.attention selects a
-variant of the flex path for each (``LRATTNRES_FLEX_VARIANT``).  This probe runs, on one CUDA
+A compiled training step with flex attention computed wrong gradients on CUDA with the tensor-op
+block mask traced into the model's graph (docs/attention.md; the recorded run of this probe,
+benchmarks/results/compiled_grad_probe_h200_2026-12-05.json, found it); the flex path now traces
+``create_block_mask`` there.  lrattnres.attention selects a variant of the flex path for each
+candidate cause (``LRATTNRES_FLEX_VARIANT``): the strided q/k/v views the model passes, the
+tensor-op mask, flex compiled into the model's graph at all.  This probe runs, on one CUDA
 machine, in one command:
 
 1. ``grads`` (minutes; isolates the cause even if the trainings do not finish): for each variant,
@@ -47,7 +49,7 @@ beside eight others, 150 updates, the final validation, the checkpoint): with th
 540 s its first nine runs finish, the default attention at both learning rates and eager beside it
 at the higher ones (:func:`plan_runs`); the next are cut at the budget or not started, and the JSON
 says which.  ``--stages train --lrs 0.005/0.001 --train-variants eager,flex,flex-contiguous`` and
-``--train-variants flex-outside,flex-create_mask`` run the rest in commands of their own.
+``--train-variants flex-outside,flex-tensor_mask`` run the rest in commands of their own.
 """
 
 from __future__ import annotations
@@ -73,17 +75,17 @@ VARIANTS = {
     "sdpa": {"attention": "auto", "compile": True, "flex_variant": "",
              "what": "the default attention (masked SDPA), compiled"},
     "flex": {"attention": "flex", "compile": True, "flex_variant": "",
-             "what": "flex in the compiled graph with the tensor-op block mask (the path measured wrong)"},
+             "what": "flex in the compiled graph, its mask from create_block_mask (the default flex path)"},
     "flex-contiguous": {"attention": "flex", "compile": True, "flex_variant": "contiguous",
                         "what": "as flex, with q, k, v made contiguous first"},
-    "flex-create_mask": {"attention": "flex", "compile": True, "flex_variant": "create_mask",
-                         "what": "as flex, with create_block_mask traced into the graph"},
+    "flex-tensor_mask": {"attention": "flex", "compile": True, "flex_variant": "tensor_mask",
+                         "what": "as flex, with the tensor-op document_block_mask (the path measured wrong)"},
     "flex-outside": {"attention": "flex", "compile": True, "flex_variant": "outside",
                      "what": "flex compiled on its own outside the model's graph (a graph break per call)"},
     "eager": {"attention": "auto", "compile": False, "flex_variant": "",
               "what": "compile: false, the default attention (masked SDPA)"},
 }
-GRAD_VARIANTS = ("sdpa", "flex", "flex-contiguous", "flex-create_mask", "flex-outside")
+GRAD_VARIANTS = ("sdpa", "flex", "flex-contiguous", "flex-tensor_mask", "flex-outside")
 # The gpu scale's runs of the `seeds` piece that stand for each method.
 METHOD_RUNS = {"baseline": "gpu-small-baseline-s0", "lr": "gpu-small-lr-n8-r48-s0",
                "attnres": "gpu-small-attnres-n8-r384-s0"}
@@ -137,7 +139,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--grad-layers", type=int, default=2, help="layers of the gpu-small shape in the gradient checks")
     p.add_argument("--grad-micro-batch", type=int, default=4)
     p.add_argument("--grad-timeout-s", type=float, default=240.0, help="the gradient stage's time, all variants at once")
-    p.add_argument("--train-variants", default="sdpa,eager,flex,flex-contiguous,flex-outside,flex-create_mask")
+    p.add_argument("--train-variants", default="sdpa,eager,flex,flex-contiguous,flex-outside,flex-tensor_mask")
     p.add_argument("--methods", default="baseline,lr,attnres", help="the training stage's methods")
     p.add_argument("--lrs", default=DEFAULT_LRS, help="Muon/Adam learning rates of the trainings")
     p.add_argument("--steps", type=int, default=150)

@@ -12,16 +12,18 @@ backends compute the same function:
   at accumulation 8 the compiled 1B baseline step runs 54,467 tokens/s with masked SDPA against
   61,302 with flex, 11% fewer (benchmarks/results/train_step_{flex,sdpa}_h200_2026-11-29.json);
 * ``flex``: PyTorch's flex_attention with a document block mask, skipping the blocks the mask
-  empties; only when asked for by name.  Inside an outer ``torch.compile`` (the compiled training
-  step) the block mask is built from tensor ops (``document_block_mask``, equal to
-  ``create_block_mask``'s), so it traces with no graph break; outside one (eager models, validation)
-  the mask comes from ``create_block_mask`` and flex runs compiled on its own on CUDA (eager flex
-  materialises the scores).  Outside the outer compile its output and q/k/v gradients match masked
-  SDPA's (benchmarks/results/flex_mask_check_h200_2026-11-29.json); inside it the model's gradients
-  are wrong, cause not isolated (upstream: pytorch/pytorch issues 158212, 146377, 135161), so a
-  compiled training step with flex on CUDA prints :data:`COMPILED_FLEX_WARNING` once per process
-  (:func:`warn_compiled_flex`).  :data:`FLEX_VARIANT_ENV` selects variants of the flex path that tell
-  the candidate causes apart on a GPU (:func:`flex_variant`; benchmarks/compiled_grad_probe.py).  flex
+  empties; only when asked for by name.  The mask comes from ``create_block_mask``, inside an outer
+  ``torch.compile`` (traced into the compiled training step) and outside one (eager models,
+  validation: flex then runs compiled on its own on CUDA, since eager flex materialises the scores).
+  The tensor-op ``document_block_mask`` (equal block structure, no vmap) is what the compiled step
+  used to trace; inside the model's compiled graph it gives gradients about 1,000 times too large
+  in the attention's qkv weights (one H200, torch 2.11, compiled against eager against fp64,
+  benchmarks/results/compiled_grad_probe_h200_2026-12-05.json), while ``create_block_mask`` traced
+  there matches eager.  That check covers a 2-layer model of gpu-small's width; the compiled flex
+  step has not yet passed the GPU test file or a 1B run, so a compiled training step with flex on
+  CUDA prints :data:`COMPILED_FLEX_WARNING` once per process (:func:`warn_compiled_flex`).
+  :data:`FLEX_VARIANT_ENV` selects variants of the flex path (:func:`flex_variant`;
+  benchmarks/compiled_grad_probe.py).  flex
   needs a head width of at least 16 on CUDA;
 * ``flash``: flash-attn's varlen kernel over the documents cut out of the rows (the author's
   choice); only when asked for by name (``auto`` never picks it), and only with the optional
@@ -77,10 +79,10 @@ def resolve_backend(backend: str, device: torch.device, dtype: torch.dtype | Non
 
 # What a compiled training step with flex on CUDA prints, once per process (warn_compiled_flex).
 COMPILED_FLEX_WARNING = (
-    "warning: attention 'flex' in a compiled training step on CUDA: its compiled gradients were measured "
-    "wrong (one H200, torch 2.11, gpu-small baseline, 150 updates: gradient norms 5e8-3e18 where eager and "
-    "compiled masked SDPA give at most 2.51; upstream pytorch/pytorch issue 158212); attention 'auto' trains "
-    "with masked SDPA: set recipe.attention to auto or sdpa (docs/attention.md)")
+    "warning: attention 'flex' in a compiled training step on CUDA: its gradients match eager ones on a "
+    "2-layer model (one H200, torch 2.11) since its mask comes from create_block_mask, but the compiled flex "
+    "step has not passed the GPU test file or a 1B run; for results, set recipe.attention to auto or sdpa "
+    "(masked SDPA, checked right; docs/attention.md)")
 _warned = False
 
 
@@ -97,14 +99,15 @@ def warn_compiled_flex(backend: str, device: torch.device | str, compiled: bool,
 
 
 # Variants of the flex path, for a GPU probe that tells the candidate causes of the compiled flex
-# gradients apart (benchmarks/compiled_grad_probe.py).  None is the default path; none is a fix.
+# gradients apart (benchmarks/compiled_grad_probe.py).  None is the default path.
 FLEX_VARIANT_ENV = "LRATTNRES_FLEX_VARIANT"
 FLEX_VARIANT_FLAGS = {
     # q, k, v made contiguous before flex (the model passes views of the fused qkv projection; upstream
     # issue 146377: a compiled flex backward gave wrong K gradients for some input strides)
     "contiguous": "q, k, v copied to contiguous tensors before flex",
-    # inside the outer compile, the mask from create_block_mask instead of document_block_mask
-    "create_mask": "create_block_mask traced inside the compiled graph instead of the tensor-op mask",
+    # inside the outer compile, the tensor-op document_block_mask instead of create_block_mask: the path
+    # whose gradients were measured wrong, kept to reproduce the fault
+    "tensor_mask": "the tensor-op document_block_mask traced inside the compiled graph instead of create_block_mask",
     # flex and its mask out of the model's graph: a graph break around each attention call, which
     # builds its mask with create_block_mask and runs flex compiled on its own (the eager model's path)
     "outside": "flex compiled on its own outside the model's graph (a graph break around each call)",
@@ -220,9 +223,8 @@ FLEX_BLOCK = 128  # flex_attention's default tile; the block mask below is built
 def document_block_mask(doc_ids: torch.Tensor, block: int = FLEX_BLOCK):
     """flex_attention's BlockMask for causal attention within documents, from tensor ops alone.
 
-    ``create_block_mask`` evaluates the mask function over every (q, kv) pair through vmap; traced
-    inside an outer ``torch.compile`` on torch 2.11 that path ended in an illegal memory access.
-    This builds the same block structure from per-block document ranges (as modded-nanogpt does):
+    Not the default: traced into the model's compiled graph it gives wrong gradients on CUDA
+    (the module docstring); ``tensor_mask`` in :data:`FLEX_VARIANT_ENV` selects it.  This builds the same block structure from per-block document ranges (as modded-nanogpt does):
     a kv block is needed by a q block when it is not in the future and their document ranges
     overlap, and is *full* (no per-element mask) when both lie wholly inside one document and the
     kv block is strictly earlier.  Documents are renumbered as runs, so any labelling works.  The
@@ -319,8 +321,8 @@ def _flex_attention(doc_ids: torch.Tensor) -> Attend:
     if torch.compiler.is_compiling() and "outside" in variant:
         return lambda q, k, v: _flex_outside(prep(q), prep(k), prep(v), doc_ids)
     if torch.compiler.is_compiling():
-        # traced into the model's graph, with the tensor-op block mask (see the module docstring)
-        block_mask = _create_document_mask(doc_ids) if "create_mask" in variant else document_block_mask(doc_ids)
+        # traced into the model's graph; the tensor-op mask only as a probe's variant (module docstring)
+        block_mask = document_block_mask(doc_ids) if "tensor_mask" in variant else _create_document_mask(doc_ids)
         flex = flex_attention
     else:
         # eager: create_block_mask (the path checked on the H200) and flex's own compiled wrapper

@@ -44,7 +44,7 @@ def test_every_variant_is_one_documented_flex_path():
 
 def test_the_plan_runs_the_most_telling_runs_first():
     lrs = [(0.005, 0.001), (0.02, 0.003)]
-    variants = ["sdpa", "eager", "flex", "flex-contiguous", "flex-outside", "flex-create_mask"]
+    variants = ["sdpa", "eager", "flex", "flex-contiguous", "flex-outside", "flex-tensor_mask"]
     runs = probe.plan_runs(["baseline", "lr", "attnres"], variants, lrs)
     assert len(runs) == 36 and len({r["name"] for r in runs}) == 36
     head = [(r["variant"], probe.lr_label(r["lrs"])) for r in runs[::3]]  # each over the three methods
@@ -131,7 +131,7 @@ def test_names_and_tables():
     assert probe.gpu_word("NVIDIA H200") == "h200" and probe.gpu_word("NVIDIA A100-SXM4-80GB") == "a100-sxm4-80gb"
     doc = {"device": "GPU X", "date": "2026-12-05", "data": "d", "provenance": {"commit": "abc"}, "scale": "gpu",
            "settings": {"steps": 150},
-           "grads": {"flex-create_mask": {"error": "worker exit -11: illegal memory access", "cases": []}},
+           "grads": {"flex-tensor_mask": {"error": "worker exit -11: illegal memory access", "cases": []}},
            "runs": [{"lrs": "0.005/0.001", "variant": "flex", "method": "baseline", "status": "done", "updates": 150,
                      "max_grad_norm": math.inf, "first_update_above_bound": 43, "outliers": 7, "final_val_ce": None}],
            "criteria": {"default_attention_below_bound_at": "0.005/0.001", "bound": 10.0, "holds": None,
