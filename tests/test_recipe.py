@@ -24,6 +24,9 @@ PUBLISHED = engine.load_published(REPO / "reports" / "published.yaml")
 GPU_CHECK = ["gpu-small-baseline-lrx1-s0", "gpu-small-baseline-lrx2-s0", "gpu-small-baseline-lrx4-s0",
              "gpu-small-baseline-lrx8-s0", "gpu-small-baseline-lrx16-s0", "gpu-small-baseline-lrx32-s0"]
 
+# The paper's rates (x1 of grid.lr_check.reference): the gpu scale's before its check set the winner.
+PAPER_RATES = {"optim": {"muon": {"lr": 0.001}, "adam": {"lr": 0.0003}}}
+
 
 def settings(scale: str, **over) -> dict:
     return load_and_resolve(REPO / "config.yaml", {"scale": scale, **over})
@@ -78,8 +81,9 @@ def test_the_recipe_piece_belongs_to_the_scale_after_its_winner_is_set(tmp_path)
     from lrattnres.config import science
     from lrattnres.io import atomic_write_json
 
-    before = settings("gpu")
-    after = settings("gpu", recipe={"optim": {"muon": {"lr": 0.008}, "adam": {"lr": 0.0024}}})
+    before = settings("gpu", recipe=PAPER_RATES)  # the rates the recipe piece ran with
+    after = settings("gpu")  # the check's winner, set in config.yaml
+    assert (after["recipe"]["optim"]["muon"]["lr"], after["recipe"]["optim"]["adam"]["lr"]) == (0.008, 0.0024)
     res = tmp_path / before["results"]
     atomic_write_json(res / "settings.json", science(before))
     for run in lr_check_runs(before):
@@ -174,7 +178,7 @@ def _check_row(s, multiplier, ce, *, stopped=None, outliers=None, clipped=30.0, 
 
 
 def test_summary_states_each_multiplier_and_checks_the_configured_rates():
-    s = settings("gpu")
+    s = settings("gpu", recipe=PAPER_RATES)
     rows = [_check_row(s, 1.0, 4.30), _check_row(s, 2.0, 4.10), _check_row(s, 4.0, 3.95, outliers=[]),
             _check_row(s, 8.0, 3.90, outliers=[{"update": 700, "norm": 400.0, "median": 1.1}]),
             _check_row(s, 16.0, None, stopped={"update": 312, "reason": "non-finite gradient norm (inf)"}),
@@ -187,7 +191,7 @@ def test_summary_states_each_multiplier_and_checks_the_configured_rates():
     assert by[1.0]["max_grad_norm"] == 2.0 and by[1.0]["outliers_recorded"] is False
     assert by[4.0]["outliers_recorded"] is True and by[8.0]["why"].startswith("1 gradient-norm outlier")
     assert by[16.0]["why"] == "non-finite gradient norm (inf)" and by[1.0]["above_clip_pct"] == 30.0
-    # the gpu scale's rates are still the paper's (x1): a mismatch, named
+    # rates at the paper's (x1): a mismatch, named
     c = out["configured"]
     assert c["multiplier"] == pytest.approx(1.0) and c["matches_winner"] is False
     assert "not the check's winner x4" in c["note"] and "scales.gpu.recipe.optim" in c["note"]
@@ -223,7 +227,7 @@ def _grid_row(run: Run, ce, clipped=40.0, outliers=None, stopped=None):
 
 
 def test_noise_of_the_seed_pairs_and_the_seeds_rule():
-    s = settings("gpu")
+    s = settings("gpu", recipe=PAPER_RATES)
     # the recorded seeds piece's losses (paper rates): LR 3.8128 3.7327 3.7742, AttnRes 3.8313 3.8188 3.8463
     lr = {0: 3.8128, 1: 3.7327, 2: 3.7742}
     at = {0: 3.8313, 1: 3.8188, 2: 3.8463}
