@@ -512,8 +512,12 @@ class _PieceRun:
 
     def restore(self, archives, accept: tuple[str, ...]) -> None:
         """Earlier pieces (restored even when stopping: what the piece had made travels on), then the
-        checks that the restored results belong to this scale."""
+        checks that the restored results belong to this scale. Without archives, results an earlier
+        piece left in this folder (a machine that keeps its files between commands) are checked the
+        same way: the piece's Snakemake never reruns a job for changed settings alone, so a stale
+        ``settings.json`` or run would otherwise stay and be packed as this piece's."""
         if not archives:
+            self.check_left_over(accept)
             return
         record, R = self.record, self.R
         restored = restore_members(archives, skip=(f"{R}/data/",))
@@ -526,6 +530,19 @@ class _PieceRun:
             record["restored_runs"] = check_same_data(R)
             record["settings_compared"] = check_same_settings(self.settings, R, accept)
             record["accepted_differences"] = list(accept)
+
+    def check_left_over(self, accept: tuple[str, ...]) -> None:
+        """Refuses results of another experiment found in the results folder, naming the folder to clear."""
+        R = self.R
+        if self.stopped is not None or not Path(R, "settings.json").is_file():
+            return
+        try:
+            self.record["restored_runs"] = check_same_data(R)
+            self.record["settings_compared"] = check_same_settings(self.settings, R, accept)
+        except PieceError as e:
+            raise PieceError(f"results left in {R} by an earlier command do not belong to this configuration: {e}; "
+                             f"remove {R} (keeping {R}/data) or run the piece in a fresh checkout") from None
+        self.record["accepted_differences"] = list(accept)
 
     def plan(self, allow_rerun: bool) -> tuple[list[str], list[str]]:
         """(the piece's targets still to make, those of them not yet on disk); refused where the dry run

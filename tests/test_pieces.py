@@ -17,7 +17,7 @@ import pytest
 from conftest import ONE_OF_EACH
 
 from lrattnres import pieces, process_group
-from lrattnres.config import load_and_resolve
+from lrattnres.config import load_and_resolve, science
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -774,3 +774,30 @@ def test_the_deadline_stops_the_whole_piece_and_packs_what_finished(tmp_path, pi
     _check_stopped_piece(tmp_path, cwd, proc, "deadline")
     calls = [json.loads(x) for x in (cwd / "fake.calls").read_text().splitlines()]
     assert calls[-1]["deadline"] is not None  # the jobs were given theirs (LRATTNRES_DEADLINE)
+
+
+def test_results_left_by_an_earlier_command_are_checked_like_restored_ones(tmp_path, monkeypatch):
+    """A machine that keeps its files between commands: a piece run without archives in a folder where
+    an earlier piece wrote settings.json with other rates refuses, naming the folder to clear (its
+    Snakemake reruns nothing for changed settings alone, so the stale file would travel as its own)."""
+    import io
+
+    monkeypatch.chdir(tmp_path)
+    S = settings("gpu")
+    piece = {p.name: p for p in pieces.plan_pieces(S)}["seeds"]
+    job = pieces._PieceRun(S, piece, str(tmp_path / "out"), [], ["scale=gpu"], "1", None, [], io.StringIO(),
+                           None, 0.0)
+    job.restore([], ())  # nothing left: nothing to check
+    assert "settings_compared" not in job.record
+    R = tmp_path / S["results"]
+    (R / "data").mkdir(parents=True)
+    (R / "data" / "manifest.json").write_text('{"a": 1}')
+    (R / "settings.json").write_text(json.dumps(science(S)))
+    job.restore([], ())  # the same configuration: compared, accepted
+    assert "train" in job.record["settings_compared"]
+    earlier = science(S)
+    earlier["recipe"]["optim"]["muon"]["lr"], earlier["recipe"]["optim"]["adam"]["lr"] = 0.001, 0.0003
+    (R / "settings.json").write_text(json.dumps(earlier))
+    with pytest.raises(pieces.PieceError, match=rf"left in {S['results']} by an earlier command .*optim\.muon\.lr.*remove"):
+        job.restore([], ())
+    job.restore([], ("recipe.optim.muon.lr", "recipe.optim.adam.lr"))  # accepted when asked
