@@ -13,7 +13,6 @@ from lrattnres import gpus, jobplan
 from lrattnres.config import ConfigError, resolve, science
 from lrattnres.data.spec import science as science_data_spec
 from lrattnres.deps import stage_code
-from lrattnres.errors import UserError
 from lrattnres.recorded import RECORDED
 from lrattnres.recorded import load as load_recorded
 from lrattnres.recorded import resolve_path
