@@ -224,9 +224,10 @@ def document_block_mask(doc_ids: torch.Tensor, block: int = FLEX_BLOCK):
     """flex_attention's BlockMask for causal attention within documents, from tensor ops alone.
 
     Not the default: traced into the model's compiled graph it gives wrong gradients on CUDA
-    (the module docstring); ``tensor_mask`` in :data:`FLEX_VARIANT_ENV` selects it.  This builds the same block structure from per-block document ranges (as modded-nanogpt does):
-    a kv block is needed by a q block when it is not in the future and their document ranges
-    overlap, and is *full* (no per-element mask) when both lie wholly inside one document and the
+    (the module docstring); ``tensor_mask`` in :data:`FLEX_VARIANT_ENV` selects it.  This builds
+    the same block structure from per-block document ranges (as modded-nanogpt does): a kv block
+    is needed by a q block when it is not in the future and their document ranges overlap, and is
+    *full* (no per-element mask) when both lie wholly inside one document and the
     kv block is strictly earlier.  Documents are renumbered as runs, so any labelling works.  The
     block index lists are built without a sort (``_ordered_blocks``), in both directions.
     """
